@@ -1,0 +1,66 @@
+"""Test configuration shared by every test tree (packages/*/tests, services/*/tests, tests/).
+
+- Hugging Face libraries run offline.
+- Tests marked `cuda` are skipped, with the reason, where no CUDA device is present.
+- `tiny_checkpoint` writes small random Ouro checkpoints once per session and shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is available on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+TINY_SHAPES = {
+    # name: (layers, loops, hidden, heads, kv_heads, head_dim, intermediate, vocab)
+    "l2_t4": (2, 4, 64, 4, 2, 16, 128, 320),
+    "l3_t2": (3, 2, 48, 3, 3, 16, 96, 300),
+    "l1_t3_mha": (1, 3, 32, 2, 2, 16, 64, 272),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(name="l2_t4", seed=0, dtype="float32", **init) -> Path."""
+    from rlt_models import OuroConfig, RandomInit, write_random_checkpoint
+
+    cache = {}
+
+    def make(name: str = "l2_t4", *, seed: int = 0, dtype: str = "float32", **init_kwargs):
+        key = (name, seed, dtype, tuple(sorted(init_kwargs.items())))
+        if key not in cache:
+            layers, loops, hidden, heads, kv_heads, head_dim, inter, vocab = TINY_SHAPES[name]
+            config = OuroConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=inter,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                total_ut_steps=loops,
+                max_position_embeddings=512,
+            )
+            out = tmp_path_factory.mktemp(f"ckpt_{name}_s{seed}")
+            cache[key] = write_random_checkpoint(
+                out, config, seed=seed, dtype=dtype, init=RandomInit(**init_kwargs)
+            )
+        return cache[key]
+
+    return make

@@ -1,0 +1,1 @@
+"""Attention backends (paged, depth-aware) with declared capabilities and selection."""

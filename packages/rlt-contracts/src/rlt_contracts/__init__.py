@@ -1,0 +1,92 @@
+"""rlt-contracts: the typed contracts that cross rlt package boundaries (stdlib + msgspec only).
+
+Every other rlt package depends on this one and on no other rlt package; concrete parts are
+wired together in `services/`.
+"""
+
+from rlt_contracts.attention import (
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionRequirements,
+    KVCacheTensors,
+    PagedAttentionBatch,
+    unmet_requirements,
+)
+from rlt_contracts.client import EngineClient
+from rlt_contracts.errors import (
+    CapacityError,
+    ConfigurationError,
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+    RltError,
+)
+from rlt_contracts.execution import (
+    ExecutionFailure,
+    GateSignal,
+    ModelRunnerOutput,
+    PrefillProgress,
+    SampledToken,
+)
+from rlt_contracts.kv import AdmissionPlan, BlockTableUpdate, KVCapacity, KVLayout
+from rlt_contracts.model import LayerAttention, LoopedLanguageModel, LoopedModelShape
+from rlt_contracts.outputs import (
+    EngineRequest,
+    EngineStats,
+    ModelInfo,
+    RequestOutputDelta,
+)
+from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
+from rlt_contracts.sampling import SamplingParams
+from rlt_contracts.scheduling import (
+    CodaItem,
+    DecodeLoop,
+    KVCopyPlan,
+    NewRequestData,
+    PrefillChunk,
+    RequestBlocks,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "AdmissionPlan",
+    "AttentionBackend",
+    "AttentionCapabilities",
+    "AttentionRequirements",
+    "BlockTableUpdate",
+    "CapacityError",
+    "CodaItem",
+    "ConfigurationError",
+    "DecodeLoop",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineRequest",
+    "EngineStats",
+    "ExecutionFailure",
+    "ExecutionIdentity",
+    "FinishReason",
+    "GateSignal",
+    "InvalidRequestError",
+    "KVCacheTensors",
+    "KVCapacity",
+    "KVCopyPlan",
+    "KVLayout",
+    "LayerAttention",
+    "LoopedLanguageModel",
+    "LoopedModelShape",
+    "ModelInfo",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "OverloadedError",
+    "PagedAttentionBatch",
+    "PrefillChunk",
+    "PrefillProgress",
+    "RequestBlocks",
+    "RequestOutputDelta",
+    "RequestStage",
+    "RltError",
+    "SampledToken",
+    "SamplingParams",
+    "SchedulerOutput",
+    "unmet_requirements",
+]

@@ -1,0 +1,109 @@
+"""Contracts validate input with typed errors naming the field and serialize stably."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from rlt_contracts import (
+    AdmissionPlan,
+    ConfigurationError,
+    ExecutionIdentity,
+    FinishReason,
+    InvalidRequestError,
+    KVLayout,
+    ModelRunnerOutput,
+    SampledToken,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-3,)}, "stop_token_ids"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_loops": 0}, "min_loops"),
+        ({"min_loops": 3, "max_loops": 2}, "max_loops"),
+        ({"exit_threshold": 1.01}, "exit_threshold"),
+        ({"priority": "high"}, "priority"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+
+
+def test_sampling_params_defaults_and_loop_resolution():
+    params = SamplingParams()
+    assert params.greedy and not params.adaptive_exit
+    assert (params.max_tokens, params.min_loops, params.exit_threshold) == (16, 2, 1.0)
+    assert params.resolve_max_loops(4) == 4
+    assert SamplingParams(max_loops=3).resolve_max_loops(4) == 3
+    with pytest.raises(InvalidRequestError, match="model depth"):
+        SamplingParams(max_loops=6).resolve_max_loops(4)
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(min_loops=3).resolve_max_loops(2)
+    assert info.value.field == "min_loops"
+
+
+def test_sampling_params_json_round_trip_and_unknown_fields():
+    params = SamplingParams(max_tokens=5, temperature=0.7, seed=None, stop=("\n",), exit_threshold=0.6)
+    encoded = msgspec.json.encode(params)
+    assert msgspec.json.decode(encoded, type=SamplingParams) == params
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        msgspec.json.decode(b'{"top_p": 3}', type=SamplingParams)
+    with pytest.raises(msgspec.ValidationError, match="bogus"):
+        msgspec.json.decode(b'{"bogus": 1}', type=SamplingParams)
+
+
+def test_finish_reason_serializes_to_public_strings():
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort"]
+    assert msgspec.json.encode(FinishReason.ABORT) == b'"abort"'
+    assert str(FinishReason.LENGTH) == "length"
+
+
+def test_execution_identity_distinguishes_generations():
+    first, reused = ExecutionIdentity("req", 1), ExecutionIdentity("req", 2)
+    assert first != reused and first == ExecutionIdentity("req", 1)
+    assert len({first, reused, ExecutionIdentity("req", 1)}) == 2
+
+
+def test_kv_layout_planes():
+    assert KVLayout.LAST_EXITED.storage_planes(4) == 4
+    assert KVLayout.SHARED.storage_planes(4) == 1
+    assert [KVLayout.LAST_EXITED.plane_of_loop(k) for k in (1, 4)] == [0, 3]
+    assert KVLayout.SHARED.plane_of_loop(3) == 0
+
+
+def test_admission_plan_budget():
+    plan = AdmissionPlan(required_blocks=8, reserved_growth_blocks=3, headroom_blocks=2,
+                         cached_claim_blocks=1)
+    assert plan.total_cost_blocks == 14
+    assert plan.fits(14) and not plan.fits(13)
+
+
+def test_runner_output_round_trips_through_msgpack():
+    identity = ExecutionIdentity("a", 3)
+    out = ModelRunnerOutput(step_id=9, sampled_tokens=(SampledToken(identity, 0, 42, -0.5),))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=ModelRunnerOutput) == out
+    assert not SchedulerOutput(step_id=1).has_work
+
+
+def test_configuration_error_names_all_options():
+    err = ConfigurationError(("enable_prefix_caching", "kv_layout"), "needs last_exited")
+    assert err.options == ("enable_prefix_caching", "kv_layout")
+    assert "enable_prefix_caching + kv_layout" in str(err)

@@ -1,0 +1,1 @@
+"""Logical paged KV-cache management with per-depth block tables."""

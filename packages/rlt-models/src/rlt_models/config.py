@@ -1,0 +1,237 @@
+"""`OuroConfig`: the Ouro model configuration parsed strictly from a Hugging Face config.json.
+
+Only the fields the architecture uses are kept. Known metadata keys are accepted and ignored;
+unknown keys and unsupported features (sliding window, rope scaling, attention bias, tied
+embeddings, non-SiLU activations) are errors naming the field, so a checkpoint we cannot run
+exactly is never loaded silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlt_contracts import LoopedModelShape
+
+from rlt_models.errors import ModelConfigError
+
+MODEL_TYPE = "ouro"
+
+# Keys a real Ouro / Qwen2-derived config carries that do not change the computation.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "bos_token_id",
+        "pad_token_id",
+        "max_window_layers",
+        "chunk_size",
+        "_name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "attention_dropout",
+    }
+)
+
+
+@dataclass(frozen=True)
+class OuroConfig:
+    """Architecture of an Ouro model (field names follow config.json).
+
+    hidden_size d, num_hidden_layers L (physical layers, shared by all loops), total_ut_steps T
+    (loops), num_attention_heads H, num_key_value_heads Hkv, head_dim D, intermediate_size (MLP).
+    early_exit_threshold is the checkpoint's default exit threshold (informational: the engine
+    takes the threshold per request).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    total_ut_steps: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    eos_token_id: tuple[int, ...] = (0,)
+    early_exit_threshold: float = 1.0
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "total_ut_steps",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(name, f"must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                ("num_attention_heads", "num_key_value_heads"),
+                "attention heads must be a multiple of key/value heads",
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError("head_dim", f"rotary embedding needs an even head_dim, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ModelConfigError("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ModelConfigError("rope_theta", f"must be > 0, got {self.rope_theta}")
+        if self.torch_dtype not in ("bfloat16", "float16", "float32"):
+            raise ModelConfigError("torch_dtype", f"unsupported dtype {self.torch_dtype!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
+        """Parse a config.json mapping; raise `ModelConfigError` naming any bad field."""
+        if not isinstance(raw, dict):
+            raise ModelConfigError("config.json", "must hold a JSON object")
+        model_type = raw.get("model_type")
+        if model_type != MODEL_TYPE:
+            raise ModelConfigError(
+                "model_type", f"expected {MODEL_TYPE!r}, got {model_type!r}: not an Ouro checkpoint"
+            )
+        _reject_unsupported(raw)
+        known = {f for f in cls.__dataclass_fields__} | _IGNORED_KEYS | _CHECKED_KEYS | {"model_type"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ModelConfigError(
+                tuple(unknown), "unknown config field(s); rlt cannot tell whether they change the model"
+            )
+        missing = [
+            name
+            for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "max_position_embeddings")
+            if name not in raw
+        ]
+        if missing:
+            raise ModelConfigError(tuple(missing), "required field(s) missing")
+        heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads else 0)
+        eos = raw.get("eos_token_id", 0)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
+            raise ModelConfigError("eos_token_id", f"must be a token id or a list of ids, got {eos!r}")
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            total_ut_steps=raw.get("total_ut_steps", 4),
+            max_position_embeddings=raw["max_position_embeddings"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 1_000_000.0)),
+            eos_token_id=eos_ids,
+            early_exit_threshold=float(raw.get("early_exit_threshold", 1.0)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> OuroConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ModelConfigError("config.json", f"not found in {model_dir}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelConfigError("config.json", f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A Hugging Face style config.json mapping that `from_dict` reads back identically."""
+        fields = asdict(self)
+        fields["eos_token_id"] = list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0]
+        return {
+            "architectures": ["OuroForCausalLM"],
+            "model_type": MODEL_TYPE,
+            **fields,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "bos_token_id": self.eos_token_id[0],
+            "pad_token_id": self.eos_token_id[0],
+            "early_exit_step": None,
+        }
+
+    def shape(self) -> LoopedModelShape:
+        return LoopedModelShape(
+            num_layers=self.num_hidden_layers,
+            num_loops=self.total_ut_steps,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            eos_token_ids=self.eos_token_id,
+        )
+
+    def num_parameters(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = d * q + 2 * d * kv + q * d + 3 * d * f + 4 * d
+        return self.num_hidden_layers * per_layer + 2 * v * d + d + d + 1
+
+
+# Keys checked by `_reject_unsupported` (accepted only at their neutral value).
+_CHECKED_KEYS = frozenset(
+    {
+        "hidden_act",
+        "tie_word_embeddings",
+        "use_sliding_window",
+        "sliding_window",
+        "rope_scaling",
+        "attention_bias",
+        "layer_types",
+        "early_exit_step",
+        "num_key_value_heads",
+        "head_dim",
+        "eos_token_id",
+    }
+)
+
+
+def _reject_unsupported(raw: dict[str, Any]) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError("hidden_act", f"only 'silu' is supported, got {raw['hidden_act']!r}")
+    if raw.get("tie_word_embeddings", False):
+        raise ModelConfigError("tie_word_embeddings", "Ouro has an untied lm_head; tied embeddings are unsupported")
+    if raw.get("use_sliding_window", False) or raw.get("sliding_window") is not None:
+        raise ModelConfigError(
+            ("use_sliding_window", "sliding_window"), "sliding-window attention is not supported"
+        )
+    if raw.get("rope_scaling") is not None:
+        raise ModelConfigError("rope_scaling", f"only default RoPE is supported, got {raw['rope_scaling']!r}")
+    if raw.get("attention_bias", False):
+        raise ModelConfigError("attention_bias", "Ouro projections have no bias")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        raise ModelConfigError("layer_types", "every layer must be 'full_attention'")
+    if raw.get("early_exit_step") is not None:
+        raise ModelConfigError(
+            "early_exit_step", "a fixed exit step is not supported; use max_loops per request"
+        )

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: handoff planning and KV transfer."""

@@ -1,0 +1,1 @@
+"""Executor, worker and model runner: device state, KV storage and batch execution."""

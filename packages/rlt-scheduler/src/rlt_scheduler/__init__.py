@@ -1,0 +1,1 @@
+"""Loop-level request scheduling, exit policies and admission for looped transformers."""

@@ -64,3 +64,37 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def llm_factory(tiny_checkpoint):
+    """Factory: llm_factory(shape="l2_t4", seed=3, gate_std=0.3, **engine_options) -> LLM.
+
+    Defaults make tiny fp32 CPU engines that chunk prompts and queue requests. After the test,
+    every engine built here must hold no KV block, and its runner may only keep the state of
+    requests whose release is already queued for the next step (no leak)."""
+    from rlt import LLM
+
+    engines = []
+
+    def make(shape: str = "l2_t4", *, seed: int = 3, gate_std: float = 0.3, **options):
+        defaults = dict(
+            dtype="float32", device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=4,
+            max_num_batched_tokens=16, prefill_chunk_size=5,
+        )
+        llm = LLM(tiny_checkpoint(shape, seed=seed, gate_std=gate_std), **{**defaults, **options})
+        engines.append(llm)
+        return llm
+
+    yield make
+    for llm in engines:
+        assert_no_kv_leak(llm)
+
+
+def assert_no_kv_leak(llm) -> None:
+    core = llm.engine.core
+    capacity = core.kv.capacity()
+    assert capacity.free_blocks == capacity.total_blocks, f"KV blocks leaked: {capacity}"
+    assert not core.scheduler.has_unfinished_requests()
+    held = set(core.runner.slots._states)
+    assert held <= set(core.scheduler._releases), f"runner state leaked: {held}"

@@ -29,7 +29,13 @@ from rlt_contracts.execution import (
     SampledToken,
 )
 from rlt_contracts.kv import AdmissionPlan, BlockTableUpdate, KVCapacity, KVLayout
-from rlt_contracts.model import LayerAttention, LoopedLanguageModel, LoopedModelShape
+from rlt_contracts.model import (
+    LayerAttention,
+    LoopedLanguageModel,
+    LoopedModelShape,
+    SampledRows,
+    TokenSampler,
+)
 from rlt_contracts.outputs import (
     EngineRequest,
     EngineStats,
@@ -37,7 +43,7 @@ from rlt_contracts.outputs import (
     RequestOutputDelta,
 )
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
-from rlt_contracts.sampling import SamplingParams
+from rlt_contracts.sampling import SamplingParams, SamplingRow
 from rlt_contracts.scheduling import (
     CodaItem,
     DecodeLoop,
@@ -86,7 +92,10 @@ __all__ = [
     "RequestStage",
     "RltError",
     "SampledToken",
+    "SampledRows",
     "SamplingParams",
+    "SamplingRow",
     "SchedulerOutput",
+    "TokenSampler",
     "unmet_requirements",
 ]

@@ -26,8 +26,8 @@ class GateSignal(msgspec.Struct, frozen=True, array_like=True):
 class SampledToken(msgspec.Struct, frozen=True, array_like=True):
     """Output token `output_index` of a request.
 
-    logprob: log-probability of `token_id` under the sampling distribution's logits (after
-      temperature), or None if the request did not ask for logprobs.
+    logprob: log-probability of `token_id` under the model's distribution (log_softmax of the
+      raw logits in fp32, before temperature / top-k / top-p), or None if not requested.
     top_logprobs: the requested number of most likely (token_id, logprob) pairs, most likely first.
     """
 

@@ -7,9 +7,12 @@ D = head dim, V = vocabulary size. Rows are packed ("varlen"): there is no batch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
+
+from rlt_contracts.sampling import SamplingRow
 
 Tensor = Any
 
@@ -64,3 +67,19 @@ class LoopedLanguageModel(Protocol):
     ) -> tuple[Tensor, Tensor | None]: ...
 
     def coda(self, hidden: Tensor) -> Tensor: ...
+
+
+class SampledRows(Protocol):
+    """Tokens sampled on the device; `token_ids` [N] int64 stays there for the next prelude."""
+
+    token_ids: Tensor
+
+    def to_host(self) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+        """Per row: (token_id, logprob or None, top alternatives); one device->host transfer."""
+        ...
+
+
+class TokenSampler(Protocol):
+    """logits [N, V] -> one token per row, each row with its own parameters and stream."""
+
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SampledRows: ...

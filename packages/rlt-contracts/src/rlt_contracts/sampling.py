@@ -120,6 +120,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return self.max_loops
 
 
+class SamplingRow(msgspec.Struct, frozen=True, array_like=True):
+    """One logits row to sample: the request's parameters (seed resolved) and the index of the
+    output token being sampled, which is the position in the request's random stream."""
+
+    params: SamplingParams
+    output_index: int
+
+
 def _check_int(field: str, value: object, *, low: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(field, f"must be an integer, got {value!r}")

@@ -1,0 +1,154 @@
+"""Portable paged attention in plain torch (cpu and cuda): gather pages, then masked fp32 math.
+
+`bind` turns the batch metadata into padded index tensors once per model call; each layer call
+then does a fixed sequence of device ops (store, gather, two matmuls, softmax, unpad) with no
+host sync. Memory per layer is O(S * Cmax * Hkv * D) for the gathered keys/values plus
+O(S * H * Qmax * Cmax) fp32 scores (Cmax = max_context_len, Qmax = max_query_len): this is the
+reference and fallback backend, not the fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
+
+from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
+from rlt_attention.kv_store import SlotViews, slot_views, store_kv
+
+TORCH_CAPABILITIES = AttentionCapabilities(
+    name="torch",
+    device_types=("cpu", "cuda"),
+    dtypes=("float32", "bfloat16", "float16"),
+    max_head_dim=256,
+    block_size_multiple_of=1,
+    supports_multi_token_queries=True,
+    # Per-layer shapes depend on max_context_len, which grows every decode step, and bind's
+    # index tensors are fresh allocations: a captured graph would replay stale indices.
+    supports_cuda_graphs=False,
+)
+
+
+@dataclass(frozen=True)
+class PaddedGroupIndex:
+    """Index tensors of one model call, built once in `bind` (all on the cache device).
+
+    S groups are padded to Qmax query rows and Cmax key positions each.
+    key_slots: [S * Cmax] int64, slot of padded key position (g, p); 0 where p >= context_len
+      (the gathered value there is zeroed through `key_outside_context`).
+    key_outside_context: [S, Cmax, 1, 1] bool, p >= context_lengths[g].
+    key_hidden: [S, 1, 1, Qmax, Cmax] bool, True where padded query (g, i) must not see key p,
+      i.e. p > context_len - q_len + i (causal limit) or p outside the context.
+    padded_row_of_query: [N] int64, query row n -> g * Qmax + i for its group g and index i.
+    """
+
+    key_slots: torch.Tensor
+    key_outside_context: torch.Tensor
+    key_hidden: torch.Tensor
+    padded_row_of_query: torch.Tensor
+
+
+def build_padded_group_index(batch: PagedAttentionBatch, shape: BatchShape) -> PaddedGroupIndex:
+    """Device-side construction from the batch tensors; no host sync (sizes are host ints)."""
+    device = batch.context_lengths.device
+    max_ctx, max_q, block_size = shape.max_context_len, shape.max_query_len, shape.block_size
+    query_start = batch.query_start.to(torch.int64).contiguous()
+    context_lengths = batch.context_lengths.to(torch.int64)
+    query_lengths = query_start[1:] - query_start[:-1]  # [S]
+
+    key_positions = torch.arange(max_ctx, device=device)  # [Cmax]
+    key_in_context = key_positions[None, :] < context_lengths[:, None]  # [S, Cmax]
+    pages = batch.block_tables[:, : shape.pages_read].to(torch.int64)  # [S, P]
+    blocks = pages[:, key_positions // block_size]  # [S, Cmax]
+    slots = blocks * block_size + key_positions % block_size
+    # Positions past a group's context may hold padding block ids (e.g. -1): never index them.
+    slots = torch.where(key_in_context, slots, torch.zeros_like(slots))
+
+    first_query_position = context_lengths - query_lengths  # [S]
+    query_positions = first_query_position[:, None] + torch.arange(max_q, device=device)
+    key_visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [S, Qmax, Cmax]
+    key_visible &= key_in_context[:, None, :]
+
+    rows = torch.arange(shape.num_rows, device=device)
+    group_of_row = torch.searchsorted(query_start[1:], rows, right=True)
+    index_in_group = rows - query_start[group_of_row]
+    return PaddedGroupIndex(
+        key_slots=slots.reshape(-1),
+        key_outside_context=(~key_in_context)[:, :, None, None],
+        key_hidden=(~key_visible)[:, None, None, :, :],
+        padded_row_of_query=group_of_row * max_q + index_in_group,
+    )
+
+
+class TorchPagedAttention:
+    """Stateless torch backend: `bind(kv_cache, batch)` -> `LayerAttention` (see module doc)."""
+
+    capabilities = TORCH_CAPABILITIES
+
+    def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch) -> _TorchBoundAttention:
+        views = slot_views(kv_cache)
+        shape = check_batch(views, kv_cache.block_size, batch)
+        return _TorchBoundAttention(
+            views, batch.write_slots, shape, build_padded_group_index(batch, shape)
+        )
+
+
+class _TorchBoundAttention:
+    """Per-call attention: borrowed KV views + precomputed indices, valid for this call only."""
+
+    def __init__(
+        self,
+        views: SlotViews,
+        write_slots: torch.Tensor,
+        shape: BatchShape,
+        index: PaddedGroupIndex,
+    ) -> None:
+        self._views = views
+        self._write_slots = write_slots
+        self._shape = shape
+        self._index = index
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
+        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        store_kv(self._views, layer_index, self._write_slots, key, value)
+        if self._shape.num_rows == 0:
+            return torch.empty_like(query)
+        return self._attend(layer_index, query)
+
+    def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
+        num_groups, max_q, max_ctx = (
+            self._shape.num_groups,
+            self._shape.max_query_len,
+            self._shape.max_context_len,
+        )
+        _, num_heads, head_dim = query.shape
+        kv_heads = self._views.key_slots.shape[2]
+        queries_per_kv = num_heads // kv_heads
+        index = self._index
+
+        def gather(cache_slots: torch.Tensor) -> torch.Tensor:
+            # [S, Cmax, Hkv, D] fp32; positions outside the context are zeroed so that whatever
+            # their slot holds (NaN, another request's data) cannot reach the output.
+            gathered = cache_slots[layer_index].index_select(0, index.key_slots)
+            gathered = gathered.view(num_groups, max_ctx, kv_heads, head_dim).float()
+            return gathered.masked_fill_(index.key_outside_context, 0.0)
+
+        keys = gather(self._views.key_slots).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
+        values = gather(self._views.value_slots).permute(0, 2, 1, 3)  # [S, Hkv, Cmax, D]
+
+        padded = query.new_zeros((num_groups * max_q, num_heads, head_dim), dtype=torch.float32)
+        padded.index_copy_(0, index.padded_row_of_query, query.float())
+        # Head h reads kv head h // queries_per_kv: split H into (Hkv, G) without copying K/V.
+        padded = padded.view(num_groups, max_q, kv_heads, queries_per_kv, head_dim)
+        padded = padded.permute(0, 2, 3, 1, 4)  # [S, Hkv, G, Qmax, D]
+
+        scores = torch.matmul(padded, keys.unsqueeze(2)) * head_dim**-0.5  # [S, Hkv, G, Qmax, Cmax]
+        scores.masked_fill_(index.key_hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.unsqueeze(2))  # [S, Hkv, G, Qmax, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(num_groups * max_q, num_heads, head_dim)
+        return out.index_select(0, index.padded_row_of_query).to(query.dtype)

@@ -1,0 +1,124 @@
+"""Triton paged attention backend (cuda): index_copy_ store + the online-softmax read kernel.
+
+`bind` only validates shapes and picks the tile configuration; every layer call launches two
+`index_copy_` (keys, values) and one kernel whose grid depends on bind-time host ints only and
+whose metadata (query_start, context_lengths, block_tables, write_slots) is read on the device.
+That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
+max_query_len) replays correctly when the runner rewrites those metadata tensors in place.
+(Capture itself has not been exercised by this package's tests.)
+"""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
+
+from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
+from rlt_attention.kv_store import SlotViews, slot_views, store_kv
+
+try:
+    from rlt_attention import triton_kernel
+except ImportError as exc:  # triton is an optional platform dependency (linux only)
+    triton_kernel = None
+    _TRITON_IMPORT_ERROR: str | None = f"triton not importable ({exc})"
+else:
+    _TRITON_IMPORT_ERROR = None
+
+TRITON_CAPABILITIES = AttentionCapabilities(
+    name="triton",
+    device_types=("cuda",),
+    dtypes=("float32", "bfloat16", "float16"),
+    max_head_dim=256,  # head dims that are not powers of two are padded (masked) to the next one
+    block_size_multiple_of=1,
+    supports_multi_token_queries=True,
+    supports_cuda_graphs=True,
+)
+
+
+def triton_unavailable_reason() -> str | None:
+    """None when the kernel module imported; otherwise why not (for selection reports)."""
+    return _TRITON_IMPORT_ERROR
+
+
+class TritonPagedAttention:
+    """Stateless Triton backend. `block_m` / `block_n` override the tile heuristics (tests, tuning).
+
+    On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
+    (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
+    """
+
+    capabilities = TRITON_CAPABILITIES
+
+    def __init__(self, *, block_m: int | None = None, block_n: int | None = None) -> None:
+        if triton_kernel is None:
+            raise RuntimeError(_TRITON_IMPORT_ERROR)
+        self._block_m = block_m
+        self._block_n = block_n
+
+    def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch) -> _TritonBoundAttention:
+        views = slot_views(kv_cache)
+        shape = check_batch(views, kv_cache.block_size, batch)
+        device = kv_cache.key_cache.device
+        if device.type != "cuda" and not triton_kernel.INTERPRETED:
+            raise ValueError(
+                f"TritonPagedAttention needs CUDA tensors, got {device} "
+                "(set TRITON_INTERPRET=1 before importing rlt_attention to test on CPU)"
+            )
+        if kv_cache.key_cache.stride(-1) != 1 or kv_cache.value_cache.stride(-1) != 1:
+            raise ValueError("KV caches must have a contiguous head dim")
+        return _TritonBoundAttention(
+            kv_cache, views, batch, shape, block_m=self._block_m, block_n=self._block_n
+        )
+
+
+class _TritonBoundAttention:
+    """Per-call attention: borrows the runner's KV tensors and the batch metadata for this call."""
+
+    def __init__(
+        self,
+        kv_cache: KVCacheTensors,
+        views: SlotViews,
+        batch: PagedAttentionBatch,
+        shape: BatchShape,
+        *,
+        block_m: int | None,
+        block_n: int | None,
+    ) -> None:
+        self._kv_cache = kv_cache
+        self._views = views
+        self._batch = batch
+        # The kernel indexes block-table rows with a unit column stride.
+        self._block_tables = batch.block_tables.contiguous()
+        self._shape = shape
+        self._block_m = block_m
+        self._block_n = block_n
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
+        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        store_kv(self._views, layer_index, self._batch.write_slots, key, value)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        out = torch.empty_like(query)
+        _, num_heads, head_dim = query.shape
+        kv_heads = self._views.key_slots.shape[2]
+        triton_kernel.launch_paged_attention(
+            out,
+            query,
+            self._kv_cache.key_cache[layer_index],
+            self._kv_cache.value_cache[layer_index],
+            self._block_tables,
+            self._batch.query_start,
+            self._batch.context_lengths,
+            max_query_len=self._shape.max_query_len,
+            tiles=triton_kernel.choose_tiles(
+                max_query_len=self._shape.max_query_len,
+                queries_per_kv=num_heads // kv_heads,
+                head_dim=head_dim,
+                block_m=self._block_m,
+                block_n=self._block_n,
+            ),
+        )
+        return out

@@ -1,0 +1,219 @@
+"""Triton read-side kernel of paged attention: online softmax over the pages of each group.
+
+One program handles one (group, query tile, kv head). Its BLOCK_M rows are BLOCK_Q consecutive
+queries of the group times the G = H / Hkv query heads that share the kv head, so the keys and
+values of a page are loaded once for all G heads (decode rows fill the tile with heads, prefill
+chunks with queries). Query i of a group sits at position context_len - q_len + i and sees keys
+at positions <= its own; keys are loaded BLOCK_N positions at a time through the block table
+(any block size: each key looks up its own page). Scores and the running softmax are fp32.
+
+Every size the launch depends on is a host int of the bound call (S, max_query_len, H, Hkv, D):
+nothing is read back from the device, and the loop bound over keys is read on the device.
+
+Importing this module decorates the kernel: on a machine without CUDA set TRITON_INTERPRET=1
+before importing it to run the kernel (slowly) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [N, H, D] query dtype
+    query_ptr,  # [N, H, D]
+    key_cache_ptr,  # [num_blocks, block_size, Hkv, D] of one layer, cache dtype
+    value_cache_ptr,  # same layout as key_cache_ptr
+    block_tables_ptr,  # [S, max_pages] int32
+    query_start_ptr,  # [S + 1] int32
+    context_lengths_ptr,  # [S] int32
+    scale_log2,  # D^-0.5 * log2(e): scores are exponentiated with exp2
+    stride_query_row,
+    stride_query_head,
+    stride_out_row,
+    stride_out_head,
+    stride_key_block,
+    stride_key_offset,
+    stride_key_head,
+    stride_value_block,
+    stride_value_offset,
+    stride_value_head,
+    stride_table_group,
+    num_query_tiles,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (>= 16)
+    PAGE_SIZE: tl.constexpr,  # KV block size in positions
+    QUERIES_PER_KV: tl.constexpr,  # G = H / Hkv
+    BLOCK_Q: tl.constexpr,  # queries per tile (BLOCK_M // G)
+    BLOCK_M: tl.constexpr,  # rows per tile (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,  # key positions per step (>= 16 for tl.dot)
+):
+    group = tl.program_id(0) // num_query_tiles
+    query_tile = tl.program_id(0) % num_query_tiles
+    kv_head = tl.program_id(1)
+
+    query_begin = tl.load(query_start_ptr + group)
+    query_len = tl.load(query_start_ptr + group + 1) - query_begin
+    tile_begin = query_tile * BLOCK_Q  # first query (group-local) of this tile
+    if tile_begin >= query_len:
+        return
+    context_len = tl.load(context_lengths_ptr + group)
+    first_query_position = context_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    local_query = tile_begin + offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (local_query < query_len)
+    row = (query_begin + local_query).to(tl.int64)
+    query_position = first_query_position + local_query  # causal limit of each row (inclusive)
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_valid = offs_d < HEAD_DIM
+
+    query_row = row * stride_query_row + head * stride_query_head
+    row_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + query_row[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
+    q = q.to(key_cache_ptr.dtype.element_ty)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys past the tile's last query are invisible to every row of the tile.
+    key_end = first_query_position + tl.minimum(query_len, tile_begin + BLOCK_Q)
+    for key_begin in range(0, key_end, BLOCK_N):
+        key_position = key_begin + tl.arange(0, BLOCK_N)
+        key_valid = key_position < key_end
+        block = tl.load(
+            block_tables_ptr + group * stride_table_group + key_position // PAGE_SIZE,
+            mask=key_valid,
+            other=0,
+        ).to(tl.int64)
+        offset = key_position % PAGE_SIZE
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        key_row = block * stride_key_block + offset * stride_key_offset + kv_head * stride_key_head
+        k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = (key_position[None, :] <= query_position[:, None]) & key_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing seen yet
+        correction = tl.exp2(row_max - safe_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        value_row = (
+            block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
+        )
+        v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    out_row = row * stride_out_row + head * stride_out_head
+    tl.store(
+        out_ptr + out_row[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch configuration (host ints): rows per tile, queries per tile, keys per step, warps."""
+
+    block_m: int
+    block_q: int
+    block_n: int
+    block_d: int
+    num_warps: int
+
+
+def choose_tiles(
+    *,
+    max_query_len: int,
+    queries_per_kv: int,
+    head_dim: int,
+    block_m: int | None,
+    block_n: int | None,
+) -> TileConfig:
+    """Decode-only calls use 16-row tiles (filled by the G heads); prefill uses 64 (32 if D > 128).
+
+    The heuristics are untuned defaults; `block_m` / `block_n` override them (powers of two >= 16).
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_m is None:
+        block_m = 16 if max_query_len <= 1 else (64 if block_d <= 128 else 32)
+    block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    return TileConfig(block_m, block_m // queries_per_kv, block_n, block_d, num_warps)
+
+
+def launch_paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lengths: torch.Tensor,
+    *,
+    max_query_len: int,
+    tiles: TileConfig,
+) -> None:
+    """Write attention of `query` [N, H, D] over one layer's paged cache into `out` [N, H, D].
+
+    key_cache / value_cache: [num_blocks, block_size, Hkv, D] (one layer), last dim contiguous.
+    block_tables [S, P] int32, query_start [S + 1] int32, context_lengths [S] int32, same device.
+    Launch grid: (S * ceil(max_query_len / BLOCK_Q), Hkv); no host sync.
+    """
+    num_groups = context_lengths.shape[0]
+    _, num_heads, head_dim = query.shape
+    _, page_size, kv_heads, _ = key_cache.shape
+    num_query_tiles = triton.cdiv(max_query_len, tiles.block_q)
+    if num_groups == 0 or num_query_tiles == 0:
+        return
+    grid = (num_groups * num_query_tiles, kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start,
+        context_lengths,
+        head_dim**-0.5 * math.log2(math.e),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        num_query_tiles,
+        HEAD_DIM=head_dim,
+        BLOCK_D=tiles.block_d,
+        PAGE_SIZE=page_size,
+        QUERIES_PER_KV=num_heads // kv_heads,
+        BLOCK_Q=tiles.block_q,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        num_warps=tiles.num_warps,
+    )

@@ -1,0 +1,95 @@
+"""Logical KV: per-plane tables, growth, release, prefix sharing, LRU eviction and refusals."""
+
+from __future__ import annotations
+
+import pytest
+from rlt_contracts import ExecutionIdentity
+from rlt_kv import KVCacheManager, cacheable_pages, page_keys
+
+
+def ident(name: str, generation: int = 0) -> ExecutionIdentity:
+    return ExecutionIdentity(name, generation)
+
+
+def test_allocation_covers_every_plane_and_frees_completely():
+    kv = KVCacheManager(num_blocks=40, block_size=4, num_planes=4)
+    updates = kv.allocate(ident("a"), 10)  # ceil(10/4) = 3 pages x 4 planes
+    assert [len(u.block_ids) for u in updates] == [3, 3, 3, 3]
+    assert kv.capacity().free_blocks == 28 and kv.held_blocks(ident("a")) == 12
+    assert kv.allocated_tokens(ident("a")) == 12
+    all_blocks = [b for u in updates for b in u.block_ids]
+    assert len(set(all_blocks)) == 12
+    kv.free(ident("a"))
+    kv.free(ident("a"))  # idempotent
+    assert kv.capacity().free_blocks == 40
+
+
+def test_refused_allocation_changes_nothing():
+    kv = KVCacheManager(num_blocks=10, block_size=4, num_planes=2)
+    assert kv.allocate(ident("a"), 16) is not None  # 8 blocks
+    assert kv.allocate(ident("b"), 8) is None  # needs 4, 2 free
+    assert not kv.has_allocation(ident("b")) and kv.capacity().free_blocks == 2
+
+
+def test_growth_appends_pages_per_plane():
+    kv = KVCacheManager(num_blocks=20, block_size=2, num_planes=2)
+    kv.allocate(ident("a"), 3)
+    assert kv.grow(ident("a"), 4) == ()
+    updates = kv.grow(ident("a"), 7)
+    assert [(u.plane, u.first_page, len(u.block_ids)) for u in updates] == [(0, 2, 2), (1, 2, 2)]
+    tables = kv.block_tables(ident("a"))
+    assert [len(t) for t in tables] == [4, 4]
+    assert kv.grow(ident("a"), 100) is None and [len(t) for t in kv.block_tables(ident("a"))] == [4, 4]
+
+
+def test_prefix_pages_are_shared_and_final_token_excluded():
+    kv = KVCacheManager(num_blocks=64, block_size=2, num_planes=4, enable_prefix_caching=True)
+    prompt = (5, 6, 7, 8, 9)  # pages [5,6] [7,8]; token 9 is the final prompt token
+    assert cacheable_pages(len(prompt), len(prompt), 2) == 2
+    kv.allocate(ident("a"), len(prompt) + 3, prompt_length=5)
+    assert kv.publish_prefix(ident("a"), prompt, 5) == 2
+    match = kv.match_prefix(prompt)
+    assert match.num_tokens == 4 and len(match.blocks) == 2
+    assert match.cached_claim_blocks == 0  # still held by "a"
+    kv.allocate(ident("b"), len(prompt) + 3, match, prompt_length=5)
+    a, b = kv.block_tables(ident("a")), kv.block_tables(ident("b"))
+    for plane in range(4):
+        assert a[plane][:2] == b[plane][:2] and a[plane][2:] != b[plane][2:]
+    assert kv.prefix_hit_tokens == 4 and kv.prefix_queried_tokens == 10
+    # a prompt that differs in page 2 reuses exactly one page
+    assert kv.match_prefix((5, 6, 7, 99, 9)).num_tokens == 2
+
+
+def test_eviction_is_lru_and_never_drops_pages_in_use():
+    kv = KVCacheManager(num_blocks=12, block_size=2, num_planes=2, enable_prefix_caching=True)
+    p1, p2 = (1, 2, 3), (4, 5, 6)
+    for name, prompt in (("a", p1), ("b", p2)):
+        kv.allocate(ident(name), 3, prompt_length=3)  # 2 pages x 2 planes
+        kv.publish_prefix(ident(name), prompt, 3)
+        kv.free(ident(name))
+    assert kv.capacity() .free_blocks == 12 and kv.capacity().cached_blocks == 4
+    user = ident("c")
+    kv.allocate(user, 3, kv.match_prefix(p2), prompt_length=3)  # pins p2's page, touches it
+    assert kv.capacity().cached_blocks == 2  # only p1's page is evictable now
+    big = ident("d")
+    assert kv.allocate(big, 12) is None  # would need p2's pinned page: refused, cache intact
+    assert len(kv.match_prefix(p1).blocks) == 1 and len(kv.match_prefix(p2).blocks) == 1
+    assert kv.allocate(big, 8) is not None  # 8 blocks: evicts p1 (LRU), keeps p2 in use
+    assert kv.match_prefix(p1).num_tokens == 0 and kv.match_prefix(p2).num_tokens == 2
+    kv.free(big)
+    kv.free(user)
+    kv.clear_prefix_cache()
+    assert kv.capacity().free_blocks == 12 and kv.capacity().cached_blocks == 0
+
+
+def test_page_keys_chain_depends_on_all_earlier_tokens():
+    k1 = page_keys((1, 2, 3, 4), 2, 2)
+    k2 = page_keys((9, 2, 3, 4), 2, 2)
+    assert k1[1] != k2[1] and len(k1[0]) == 32
+
+
+def test_double_allocation_is_a_bug():
+    kv = KVCacheManager(num_blocks=8, block_size=2, num_planes=1)
+    kv.allocate(ident("a"), 2)
+    with pytest.raises(RuntimeError):
+        kv.allocate(ident("a"), 2)

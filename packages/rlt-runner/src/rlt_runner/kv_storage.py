@@ -1,0 +1,55 @@
+"""`KVStorage`: the device KV tensors and the copies on them (module M5 owns device state).
+
+key/value tensors [L, num_blocks, block_size, Hkv, D]; a slot is block * block_size + offset.
+Logical validity (which blocks a request holds) belongs to rlt-kv; this class only moves data.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import KVCacheTensors
+
+
+class KVStorage:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.tensors = KVCacheTensors(
+            key_cache=torch.zeros(shape, dtype=dtype, device=device),
+            value_cache=torch.zeros(shape, dtype=dtype, device=device),
+        )
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one block (all layers), in bytes."""
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.tensors.key_cache, self.tensors.value_cache
+        return k.flatten(1, 2), v.flatten(1, 2)  # [L, num_blocks * B, Hkv, D]
+
+    def copy_slots(self, source_slots: torch.Tensor, target_slots: torch.Tensor) -> None:
+        """Copy K/V of every layer from `source_slots` [M] to `target_slots` [M] (int64)."""
+        for flat in self._flat():
+            flat[:, target_slots] = flat[:, source_slots]
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of `block_ids` for all layers: two [L, n, B, Hkv, D] tensors (same device)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensors.key_cache.device)
+        return self.tensors.key_cache[:, index], self.tensors.value_cache[:, index]
+
+    def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensors.key_cache.device)
+        self.tensors.key_cache[:, index] = keys.to(self.tensors.key_cache.device)
+        self.tensors.value_cache[:, index] = values.to(self.tensors.value_cache.device)

@@ -1,0 +1,47 @@
+"""Per-row top-k and top-p (nucleus) masking of temperature-scaled logits, with one sort per batch.
+
+Both filters act on ranks of one stable descending sort, so ties are broken the same way
+everywhere: among equal logits the LOWER token id ranks first. Consequences (tested):
+  * top-k keeps exactly min(k, V) tokens; when several tokens tie at the k-th largest logit, the
+    lowest ids among them are kept. top_k = 1 therefore picks the same token as greedy argmax,
+    which also returns the first index on ties.
+  * top-p keeps the shortest rank prefix whose probability mass reaches p ("mass of the tokens
+    ranked before this one < p"), so the most likely token is always kept, and a token tied in
+    probability with the last kept one is dropped if it ranks after it.
+top-p is computed on the temperature-scaled distribution AFTER top-k (renormalised over the
+top-k survivors), in fp32; its cumulative sum carries fp32 rounding, which only matters for a
+token whose preceding mass is within ~1e-6 of p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mask_top_k_top_p(
+    scaled_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Filtered copy of `scaled_logits` with removed tokens set to -inf.
+
+    scaled_logits: fp32 [N, V], already divided by each row's temperature; not modified.
+    top_k: int64 [N]; k <= 0 or k >= V disables top-k for that row.
+    top_p: fp32 [N] in (0, 1]; 1 disables top-p for that row.
+    Returns fp32 [N, V] on the same device; every row keeps at least its most likely token.
+    """
+    vocab_size = scaled_logits.shape[-1]
+    sorted_logits, sorted_token_ids = torch.sort(
+        scaled_logits, dim=-1, descending=True, stable=True
+    )
+    ranks = torch.arange(vocab_size, device=scaled_logits.device)
+    kept_count = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    removed_sorted = ranks[None, :] >= kept_count[:, None]
+
+    sorted_logits = sorted_logits.masked_fill_(removed_sorted, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)
+    nucleus_done = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    removed_sorted |= nucleus_done
+    removed_sorted[:, 0] = False  # the most likely token always survives
+
+    removed = torch.empty_like(removed_sorted).scatter_(1, sorted_token_ids, removed_sorted)
+    return scaled_logits.masked_fill(removed, float("-inf"))

@@ -1,0 +1,137 @@
+"""Builds an engine's parts from `EngineConfig`: the only place concrete packages meet."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rlt_attention import select_attention_backend
+from rlt_contracts import AttentionRequirements, ConfigurationError
+from rlt_kv import KVCacheManager
+from rlt_models import OuroModel, load_model
+from rlt_runner import KVMemoryPlan, KVStorage, ModelRunner, plan_kv_blocks
+from rlt_sampling import Sampler
+from rlt_scheduler import Scheduler
+
+from rlt.engine.config import EngineConfig
+from rlt.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    core: EngineCore
+    model: OuroModel
+    model_dir: Path
+    device: torch.device
+    attention_backend: str
+    attention_reason: str
+    memory_plan: KVMemoryPlan
+    max_model_len: int
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    if model is None:
+        if not (DEFAULT_MODEL_DIR / "config.json").exists():
+            raise ConfigurationError(
+                "model", "no model directory given and the bundled default model is missing"
+            )
+        return DEFAULT_MODEL_DIR
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ConfigurationError("model", f"{str(model)!r} is not a directory (give a local checkpoint directory)")
+    return path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError("device", "CUDA was requested but no CUDA device is available")
+    return device
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    model_dir = resolve_model_dir(config.model)
+    device = resolve_device(config.device)
+    model = load_model(model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device)
+    shape = model.shape
+    max_model_len = config.max_model_len or shape.max_position_embeddings
+    if max_model_len > shape.max_position_embeddings:
+        raise ConfigurationError(
+            "max_model_len",
+            f"{max_model_len} exceeds the model's max_position_embeddings {shape.max_position_embeddings}",
+        )
+    layout = config.layout
+    requirements = AttentionRequirements(
+        device_type=device.type,
+        dtype=str(model.dtype).removeprefix("torch."),
+        head_dim=shape.head_dim,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        block_size=config.block_size,
+        kv_layout=layout,
+    )
+    selection = select_attention_backend(requirements, config.attention_backend)
+    logger.info("attention backend %s: %s", selection.name, selection.reason)
+    num_planes = layout.storage_planes(shape.num_loops)
+    pages_per_request = -(-max_model_len // config.block_size)
+    bytes_per_block = KVStorage.bytes_per_block(
+        shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, model.dtype
+    )
+    memory_plan = plan_kv_blocks(
+        device=device,
+        bytes_per_block=bytes_per_block,
+        useful_blocks=config.max_num_seqs * pages_per_request * num_planes,
+        explicit_blocks=config.num_kv_blocks,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        activation_reserve_bytes=_activation_reserve_bytes(config, model),
+        cpu_budget_bytes=config.cpu_kv_cache_bytes,
+    )
+    kv = KVCacheManager(
+        num_blocks=memory_plan.num_blocks, block_size=config.block_size, num_planes=num_planes
+    )
+    scheduler = Scheduler(
+        config.scheduler_config(),
+        kv,
+        model_depth=shape.num_loops,
+        vocab_size=shape.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=shape.eos_token_ids,
+    )
+    runner = ModelRunner(
+        model,
+        selection.backend,
+        Sampler(),
+        kv_layout=layout,
+        num_kv_blocks=memory_plan.num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        device=device,
+        dtype=model.dtype,
+    )
+    return EngineParts(
+        core=EngineCore(scheduler, runner, kv),
+        model=model,
+        model_dir=model_dir,
+        device=device,
+        attention_backend=selection.name,
+        attention_reason=selection.reason,
+        memory_plan=memory_plan,
+        max_model_len=max_model_len,
+    )
+
+
+def _activation_reserve_bytes(config: EngineConfig, model: OuroModel) -> int:
+    """Conservative peak of one step's temporaries: fp32 rows of the widest activations
+    (MLP, logits, attention scores) for every token row of a step, times a safety factor 4."""
+    shape = model.shape
+    widest = max(2 * model.config.intermediate_size, shape.vocab_size, 4 * shape.hidden_size)
+    return max(1 << 30, 4 * config.max_num_batched_tokens * widest * 4)

@@ -1,0 +1,98 @@
+"""`EngineConfig`: every engine option, validated once at construction (ConfigurationError)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlt_contracts import ConfigurationError, KVLayout
+from rlt_scheduler import SchedulerConfig, SchedulingMode
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_TYPES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (Python keywords; the CLI spells them --kebab-case).
+
+    model: checkpoint directory (None = the bundled default model).
+    dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
+    device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
+    kv_layout: "last_exited" (per-depth planes) or "shared" (one overwritten plane).
+    scheduling_mode: "refill" or "no_refill".
+    num_kv_blocks: KV pool size in blocks (None = sized from free memory on CUDA, or enough
+      for max_num_seqs full-length requests, capped at cpu_kv_cache_bytes, on the CPU).
+    block_size: token positions per KV block.
+    max_model_len: context length in tokens (None = the model's max_position_embeddings).
+    attention_backend: "auto" or a backend name ("torch", "triton", "flash_attn").
+    gpu_memory_utilization: fraction of the GPU memory the engine may use in total.
+    """
+
+    model: str | Path | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_layout: str = "last_exited"
+    scheduling_mode: str = "refill"
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 128
+    prefill_chunk_size: int = 128
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30
+    max_waiting_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ConfigurationError("dtype", f"must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if not (self.device in DEVICE_TYPES or str(self.device).startswith("cuda:")):
+            raise ConfigurationError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            KVLayout(self.kv_layout)
+        except ValueError:
+            raise ConfigurationError(
+                "kv_layout", f"must be one of {[m.value for m in KVLayout]}, got {self.kv_layout!r}"
+            ) from None
+        for name in ("block_size", "num_kv_blocks", "max_model_len", "cpu_kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(name, f"must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigurationError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        self.scheduler_config()  # validates the batching options
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from keyword options; unknown names raise ConfigurationError naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigurationError(tuple(unknown), f"unknown engine option(s); known: {sorted(known)}")
+        return cls(**options)
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.kv_layout)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        try:
+            mode = SchedulingMode(self.scheduling_mode)
+        except ValueError:
+            raise ConfigurationError(
+                "scheduling_mode",
+                f"must be one of {[m.value for m in SchedulingMode]}, got {self.scheduling_mode!r}",
+            ) from None
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
+            mode=mode,
+            max_waiting_requests=self.max_waiting_requests,
+        )

@@ -1,0 +1,148 @@
+"""`LLMEngine`: the synchronous engine API (add_request / abort_request / step).
+
+Wraps `EngineCore` with input processing (tokenization, validation) and output processing
+(incremental detokenization, stop strings, cumulative `RequestOutput`s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+from rlt_contracts import (
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    RequestOutputDelta,
+    SamplingParams,
+)
+from rlt_models import load_tokenizer
+
+from rlt.engine.assembly import EngineParts, build_engine
+from rlt.engine.config import EngineConfig
+from rlt.engine.detokenizer import IncrementalDetokenizer
+from rlt.engine.outputs import RequestOutput
+
+PromptInput = str | Sequence[int]
+
+
+class LLMEngine:
+    """Synchronous and not thread-safe: one caller drives `step()`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.parts: EngineParts = build_engine(config)
+        self.core = self.parts.core
+        self._outputs: dict[str, RequestOutput] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
+
+    @cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer, loaded on first use (token-id prompts never need it)."""
+        return load_tokenizer(self.parts.model_dir)
+
+    def model_info(self) -> ModelInfo:
+        shape = self.parts.model.shape
+        return ModelInfo(
+            name=self.parts.model_dir.name,
+            path=str(self.parts.model_dir),
+            max_model_len=self.parts.max_model_len,
+            vocab_size=shape.vocab_size,
+            num_loops=shape.num_loops,
+            eos_token_ids=shape.eos_token_ids,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "the prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            return list(prompt)
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def add_request(
+        self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None
+    ) -> None:
+        """Validate and queue a request; raises InvalidRequestError (or a subclass) on bad
+        input, leaving the engine unchanged."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        token_ids = self.tokenize(prompt)
+        request = self.core.scheduler.add_request(request_id, token_ids, params)
+        self._outputs[request_id] = RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            logprobs=[] if params.logprobs is not None else None,
+            top_logprobs=[] if params.logprobs is not None else None,
+            seed=request.sampling.seed,
+        )
+        tokenizer = self._tokenizer_or_none()
+        if tokenizer is None and params.stop:
+            self.core.scheduler.abort_request(request_id)
+            self.core.scheduler.take_outputs()
+            del self._outputs[request_id]
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        self._detokenizers[request_id] = (
+            IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        )
+
+    def _tokenizer_or_none(self):
+        try:
+            return self.tokenizer
+        except (OSError, ValueError):  # no tokenizer files: token-id prompts still work
+            return None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request; returns its final output (finish reason "abort") or None if unknown."""
+        if not self.core.scheduler.abort_request(request_id):
+            return None
+        outputs = self._apply(self.core.scheduler.take_outputs())
+        return next((o for o in outputs if o.request_id == request_id), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the cumulative outputs of requests that progressed."""
+        return self._apply(self.core.step())
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()
+
+    # -- output processing ---------------------------------------------------------------------
+    def _apply(self, deltas: list[RequestOutputDelta]) -> list[RequestOutput]:
+        outputs = []
+        for delta in deltas:
+            output = self._outputs.get(delta.request_id)
+            if output is None:
+                continue
+            self._merge(output, delta)
+            outputs.append(output)
+            if output.finished:
+                del self._outputs[delta.request_id]
+                del self._detokenizers[delta.request_id]
+        return outputs
+
+    def _merge(self, output: RequestOutput, delta: RequestOutputDelta) -> None:
+        output.token_ids.extend(delta.token_ids)
+        output.exit_depths.extend(delta.exit_depths)
+        if delta.logprobs is not None and output.logprobs is not None:
+            output.logprobs.extend(delta.logprobs)
+            output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
+        detokenizer = self._detokenizers[delta.request_id]
+        if detokenizer is not None:
+            detokenizer.add_tokens(delta.token_ids)
+            if detokenizer.stopped and not delta.finished:
+                self.core.scheduler.finish_request(delta.request_id, FinishReason.STOP)
+                late = self.core.scheduler.take_outputs()
+                delta = next(d for d in late if d.request_id == delta.request_id)
+            if delta.finished:
+                detokenizer.flush()
+            output.text = detokenizer.text
+        output.finished = delta.finished
+        output.finish_reason = delta.finish_reason
+        output.error = delta.error

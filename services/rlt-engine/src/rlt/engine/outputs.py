@@ -1,0 +1,35 @@
+"""`RequestOutput`: the cumulative result of one request as the Python API returns it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlt_contracts import FinishReason
+
+
+@dataclass
+class RequestOutput:
+    """Everything generated so far for one request.
+
+    token_ids / exit_depths / logprobs are aligned: exit_depths[i] is the number of loops the
+    hidden state that produced token i went through (token 0 comes from prefill at full depth).
+    text is detokenized with special tokens skipped; a matched stop string is not included.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    seed: int | None = None
+    error: str | None = None
+
+    @property
+    def mean_loops(self) -> float:
+        """Mean exit depth of the decoded tokens (token 0 excluded; 0.0 if there are none)."""
+        decoded = self.exit_depths[1:]
+        return sum(decoded) / len(decoded) if decoded else 0.0

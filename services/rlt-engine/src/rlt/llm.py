@@ -1,0 +1,113 @@
+"""`LLM`: offline batch generation, the simplest way to use rlt."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlt_contracts import EngineStats, InvalidRequestError, SamplingParams
+
+from rlt.engine import EngineConfig, LLMEngine, RequestOutput
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+class LLM:
+    """Load a model and generate.
+
+    >>> llm = LLM()                                     # the bundled default model
+    >>> out = llm.generate("It is a truth", SamplingParams(max_tokens=8, exit_threshold=0.7))
+    >>> out[0].text, out[0].exit_depths
+
+    Options are `EngineConfig` fields (e.g. dtype, device, kv_layout, scheduling_mode,
+    max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks); unknown ones raise
+    ConfigurationError.
+    """
+
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def generate(
+        self,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns finished outputs in input order.
+
+        prompts: a string, a list of strings, or a list of token-id lists.
+        sampling_params: one for all prompts, or one per prompt.
+        use_tqdm: show a progress bar (default: when there are more than 8 prompts).
+        """
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("generate() needs an idle engine; another caller is using it")
+        request_ids = [f"generate-{next(self._ids)}" for _ in batch]
+        try:
+            for request_id, prompt, p in zip(request_ids, batch, params, strict=True):
+                self.engine.add_request(request_id, prompt, p)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        progress = _progress_bar(len(batch), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise InvalidRequestError("prompts", "give a string, a list of strings or a list of token-id lists")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        raise InvalidRequestError("prompts", "a single token-id prompt must be wrapped in a list: [[1, 2, 3]]")
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise InvalidRequestError(
+            "sampling_params", f"{len(params)} sampling params for {count} prompts"
+        )
+    return params
+
+
+def _progress_bar(total: int, use_tqdm: bool | None):
+    if not (use_tqdm if use_tqdm is not None else total > 8):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

@@ -1,0 +1,156 @@
+"""Token-by-token generation oracle with rlt's exit and KV-layout semantics, in float64.
+
+Semantics (anchor-vllm-rlt.md 2a-2c), restated independently of the engine:
+- Prefill runs every prompt position at full depth T. LAST_EXITED: plane d holds each prompt
+  position's loop-(d+1) KV (depth-major). SHARED: positions advance one at a time through all
+  loops, each loop overwriting the single plane, so later positions read final versions.
+- Token 0 comes from the last prompt position's final state (exit depth T).
+- Output token i (i >= 1) is produced by feeding token i-1 at position P + i - 1 and looping:
+  loop k reads plane(k) of earlier positions plus its own fresh entry. After each loop
+  survival *= 1 - sigmoid(gate); exit at k if k == max_loops, or (threshold < 1,
+  k >= min_loops and 1 - survival >= threshold). LAST_EXITED copies the exit-depth entry into
+  the deeper planes.
+- Greedy decoding; EOS (unless ignore_eos) and stop ids end with "stop", max_tokens with "length".
+
+The oracle also reports how close each decision came to flipping (gate CDF vs threshold, and
+the top-2 logit gap), so tests can assert the engine comparison is well conditioned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from oracle.dense_ouro import DenseOuro, LayerKV
+
+
+@dataclass(frozen=True)
+class OracleRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    min_loops: int = 2
+    max_loops: int | None = None
+    threshold: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    exit_policy: str = "ouro"  # or "ouro_delayed"
+
+
+@dataclass
+class OracleResult:
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    min_gate_margin: float = float("inf")
+    min_logit_margin: float = float("inf")
+
+
+class _PlaneKV:
+    """Per-plane, per-layer KV rows indexed by position (float64)."""
+
+    def __init__(self, planes: int, layers: int, capacity: int, kv_heads: int, head_dim: int, dtype):
+        shape = (planes, layers, capacity, kv_heads, head_dim)
+        self.keys = torch.full(shape, float("nan"), dtype=dtype)
+        self.values = torch.full(shape, float("nan"), dtype=dtype)
+
+    def past(self, plane: int, end: int) -> list[LayerKV]:
+        return [LayerKV(self.keys[plane, l, :end], self.values[plane, l, :end]) for l in range(self.keys.shape[1])]
+
+    def store(self, plane: int, start: int, new: list[LayerKV]) -> None:
+        for layer, kv in enumerate(new):
+            n = kv.keys.shape[0]
+            self.keys[plane, layer, start : start + n] = kv.keys
+            self.values[plane, layer, start : start + n] = kv.values
+
+    def copy_position(self, source_plane: int, target_planes: range, position: int) -> None:
+        for plane in target_planes:
+            self.keys[plane, :, position] = self.keys[source_plane, :, position]
+            self.values[plane, :, position] = self.values[source_plane, :, position]
+
+
+class GenerationOracle:
+    def __init__(self, dense: DenseOuro, layout: str, eos_token_ids: tuple[int, ...] = (0,)) -> None:
+        if layout not in ("last_exited", "shared"):
+            raise ValueError(layout)
+        self.dense = dense
+        self.layout = layout
+        self.eos = set(eos_token_ids)
+
+    def plane(self, loop: int) -> int:
+        return loop - 1 if self.layout == "last_exited" else 0
+
+    def generate(self, request: OracleRequest) -> OracleResult:
+        d, depth = self.dense, self.dense.loops
+        max_loops = request.max_loops or depth
+        prompt_len = len(request.prompt)
+        kv = _PlaneKV(depth if self.layout == "last_exited" else 1, d.num_layers,
+                      prompt_len + request.max_tokens, d.num_kv_heads, d.head_dim, d.dtype)
+        result = OracleResult()
+        final = self._prefill(request.prompt, kv)
+        self._emit(result, d.lm_head(final)[0], depth)
+        while True:
+            reason = self._finish_reason(request, result)
+            if reason:
+                result.finish_reason = reason
+                return result
+            position = prompt_len + len(result.token_ids) - 1
+            x = d.embed(torch.tensor([result.token_ids[-1]]))
+            survival, pending_exit, loop = 1.0, None, 0
+            while True:
+                loop += 1
+                x, new_kv, gate = d.loop(x, torch.tensor([position]), kv.past(self.plane(loop), position))
+                kv.store(self.plane(loop), position, new_kv)
+                survival *= 1.0 - float(torch.sigmoid(gate)[0])
+                if self._exits(request, loop, max_loops, survival, result, pending_exit):
+                    break
+                if request.exit_policy == "ouro_delayed" and pending_exit is None and self._trigger(request, loop, survival, result):
+                    pending_exit = loop + 1
+            if self.layout == "last_exited" and loop < depth:
+                kv.copy_position(loop - 1, range(loop, depth), position)
+            self._emit(result, d.lm_head(x)[0], loop)
+
+    def _prefill(self, prompt: tuple[int, ...], kv: _PlaneKV) -> torch.Tensor:
+        d = self.dense
+        if self.layout == "last_exited":
+            h = d.embed(torch.tensor(prompt))
+            positions = torch.arange(len(prompt))
+            for loop in range(1, d.loops + 1):
+                h, new_kv, _ = d.loop(h, positions, [None] * d.num_layers)
+                kv.store(loop - 1, 0, new_kv)
+            return h[-1:]
+        for position, token in enumerate(prompt):
+            x = d.embed(torch.tensor([token]))
+            for _ in range(d.loops):
+                x, new_kv, _ = d.loop(x, torch.tensor([position]), kv.past(0, position))
+                kv.store(0, position, new_kv)
+        return x
+
+    def _trigger(self, request: OracleRequest, loop: int, survival: float, result: OracleResult) -> bool:
+        """The adaptive rule alone (without the max_loops cap); records the decision margin."""
+        if request.threshold >= 1.0 or loop < request.min_loops:
+            return False
+        cdf = 1.0 - survival
+        result.min_gate_margin = min(result.min_gate_margin, abs(cdf - request.threshold))
+        return cdf >= request.threshold
+
+    def _exits(self, request, loop, max_loops, survival, result, pending_exit) -> bool:
+        if loop >= max_loops:
+            return True
+        if request.exit_policy == "ouro_delayed":
+            return pending_exit is not None and loop >= pending_exit
+        return self._trigger(request, loop, survival, result)
+
+    def _emit(self, result: OracleResult, logits: torch.Tensor, depth: int) -> None:
+        top2 = torch.topk(logits, 2).values
+        result.min_logit_margin = min(result.min_logit_margin, float(top2[0] - top2[1]))
+        result.token_ids.append(int(torch.argmax(logits)))
+        result.exit_depths.append(depth)
+
+    def _finish_reason(self, request: OracleRequest, result: OracleResult) -> str:
+        last = result.token_ids[-1]
+        if last in request.stop_token_ids or (last in self.eos and not request.ignore_eos):
+            return "stop"
+        if len(result.token_ids) >= request.max_tokens:
+            return "length"
+        return ""

@@ -22,7 +22,11 @@ class EngineRequest(msgspec.Struct, frozen=True):
 
 
 class RequestOutputDelta(msgspec.Struct, frozen=True):
-    """New results of one request since its previous delta (ids and depths, not text).
+    """New results of one request since its previous delta.
+
+    text: the newly decoded text (special tokens skipped; may be empty while a multi-byte
+      character is incomplete; a matched stop string and anything after it are never included).
+      Engines that do not detokenize leave it empty.
 
     exit_depths[i]: loops the hidden state that produced token i went through. Token 0 comes from
       prefill and always has the full model depth.
@@ -33,6 +37,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     request_id: str
     token_ids: tuple[int, ...]
     exit_depths: tuple[int, ...]
+    text: str = ""
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finished: bool = False

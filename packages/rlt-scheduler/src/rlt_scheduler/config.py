@@ -51,7 +51,7 @@ class SchedulerConfig:
                 f"decode rows ({self.max_num_seqs}) so prefill always progresses",
             )
         try:
-            SchedulingMode(self.mode)
+            object.__setattr__(self, "mode", SchedulingMode(self.mode))
         except ValueError:
             raise ConfigurationError(
                 "scheduling_mode", f"must be one of {[m.value for m in SchedulingMode]}, got {self.mode!r}"

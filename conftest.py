@@ -96,5 +96,8 @@ def assert_no_kv_leak(llm) -> None:
     capacity = core.kv.capacity()
     assert capacity.free_blocks == capacity.total_blocks, f"KV blocks leaked: {capacity}"
     assert not core.scheduler.has_unfinished_requests()
+    pending_release = set(core.scheduler._releases)
     held = set(core.runner.slots._states)
-    assert held <= set(core.scheduler._releases), f"runner state leaked: {held}"
+    assert held <= pending_release, f"runner state leaked: {held}"
+    snapshots = set(core.runner.snapshots._snapshots)
+    assert snapshots <= pending_release, f"preemption snapshots leaked: {snapshots}"

@@ -21,6 +21,7 @@ from rlt_scheduler import Scheduler, SchedulerConfig
 @dataclass(frozen=True)
 class NoPrefix:
     num_tokens: int = 0
+    num_blocks: int = 0
     cached_claim_blocks: int = 0
 
 
@@ -36,6 +37,12 @@ class CountingKV:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) * self.num_planes
+
+    def held_blocks(self, identity) -> int:
+        return self.held.get(identity, 0)
+
+    def allocated_tokens(self, identity) -> int:
+        return self.held.get(identity, 0) // self.num_planes * self.block_size
 
     def match_prefix(self, prompt):
         return NoPrefix()

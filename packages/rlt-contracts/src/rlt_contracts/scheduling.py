@@ -3,14 +3,18 @@
 One step may hold prefill chunks, codas and one recurrent loop for every decoding row. The runner
 executes them in this order, which every consumer may rely on:
 
-1. `released` and `snapshots`: device state of finished / preempted requests is saved or dropped.
-2. `restores`: snapshotted requests get their device state back (into their new blocks).
-3. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` leaves its final hidden
+1. `kv_copies`: LAST_EXITED finalization of tokens that exited early (on the blocks their
+   requests hold on the device, including requests preempted in this same step).
+2. `snapshots`: preempted requests' device state is saved to the host and their slots freed
+   (their blocks may be reused by later work of this same step).
+3. `released`: device state (and any snapshot) of finished / aborted requests is dropped.
+4. `new_requests` and `restores` get slots, `block_updates` are applied, then restored requests
+   get their saved state back in their new blocks.
+5. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` leaves its final hidden
    state for coda (Ouro: the last prompt position never loops again).
-4. `kv_copies`: LAST_EXITED finalization of tokens that exited early.
-5. `coda`: LM head + sampling for exited tokens and completed prompts; the sampled token becomes
+6. `coda`: LM head + sampling for exited tokens and completed prompts; the sampled token becomes
    the request's pending token on the device (it is not read back before it is used).
-6. `decode`: one loop per row; rows with `starts_token` first embed their pending token (prelude).
+7. `decode`: one loop per row; rows with `starts_token` first embed their pending token (prelude).
 
 Positions are 0-based token positions: the prompt occupies [0, P); generated token i is fed back
 at position P + i. Loop indices are 1-based (loop 1 .. T). A position never changes across loops.

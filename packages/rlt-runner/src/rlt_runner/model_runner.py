@@ -10,6 +10,7 @@ gate probabilities and sampled tokens (R21).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from rlt_contracts import (
@@ -33,6 +34,7 @@ from rlt_contracts import (
 from rlt_runner.attention_batches import decode_batch, prefill_batch
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.request_slots import RequestSlots
+from rlt_runner.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +79,18 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        self.snapshots = SnapshotStore()
+        self.readback_wait_s = 0.0  # cumulative host time blocked on device results
 
     # -- entry point ---------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_bookkeeping(step)
-        if not step.has_work and not step.kv_copies:
+        with torch.inference_mode():
+            self._apply_bookkeeping(step)
+        if not step.has_work:
             return ModelRunnerOutput(step_id=step.step_id)
         try:
             with torch.inference_mode():
                 self._run_prefill(step.prefill)
-                self._run_kv_copies(step.kv_copies)
                 sampled = self._run_coda(step.coda)
                 exit_probs = self._run_decode(step.decode, step.compute_gates)
                 return self._collect(step, sampled, exit_probs)
@@ -99,12 +103,24 @@ class ModelRunner:
             )
 
     def _apply_bookkeeping(self, step: SchedulerOutput) -> None:
+        """State changes that precede the step's model work, in the contract's order: pending
+        finalization copies (victims included, on blocks they still hold on the device),
+        snapshots of preempted requests, releases, then new and restored requests get slots
+        and block tables and the restored ones their saved state."""
+        self._run_kv_copies(step.kv_copies)
+        for identity in step.snapshots:
+            self.snapshots.save(identity, self.slots, self.kv)
         for identity in step.released:
             self.slots.release(identity)
+            self.snapshots.discard(identity)
         for new in step.new_requests:
             self.slots.assign(new.identity, new.sampling)
+        for identity in step.restores:
+            self.slots.assign(identity, self.snapshots.sampling_of(identity))
         for blocks in step.block_updates:
             self.slots.apply_block_updates(blocks.identity, blocks.updates)
+        for identity in step.restores:
+            self.snapshots.restore(identity, self.slots, self.kv)
 
     # -- prefill -------------------------------------------------------------------------------
     def _run_prefill(self, chunks: tuple[PrefillChunk, ...]) -> None:
@@ -220,8 +236,10 @@ class ModelRunner:
 
     # -- results -------------------------------------------------------------------------------
     def _collect(self, step: SchedulerOutput, sampled, exit_probs) -> ModelRunnerOutput:
+        start = time.perf_counter()
         probs = exit_probs.tolist() if exit_probs is not None else []
         host = sampled.to_host() if sampled is not None else []
+        self.readback_wait_s += time.perf_counter() - start
         tokens = tuple(
             SampledToken(item.identity, item.output_index, token, logprob, top)
             for item, (token, logprob, top) in zip(step.coda, host, strict=True)

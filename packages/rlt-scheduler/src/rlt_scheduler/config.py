@@ -21,38 +21,82 @@ class SchedulingMode(enum.StrEnum):
     NO_REFILL = "no_refill"
 
 
+class SchedulingPolicy(enum.StrEnum):
+    """Admission order: FCFS (arrival) or PRIORITY (lower `priority` first, ties by arrival)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits.
+    """Batching, admission and memory policy.
 
     max_num_seqs: requests holding KV and runner state at once (decode rows per step <= this).
     max_num_batched_tokens: token rows per step through the recurrent stack: one per decoding
-      request plus every prefill-chunk token (each prefill token then runs all T loops).
+      request plus every prefill-chunk token.
+    max_num_batched_token_loops: optional cap on token x loop passes per step: a decode row
+      costs 1, a prefill token costs the model depth T (it runs every loop). None: no cap.
     prefill_chunk_size: at most this many prompt tokens of one request per step.
-    max_waiting_requests: waiting-queue bound; `add_request` beyond it raises OverloadedError.
+    policy / mode: see SchedulingPolicy / SchedulingMode.
+    incremental_kv: claim KV pages as a request's frontier grows instead of reserving its whole
+      lifetime (prompt + max_tokens - 1) at admission.
+    watermark_ratio: fraction of the pool kept free at admission while other requests run.
+    enable_preemption: under memory pressure, or for a higher-priority arrival, suspend a running
+      request to a CPU snapshot and resume it later, losslessly.
+    admission_scan_limit / max_admission_bypasses: bounded bypass: admission looks at most this
+      far down the queue past a request that does not fit, and stops letting later requests
+      pass once one waiting request has been passed max_admission_bypasses times.
+    max_waiting_requests: waiting-queue bound; add_request beyond it raises OverloadedError.
     """
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 128
+    max_num_batched_token_loops: int | None = None
     prefill_chunk_size: int = 128
     mode: SchedulingMode = SchedulingMode.REFILL
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    incremental_kv: bool = False
+    watermark_ratio: float = 0.0
+    enable_preemption: bool = False
+    admission_scan_limit: int = 64
+    max_admission_bypasses: int = 8
     max_waiting_requests: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                     "max_waiting_requests"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(name, f"must be a positive integer, got {value!r}")
+                     "max_waiting_requests", "admission_scan_limit", "max_admission_bypasses"):
+            _positive_int(name, getattr(self, name))
+        if self.max_num_batched_token_loops is not None:
+            _positive_int("max_num_batched_token_loops", self.max_num_batched_token_loops)
         if self.max_num_batched_tokens <= self.max_num_seqs:
             raise ConfigurationError(
                 ("max_num_batched_tokens", "max_num_seqs"),
                 f"the token budget ({self.max_num_batched_tokens}) must exceed the number of "
                 f"decode rows ({self.max_num_seqs}) so prefill always progresses",
             )
-        try:
-            object.__setattr__(self, "mode", SchedulingMode(self.mode))
-        except ValueError:
+        if not 0.0 <= self.watermark_ratio < 1.0:
+            raise ConfigurationError("kv_watermark", f"must be in [0, 1), got {self.watermark_ratio}")
+        for name, enum_type, option in (("mode", SchedulingMode, "scheduling_mode"),
+                                        ("policy", SchedulingPolicy, "scheduling_policy")):
+            try:
+                object.__setattr__(self, name, enum_type(getattr(self, name)))
+            except ValueError:
+                raise ConfigurationError(
+                    option, f"must be one of {[m.value for m in enum_type]}, got {getattr(self, name)!r}"
+                ) from None
+
+    def check_depth(self, model_depth: int) -> None:
+        """The token x loop cap must admit at least one prefill token next to full decode rows."""
+        cap = self.max_num_batched_token_loops
+        if cap is not None and cap < self.max_num_seqs + model_depth:
             raise ConfigurationError(
-                "scheduling_mode", f"must be one of {[m.value for m in SchedulingMode]}, got {self.mode!r}"
-            ) from None
+                ("max_num_batched_token_loops", "max_num_seqs"),
+                f"{cap} token-loops cannot hold {self.max_num_seqs} decode rows plus one prefill "
+                f"token at depth {model_depth}",
+            )
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(name, f"must be a positive integer, got {value!r}")

@@ -1,13 +1,35 @@
 """Exit policies: when a decoding token stops looping (scheduler-owned decisions, R02).
 
-Loops are 1-based. After loop k the runner reports the gate's exit probability
-lambda_k = sigmoid(gate(h_k)) in fp32; the policy folds it into the token's exit state.
+Loops are 1-based. After loop k the runner may report the gate's exit probability
+lambda_k = sigmoid(gate(h_k)) in fp32; the policy folds it into the token's exit state and
+says whether the token exits now. Token 0 never loops (prefill runs at full depth).
+
+  ouro          exit after k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                1 - prod_{j<=k}(1 - lambda_j) >= threshold. Decided in the same step.
+  ouro_delayed  the same hazard, but a trigger at loop k (k >= min_loops) makes the token
+                exit after loop k + 1: loop k's score may be read after loop k + 1 was already
+                submitted, which an asynchronous pipeline needs. max_loops still wins, and the
+                hidden state of the extra loop is what reaches coda.
+  trace         replays recorded per-token depths (token i exits at trace[i]); the gate is
+                never computed or read.
 """
 
 from __future__ import annotations
 
+import enum
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
+
+from rlt_contracts import ConfigurationError, InvalidRequestError
+
+
+class ExitPolicyName(enum.StrEnum):
+    OURO = "ouro"
+    OURO_DELAYED = "ouro_delayed"
+    TRACE = "trace"
 
 
 @dataclass
@@ -15,9 +37,11 @@ class TokenExitState:
     """Exit progress of the token currently looping; reset when the token starts (prelude).
 
     survival: prod_{j<=k} (1 - lambda_j) over the loops run so far (1.0 before loop 1).
+    pending_exit_depth: ouro_delayed only: the loop after which the token will exit.
     """
 
     survival: float = 1.0
+    pending_exit_depth: int | None = None
 
     @property
     def cdf(self) -> float:
@@ -42,40 +66,131 @@ class ExitPolicy(Protocol):
     name: str
 
     def needs_gate(self, bounds: LoopBounds) -> bool:
-        """Whether this request's exit decisions read the gate (else the runner may skip it)."""
+        """Whether this request's decisions read the gate (else the runner may skip it)."""
         ...
 
     def after_loop(
-        self, state: TokenExitState, bounds: LoopBounds, loop_index: int, exit_probability: float | None
+        self,
+        state: TokenExitState,
+        bounds: LoopBounds,
+        loop_index: int,
+        exit_probability: float | None,
+        *,
+        request_id: str,
+        output_index: int,
     ) -> bool:
-        """Fold loop `loop_index`'s signal into `state`; True if the token exits after it."""
+        """Fold loop `loop_index`'s signal into `state`; True if the token exits after it.
+        `output_index` is the index of the output token this loop's state will produce."""
         ...
 
 
 class OuroExitPolicy:
-    """The trained Ouro gate as a cumulative hazard, decided in the same step (synchronous).
-
-    Exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
-    1 - prod_{j<=k}(1 - lambda_j) >= threshold. Loops before min_loops still contribute their
-    hazard. threshold == 1.0 disables adaptive exit entirely (fixed depth max_loops), even if a
-    sigmoid rounds to 1.
-    """
-
-    name = "ouro"
+    name = ExitPolicyName.OURO.value
 
     def needs_gate(self, bounds: LoopBounds) -> bool:
         return bounds.adaptive
 
-    def after_loop(
-        self, state: TokenExitState, bounds: LoopBounds, loop_index: int, exit_probability: float | None
-    ) -> bool:
+    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
         if exit_probability is not None:
             state.survival *= 1.0 - exit_probability
         if loop_index >= bounds.max_loops:
             return True
-        return (
-            bounds.adaptive
-            and loop_index >= bounds.min_loops
-            and exit_probability is not None
-            and state.cdf >= bounds.threshold
+        return triggered(state, bounds, loop_index, exit_probability)
+
+
+class DelayedOuroExitPolicy:
+    name = ExitPolicyName.OURO_DELAYED.value
+
+    def needs_gate(self, bounds: LoopBounds) -> bool:
+        return bounds.adaptive
+
+    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
+        if exit_probability is not None:
+            state.survival *= 1.0 - exit_probability
+        if loop_index >= bounds.max_loops:
+            return True
+        if state.pending_exit_depth is not None:
+            return loop_index >= state.pending_exit_depth
+        if triggered(state, bounds, loop_index, exit_probability):
+            state.pending_exit_depth = loop_index + 1
+        return False
+
+
+def triggered(state: TokenExitState, bounds: LoopBounds, loop_index: int, exit_probability) -> bool:
+    """The adaptive rule of both Ouro policies: CDF reached the threshold at or after min_loops.
+    threshold == 1.0 never triggers (fixed depth), even if a sigmoid rounds to 1."""
+    return (
+        bounds.adaptive
+        and loop_index >= bounds.min_loops
+        and exit_probability is not None
+        and state.cdf >= bounds.threshold
+    )
+
+
+class TraceExitPolicy:
+    """Replays `depths[request_id][i]` for output token i (entry 0 is the prefill's full depth).
+
+    The trace is checked per request at admission (`check_request`), so a bad trace is a
+    request error, never a mid-generation failure.
+    """
+
+    name = ExitPolicyName.TRACE.value
+
+    def __init__(self, depths_by_request: Mapping[str, Sequence[int]], model_depth: int) -> None:
+        self.depths = {key: tuple(value) for key, value in depths_by_request.items()}
+        self.model_depth = model_depth
+
+    @classmethod
+    def from_file(cls, path: str | Path, model_depth: int) -> TraceExitPolicy:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError("exit_trace", f"cannot read trace {path}: {exc}") from exc
+        if not isinstance(raw, dict) or not all(
+            isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
+            for v in raw.values()
+        ):
+            raise ConfigurationError("exit_trace", "must be a JSON object {request_id: [depth, ...]}")
+        return cls(raw, model_depth)
+
+    def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
+        depths = self.depths.get(request_id)
+        if depths is None:
+            raise InvalidRequestError("exit_trace", f"the trace has no depths for request {request_id!r}")
+        if len(depths) < max_tokens:
+            raise InvalidRequestError(
+                "exit_trace", f"{len(depths)} depths for {request_id!r} cannot cover max_tokens={max_tokens}"
+            )
+        if depths[0] != self.model_depth:
+            raise InvalidRequestError("exit_trace", f"entry 0 must be the full depth {self.model_depth}")
+        bad = [d for d in depths[1:max_tokens] if not bounds.min_loops <= d <= bounds.max_loops]
+        if bad:
+            raise InvalidRequestError(
+                "exit_trace",
+                f"depths {sorted(set(bad))} of {request_id!r} are outside [{bounds.min_loops}, {bounds.max_loops}]",
+            )
+
+    def needs_gate(self, bounds: LoopBounds) -> bool:
+        return False
+
+    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
+        return loop_index >= self.depths[request_id][output_index]
+
+
+def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: int) -> ExitPolicy:
+    """Build the engine's policy; `exit_trace` is required for, and only for, "trace"."""
+    try:
+        policy = ExitPolicyName(name)
+    except ValueError:
+        raise ConfigurationError(
+            "exit_policy", f"must be one of {[p.value for p in ExitPolicyName]}, got {name!r}"
+        ) from None
+    if policy is ExitPolicyName.TRACE:
+        if exit_trace is None:
+            raise ConfigurationError(("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file")
+        return TraceExitPolicy.from_file(exit_trace, model_depth)
+    if exit_trace is not None:
+        raise ConfigurationError(
+            ("exit_trace", "exit_policy"), f"an exit_trace is only read by exit_policy 'trace', not {name!r}"
         )
+    return OuroExitPolicy() if policy is ExitPolicyName.OURO else DelayedOuroExitPolicy()

@@ -13,9 +13,11 @@ from rlt_contracts import BlockTableUpdate, ExecutionIdentity, KVCapacity
 
 
 class PrefixLookup(Protocol):
-    """Reusable leading prompt pages: `num_tokens` positions, pinning `cached_claim_blocks`."""
+    """Reusable leading prompt pages: `num_tokens` positions (`num_blocks` blocks over all
+    planes), of which `cached_claim_blocks` are evictable now and would be pinned."""
 
     num_tokens: int
+    num_blocks: int
     cached_claim_blocks: int
 
 
@@ -27,6 +29,10 @@ class KVPort(Protocol):
     def capacity(self) -> KVCapacity: ...
 
     def blocks_for(self, num_tokens: int) -> int: ...
+
+    def held_blocks(self, identity: ExecutionIdentity) -> int: ...
+
+    def allocated_tokens(self, identity: ExecutionIdentity) -> int: ...
 
     def match_prefix(self, prompt_token_ids: Sequence[int]) -> PrefixLookup: ...
 

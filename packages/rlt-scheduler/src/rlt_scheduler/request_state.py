@@ -37,6 +37,9 @@ class ScheduledRequest:
     exit_state: TokenExitState = field(default_factory=TokenExitState)
     exit_depth: int | None = None
     known_to_runner: bool = False
+    bypass_count: int = 0  # admissions of later requests while this one waited (bounded bypass)
+    snapshot_tokens: int | None = None  # preempted: positions its device snapshot covers
+    resume_stage: RequestStage | None = None  # preempted: the stage it resumes in
     finish_reason: FinishReason | None = None
     error: str | None = None
     delivered_tokens: int = 0  # outputs already reported in a delta
@@ -58,6 +61,15 @@ class ScheduledRequest:
     def max_positions(self) -> int:
         """Positions the request can ever write: the last output is never fed back."""
         return self.prompt_length + self.sampling.max_tokens - 1
+
+    @property
+    def lifetime_tokens(self) -> int:
+        """Positions the request can ever write (alias of max_positions, for budgets)."""
+        return self.max_positions
+
+    @property
+    def preempted(self) -> bool:
+        return self.snapshot_tokens is not None
 
     @property
     def finished(self) -> bool:

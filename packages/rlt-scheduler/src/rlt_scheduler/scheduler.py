@@ -17,11 +17,12 @@ guarantees that budget is never empty, so neither side starves.
 from __future__ import annotations
 
 import secrets
-from collections import deque
+from dataclasses import dataclass
 from collections.abc import Sequence
 
 from msgspec import structs
 from rlt_contracts import (
+    AdmissionPlan,
     CapacityError,
     CodaItem,
     DecodeLoop,
@@ -41,12 +42,26 @@ from rlt_contracts import (
 )
 from rlt_contracts.kv import KVCapacity
 
-from rlt_scheduler.config import SchedulerConfig, SchedulingMode
-from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
-from rlt_scheduler.kv_port import KVPort
+from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy, TraceExitPolicy
+from rlt_scheduler.kv_port import KVPort, PrefixLookup
+from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.waiting_queue import WaitingQueue
+
+
+@dataclass(frozen=True)
+class _NoPrefix:
+    num_tokens: int = 0
+    num_blocks: int = 0
+    cached_claim_blocks: int = 0
+    blocks: tuple = ()
+    keys: tuple = ()
+
+
+_NO_PREFIX = _NoPrefix()
 
 
 class Scheduler:
@@ -68,9 +83,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.exit_policy = exit_policy or OuroExitPolicy()
+        config.check_depth(model_depth)
         self.stats = SchedulerStats()
         self._requests: dict[str, ScheduledRequest] = {}
-        self._waiting: deque[ScheduledRequest] = deque()
+        self._waiting = WaitingQueue(config.policy)
         self._running: list[ScheduledRequest] = []
         self._cohort: set[ExecutionIdentity] = set()  # no_refill: rows decoding together
         self._releases: list[ExecutionIdentity] = []
@@ -118,18 +134,21 @@ class Scheduler:
                 f"{len(self._waiting)} requests are waiting (limit "
                 f"{self.config.max_waiting_requests}); retry later"
             )
+        bounds = LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold)
+        if isinstance(self.exit_policy, TraceExitPolicy):
+            self.exit_policy.check_request(request_id, bounds, sampling.max_tokens)
         if sampling.seed is None:
             sampling = structs.replace(sampling, seed=secrets.randbits(63))
         request = ScheduledRequest(
             identity=ExecutionIdentity(request_id, self._next_generation),
             prompt_token_ids=prompt,
             sampling=sampling,
-            bounds=LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold),
+            bounds=bounds,
             arrival_index=self._next_generation,
         )
         self._next_generation += 1
         self._requests[request_id] = request
-        self._waiting.append(request)
+        self._waiting.add(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -165,20 +184,26 @@ class Scheduler:
 
     # -- schedule ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step: decode rows first, then running prefills, then admissions."""
+        """Decide the next step: decode rows first, then running prefills, then admissions.
+
+        Any preemption decided while building the step is part of it (`snapshots`): the runner
+        finishes pending KV copies, saves the victims' device state, then runs the step.
+        """
         if self._inflight is not None:
             raise RuntimeError("schedule() called again before update_from_output()")
-        step = StepBuilder(self.config.max_num_batched_tokens)
-        step.kv_copies.extend(self._pending_copies)
-        self._pending_copies.clear()
-        if self.config.mode is SchedulingMode.REFILL:
+        config = self.config
+        step = StepBuilder(config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth)
+        self._preempt_for_priority(step)
+        if config.mode is SchedulingMode.REFILL:
             self._schedule_refill_decode(step)
         else:
             self._schedule_cohort_decode(step)
-        for request in self._running:
-            if request.stage is RequestStage.PREFILL and step.token_budget > 0:
+        for request in list(self._running):
+            if request.stage is RequestStage.PREFILL and request in self._running and step.prefill_room() > 0:
                 self._schedule_prefill_chunk(request, step)
         self._admit(step)
+        step.kv_copies.extend(self._pending_copies)
+        self._pending_copies.clear()
         compute_gates = any(
             self.exit_policy.needs_gate(self._requests[item.identity.request_id].bounds)
             for item in step.decode
@@ -190,7 +215,9 @@ class Scheduler:
         return output
 
     def _schedule_refill_decode(self, step: StepBuilder) -> None:
-        for request in self._running:
+        for request in list(self._running):
+            if request not in self._running:
+                continue  # preempted while this step was being built
             if request.stage is RequestStage.CODA:
                 self._schedule_coda(request, step, continue_token=request.wants_continuation())
             elif request.stage is RequestStage.RECURRENT:
@@ -210,17 +237,19 @@ class Scheduler:
                 self._schedule_loop(request, step)
             return
         self._cohort.clear()
-        for request in self._running:
+        for request in list(self._running):
+            if request not in self._running:
+                continue
             if request.stage is RequestStage.CODA:
-                continues = request.wants_continuation()
-                self._schedule_coda(request, step, continue_token=continues)
-                if continues:
+                if self._schedule_coda(request, step, continue_token=request.wants_continuation()):
                     self._cohort.add(request.identity)
             elif request.stage is RequestStage.PRELUDE:
-                self._schedule_first_loop(request, step)
-                self._cohort.add(request.identity)
+                if self._schedule_first_loop(request, step):
+                    self._cohort.add(request.identity)
 
-    def _schedule_coda(self, request: ScheduledRequest, step: StepBuilder, *, continue_token: bool) -> None:
+    def _schedule_coda(self, request: ScheduledRequest, step: StepBuilder, *, continue_token: bool) -> bool:
+        """Coda, plus the successor's loop 1 when KV for its position is available.
+        Returns whether the successor started."""
         step.add_coda(
             CodaItem(
                 request.identity,
@@ -229,22 +258,28 @@ class Scheduler:
                 exit_depth=request.exit_depth,
             )
         )
-        if continue_token:
-            step.add_decode(
-                DecodeLoop(request.identity, request.looping_position + 1, 1, starts_token=True)
-            )
+        next_position = request.looping_position + 1
+        if continue_token and self._ensure_kv(request, next_position + 1, step):
+            step.add_decode(DecodeLoop(request.identity, next_position, 1, starts_token=True))
+            return True
+        return False
 
     def _schedule_loop(self, request: ScheduledRequest, step: StepBuilder) -> None:
         step.add_decode(
             DecodeLoop(request.identity, request.looping_position, request.loops_done + 1, starts_token=False)
         )
 
-    def _schedule_first_loop(self, request: ScheduledRequest, step: StepBuilder) -> None:
+    def _schedule_first_loop(self, request: ScheduledRequest, step: StepBuilder) -> bool:
+        if not self._ensure_kv(request, request.looping_position + 1, step):
+            return False
         step.add_decode(DecodeLoop(request.identity, request.looping_position, 1, starts_token=True))
+        return True
 
     def _schedule_prefill_chunk(self, request: ScheduledRequest, step: StepBuilder) -> None:
         start = request.computed_prompt_tokens
-        count = min(step.token_budget, self.config.prefill_chunk_size, request.prompt_length - start)
+        count = min(step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start)
+        if count <= 0 or not self._ensure_kv(request, start + count, step):
+            return
         completes = start + count == request.prompt_length
         step.add_prefill(
             PrefillChunk(
@@ -262,28 +297,174 @@ class Scheduler:
             self.config.mode is SchedulingMode.REFILL
             and request.sampling.max_tokens > 1
             and step.token_budget > 0
+            and (step.loop_budget is None or step.loop_budget > 0)
+            and self._ensure_kv(request, request.prompt_length + 1, step)
         ):
             step.add_decode(DecodeLoop(request.identity, request.prompt_length, 1, starts_token=True))
 
-    def _admit(self, step: StepBuilder) -> None:
-        """FCFS admission: the queue head is admitted if a runner slot, token budget and its
-        lifetime KV reservation are available; otherwise admission stops (no bypass)."""
-        while self._waiting and len(self._running) < self.config.max_num_seqs and step.token_budget > 0:
-            request = self._waiting[0]
-            prefix = self.kv.match_prefix(request.prompt_token_ids)
-            updates = self.kv.allocate(
-                request.identity, request.max_positions, prefix, prompt_length=request.prompt_length
+    # -- KV growth and preemption ---------------------------------------------------------------
+    def _ensure_kv(self, request: ScheduledRequest, num_tokens: int, step: StepBuilder) -> bool:
+        """Make the request's blocks cover positions [0, num_tokens), preempting another request
+        once if that is allowed and needed. False: not possible this step (nothing changed)."""
+        updates = self.kv.grow(request.identity, num_tokens)
+        if updates is None and self.config.enable_preemption:
+            victim = choose_victim(
+                self._running,
+                excluded=step.selected | {request.identity},
+                held_blocks=self.kv.held_blocks,
             )
-            if updates is None:
-                return
-            self._waiting.popleft()
-            self._running.append(request)
-            request.stage = RequestStage.PREFILL
-            request.computed_prompt_tokens = prefix.num_tokens
-            request.known_to_runner = True
-            step.new_requests.append(NewRequestData(request.identity, request.sampling, request.prompt_length))
+            if victim is not None:
+                self._preempt(victim, step)
+                updates = self.kv.grow(request.identity, num_tokens)
+        if updates is None:
+            return False
+        if updates:
             step.block_updates.append(RequestBlocks(request.identity, updates))
-            self._schedule_prefill_chunk(request, step)
+        return True
+
+    def _preempt(self, victim: ScheduledRequest, step: StepBuilder) -> None:
+        """Suspend `victim`: the runner snapshots its device state first thing in this step; its
+        blocks are free for the rest of the step; it waits to be resumed exactly where it was."""
+        step.snapshots.append(victim.identity)
+        victim.snapshot_tokens = self.kv.allocated_tokens(victim.identity)
+        victim.resume_stage = victim.stage
+        self.kv.free(victim.identity)
+        self._running.remove(victim)
+        self._cohort.discard(victim.identity)
+        victim.stage = RequestStage.WAITING
+        self._waiting.add(victim)
+        self.stats.preemptions += 1
+
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self, step: StepBuilder) -> None:
+        """Admit waiting requests in policy order with bounded bypass.
+
+        A request that does not fit is deferred and later ones may pass it, but at most
+        `admission_scan_limit` are examined, and once a deferred request has been passed
+        `max_admission_bypasses` times nobody passes it any more (no starvation).
+        """
+        deferred: list[ScheduledRequest] = []
+        for scanned, request in enumerate(self._waiting):
+            if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
+                return
+            if len(self._running) >= self.config.max_num_seqs:
+                return
+            if self._try_admit(request, step):
+                for waiting in deferred:
+                    waiting.bypass_count += 1
+                if any(w.bypass_count >= self.config.max_admission_bypasses for w in deferred):
+                    return
+            elif request.bypass_count >= self.config.max_admission_bypasses:
+                return  # protected: it is next, whatever fits behind it
+            else:
+                deferred.append(request)
+
+    def _preempt_for_priority(self, step: StepBuilder) -> None:
+        """Before any row is selected: if the best waiting request cannot be admitted (no slot
+        or not enough KV) and strictly lower-priority requests run, suspend them (worst first)
+        until it can. Only the head of the queue may preempt, so one step preempts for at most
+        one arrival."""
+        if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
+            return
+        head = next(iter(self._waiting), None)
+        if head is None:
+            return
+        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else _NO_PREFIX
+        while (
+            len(self._running) >= self.config.max_num_seqs
+            or not self.plan_admission(head, prefix).fits(self.kv.capacity().free_blocks)
+        ):
+            victim = self._priority_victim(head, step)
+            if victim is None:
+                return
+            self._preempt(victim, step)
+
+    def _priority_victim(self, request: ScheduledRequest, step: StepBuilder) -> ScheduledRequest | None:
+        if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
+            return None
+        return choose_victim(
+            self._running,
+            excluded=step.selected,
+            held_blocks=self.kv.held_blocks,
+            worse_than_priority=request.sampling.priority,
+        )
+
+    def plan_admission(self, request: ScheduledRequest, prefix: PrefixLookup) -> AdmissionPlan:
+        """The block budget of admitting `request` now (R05). Pure: nothing is allocated.
+
+        required: the request's budgeted demand minus reused prefix blocks (a resumed request
+          needs back exactly what its snapshot covers). Budgeted demand is the lifetime
+          (prompt + max_tokens - 1), or only the prompt with incremental KV + preemption.
+        reserved growth: future growth of running requests (to their lifetime, or with
+          preemption only to the end of their prompt). headroom: the watermark, while others run.
+        """
+        config = self.config
+        if request.preempted:
+            required = self.kv.blocks_for(request.snapshot_tokens)
+        else:
+            budget_tokens = (
+                request.prompt_length
+                if config.incremental_kv and config.enable_preemption
+                else request.lifetime_tokens
+            )
+            required = max(self.kv.blocks_for(budget_tokens) - prefix.num_blocks, 0)
+        reserved = 0
+        for running in self._running:
+            target = (
+                running.prompt_length
+                if config.enable_preemption and running.stage is RequestStage.PREFILL
+                else (0 if config.enable_preemption else running.lifetime_tokens)
+            )
+            reserved += max(self.kv.blocks_for(target) - self.kv.held_blocks(running.identity), 0)
+        headroom = int(config.watermark_ratio * self.kv.num_blocks) if self._running else 0
+        return AdmissionPlan(
+            required_blocks=required,
+            reserved_growth_blocks=reserved,
+            headroom_blocks=headroom,
+            cached_claim_blocks=prefix.cached_claim_blocks,
+            reusable_prefix_tokens=prefix.num_tokens,
+        )
+
+    def _try_admit(self, request: ScheduledRequest, step: StepBuilder) -> bool:
+        prefix = self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else _NO_PREFIX
+        if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
+            return False
+        if request.preempted:
+            return self._resume(request, step)
+        initial_tokens = (
+            min(request.prompt_length, prefix.num_tokens + self.config.prefill_chunk_size)
+            if self.config.incremental_kv
+            else request.lifetime_tokens
+        )
+        updates = self.kv.allocate(request.identity, initial_tokens, prefix, prompt_length=request.prompt_length)
+        if updates is None:
+            return False
+        self._waiting.remove(request)
+        self._running.append(request)
+        request.stage = RequestStage.PREFILL
+        request.computed_prompt_tokens = prefix.num_tokens
+        request.known_to_runner = True
+        step.new_requests.append(NewRequestData(request.identity, request.sampling, request.prompt_length))
+        step.block_updates.append(RequestBlocks(request.identity, updates))
+        self._schedule_prefill_chunk(request, step)
+        return True
+
+    def _resume(self, request: ScheduledRequest, step: StepBuilder) -> bool:
+        """Give a preempted request blocks covering its snapshot; the runner restores it
+        before this step's work. It continues from the same stage, loop and exit state."""
+        updates = self.kv.allocate(request.identity, request.snapshot_tokens, _NO_PREFIX)
+        if updates is None:
+            return False
+        self._waiting.remove(request)
+        self._running.append(request)
+        request.stage = request.resume_stage
+        request.snapshot_tokens = request.resume_stage = None
+        if self.config.mode is SchedulingMode.NO_REFILL and request.stage is RequestStage.RECURRENT:
+            self._cohort.add(request.identity)
+        step.block_updates.append(RequestBlocks(request.identity, updates))
+        step.restores.append(request.identity)
+        self.stats.resumptions += 1
+        return True
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, result: ModelRunnerOutput) -> None:
@@ -347,7 +528,10 @@ class Scheduler:
         if item.starts_token:
             request.start_token()
         request.loops_done = item.loop_index
-        exits = self.exit_policy.after_loop(request.exit_state, request.bounds, item.loop_index, exit_probability)
+        exits = self.exit_policy.after_loop(
+            request.exit_state, request.bounds, item.loop_index, exit_probability,
+            request_id=request.identity.request_id, output_index=request.num_outputs,
+        )
         if not exits:
             request.stage = RequestStage.RECURRENT
             return
@@ -374,7 +558,7 @@ class Scheduler:
     def _finish(self, request: ScheduledRequest, reason: FinishReason, *, error: str | None = None) -> None:
         """The one cleanup path of completion, abort and failure (R16)."""
         if request.stage is RequestStage.WAITING:
-            self._waiting.remove(request)
+            self._waiting.remove(request)  # new, or preempted (its snapshot is dropped below)
         else:
             self._running.remove(request)
         request.stage = RequestStage.FINISHED

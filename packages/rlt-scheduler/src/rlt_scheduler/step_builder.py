@@ -18,10 +18,15 @@ class StepBuilder:
     """Mutable draft of one `SchedulerOutput`; lives only while one step is being scheduled (R03).
 
     token_budget: token rows left this step (decode rows and prefill tokens each cost one).
+    loop_budget: token x loop passes left (decode row 1, prefill token `depth`); None = no cap.
     """
 
-    def __init__(self, token_budget: int) -> None:
+    def __init__(self, token_budget: int, loop_budget: int | None, depth: int) -> None:
         self.token_budget = token_budget
+        self.loop_budget = loop_budget
+        self.depth = depth
+        self.snapshots: list[ExecutionIdentity] = []
+        self.restores: list[ExecutionIdentity] = []
         self.new_requests: list[NewRequestData] = []
         self.block_updates: list[RequestBlocks] = []
         self.prefill: list[PrefillChunk] = []
@@ -30,15 +35,26 @@ class StepBuilder:
         self.decode: list[DecodeLoop] = []
         self.selected: set[ExecutionIdentity] = set()
 
+    def prefill_room(self) -> int:
+        """Prompt tokens that still fit this step under both budgets."""
+        room = self.token_budget
+        if self.loop_budget is not None:
+            room = min(room, self.loop_budget // self.depth)
+        return max(room, 0)
+
     def add_decode(self, item: DecodeLoop) -> None:
         self.decode.append(item)
         self.selected.add(item.identity)
         self.token_budget -= 1
+        if self.loop_budget is not None:
+            self.loop_budget -= 1
 
     def add_prefill(self, chunk: PrefillChunk) -> None:
         self.prefill.append(chunk)
         self.selected.add(chunk.identity)
         self.token_budget -= len(chunk.token_ids)
+        if self.loop_budget is not None:
+            self.loop_budget -= len(chunk.token_ids) * self.depth
 
     def add_coda(self, item: CodaItem) -> None:
         self.coda.append(item)
@@ -56,6 +72,8 @@ class StepBuilder:
             new_requests=tuple(self.new_requests),
             block_updates=tuple(self.block_updates),
             released=released,
+            snapshots=tuple(self.snapshots),
+            restores=tuple(self.restores),
             prefill=tuple(self.prefill),
             kv_copies=tuple(self.kv_copies),
             coda=tuple(self.coda),

@@ -13,7 +13,7 @@ from rlt_kv import KVCacheManager
 from rlt_models import OuroModel, load_model
 from rlt_runner import KVMemoryPlan, KVStorage, ModelRunner, plan_kv_blocks
 from rlt_sampling import Sampler
-from rlt_scheduler import Scheduler
+from rlt_scheduler import Scheduler, make_exit_policy
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
@@ -95,7 +95,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         cpu_budget_bytes=config.cpu_kv_cache_bytes,
     )
     kv = KVCacheManager(
-        num_blocks=memory_plan.num_blocks, block_size=config.block_size, num_planes=num_planes
+        num_blocks=memory_plan.num_blocks,
+        block_size=config.block_size,
+        num_planes=num_planes,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     scheduler = Scheduler(
         config.scheduler_config(),
@@ -104,6 +107,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         vocab_size=shape.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=shape.eos_token_ids,
+        exit_policy=make_exit_policy(config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops),
     )
     runner = ModelRunner(
         model,

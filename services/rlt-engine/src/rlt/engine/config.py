@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlt_contracts import ConfigurationError, KVLayout
-from rlt_scheduler import SchedulerConfig, SchedulingMode
+from rlt_scheduler import SchedulerConfig, SchedulingMode, SchedulingPolicy
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_TYPES = ("auto", "cpu", "cuda")
@@ -29,6 +29,17 @@ class EngineConfig:
     max_model_len: context length in tokens (None = the model's max_position_embeddings).
     attention_backend: "auto" or a backend name ("torch", "triton", "flash_attn").
     gpu_memory_utilization: fraction of the GPU memory the engine may use in total.
+
+    Memory and scheduling features (see docs/configuration.md):
+    enable_prefix_caching: share full prompt pages across requests (all depths).
+    incremental_kv: claim KV pages as requests grow instead of a lifetime reservation.
+    kv_watermark: fraction of the pool kept free at admission while other requests run.
+    scheduling_policy: "fcfs" or "priority" (SamplingParams.priority, lower first).
+    enable_preemption: lossless CPU-snapshot preemption under memory pressure / for priority.
+    exit_policy: "ouro" (default), "ouro_delayed" or "trace"; exit_trace: JSON file of
+      {request_id: [depth per output token]} read by the "trace" policy.
+    max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
+    admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
     """
 
     model: str | Path | None = None
@@ -46,6 +57,16 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30
     max_waiting_requests: int = 4096
+    enable_prefix_caching: bool = False
+    incremental_kv: bool = False
+    kv_watermark: float = 0.0
+    scheduling_policy: str = "fcfs"
+    enable_preemption: bool = False
+    exit_policy: str = "ouro"
+    exit_trace: str | Path | None = None
+    max_num_batched_token_loops: int | None = None
+    admission_scan_limit: int = 64
+    max_admission_bypasses: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -66,7 +87,13 @@ class EngineConfig:
             raise ConfigurationError(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        self.scheduler_config()  # validates the batching options
+        self.scheduler_config()  # validates the batching and memory options
+        if self.exit_policy == "trace" and self.exit_trace is None:
+            raise ConfigurationError(("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file")
+        if self.exit_trace is not None and self.exit_policy != "trace":
+            raise ConfigurationError(
+                ("exit_trace", "exit_policy"), f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -92,7 +119,14 @@ class EngineConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_token_loops=self.max_num_batched_token_loops,
             prefill_chunk_size=self.prefill_chunk_size,
             mode=mode,
+            policy=self.scheduling_policy,
+            incremental_kv=self.incremental_kv,
+            watermark_ratio=self.kv_watermark,
+            enable_preemption=self.enable_preemption,
+            admission_scan_limit=self.admission_scan_limit,
+            max_admission_bypasses=self.max_admission_bypasses,
             max_waiting_requests=self.max_waiting_requests,
         )

@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from rlt_contracts import EngineStats, RequestOutputDelta
 from rlt_kv import KVCacheManager
 from rlt_runner import ModelRunner
 from rlt_scheduler import Scheduler
+
+
+@dataclass
+class StepTimings:
+    """Cumulative wall-clock seconds of the engine loop's phases (host clock).
+
+    execute_s includes `readback_wait_s`, the time the host blocked on device results; the rest
+    of a step is host work (scheduling, batch preparation, kernel launches, result handling).
+    """
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    readback_wait_s: float = 0.0
+    update_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.execute_s - self.readback_wait_s + self.update_s
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.update_s
 
 
 class EngineCore:
@@ -16,12 +42,24 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
+        self.timings = StepTimings()
 
     def step(self) -> list[RequestOutputDelta]:
+        t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        t1 = time.perf_counter()
         result = self.runner.execute(scheduled)
+        t2 = time.perf_counter()
         self.scheduler.update_from_output(result)
-        return self.scheduler.take_outputs()
+        deltas = self.scheduler.take_outputs()
+        t3 = time.perf_counter()
+        timings = self.timings
+        timings.steps += 1
+        timings.schedule_s += t1 - t0
+        timings.execute_s += t2 - t1
+        timings.update_s += t3 - t2
+        timings.readback_wait_s = self.runner.readback_wait_s
+        return deltas
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats

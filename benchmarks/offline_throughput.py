@@ -36,6 +36,10 @@ SHAPES = {
 }
 
 
+WARMUP_REQUESTS = 4
+WARMUP_TOKENS = 4
+
+
 @dataclass
 class ArmResult:
     arm: str
@@ -94,6 +98,7 @@ def write_trace(path: Path, probs: list[float], args) -> None:
         f"bench-{i}": [4] + rng.choices(depths, weights=probs, k=args.output_len - 1)
         for i in range(args.num_requests)
     }
+    trace.update({f"warmup-{i}": [4] * WARMUP_TOKENS for i in range(WARMUP_REQUESTS)})
     path.write_text(json.dumps(trace))
 
 
@@ -113,8 +118,8 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
         max_model_len=args.prompt_len + args.output_len, **engine_kwargs,
     ))
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **sampling_kwargs)
-    for i in range(min(args.max_num_seqs, 4)):  # warm-up: kernels, allocator, autotuning
-        engine.add_request(f"warmup-{i}", prompts[i], SamplingParams(max_tokens=4, ignore_eos=True))
+    for i in range(WARMUP_REQUESTS):  # warm-up: kernels, allocator, autotuning
+        engine.add_request(f"warmup-{i}", prompts[i], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     _sync(args.device)

@@ -1,9 +1,10 @@
-"""The `rlt` command: `rlt generate PROMPT ...` (and `rlt serve` once the server exists)."""
+"""The `rlt` command: `rlt generate PROMPT ...` and `rlt serve [MODEL_DIR]`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -29,6 +30,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--attention-backend", default=d.attention_backend)
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                       help="waiting-queue bound; beyond it requests are refused (HTTP 429)")
+    group.add_argument("--max-num-batched-token-loops", type=int, default=None,
+                       help="cap on token x loop passes per step (default: no cap)")
+    group.add_argument("--enable-prefix-caching", action="store_true")
+    group.add_argument("--incremental-kv", action="store_true",
+                       help="claim KV pages as requests grow instead of a lifetime reservation")
+    group.add_argument("--kv-watermark", type=float, default=d.kv_watermark)
+    group.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                       choices=["fcfs", "priority"])
+    group.add_argument("--enable-preemption", action="store_true")
+    group.add_argument("--exit-policy", default=d.exit_policy,
+                       choices=["ouro", "ouro_delayed", "trace"])
+    group.add_argument("--exit-trace", default=None,
+                       help="JSON file {request_id: [depth per output token]} "
+                       "for --exit-policy trace")
+    group.add_argument("--admission-scan-limit", type=int, default=d.admission_scan_limit)
+    group.add_argument("--max-admission-bypasses", type=int, default=d.max_admission_bypasses)
+    group.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -46,6 +66,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        max_waiting_requests=args.max_waiting_requests,
+        max_num_batched_token_loops=args.max_num_batched_token_loops,
+        enable_prefix_caching=args.enable_prefix_caching,
+        incremental_kv=args.incremental_kv,
+        kv_watermark=args.kv_watermark,
+        scheduling_policy=args.scheduling_policy,
+        enable_preemption=args.enable_preemption,
+        exit_policy=args.exit_policy,
+        exit_trace=args.exit_trace,
+        admission_scan_limit=args.admission_scan_limit,
+        max_admission_bypasses=args.max_admission_bypasses,
+        cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
     )
 
 
@@ -59,8 +91,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=d.seed)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
+    add_loop_arguments(group)
+
+
+def add_loop_arguments(group) -> None:
+    """Loop bounds (for `rlt serve`: the defaults of requests that leave them out)."""
+    d = SamplingParams()
     group.add_argument("--min-loops", type=int, default=d.min_loops)
-    group.add_argument("--max-loops", type=int, default=None)
+    group.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
     group.add_argument("--exit-threshold", type=float, default=0.7,
                        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth)")
 
@@ -104,6 +142,65 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from rlt_serve import DEFAULT_MAX_BODY_BYTES
+
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: loopback only; 0.0.0.0 for every interface)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get("RLT_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model name in the API (default: the model directory's name)")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies are refused (HTTP 413)")
+    group.add_argument("--allowed-origin", action="append", default=[],
+                       help="browser origin allowed to call the API (CORS; repeatable); "
+                       "requests from other origins are refused")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests may take to finish after SIGINT/SIGTERM "
+                       "before they are aborted")
+    group.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    loops = parser.add_argument_group("loop defaults (requests may override them)")
+    add_loop_arguments(loops)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rlt_contracts import ConfigurationError
+    from rlt_serve import LoopDefaults
+
+    from rlt.engine.assembly import resolve_model_dir
+    from rlt.serving.server import ServeOptions, serve
+
+    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+        raise ConfigurationError("model", "give the model directory once (MODEL_DIR or --model)")
+    args.model = args.model_dir if args.model_dir is not None else args.model
+    if args.model is None:
+        try:
+            resolve_model_dir(None)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                "model", f"{exc.message}; pass a checkpoint directory: rlt serve MODEL_DIR"
+            ) from None
+    if args.max_body_bytes < 1:
+        raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
+    loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        loop_defaults=loop_defaults,
+        allowed_origins=tuple(args.allowed_origin),
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    return serve(engine_config_from_args(args), options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt", description="Serve and run recurrent looped transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(generate)
     add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                       help="checkpoint directory (default: the bundled model)")
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=run_serve)
     return parser
 
 

@@ -1,0 +1,171 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from rlt_contracts import RequestOutputDelta
+
+from rlt_serve.context import ServerContext, new_id
+from rlt_serve.generation import Choice, Generation
+from rlt_serve.params import check_model, check_supported, sampling_params
+from rlt_serve.prompts import chat_prompt, chat_stop_token_ids, check_max_tokens, check_prompt
+from rlt_serve.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+from rlt_serve.streaming import stream_generation
+
+PATH = "/v1/chat/completions"
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
+    check_model(body.model, ctx.served_model_name)
+    check_supported(body)
+    info = ctx.model_info
+    prompt = chat_prompt(body.messages, ctx.tokenizer)
+    check_prompt(prompt, info, param="messages")
+    max_tokens_field = (
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    )
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    if max_tokens is None:  # what is left of the context
+        max_tokens = max(info.max_model_len - len(prompt) + 1, 1)
+    check_max_tokens(len(prompt), max_tokens, info, param=max_tokens_field)
+    field_names = {"logprobs": "top_logprobs", "max_tokens": max_tokens_field, "prompt": "messages"}
+    params = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        extra_stop_token_ids=chat_stop_token_ids(ctx.tokenizer, info.vocab_size),
+        defaults=ctx.loop_defaults,
+        field_names=field_names,
+    )
+    response_id = new_id("chatcmpl")
+    created = int(time.time())
+    generation = Generation(
+        ctx.client,
+        response_id=response_id,
+        prompts=[prompt],
+        sampling=params,
+        metrics=ctx.metrics,
+        path=PATH,
+        field_names=field_names,
+    )
+    want_ids = body.return_token_ids
+
+    if not body.stream:
+        async with generation:
+            async with generation.cancel_on_disconnect(request):
+                await generation.collect()
+        failure = generation.failure()
+        if failure is not None:
+            return failure.response()
+        [choice] = generation.choices
+        response = ChatCompletionResponse(
+            id=response_id,
+            created=created,
+            model=ctx.served_model_name,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=AssistantMessage(content=choice.text),
+                    logprobs=(
+                        _logprobs(ctx, choice.token_ids, choice.logprobs, choice.top_logprobs)
+                        if body.logprobs
+                        else None
+                    ),
+                    finish_reason=choice.finish_reason,
+                    exit_depths=choice.exit_depths,
+                    token_ids=choice.token_ids if want_ids else None,
+                )
+            ],
+            usage=generation.usage(info.num_loops),
+        )
+        return JSONResponse(response.model_dump(mode="json"))
+
+    await generation.__aenter__()
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def make_chunk(choices: list[ChatChunkChoice], usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=response_id,
+            created=created,
+            model=ctx.served_model_name,
+            choices=choices,
+            usage=usage,
+        )
+
+    opening = [
+        make_chunk(
+            [
+                ChatChunkChoice(
+                    index=0,
+                    delta=ChatDelta(role="assistant", content=""),
+                    finish_reason=None,
+                    exit_depths=[],
+                )
+            ]
+        )
+    ]
+
+    def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[ChatCompletionChunk]:
+        logprobs = None
+        if body.logprobs and delta.logprobs is not None:
+            logprobs = _logprobs(ctx, delta.token_ids, delta.logprobs, delta.top_logprobs or ())
+        yield make_chunk(
+            [
+                ChatChunkChoice(
+                    index=choice.index,
+                    delta=ChatDelta(content=delta.text),
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason if delta.finished else None,
+                    exit_depths=list(delta.exit_depths),
+                    token_ids=list(delta.token_ids) if want_ids else None,
+                )
+            ]
+        )
+
+    def closing() -> Iterable[ChatCompletionChunk]:
+        if include_usage:
+            yield make_chunk([], usage=generation.usage(info.num_loops))
+
+    return stream_generation(request, generation, opening=opening, chunks=chunk, closing=closing)
+
+
+def _logprobs(
+    ctx: ServerContext,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    top_logprobs: Sequence[Sequence[tuple[int, float]]],
+) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        text = ctx.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        first = entry(token_id, logprob)
+        alternatives = top_logprobs[i] if i < len(top_logprobs) else ()
+        content.append(
+            TokenLogprob(
+                token=first.token,
+                logprob=first.logprob,
+                bytes=first.bytes,
+                top_logprobs=[entry(t, lp) for t, lp in alternatives],
+            )
+        )
+    return ChatLogprobs(content=content)

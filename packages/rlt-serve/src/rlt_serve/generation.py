@@ -1,0 +1,251 @@
+"""Running the engine requests of one HTTP request (shared by both endpoints).
+
+One HTTP request becomes one engine request per prompt (choice). `Generation` submits them
+together, merges their delta streams, keeps per-choice totals for the final response and the
+metrics, and guarantees cleanup: whatever way the HTTP request ends (normal end, client
+disconnect, task cancellation, error), every engine request that has not finished is cancelled
+so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from rlt_contracts import EngineClient, EngineRequest, RequestOutputDelta, SamplingParams
+
+from rlt_serve.errors import APIError, from_engine_error
+from rlt_serve.metrics import ServingMetrics, outcome_of_status
+from rlt_serve.schemas import LoopUsage, Usage
+
+
+@dataclass
+class Choice:
+    """Everything one choice generated so far."""
+
+    index: int
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    last_token_time: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Generation:
+    """The engine requests of one HTTP request; use as `async with Generation(...) as g`."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        response_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        metrics: ServingMetrics,
+        path: str,
+        field_names: dict[str, str] | None = None,
+    ) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._path = path
+        self._field_names = field_names
+        self.arrival = time.time()
+        self._start = time.monotonic()
+        self.sampling = sampling
+        self.choices = [
+            Choice(index=i, request_id=f"{response_id}-{i}", prompt_tokens=len(ids))
+            for i, ids in enumerate(prompts)
+        ]
+        self._prompts = prompts
+        self._submitted: list[Choice] = []
+        self._streams: list[AsyncIterator[RequestOutputDelta]] = []
+        self.client_disconnected = False
+        self.streaming = False  # set once a streaming response owns this generation
+        self._outcome_recorded = False
+
+    async def __aenter__(self) -> Generation:
+        """Submit every prompt; on failure cancel what was submitted and raise an APIError
+        (the app's error handler answers it and counts the outcome)."""
+        try:
+            for choice, prompt in zip(self.choices, self._prompts, strict=True):
+                await self._client.submit(
+                    EngineRequest(choice.request_id, tuple(prompt), self.sampling, self.arrival)
+                )
+                self._submitted.append(choice)
+                self._streams.append(self._client.stream(choice.request_id))
+        except BaseException as exc:
+            await self._cancel_unfinished()
+            if isinstance(exc, Exception) and not isinstance(exc, APIError):
+                raise from_engine_error(exc, field_names=self._field_names) from exc
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, _traceback) -> None:
+        await self._cancel_unfinished()
+        if self._outcome_recorded:
+            return
+        if isinstance(exc, Exception) and not self.streaming:
+            return  # answered (and counted) by the app's error handler
+        # Ended before its deltas did: the client went away (its task was cancelled, or the
+        # stream could not be written any more).
+        self._record("abort")
+
+    # -- deltas --------------------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestOutputDelta]]:
+        """(choice, delta) in arrival order across choices, each applied to its choice."""
+        if len(self._streams) == 1:
+            async for delta in self._streams[0]:
+                yield self._apply(self.choices[0], delta), delta
+        else:
+            async for index, delta in _merge(self._streams):
+                yield self._apply(self.choices[index], delta), delta
+        self._record_finish()
+
+    async def collect(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    def _apply(self, choice: Choice, delta: RequestOutputDelta) -> Choice:
+        now = time.monotonic()
+        if delta.token_ids:
+            count = len(delta.token_ids)
+            if choice.last_token_time is None:
+                self._metrics.time_to_first_token.observe(now - self._start)
+                count -= 1
+            if count > 0 and choice.last_token_time is not None:
+                gap = (now - choice.last_token_time) / count
+                for _ in range(count):
+                    self._metrics.inter_token_latency.observe(gap)
+            choice.last_token_time = now
+            decoded = delta.exit_depths if choice.token_ids else delta.exit_depths[1:]
+            self._metrics.observe_loops(decoded)
+        choice.token_ids.extend(delta.token_ids)
+        choice.exit_depths.extend(delta.exit_depths)
+        if delta.text:
+            choice.text_parts.append(delta.text)
+        if delta.logprobs is not None:
+            choice.logprobs.extend(delta.logprobs)
+            choice.top_logprobs.extend(delta.top_logprobs or ((),) * len(delta.logprobs))
+        if delta.finished:
+            choice.finish_reason = str(delta.finish_reason or "abort")
+            choice.error = delta.error
+        return choice
+
+    # -- results -------------------------------------------------------------------------------
+    def failure(self) -> APIError | None:
+        """The engine failed on one of the requests (not an abort the caller asked for)."""
+        for choice in self.choices:
+            if choice.error:
+                return APIError(
+                    500, f"the engine failed on this request: {choice.error}", type="internal_error"
+                )
+        return None
+
+    def usage(self, model_depth: int) -> Usage:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        prompt = sum(c.prompt_tokens for c in self.choices)
+        decoded = [d for c in self.choices for d in c.exit_depths[1:]]
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            loops=LoopUsage(
+                total_loops=sum(d for c in self.choices for d in c.exit_depths),
+                mean_loops_per_token=sum(decoded) / len(decoded) if decoded else 0.0,
+                model_depth=model_depth,
+            ),
+        )
+
+    def record_error(self, error: APIError) -> None:
+        """Count an error reported inside a stream (no error handler sees those)."""
+        self._record(outcome_of_status(error.status))
+
+    def _record_finish(self) -> None:
+        reasons = {c.finish_reason for c in self.choices}
+        if any(c.error for c in self.choices):
+            outcome = "error"
+        else:
+            outcome = next((r for r in ("abort", "length", "stop") if r in reasons), "abort")
+        self._metrics.request_latency.observe(time.monotonic() - self._start)
+        self._record(outcome)
+
+    def _record(self, outcome: str) -> None:
+        if not self._outcome_recorded:
+            self._outcome_recorded = True
+            self._metrics.count(self._path, outcome)
+
+    async def _cancel_unfinished(self) -> None:
+        # Shielded: this also runs while the surrounding task is being cancelled (a client
+        # disconnect cancels the streaming task), and the cancels must still go out.
+        with anyio.CancelScope(shield=True):
+            for choice in self._submitted:
+                if not choice.finished:
+                    await self._client.cancel(choice.request_id)
+
+    # -- client disconnects --------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def cancel_on_disconnect(self, request: Request):
+        """While inside, a client disconnect cancels the engine requests at once (their streams
+        then end with finish_reason "abort"), even before any token was sent."""
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    self.client_disconnected = True
+                    await self._cancel_unfinished()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutputDelta]]):
+    """Interleave several delta streams as (stream index, delta), in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutputDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((index, None, exc))
+        finally:
+            queue.put_nowait((index, done, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is done:
+                remaining -= 1
+                continue
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,106 @@
+"""Request fields -> `SamplingParams`, and the checks every generation request shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlt_contracts import InvalidRequestError, SamplingParams
+
+from rlt_serve.errors import APIError, invalid
+from rlt_serve.schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
+
+
+@dataclass(frozen=True)
+class LoopDefaults:
+    """Loop settings applied when a request leaves them out (the server's --min-loops,
+    --max-loops and --exit-threshold). max_loops None means the model depth."""
+
+    min_loops: int = 2
+    max_loops: int | None = None
+    exit_threshold: float = 1.0
+
+
+def check_model(requested: str | None, served_model_name: str) -> None:
+    if requested is not None and requested != served_model_name:
+        raise APIError(
+            404,
+            f"The model '{requested}' does not exist; this server serves '{served_model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_supported(request: _CommonOpenAIFields) -> None:
+    """400 for OpenAI features we accept only at their neutral value."""
+    if request.n != 1:
+        raise invalid("n", f"n: only n=1 is supported, got {request.n}")
+    if request.presence_penalty != 0:
+        raise invalid("presence_penalty", "presence_penalty: only 0 is supported")
+    if request.frequency_penalty != 0:
+        raise invalid("frequency_penalty", "frequency_penalty: only 0 is supported")
+    if request.logit_bias:
+        raise invalid("logit_bias", "logit_bias: not supported")
+    if request.stream_options is not None and not request.stream:
+        raise invalid("stream_options", "stream_options: only allowed with stream=true")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise invalid("echo", "echo: only echo=false is supported")
+        if request.best_of not in (None, 1):
+            raise invalid("best_of", f"best_of: only best_of=1 is supported, got {request.best_of}")
+        if request.suffix is not None:
+            raise invalid("suffix", "suffix: not supported")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise invalid("tools", "tools: tool calling is not supported")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise invalid("top_logprobs", "top_logprobs: requires logprobs=true")
+        if request.max_tokens is not None and request.max_completion_tokens is not None:
+            raise invalid(
+                "max_completion_tokens",
+                "max_completion_tokens: give either max_tokens or max_completion_tokens",
+            )
+
+
+def sampling_params(
+    request: _CommonOpenAIFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    extra_stop_token_ids: tuple[int, ...] = (),
+    defaults: LoopDefaults,
+    field_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """Build and validate the engine's parameters; a bad value is a 400 naming its field."""
+    stop = request.stop
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    min_loops, max_loops = request.min_loops, request.max_loops
+    # A bound the request gives wins over the other bound's server default.
+    if min_loops is None:
+        min_loops = defaults.min_loops
+        if max_loops is not None and max_loops >= 1:
+            min_loops = min(min_loops, max_loops)
+    if max_loops is None and defaults.max_loops is not None:
+        max_loops = max(defaults.max_loops, min_loops)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=-1 if request.top_k == 0 else request.top_k,
+            seed=request.seed,
+            stop=stops,
+            stop_token_ids=tuple(request.stop_token_ids or ()) + extra_stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            min_loops=min_loops,
+            max_loops=max_loops,
+            exit_threshold=(
+                request.exit_threshold
+                if request.exit_threshold is not None
+                else defaults.exit_threshold
+            ),
+            priority=request.priority,
+        )
+    except InvalidRequestError as exc:
+        param = (field_names or {}).get(exc.field, exc.field)
+        raise invalid(param, f"{param}: {exc.message}") from exc

@@ -1,0 +1,235 @@
+"""rlt-serve against a scripted EngineClient (no engine, no model): the HTTP layer alone.
+
+Covered: response and chunk shapes, error mapping of every EngineClient error, cleanup of
+already submitted prompts when a later one is refused, in-band stream errors, /health after an
+engine failure, and the validation-error -> OpenAI error translation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from fastapi.testclient import TestClient
+from rlt_contracts import (
+    EngineDeadError,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    OverloadedError,
+    RequestOutputDelta,
+)
+from rlt_serve import LoopDefaults, build_app
+
+INFO = ModelInfo(
+    name="fake", path="/fake", max_model_len=64, vocab_size=128, num_loops=4, eos_token_ids=(0,)
+)
+
+
+class FakeTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in token_ids)
+
+    def convert_tokens_to_ids(self, token):
+        return 2
+
+    def apply_chat_template(self, conversation, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+
+
+class FakeClient:
+    """Answers every request with the tokens of "ok!" at depths 4, 2, 3, in two deltas."""
+
+    def __init__(self) -> None:
+        self.submitted: list[EngineRequest] = []
+        self.cancelled: list[str] = []
+        self.refuse: dict[int, BaseException] = {}  # submit index -> error
+        self.fail_stream: BaseException | None = None
+        self.shut_down = False
+
+    def model_info(self) -> ModelInfo:
+        return INFO
+
+    async def submit(self, request: EngineRequest) -> None:
+        error = self.refuse.get(len(self.submitted))
+        self.submitted.append(request)
+        if error is not None:
+            raise error
+
+    async def _deltas(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        yield RequestOutputDelta(request_id, (111, 107), (4, 2), text="ok", num_prompt_tokens=3)
+        if self.fail_stream is not None:
+            raise self.fail_stream
+        yield RequestOutputDelta(
+            request_id,
+            (33,),
+            (3,),
+            text="!",
+            finished=True,
+            finish_reason=FinishReason.LENGTH,
+            num_prompt_tokens=3,
+        )
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        return self._deltas(request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(kv_blocks_total=10, kv_blocks_used=1)
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.fixture
+def fake():
+    return FakeClient()
+
+
+@pytest.fixture
+def http(fake):
+    app = build_app(
+        fake,
+        served_model_name="m",
+        tokenizer=FakeTokenizer(),
+        loop_defaults=LoopDefaults(min_loops=1, exit_threshold=0.5),
+        engine_error=lambda: fake.shut_down and EngineDeadError("gone") or None,
+    )
+    with TestClient(app) as client:
+        yield client
+    assert fake.shut_down  # the lifespan shut the client down
+
+
+def events(text: str) -> list:
+    return [
+        line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+def test_completion_body_and_extensions(http, fake):
+    response = http.post(
+        "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 3, "top_k": 0, "return_token_ids": True},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "ok!",
+            "logprobs": None,
+            "finish_reason": "length",
+            "exit_depths": [4, 2, 3],
+            "token_ids": [111, 107, 33],
+        }
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "loops": {"total_loops": 9, "mean_loops_per_token": 2.5, "model_depth": 4},
+    }
+    [request] = fake.submitted
+    assert request.prompt_token_ids == (97, 98, 99)
+    params = request.sampling
+    assert (params.max_tokens, params.top_k, params.min_loops, params.exit_threshold) == (
+        3,
+        -1,
+        1,
+        0.5,
+    )
+    assert params.temperature == 1.0 and params.seed is None  # OpenAI defaults
+
+
+def test_chat_stream_chunks(http, fake):
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 5,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    chunks = events(response.text)
+    assert chunks[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["delta"]["content"] for c in chunks[1:3]] == ["ok", "!"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[1:3]] == [None, "length"]
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 3
+    params = fake.submitted[0].sampling
+    assert params.stop_token_ids == (2,)  # the chat turn end
+    assert fake.submitted[0].prompt_token_ids == tuple(ord(c) for c in "<user>hi<assistant>")
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "param", "code"),
+    [
+        (InvalidRequestError("max_loops", "too deep"), 400, "max_loops", None),
+        (OverloadedError("queue full"), 429, None, "overloaded"),
+        (EngineDeadError("gone"), 503, None, "engine_unavailable"),
+    ],
+)
+def test_engine_errors_map_to_statuses(http, fake, error, status, param, code):
+    fake.refuse[0] = error
+    response = http.post("/v1/completions", json={"prompt": "abc", "stream": True})
+    assert response.status_code == status
+    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["code"] == code
+    if status == 429:
+        assert response.headers["retry-after"] == "1"
+
+
+def test_a_refused_prompt_cancels_the_ones_already_submitted(http, fake):
+    fake.refuse[1] = OverloadedError("queue full")
+    response = http.post("/v1/completions", json={"prompt": ["a", "b", "c"]})
+    assert response.status_code == 429
+    assert fake.cancelled == [fake.submitted[0].request_id]
+    assert len(fake.submitted) == 2
+
+
+def test_engine_failure_mid_stream_is_reported_in_band(http, fake):
+    fake.fail_stream = EngineDeadError("device lost")
+    response = http.post("/v1/completions", json={"prompt": "abc", "stream": True})
+    assert response.status_code == 200
+    chunks = events(response.text)
+    assert chunks[0]["choices"][0]["text"] == "ok"
+    assert "device lost" in chunks[1]["error"]["message"] and chunks[-1] == "[DONE]"
+    metrics = http.get("/metrics").text
+    assert 'rlt_requests_total{endpoint="completions",outcome="unavailable"} 1.0' in metrics
+
+
+def test_health_follows_the_engine(http, fake):
+    assert http.get("/health").json() == {"status": "ok", "detail": None}
+    fake.shut_down = True
+    response = http.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "dead"
+    fake.shut_down = False
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"prompt": 3}, "prompt", "must be one of str, list[str], list[int], list[list[int]]"),
+        ({"prompt": "a", "max_token": 3}, "max_token", "Unrecognized request argument"),
+        (
+            {"prompt": "a", "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "valid boolean",
+        ),
+        ({"prompt": "a", "seed": 2**63}, "seed", "< 2**63"),
+    ],
+)
+def test_validation_errors_name_the_field(http, body, param, message):
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error

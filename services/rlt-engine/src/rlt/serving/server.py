@@ -1,0 +1,156 @@
+"""`rlt serve`: wire an `LLMEngine`, its `AsyncEngine` and the rlt-serve app into uvicorn.
+
+Shutdown: uvicorn turns SIGINT/SIGTERM into a graceful exit. It stops accepting connections
+and waits for in-flight requests. `DrainingServer` gives them `shutdown_timeout` seconds to
+finish, then shuts the `AsyncEngine` down, which aborts whatever still runs: each of those
+requests still ends properly (a stream sends its last chunk with finish_reason "abort" and
+`[DONE]`, a plain request answers with what it has). Should a handler hang anyway, uvicorn
+cancels it after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan shutdown runs
+(the client shutdown again: a no-op that joins the engine thread), and `serve()` returns 0.
+A second signal skips the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import uvicorn
+from rlt_contracts import ConfigurationError, InvalidRequestError, SamplingParams
+from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, build_app
+
+from rlt.engine.config import EngineConfig
+from rlt.engine.llm_engine import LLMEngine
+from rlt.serving.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """HTTP-side options of `rlt serve` (engine options live in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: the model directory's name
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    loop_defaults: LoopDefaults = field(default_factory=LoopDefaults)
+    allowed_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_server(engine: LLMEngine, options: ServeOptions):
+    """(app, async_engine) over an already built engine; the caller runs the app."""
+    try:
+        tokenizer = engine.tokenizer
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError("model", f"the server needs the model's tokenizer: {exc}") from exc
+    defaults = options.loop_defaults
+    try:  # the loop defaults must suit this model, or every request would fail
+        SamplingParams(
+            min_loops=defaults.min_loops,
+            max_loops=defaults.max_loops,
+            exit_threshold=defaults.exit_threshold,
+        ).resolve_max_loops(engine.model_info().num_loops)
+    except InvalidRequestError as exc:
+        raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
+    client = AsyncEngine(engine)
+    app = build_app(
+        client,
+        served_model_name=options.served_model_name or client.model_info().name,
+        tokenizer=tokenizer,
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+        loop_defaults=options.loop_defaults,
+        allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+        allowed_origins=options.allowed_origins,
+        engine_error=lambda: client.dead,
+    )
+    return app, client
+
+
+HARD_STOP_MARGIN_S = 5.0
+
+
+def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=options.shutdown_timeout + HARD_STOP_MARGIN_S,
+        server_header=False,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus: `grace_s` seconds into a shutdown, abort the requests still in
+    flight through the engine client, so they end with finish_reason "abort" instead of having
+    their connections cut."""
+
+    def __init__(self, config: uvicorn.Config, client: AsyncEngine, *, grace_s: float) -> None:
+        super().__init__(config)
+        self._client = client
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        abort = loop.call_later(self._grace_s, lambda: loop.create_task(self._client.shutdown()))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, shut down; returns the exit code (0)."""
+    if options.api_key is None and not is_loopback(options.host):
+        logger.warning(
+            "serving on %s without --api-key: anyone who can reach it can use it", options.host
+        )
+    engine = LLMEngine(config)
+    app, client = build_server(engine, options)
+    server = DrainingServer(uvicorn_config(app, options), client, grace_s=options.shutdown_timeout)
+    try:
+        with _signals_end_cleanly():
+            server.run()  # (a port it cannot bind ends it with SystemExit(1))
+    finally:
+        client.close(timeout=options.shutdown_timeout)
+    return 0
+
+
+class _signals_end_cleanly:
+    """uvicorn handles SIGINT/SIGTERM while it runs and, after its graceful shutdown, raises
+    the captured signal again under the handler that was installed before it started. With the
+    default handlers that would turn a clean shutdown into a KeyboardInterrupt / exit 143, so
+    during `server.run()` the previous handlers are no-ops that only log."""
+
+    SIGNALS: Sequence[int] = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self._previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def _note(signum, _frame) -> None:
+        logger.info("%s: server stopped", signal.Signals(signum).name)

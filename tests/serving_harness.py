@@ -1,0 +1,125 @@
+"""Run the real HTTP server (uvicorn on 127.0.0.1, a free port) in a background thread.
+
+The listening socket is bound before uvicorn starts (port 0, so the OS picks a free port) and
+handed to it, so there is no window in which another process could take the port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import uvicorn
+from rlt.engine import EngineConfig, LLMEngine
+from rlt.serving.async_engine import AsyncEngine
+from rlt.serving.server import ServeOptions, build_server, uvicorn_config
+
+ENGINE_DEFAULTS = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=4,
+    num_kv_blocks=512,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    prefill_chunk_size=16,
+)
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    port: int
+    engine: LLMEngine
+    client: AsyncEngine
+    app: Any
+    options: ServeOptions
+
+    def http(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, trust_env=False, timeout=30, **kwargs)
+
+    def wait_idle(self, timeout: float = 10.0) -> Any:
+        """Poll engine stats until no request runs or waits and no KV block is used."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.client.stats()
+            if (
+                stats.kv_blocks_used == 0
+                and stats.running_requests == 0
+                and stats.waiting_requests == 0
+            ):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout}s: {stats}")
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def run_server(
+    model_dir, *, check_leaks: bool = True, engine=None, **options
+) -> Iterator[RunningServer]:
+    """Serve `model_dir` (engine options: ENGINE_DEFAULTS updated by `engine`; HTTP options:
+    ServeOptions fields) until the block ends; then shut down and check for KV leaks."""
+    config = EngineConfig(model=model_dir, **{**ENGINE_DEFAULTS, **(engine or {})})
+    llm_engine = LLMEngine(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    serve_options = replace(
+        ServeOptions(log_level="warning", shutdown_timeout=2.0), port=port, **options
+    )
+    app, client = build_server(llm_engine, serve_options)
+    server = uvicorn.Server(uvicorn_config(app, serve_options))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    running = RunningServer(
+        f"http://127.0.0.1:{port}", port, llm_engine, client, app, serve_options
+    )
+    try:
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        client.close(timeout=30)
+        sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+    if check_leaks:
+        assert_engine_clean(llm_engine)
+
+
+def assert_engine_clean(engine: LLMEngine) -> None:
+    """After shutdown: every KV block free, nothing unfinished, and the runner holds state only
+    for requests whose release is queued for the next step (as conftest.assert_no_kv_leak)."""
+    core = engine.core
+    capacity = core.kv.capacity()
+    assert capacity.free_blocks == capacity.total_blocks, f"KV blocks leaked: {capacity}"
+    assert not core.scheduler.has_unfinished_requests()
+    pending_release = set(core.scheduler._releases)
+    held = set(core.runner.slots._states)
+    assert held <= pending_release, f"runner state leaked: {held}"
+    snapshots = set(core.runner.snapshots._snapshots)
+    assert snapshots <= pending_release, f"preemption snapshots leaked: {snapshots}"
+
+
+def sse_events(lines) -> list[dict | str]:
+    """Parse `data:` lines of an SSE body into JSON objects; the final "[DONE]" stays a str."""
+    import json
+
+    events: list[dict | str] = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -7,7 +7,8 @@ token, and per-step wall, host and device-wait time. Arms (repeat --arm):
   threshold:Q      adaptive exit with the model's gate at threshold Q (min_loops 2)
   trace:P2,P3,P4   depths replayed from a seeded per-token trace with these depth probabilities
                    (needs the `trace` exit policy); e.g. trace:0.55,0.40,0.05 (mean 2.5)
-Append @no_refill to an arm to use that scheduling mode, e.g. threshold:0.5@no_refill.
+Append @no_refill to an arm to use that scheduling mode, and @eager to decode without CUDA
+graphs, e.g. threshold:0.5@no_refill or fixed@eager.
 
 Examples:
   uv run python benchmarks/offline_throughput.py --shape tiny --arm fixed --arm threshold:0.5
@@ -72,8 +73,11 @@ def ensure_checkpoint(args) -> Path:
 
 def parse_arm(spec: str):
     """-> (sampling kwargs, engine kwargs, trace depth probabilities or None)."""
-    name, _, mode = spec.partition("@")
-    engine = {"scheduling_mode": mode or "refill"}
+    name, *flags = spec.split("@")
+    engine = {
+        "scheduling_mode": "no_refill" if "no_refill" in flags else "refill",
+        "cuda_graphs": "eager" not in flags,
+    }
     if name == "fixed":
         return {"exit_threshold": 1.0}, engine, None
     kind, _, value = name.partition(":")

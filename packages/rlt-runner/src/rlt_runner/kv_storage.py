@@ -22,8 +22,11 @@ class KVStorage:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # One extra block past the logical pool: scratch for padding rows (never allocated).
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * block_size
         self.tensors = KVCacheTensors(
             key_cache=torch.zeros(shape, dtype=dtype, device=device),
             value_cache=torch.zeros(shape, dtype=dtype, device=device),

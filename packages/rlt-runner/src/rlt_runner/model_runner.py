@@ -32,6 +32,7 @@ from rlt_contracts import (
 )
 
 from rlt_runner.attention_batches import decode_batch, prefill_batch
+from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.request_slots import RequestSlots
 from rlt_runner.snapshots import SnapshotStore
@@ -53,6 +54,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        cuda_graphs: bool = False,
     ) -> None:
         shape = model.shape
         self.model = model
@@ -81,6 +83,26 @@ class ModelRunner:
         )
         self.snapshots = SnapshotStore()
         self.readback_wait_s = 0.0  # cumulative host time blocked on device results
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_disabled_reason = "not requested"
+        if cuda_graphs:
+            self._enable_graphs(max_num_seqs)
+
+    def _enable_graphs(self, max_rows: int) -> None:
+        if self.device.type != "cuda":
+            self.graphs_disabled_reason = f"CUDA graphs need a CUDA device, not {self.device.type}"
+        elif not self.attention.capabilities.supports_cuda_graphs:
+            self.graphs_disabled_reason = f"attention backend {self.attention.capabilities.name} cannot be captured"
+        else:
+            try:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(
+                        self.model, self.attention, self.kv, self.slots, max_rows=max_rows, device=self.device
+                    )
+                self.graphs_disabled_reason = ""
+            except (RuntimeError, ValueError) as exc:
+                logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+                self.graphs_disabled_reason = f"capture failed: {exc}"
 
     # -- entry point ---------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -223,6 +245,10 @@ class ModelRunner:
         if any(i.starts_token for i in items):
             embedded = self.model.embed(self.slots.pending_token[slot_ids])
             hidden = torch.where(starts.bool()[:, None], embedded, hidden)
+        if self.graphs is not None and len(items) <= self.graphs.max_rows:
+            hidden, exit_probs = self.graphs.run(hidden, slot_ids, planes, positions)
+            self.slots.hidden[slot_ids] = hidden
+            return exit_probs.clone() if compute_gates else None
         batch = decode_batch(
             self.slots, slot_ids, planes, positions,
             block_size=self.block_size, max_position=max(i.position for i in items),

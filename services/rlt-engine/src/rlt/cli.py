@@ -30,6 +30,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--attention-backend", default=d.attention_backend)
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                       help="capture the decode loop as CUDA graphs on CUDA (default: on)")
     group.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                        help="waiting-queue bound; beyond it requests are refused (HTTP 429)")
     group.add_argument("--max-num-batched-token-loops", type=int, default=None,
@@ -66,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=args.cuda_graphs,
         max_waiting_requests=args.max_waiting_requests,
         max_num_batched_token_loops=args.max_num_batched_token_loops,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -99,7 +102,7 @@ def add_loop_arguments(group) -> None:
     d = SamplingParams()
     group.add_argument("--min-loops", type=int, default=d.min_loops)
     group.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
-    group.add_argument("--exit-threshold", type=float, default=0.7,
+    group.add_argument("--exit-threshold", type=float, default=0.5,
                        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth)")
 
 

@@ -120,7 +120,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         device=device,
         dtype=model.dtype,
+        cuda_graphs=config.cuda_graphs,
     )
+    if runner.graphs is None and device.type == "cuda":
+        logger.info("decode runs eagerly: %s", runner.graphs_disabled_reason)
     return EngineParts(
         core=EngineCore(scheduler, runner, kv),
         model=model,

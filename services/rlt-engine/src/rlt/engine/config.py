@@ -29,6 +29,8 @@ class EngineConfig:
     max_model_len: context length in tokens (None = the model's max_position_embeddings).
     attention_backend: "auto" or a backend name ("torch", "triton", "flash_attn").
     gpu_memory_utilization: fraction of the GPU memory the engine may use in total.
+    cuda_graphs: capture the decode loop as CUDA graphs (one per padded batch size) when on
+      CUDA with a graph-capable attention backend; otherwise, or if capture fails, run eagerly.
 
     Memory and scheduling features (see docs/configuration.md):
     enable_prefix_caching: share full prompt pages across requests (all depths).
@@ -55,6 +57,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
     cpu_kv_cache_bytes: int = 2 << 30
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = False

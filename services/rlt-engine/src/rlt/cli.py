@@ -127,7 +127,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_config(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    for output in outputs:
+    for prompt, output in zip(args.prompts, outputs, strict=True):
         if args.json:
             print(json.dumps({
                 "request_id": output.request_id,
@@ -138,7 +138,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "finish_reason": str(output.finish_reason),
             }))
             continue
-        print(output.text)
+        print(prompt + output.text)
         print(f"exit depths: {' '.join(map(str, output.exit_depths))}")
         print(f"mean loops per decoded token: {output.mean_loops:.2f}  "
               f"(finish: {output.finish_reason}, {len(output.token_ids)} tokens)")

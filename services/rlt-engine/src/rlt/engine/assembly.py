@@ -21,6 +21,8 @@ from rlt.engine.core import EngineCore
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
+# SHA-256 of the shipped weights (docs/embedded-model.md); tests check the file against it.
+DEFAULT_MODEL_SHA256 = "10a62a2cba0bed7a599fac26c38fe48776c0895366032e2cb8ae77d1b5fa5216"
 
 
 @dataclass(frozen=True)

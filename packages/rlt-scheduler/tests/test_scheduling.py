@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import make_scheduler, run_until_idle
 from rlt_contracts import FinishReason, RequestStage, SamplingParams
+from scheduler_harness import make_scheduler, run_until_idle
 
 
 def all_tokens(deltas):

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlt_contracts import ExecutionIdentity, FinishReason, RequestStage, SamplingParams
+from rlt_contracts import (
+    ExecutionIdentity,
+    FinishReason,
+    RequestOutputDelta,
+    RequestStage,
+    SamplingParams,
+)
 
 from rlt_scheduler.exit_policy import LoopBounds, TokenExitState
 
@@ -84,3 +90,20 @@ class ScheduledRequest:
         self.loops_done = 0
         self.exit_state = TokenExitState()
         self.exit_depth = None
+
+    def take_delta(self) -> RequestOutputDelta:
+        """Outputs produced since the previous delta (and the finish, if any)."""
+        start, self.delivered_tokens = self.delivered_tokens, self.num_outputs
+        wants_logprobs = self.sampling.logprobs is not None
+        return RequestOutputDelta(
+            request_id=self.identity.request_id,
+            token_ids=tuple(self.output_token_ids[start:]),
+            exit_depths=tuple(self.exit_depths[start:]),
+            logprobs=tuple(self.logprobs[start:]) if wants_logprobs else None,
+            top_logprobs=tuple(self.top_logprobs[start:]) if wants_logprobs else None,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.prompt_length,
+            resolved_seed=self.sampling.seed,
+            error=self.error,
+        )

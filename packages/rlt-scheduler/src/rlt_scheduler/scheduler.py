@@ -17,13 +17,11 @@ guarantees that budget is never empty, so neither side starves.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from collections.abc import Sequence
 
 from msgspec import structs
 from rlt_contracts import (
     AdmissionPlan,
-    CapacityError,
     CodaItem,
     DecodeLoop,
     ExecutionIdentity,
@@ -42,26 +40,16 @@ from rlt_contracts import (
 )
 from rlt_contracts.kv import KVCapacity
 
+from rlt_scheduler.admission import NO_PREFIX, initial_allocation_tokens, plan_admission
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
-from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy, TraceExitPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy, TraceExitPolicy
 from rlt_scheduler.kv_port import KVPort, PrefixLookup
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.validation import ModelLimits, validate_request
 from rlt_scheduler.waiting_queue import WaitingQueue
-
-
-@dataclass(frozen=True)
-class _NoPrefix:
-    num_tokens: int = 0
-    num_blocks: int = 0
-    cached_claim_blocks: int = 0
-    blocks: tuple = ()
-    keys: tuple = ()
-
-
-_NO_PREFIX = _NoPrefix()
 
 
 class Scheduler:
@@ -79,8 +67,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.model_depth = model_depth
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.limits = ModelLimits(vocab_size, model_depth, max_model_len)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.exit_policy = exit_policy or OuroExitPolicy()
         config.check_depth(model_depth)
@@ -102,39 +89,15 @@ class Scheduler:
     ) -> ScheduledRequest:
         """Validate and enqueue a request. Raises InvalidRequestError / CapacityError /
         OverloadedError without changing any state."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
+        prompt, bounds = validate_request(request_id, prompt_token_ids, sampling, self.limits, self.kv)
         existing = self._requests.get(request_id)
         if existing is not None and not existing.finished:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        prompt = tuple(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise InvalidRequestError(
-                    "prompt", f"token id {token!r} is not in the vocabulary [0, {self.vocab_size})"
-                )
-        max_loops = sampling.resolve_max_loops(self.model_depth)
-        if len(prompt) + sampling.max_tokens - 1 > self.max_model_len:
-            raise CapacityError(
-                "max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                f"context length {self.max_model_len}",
-            )
-        needed = self.kv.blocks_for(len(prompt) + sampling.max_tokens - 1)
-        if needed > self.kv.num_blocks:
-            raise CapacityError(
-                "max_tokens",
-                f"needs {needed} KV blocks but the pool has {self.kv.num_blocks}; shorten the "
-                "prompt or max_tokens, or give the engine more KV blocks",
-            )
         if len(self._waiting) >= self.config.max_waiting_requests:
             raise OverloadedError(
                 f"{len(self._waiting)} requests are waiting (limit "
                 f"{self.config.max_waiting_requests}); retry later"
             )
-        bounds = LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold)
         if isinstance(self.exit_policy, TraceExitPolicy):
             self.exit_policy.check_request(request_id, bounds, sampling.max_tokens)
         if sampling.seed is None:
@@ -369,7 +332,7 @@ class Scheduler:
         head = next(iter(self._waiting), None)
         if head is None:
             return
-        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else _NO_PREFIX
+        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
         while (
             len(self._running) >= self.config.max_num_seqs
             or not self.plan_admission(head, prefix).fits(self.kv.capacity().free_blocks)
@@ -390,52 +353,16 @@ class Scheduler:
         )
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixLookup) -> AdmissionPlan:
-        """The block budget of admitting `request` now (R05). Pure: nothing is allocated.
-
-        required: the request's budgeted demand minus reused prefix blocks (a resumed request
-          needs back exactly what its snapshot covers). Budgeted demand is the lifetime
-          (prompt + max_tokens - 1), or only the prompt with incremental KV + preemption.
-        reserved growth: future growth of running requests (to their lifetime, or with
-          preemption only to the end of their prompt). headroom: the watermark, while others run.
-        """
-        config = self.config
-        if request.preempted:
-            required = self.kv.blocks_for(request.snapshot_tokens)
-        else:
-            budget_tokens = (
-                request.prompt_length
-                if config.incremental_kv and config.enable_preemption
-                else request.lifetime_tokens
-            )
-            required = max(self.kv.blocks_for(budget_tokens) - prefix.num_blocks, 0)
-        reserved = 0
-        for running in self._running:
-            target = (
-                running.prompt_length
-                if config.enable_preemption and running.stage is RequestStage.PREFILL
-                else (0 if config.enable_preemption else running.lifetime_tokens)
-            )
-            reserved += max(self.kv.blocks_for(target) - self.kv.held_blocks(running.identity), 0)
-        headroom = int(config.watermark_ratio * self.kv.num_blocks) if self._running else 0
-        return AdmissionPlan(
-            required_blocks=required,
-            reserved_growth_blocks=reserved,
-            headroom_blocks=headroom,
-            cached_claim_blocks=prefix.cached_claim_blocks,
-            reusable_prefix_tokens=prefix.num_tokens,
-        )
+        """The block budget of admitting `request` now (see admission.plan_admission)."""
+        return plan_admission(self.config, self.kv, request, prefix, self._running)
 
     def _try_admit(self, request: ScheduledRequest, step: StepBuilder) -> bool:
-        prefix = self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else _NO_PREFIX
+        prefix = self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
         if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
             return self._resume(request, step)
-        initial_tokens = (
-            min(request.prompt_length, prefix.num_tokens + self.config.prefill_chunk_size)
-            if self.config.incremental_kv
-            else request.lifetime_tokens
-        )
+        initial_tokens = initial_allocation_tokens(self.config, request, prefix)
         updates = self.kv.allocate(request.identity, initial_tokens, prefix, prompt_length=request.prompt_length)
         if updates is None:
             return False
@@ -452,7 +379,7 @@ class Scheduler:
     def _resume(self, request: ScheduledRequest, step: StepBuilder) -> bool:
         """Give a preempted request blocks covering its snapshot; the runner restores it
         before this step's work. It continues from the same stage, loop and exit state."""
-        updates = self.kv.allocate(request.identity, request.snapshot_tokens, _NO_PREFIX)
+        updates = self.kv.allocate(request.identity, request.snapshot_tokens, NO_PREFIX)
         if updates is None:
             return False
         self._waiting.remove(request)
@@ -582,23 +509,7 @@ class Scheduler:
         """
         deltas = []
         for request_id, request in self._dirty.items():
-            start = request.delivered_tokens
-            request.delivered_tokens = request.num_outputs
-            wants_logprobs = request.sampling.logprobs is not None
-            deltas.append(
-                RequestOutputDelta(
-                    request_id=request_id,
-                    token_ids=tuple(request.output_token_ids[start:]),
-                    exit_depths=tuple(request.exit_depths[start:]),
-                    logprobs=tuple(request.logprobs[start:]) if wants_logprobs else None,
-                    top_logprobs=tuple(request.top_logprobs[start:]) if wants_logprobs else None,
-                    finished=request.finished,
-                    finish_reason=request.finish_reason,
-                    num_prompt_tokens=request.prompt_length,
-                    resolved_seed=request.sampling.seed,
-                    error=request.error,
-                )
-            )
+            deltas.append(request.take_delta())
             if request.finished and self._requests.get(request_id) is request:
                 del self._requests[request_id]
         self._dirty.clear()

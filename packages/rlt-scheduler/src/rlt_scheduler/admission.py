@@ -1,0 +1,75 @@
+"""Admission budgets: what admitting a request would cost, in blocks (R05, R24)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rlt_contracts import AdmissionPlan, RequestStage
+
+from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.kv_port import KVPort, PrefixLookup
+from rlt_scheduler.request_state import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class NoPrefix:
+    """A prefix lookup that reuses nothing (resumed requests restore all their blocks)."""
+
+    num_tokens: int = 0
+    num_blocks: int = 0
+    cached_claim_blocks: int = 0
+    blocks: tuple = ()
+    keys: tuple = ()
+
+
+NO_PREFIX = NoPrefix()
+
+
+def plan_admission(
+    config: SchedulerConfig,
+    kv: KVPort,
+    request: ScheduledRequest,
+    prefix: PrefixLookup,
+    running: Iterable[ScheduledRequest],
+) -> AdmissionPlan:
+    """The block budget of admitting `request` next to `running`. Pure: nothing is allocated.
+
+    required: the request's budgeted demand minus reused prefix blocks (a resumed request needs
+      back exactly what its snapshot covers). The budgeted demand is its lifetime
+      (prompt + max_tokens - 1 positions), or only its prompt with incremental KV + preemption.
+    reserved growth: what running requests may still claim: up to their lifetime without
+      preemption (so growth never fails), or only to the end of their prompt with preemption.
+    headroom: the watermark share of the pool, charged only while other requests run.
+    """
+    if request.preempted:
+        required = kv.blocks_for(request.snapshot_tokens)
+    else:
+        budget_tokens = (
+            request.prompt_length
+            if config.incremental_kv and config.enable_preemption
+            else request.lifetime_tokens
+        )
+        required = max(kv.blocks_for(budget_tokens) - prefix.num_blocks, 0)
+    reserved, any_running = 0, False
+    for other in running:
+        any_running = True
+        if config.enable_preemption:
+            target = other.prompt_length if other.stage is RequestStage.PREFILL else 0
+        else:
+            target = other.lifetime_tokens
+        reserved += max(kv.blocks_for(target) - kv.held_blocks(other.identity), 0)
+    return AdmissionPlan(
+        required_blocks=required,
+        reserved_growth_blocks=reserved,
+        headroom_blocks=int(config.watermark_ratio * kv.num_blocks) if any_running else 0,
+        cached_claim_blocks=prefix.cached_claim_blocks,
+        reusable_prefix_tokens=prefix.num_tokens,
+    )
+
+
+def initial_allocation_tokens(config: SchedulerConfig, request: ScheduledRequest, prefix: PrefixLookup) -> int:
+    """Positions claimed at admission: the lifetime, or with incremental KV the first chunk."""
+    if config.incremental_kv:
+        return min(request.prompt_length, prefix.num_tokens + config.prefill_chunk_size)
+    return request.lifetime_tokens

@@ -1,0 +1,57 @@
+"""Admission-time checks of a new request (typed errors naming the field; nothing changes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rlt_contracts import CapacityError, InvalidRequestError, SamplingParams
+
+from rlt_scheduler.exit_policy import LoopBounds
+from rlt_scheduler.kv_port import KVPort
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: vocabulary, loop depth, context length (tokens)."""
+
+    vocab_size: int
+    model_depth: int
+    max_model_len: int
+
+
+def validate_request(
+    request_id: object,
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    limits: ModelLimits,
+    kv: KVPort,
+) -> tuple[tuple[int, ...], LoopBounds]:
+    """The prompt as a tuple and the resolved loop bounds, or InvalidRequestError /
+    CapacityError naming the offending field."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("request_id", "must be a non-empty string")
+    prompt = tuple(prompt_token_ids)
+    if not prompt:
+        raise InvalidRequestError("prompt", "the prompt is empty")
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
+            raise InvalidRequestError(
+                "prompt", f"token id {token!r} is not in the vocabulary [0, {limits.vocab_size})"
+            )
+    max_loops = sampling.resolve_max_loops(limits.model_depth)
+    positions = len(prompt) + sampling.max_tokens - 1  # the last output is never fed back
+    if positions > limits.max_model_len:
+        raise CapacityError(
+            "max_tokens",
+            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+            f"context length {limits.max_model_len}",
+        )
+    needed = kv.blocks_for(positions)
+    if needed > kv.num_blocks:
+        raise CapacityError(
+            "max_tokens",
+            f"needs {needed} KV blocks but the pool has {kv.num_blocks}; shorten the prompt or "
+            "max_tokens, or give the engine more KV blocks",
+        )
+    return prompt, LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold)

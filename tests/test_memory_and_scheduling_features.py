@@ -117,9 +117,9 @@ def test_bounded_bypass_protects_a_long_waiting_request(llm_factory):
         engine.add_request(f"small{i}", [3], small)
     while engine.has_unfinished_requests():
         engine.step()
-        for request in engine.core.scheduler._running:
-            if request.identity.request_id not in admitted:
-                admitted.append(request.identity.request_id)
+        for request_id in engine.core.scheduler.running_request_ids():
+            if request_id not in admitted:
+                admitted.append(request_id)
     big_at = admitted.index("big")
     assert admitted[1:big_at] == ["small0", "small1"]  # passed exactly twice, then protected
 

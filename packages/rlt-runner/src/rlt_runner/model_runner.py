@@ -104,6 +104,10 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
                 self.graphs_disabled_reason = f"capture failed: {exc}"
 
+    def held_identities(self) -> frozenset:
+        """Requests with device state here: a runner slot or a preemption snapshot."""
+        return frozenset(self.slots.identities()) | frozenset(self.snapshots.identities())
+
     # -- entry point ---------------------------------------------------------------------------
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         with torch.inference_mode():

@@ -46,6 +46,9 @@ class RequestSlots:
     def __len__(self) -> int:
         return len(self._states)
 
+    def identities(self) -> list[ExecutionIdentity]:
+        return list(self._states)
+
     def state(self, identity: ExecutionIdentity) -> SlotState:
         try:
             return self._states[identity]

@@ -42,6 +42,9 @@ class SnapshotStore:
     def __contains__(self, identity: ExecutionIdentity) -> bool:
         return identity in self._snapshots
 
+    def identities(self) -> list[ExecutionIdentity]:
+        return list(self._snapshots)
+
     def save(self, identity: ExecutionIdentity, slots: RequestSlots, kv: KVStorage) -> None:
         """Copy the request's device state to the host and release its runner slot."""
         state = slots.state(identity)

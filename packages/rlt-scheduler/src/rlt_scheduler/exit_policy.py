@@ -95,20 +95,18 @@ class OuroExitPolicy:
             state.survival *= 1.0 - exit_probability
         if loop_index >= bounds.max_loops:
             return True
+        return self._decide(state, bounds, loop_index, exit_probability)
+
+    def _decide(self, state, bounds, loop_index, exit_probability) -> bool:
         return triggered(state, bounds, loop_index, exit_probability)
 
 
-class DelayedOuroExitPolicy:
+class DelayedOuroExitPolicy(OuroExitPolicy):
+    """Same hazard accumulation; a trigger only schedules the exit for the next loop."""
+
     name = ExitPolicyName.OURO_DELAYED.value
 
-    def needs_gate(self, bounds: LoopBounds) -> bool:
-        return bounds.adaptive
-
-    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
-        if exit_probability is not None:
-            state.survival *= 1.0 - exit_probability
-        if loop_index >= bounds.max_loops:
-            return True
+    def _decide(self, state, bounds, loop_index, exit_probability) -> bool:
         if state.pending_exit_depth is not None:
             return loop_index >= state.pending_exit_depth
         if triggered(state, bounds, loop_index, exit_probability):

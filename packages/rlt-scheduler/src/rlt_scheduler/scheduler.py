@@ -139,6 +139,14 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def running_request_ids(self) -> list[str]:
+        """Ids of admitted (running) requests, in admission order."""
+        return [r.identity.request_id for r in self._running]
+
+    def pending_releases(self) -> frozenset[ExecutionIdentity]:
+        """Finished or aborted requests whose runner state is dropped at the next step."""
+        return frozenset(self._releases)
+
     def capacity(self) -> KVCapacity:
         return self.kv.capacity()
 

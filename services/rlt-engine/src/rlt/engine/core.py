@@ -61,6 +61,21 @@ class EngineCore:
         timings.readback_wait_s = self.runner.readback_wait_s
         return deltas
 
+    def leak_report(self) -> list[str]:
+        """Resources still held although nothing runs (empty when idle and clean): KV blocks
+        held by any request, unfinished requests, or device state (runner slots, preemption
+        snapshots) of requests whose release is not already queued for the next step."""
+        problems = []
+        capacity = self.kv.capacity()
+        if capacity.free_blocks != capacity.total_blocks:
+            problems.append(f"KV blocks held: {capacity}")
+        if self.scheduler.has_unfinished_requests():
+            problems.append("unfinished requests remain")
+        stray = self.runner.held_identities() - self.scheduler.pending_releases()
+        if stray:
+            problems.append(f"device state without a pending release: {sorted(stray)}")
+        return problems
+
     def stats(self) -> EngineStats:
         counters = self.scheduler.stats
         capacity = self.kv.capacity()

@@ -14,9 +14,11 @@ WINDOW_TOKENS = 6  # tokens decoded before the new ones, so merges across tokens
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas; optionally stops at stop strings.
+    """Turns a growing list of token ids into text; optionally stops at stop strings.
 
-    text: the text so far (stop string excluded); stopped: a stop string matched.
+    text: the text so far (stop string excluded); stopped: a stop string matched. `text` only
+    grows, except that a stop match cuts it at the match; streaming frontends therefore hold
+    back the last len(longest stop) - 1 characters until the request ends (serving/deltas.py).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
@@ -32,10 +34,10 @@ class IncrementalDetokenizer:
     def _decode(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=self._skip_special)
 
-    def add_tokens(self, token_ids: Sequence[int]) -> str:
-        """Append tokens; return the new text (may be empty while a character is incomplete)."""
+    def add_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append tokens to the text (a character whose bytes are incomplete waits)."""
         if self.stopped:
-            return ""
+            return
         before = len(self.text)
         for token in token_ids:
             self._tokens.append(token)
@@ -48,17 +50,14 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._tokens)
             if self._stop and self._apply_stop(search_from=max(before - self._longest_stop(), 0)):
                 break
-        return self.text[before:]
 
-    def flush(self) -> str:
-        """At the end of generation, release held-back text (incomplete bytes decode as U+FFFD)."""
+    def flush(self) -> None:
+        """At the end of generation, add the text of trailing incomplete bytes (as U+FFFD)."""
         if self.stopped or self._read_offset == len(self._tokens):
-            return ""
+            return
         window_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        tail = self._decode(self._tokens[self._prefix_offset :])[len(window_text) :]
+        self.text += self._decode(self._tokens[self._prefix_offset :])[len(window_text) :]
         self._read_offset = len(self._tokens)
-        self.text += tail
-        return tail
 
     def _longest_stop(self) -> int:
         return max(len(s) for s in self._stop)

@@ -10,7 +10,7 @@ histograms are observed by the HTTP layer as deltas reach it.
   rlt_requests_running / rlt_requests_waiting                  gauges (engine)
   rlt_kv_blocks_used / _free / _total                          gauges (engine)
   rlt_prompt_tokens_total / rlt_generation_tokens_total        counters (engine)
-  rlt_engine_steps_total, rlt_decode_loops_total, rlt_preemptions_total,
+  rlt_engine_steps_total, rlt_decode_loops_total, rlt_preemptions_total, rlt_resumptions_total,
   rlt_prefix_cache_hit_tokens_total, rlt_prefix_cache_queried_tokens_total  counters (engine)
   rlt_engine_up                                                gauge: 1 running, 0 dead
   rlt_time_to_first_token_seconds          histogram: arrival -> first token at the frontend
@@ -85,6 +85,7 @@ class _EngineCollector(Collector):
             "rlt_engine_steps": ("Engine steps run.", stats.steps),
             "rlt_decode_loops": ("Recurrent loops run for decoded tokens.", stats.decode_loops),
             "rlt_preemptions": ("Requests preempted.", stats.preemptions),
+            "rlt_resumptions": ("Preempted requests resumed.", stats.resumptions),
             "rlt_prefix_cache_hit_tokens": (
                 "Prompt tokens served from the prefix cache.",
                 stats.prefix_cache_hit_tokens,

@@ -64,14 +64,9 @@ class ScheduledRequest:
         return self.prompt_length + self.num_outputs - 1
 
     @property
-    def max_positions(self) -> int:
+    def lifetime_tokens(self) -> int:
         """Positions the request can ever write: the last output is never fed back."""
         return self.prompt_length + self.sampling.max_tokens - 1
-
-    @property
-    def lifetime_tokens(self) -> int:
-        """Positions the request can ever write (alias of max_positions, for budgets)."""
-        return self.max_positions
 
     @property
     def preempted(self) -> bool:

@@ -19,9 +19,9 @@ from rlt_contracts import (
 from rlt_scheduler.exit_policy import LoopBounds, TokenExitState
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduledRequest:
-    """Progress of one request.
+    """Progress of one request (an entity: compared by identity, not by field values).
 
     Positions: the prompt occupies [0, prompt_length); output token i is fed back at position
     prompt_length + i. `loops_done` counts loops of the token currently looping (the latest

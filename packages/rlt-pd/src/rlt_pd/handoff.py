@@ -1,0 +1,297 @@
+"""The KV handoff plan: which bytes P writes into D's KV allocation, in which numbered partitions.
+
+Pure planning (R12): no tensors, no transport. P's worker-side connector turns each partition into
+one batch of remote writes plus a sequence-numbered notification; D's scheduler-side connector
+tracks the notifications with `ReceiveTracker` (receive.py). See the package README for the whole
+handoff sequence and a worked example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+from rlt_contracts import ExecutionIdentity
+
+from rlt_pd.region import KVRegion, KVTensor
+
+DEFAULT_TRANSFER_CHUNK_BYTES = 64 * 1024 * 1024  # PDConfig.transfer_chunk_bytes
+DEFAULT_MAX_TRANSFER_DESCRIPTORS = 256  # PDConfig.max_transfer_descriptors
+
+__all__ = [
+    "DEFAULT_MAX_TRANSFER_DESCRIPTORS",
+    "DEFAULT_TRANSFER_CHUNK_BYTES",
+    "HandoffPlan",
+    "KVRegion",
+    "KVTensor",
+    "TransferDescriptor",
+    "TransferPartition",
+    "plan_handoff",
+]
+
+
+class TransferDescriptor(msgspec.Struct, frozen=True, array_like=True):
+    """One contiguous byte range copied from P's `tensor` to D's `tensor`, within one layer.
+
+    Offsets are in bytes from the start of that tensor's storage on each side; `length_bytes` is
+    the same on both sides. The range may span several blocks (coalesced) and several planes.
+    """
+
+    tensor: KVTensor
+    layer: int
+    source_offset_bytes: int
+    destination_offset_bytes: int
+    length_bytes: int
+
+
+class TransferPartition(msgspec.Struct, frozen=True):
+    """One sequence-numbered batch of writes; P posts it as a unit with notification `sequence`.
+
+    kv_bytes: sum of the descriptors' lengths.
+    hidden_state_bytes: bytes of the final prompt token's hidden state, written to D's reserved
+        hidden-state slot; nonzero only in the last partition. It is one more write, so it counts
+        towards both partition limits.
+    """
+
+    sequence: int
+    descriptors: tuple[TransferDescriptor, ...]
+    kv_bytes: int
+    hidden_state_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.hidden_state_bytes
+
+    @property
+    def num_writes(self) -> int:
+        """Descriptors plus the hidden-state write, if this partition carries it."""
+        return len(self.descriptors) + (1 if self.hidden_state_bytes else 0)
+
+
+class HandoffPlan(msgspec.Struct, frozen=True):
+    """Everything P sends D for one admission (identity), as partitions numbered 0..count-1.
+
+    Token positions [first_token, valid_tokens) of every plane are sent for every layer, key and
+    value; the final partition carries the hidden state. P sends `commit(commit_count)` once every
+    partition is posted; D may activate only after all `commit_count` notifications arrived (R18).
+    """
+
+    identity: ExecutionIdentity
+    first_token: int
+    valid_tokens: int
+    num_planes: int
+    hidden_state_bytes: int
+    partitions: tuple[TransferPartition, ...]
+
+    @property
+    def commit_count(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(p.kv_bytes for p in self.partitions)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.hidden_state_bytes
+
+
+def plan_handoff(
+    identity: ExecutionIdentity,
+    source_tables: Sequence[Sequence[int]],
+    destination_tables: Sequence[Sequence[int]],
+    valid_tokens: int,
+    region: KVRegion,
+    *,
+    hidden_state_bytes: int,
+    destination_region: KVRegion | None = None,
+    first_token: int = 0,
+    transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
+    max_descriptors: int = DEFAULT_MAX_TRANSFER_DESCRIPTORS,
+) -> HandoffPlan:
+    """Plan the KV + hidden-state writes of one admission from P's blocks into D's blocks.
+
+    source_tables / destination_tables: one block table per plane (T for LAST_EXITED, 1 for
+        SHARED), mapping logical page i (positions [i*B, (i+1)*B)) to a block id on P / D.
+    valid_tokens: exclusive end of the positions to send (the prompt length on P).
+    region: P's KV geometry; destination_region: D's (default: the same). Their per-token
+        geometry must match; strides and pool sizes may differ.
+    hidden_state_bytes: size of the final prompt token's hidden state (d_model * dtype bytes).
+    first_token: inclusive start; positions before it are already valid on D (its cached
+        prefix) and are skipped. Default 0.
+    transfer_chunk_bytes / max_descriptors: per-partition limits on bytes and writes.
+
+    Full pages become whole-block ranges, partial pages only their valid tokens, each per layer;
+    ranges contiguous on both sides merge; ranges larger than a chunk are split. Descriptor order
+    is key then value, layer ascending, plane ascending, page ascending. Raises ValueError on
+    inconsistent input.
+    """
+    dst_region = region if destination_region is None else destination_region
+    if not region.same_geometry(dst_region):
+        raise ValueError(f"source and destination KV geometry differ: {region} vs {dst_region}")
+    if valid_tokens < 0:
+        raise ValueError(f"valid_tokens must be >= 0, got {valid_tokens}")
+    if not 0 <= first_token <= valid_tokens:
+        raise ValueError(f"first_token {first_token} must be in [0, valid_tokens={valid_tokens}]")
+    if transfer_chunk_bytes < 1 or max_descriptors < 1:
+        raise ValueError(
+            f"transfer_chunk_bytes ({transfer_chunk_bytes}) and max_descriptors "
+            f"({max_descriptors}) must be >= 1"
+        )
+    if not 1 <= hidden_state_bytes <= transfer_chunk_bytes:
+        raise ValueError(
+            f"hidden_state_bytes {hidden_state_bytes} must be in [1, transfer_chunk_bytes="
+            f"{transfer_chunk_bytes}]: D needs the final prompt token's hidden state for coda"
+        )
+    pages = _page_ranges(
+        source_tables, destination_tables, valid_tokens, first_token, region, dst_region
+    )
+    descriptors = _descriptors(pages, region, dst_region)
+    partitions = _partition(descriptors, hidden_state_bytes, transfer_chunk_bytes, max_descriptors)
+    return HandoffPlan(
+        identity, first_token, valid_tokens, len(source_tables), hidden_state_bytes, partitions
+    )
+
+
+# A page of one plane to send: (source block, destination block, first token, end token), with
+# token offsets inside the block ([first, end) positions of that page).
+_PageRange = tuple[int, int, int, int]
+
+
+def _page_ranges(
+    source_tables: Sequence[Sequence[int]],
+    destination_tables: Sequence[Sequence[int]],
+    valid_tokens: int,
+    first_token: int,
+    region: KVRegion,
+    dst_region: KVRegion,
+) -> list[list[_PageRange]]:
+    """Per plane, the pages holding positions [first_token, valid_tokens), validated."""
+    if len(source_tables) == 0:
+        raise ValueError("a request has at least one plane; got no source block tables")
+    if len(source_tables) != len(destination_tables):
+        raise ValueError(
+            f"plane count differs: {len(source_tables)} source tables, "
+            f"{len(destination_tables)} destination tables"
+        )
+    block_size = region.block_size
+    first_page = first_token // block_size
+    end_page = -(-valid_tokens // block_size) if valid_tokens > first_token else first_page
+    used_destination: dict[int, tuple[int, int]] = {}
+    planes: list[list[_PageRange]] = []
+    for plane, (src_table, dst_table) in enumerate(
+        zip(source_tables, destination_tables, strict=True)
+    ):
+        for side, table in (("source", src_table), ("destination", dst_table)):
+            if end_page > first_page and len(table) < end_page:
+                raise ValueError(
+                    f"{side} table of plane {plane} has {len(table)} pages; {end_page} are "
+                    f"needed to cover {valid_tokens} tokens at block_size {block_size}"
+                )
+        ranges: list[_PageRange] = []
+        for page in range(first_page, end_page):
+            src_block, dst_block = src_table[page], dst_table[page]
+            _check_block(src_block, region, "source", plane, page)
+            _check_block(dst_block, dst_region, "destination", plane, page)
+            if dst_block in used_destination:
+                raise ValueError(
+                    f"destination block {dst_block} is used by (plane, page) "
+                    f"{used_destination[dst_block]} and ({plane}, {page})"
+                )
+            used_destination[dst_block] = (plane, page)
+            start = max(first_token, page * block_size) - page * block_size
+            end = min(valid_tokens, (page + 1) * block_size) - page * block_size
+            ranges.append((src_block, dst_block, start, end))
+        planes.append(ranges)
+    return planes
+
+
+def _check_block(block: int, region: KVRegion, side: str, plane: int, page: int) -> None:
+    limit = region.num_blocks
+    if block < 0 or (limit is not None and block >= limit):
+        valid = "[0, inf)" if limit is None else f"[0, {limit})"
+        raise ValueError(f"{side} block id {block} of plane {plane} page {page} is outside {valid}")
+
+
+def _descriptors(
+    planes: list[list[_PageRange]], region: KVRegion, dst_region: KVRegion
+) -> list[TransferDescriptor]:
+    """One range per (tensor, layer, plane, page); neighbours contiguous on both sides merge."""
+    token_bytes = region.token_bytes
+    out: list[TransferDescriptor] = []
+    for tensor in KVTensor:
+        for layer in range(region.num_layers):
+            for ranges in planes:
+                for src_block, dst_block, start, end in ranges:
+                    src = region.offset_bytes(tensor, layer, src_block, start)
+                    dst = dst_region.offset_bytes(tensor, layer, dst_block, start)
+                    length = (end - start) * token_bytes
+                    last = out[-1] if out else None
+                    if (
+                        last is not None
+                        and last.tensor is tensor
+                        and last.layer == layer
+                        and last.source_offset_bytes + last.length_bytes == src
+                        and last.destination_offset_bytes + last.length_bytes == dst
+                    ):
+                        out[-1] = TransferDescriptor(
+                            tensor,
+                            layer,
+                            last.source_offset_bytes,
+                            last.destination_offset_bytes,
+                            last.length_bytes + length,
+                        )
+                    else:
+                        out.append(TransferDescriptor(tensor, layer, src, dst, length))
+    return out
+
+
+def _split(descriptor: TransferDescriptor, chunk_bytes: int) -> list[TransferDescriptor]:
+    """Pieces of at most `chunk_bytes`, in order (only ranges longer than a chunk are split)."""
+    pieces = []
+    for skip in range(0, descriptor.length_bytes, chunk_bytes):
+        length = min(chunk_bytes, descriptor.length_bytes - skip)
+        pieces.append(
+            TransferDescriptor(
+                descriptor.tensor,
+                descriptor.layer,
+                descriptor.source_offset_bytes + skip,
+                descriptor.destination_offset_bytes + skip,
+                length,
+            )
+        )
+    return pieces
+
+
+def _partition(
+    descriptors: list[TransferDescriptor],
+    hidden_state_bytes: int,
+    chunk_bytes: int,
+    max_descriptors: int,
+) -> tuple[TransferPartition, ...]:
+    """Greedy in-order packing; the hidden state joins the last partition if it fits, else its
+    own. Every partition has total_bytes <= chunk_bytes and num_writes <= max_descriptors."""
+    groups: list[list[TransferDescriptor]] = [[]]
+    group_bytes = [0]
+    for descriptor in descriptors:
+        for piece in _split(descriptor, chunk_bytes):
+            if (
+                group_bytes[-1] + piece.length_bytes > chunk_bytes
+                or len(groups[-1]) + 1 > max_descriptors
+            ):
+                groups.append([])
+                group_bytes.append(0)
+            groups[-1].append(piece)
+            group_bytes[-1] += piece.length_bytes
+    if groups[-1] and (
+        group_bytes[-1] + hidden_state_bytes > chunk_bytes or len(groups[-1]) + 1 > max_descriptors
+    ):
+        groups.append([])  # the hidden state travels alone
+        group_bytes.append(0)
+    last = len(groups) - 1
+    return tuple(
+        TransferPartition(
+            seq, tuple(group), group_bytes[seq], hidden_state_bytes if seq == last else 0
+        )
+        for seq, group in enumerate(groups)
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -54,34 +55,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_layout=args.kv_layout,
-        scheduling_mode=args.scheduling_mode,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graphs=args.cuda_graphs,
-        max_waiting_requests=args.max_waiting_requests,
-        max_num_batched_token_loops=args.max_num_batched_token_loops,
-        enable_prefix_caching=args.enable_prefix_caching,
-        incremental_kv=args.incremental_kv,
-        kv_watermark=args.kv_watermark,
-        scheduling_policy=args.scheduling_policy,
-        enable_preemption=args.enable_preemption,
-        exit_policy=args.exit_policy,
-        exit_trace=args.exit_trace,
-        admission_scan_limit=args.admission_scan_limit,
-        max_admission_bypasses=args.max_admission_bypasses,
-        cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
-    )
+    """Every EngineConfig field has a flag of the same name (--kebab-case) above."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,8 +79,13 @@ def llm_factory(tiny_checkpoint):
 
     def make(shape: str = "l2_t4", *, seed: int = 3, gate_std: float = 0.3, **options):
         defaults = dict(
-            dtype="float32", device="cpu", block_size=4, num_kv_blocks=512, max_num_seqs=4,
-            max_num_batched_tokens=16, prefill_chunk_size=5,
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            prefill_chunk_size=5,
         )
         llm = LLM(tiny_checkpoint(shape, seed=seed, gate_std=gate_std), **{**defaults, **options})
         engines.append(llm)

@@ -28,12 +28,28 @@ from pathlib import Path
 
 SHAPES = {
     # name: OuroConfig fields
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=4, head_dim=16, total_ut_steps=4,
-                 max_position_embeddings=2048),
-    "ouro-1.4b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-                      head_dim=128, total_ut_steps=4, max_position_embeddings=65536),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        total_ut_steps=4,
+        max_position_embeddings=2048,
+    ),
+    "ouro-1.4b": dict(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        total_ut_steps=4,
+        max_position_embeddings=65536,
+    ),
 }
 
 
@@ -64,10 +80,14 @@ def ensure_checkpoint(args) -> Path:
     if not (path / "config.json").exists():
         config = OuroConfig(**SHAPES[args.shape])
         device = "cuda" if args.device.startswith("cuda") else "cpu"
-        print(f"writing random {args.shape} checkpoint ({config.num_parameters():,} params) to {path}",
-              flush=True)
-        write_random_checkpoint(path, config, seed=0, dtype="bfloat16",
-                                init=RandomInit(gate_std=0.05), device=device)
+        print(
+            f"writing random {args.shape} checkpoint "
+            f"({config.num_parameters():,} params) to {path}",
+            flush=True,
+        )
+        write_random_checkpoint(
+            path, config, seed=0, dtype="bfloat16", init=RandomInit(gate_std=0.05), device=device
+        )
     return path
 
 
@@ -91,7 +111,10 @@ def parse_arm(spec: str):
 
 def make_workload(args, vocab_size: int) -> list[list[int]]:
     rng = random.Random(args.seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(args.prompt_len)]
+        for _ in range(args.num_requests)
+    ]
 
 
 def write_trace(path: Path, probs: list[float], args) -> None:
@@ -115,15 +138,25 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
         trace_path = Path(args.checkpoint_dir) / f"trace-{abs(hash(spec))}.json"
         write_trace(trace_path, trace_probs, args)
         engine_kwargs["exit_trace"] = str(trace_path)
-    engine = LLMEngine(EngineConfig(
-        model=model_dir, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size, num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.prompt_len + args.output_len, **engine_kwargs,
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            kv_layout=args.kv_layout,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_chunk_size=args.prefill_chunk_size,
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.prompt_len + args.output_len,
+            **engine_kwargs,
+        )
+    )
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **sampling_kwargs)
     for i in range(WARMUP_REQUESTS):  # warm-up: kernels, allocator, autotuning
-        engine.add_request(f"warmup-{i}", prompts[i], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True))
+        engine.add_request(
+            f"warmup-{i}", prompts[i], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
+        )
     while engine.has_unfinished_requests():
         engine.step()
     _sync(args.device)
@@ -145,10 +178,14 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
     wait = t.readback_wait_s - timings_before["readback_wait_s"]
     total = t.total_s - timings_before["total_s"]
     result = ArmResult(
-        arm=spec, requests=len(prompts), output_tokens=tokens, wall_s=round(wall, 3),
+        arm=spec,
+        requests=len(prompts),
+        output_tokens=tokens,
+        wall_s=round(wall, 3),
         output_tokens_per_s=round(tokens / wall, 1),
         mean_loops_per_decoded_token=round(sum(depths) / max(len(depths), 1), 3),
-        steps=steps, step_ms=round(1000 * total / steps, 3),
+        steps=steps,
+        step_ms=round(1000 * total / steps, 3),
         host_ms_per_step=round(1000 * host / steps, 3),
         readback_wait_ms_per_step=round(1000 * wait / steps, 3),
     )
@@ -158,7 +195,12 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
 
 def _copy_timings(engine) -> dict:
     t = engine.core.timings
-    return {"steps": t.steps, "host_s": t.host_s, "readback_wait_s": t.readback_wait_s, "total_s": t.total_s}
+    return {
+        "steps": t.steps,
+        "host_s": t.host_s,
+        "readback_wait_s": t.readback_wait_s,
+        "total_s": t.total_s,
+    }
 
 
 def _sync(device: str) -> None:
@@ -169,8 +211,12 @@ def _sync(device: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory (default: a random --shape checkpoint)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", help="checkpoint directory (default: a random --shape checkpoint)"
+    )
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--checkpoint-dir", default=".runs/bench-checkpoints")
     parser.add_argument("--device", default="cpu")
@@ -192,17 +238,30 @@ def main(argv=None) -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = make_workload(args, vocab)
     results = [run_arm(arm, args, model_dir, prompts) for arm in arms]
-    header = f"{'arm':28} {'tok/s':>9} {'loops':>6} {'steps':>6} {'step ms':>8} {'host ms':>8} {'wait ms':>8}"
+    columns = (
+        ("tok/s", 9),
+        ("loops", 6),
+        ("steps", 6),
+        ("step ms", 8),
+        ("host ms", 8),
+        ("wait ms", 8),
+    )
+    header = f"{'arm':28}" + "".join(f" {name:>{width}}" for name, width in columns)
     print(header)
     for r in results:
-        print(f"{r.arm:28} {r.output_tokens_per_s:9.1f} {r.mean_loops_per_decoded_token:6.2f} {r.steps:6d} "
-              f"{r.step_ms:8.2f} {r.host_ms_per_step:8.2f} {r.readback_wait_ms_per_step:8.2f}")
+        print(
+            f"{r.arm:28} {r.output_tokens_per_s:9.1f} {r.mean_loops_per_decoded_token:6.2f} "
+            f"{r.steps:6d} "
+            f"{r.step_ms:8.2f} {r.host_ms_per_step:8.2f} {r.readback_wait_ms_per_step:8.2f}"
+        )
     base = results[0].output_tokens_per_s
     for r in results[1:]:
         print(f"{r.arm} / {results[0].arm}: {r.output_tokens_per_s / base:.2f}x")
     if args.json_out:
         setup = {k: v for k, v in vars(args).items() if k != "json_out"}
-        Path(args.json_out).write_text(json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2)
+        )
     return 0
 
 

@@ -54,7 +54,9 @@ def find_members(repo: Path) -> list[Member]:
         for pyproject in sorted((repo / group).glob("*/pyproject.toml")):
             project = tomllib.loads(pyproject.read_text())["project"]
             deps = frozenset(requirement_name(r) for r in project.get("dependencies", []))
-            members.append(Member(normalize(project["name"]), pyproject.parent, group == "services", deps))
+            members.append(
+                Member(normalize(project["name"]), pyproject.parent, group == "services", deps)
+            )
     return members
 
 
@@ -77,7 +79,11 @@ def imported_modules(source_root: Path) -> dict[str, Path]:
 
 def own_modules(member: Member) -> set[str]:
     src = member.root / "src"
-    return {p.name for p in src.iterdir() if p.is_dir() or p.suffix == ".py"} if src.exists() else set()
+    return (
+        {p.name for p in src.iterdir() if p.is_dir() or p.suffix == ".py"}
+        if src.exists()
+        else set()
+    )
 
 
 def distribution_of(module: str, mapping: dict[str, list[str]]) -> set[str]:
@@ -94,10 +100,16 @@ def find_violations(repo: Path) -> list[Violation]:
         if member.name == CONTRACTS:
             extra = member.dependencies - CONTRACTS_ALLOWED
             if extra:
-                violations.append(Violation(member.name, f"may depend on msgspec only, declares {sorted(extra)}"))
+                violations.append(
+                    Violation(member.name, f"may depend on msgspec only, declares {sorted(extra)}")
+                )
         elif not member.is_service and rlt_deps - {CONTRACTS}:
             violations.append(
-                Violation(member.name, f"packages may depend only on rlt-contracts, declares {sorted(rlt_deps - {CONTRACTS})}")
+                Violation(
+                    member.name,
+                    "packages may depend only on rlt-contracts, declares "
+                    f"{sorted(rlt_deps - {CONTRACTS})}",
+                )
             )
         own = own_modules(member)
         for module, path in sorted(imported_modules(member.root / "src").items()):
@@ -107,8 +119,13 @@ def find_violations(repo: Path) -> list[Violation]:
             if not dists & member.dependencies:
                 rel = path.relative_to(repo)
                 violations.append(
-                    Violation(member.name, f"{rel} imports {module!r} but does not declare {sorted(dists)[0]}")
+                    Violation(
+                        member.name,
+                        f"{rel} imports {module!r} but does not declare {sorted(dists)[0]}",
+                    )
                 )
             elif member.name == CONTRACTS and not dists & CONTRACTS_ALLOWED:
-                violations.append(Violation(member.name, f"imports {module!r}; contracts allow msgspec only"))
+                violations.append(
+                    Violation(member.name, f"imports {module!r}; contracts allow msgspec only")
+                )
     return violations

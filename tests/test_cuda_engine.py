@@ -11,7 +11,12 @@ from rlt import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
-PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 11], [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3], [7]]
+PROMPTS = [
+    [5, 17, 200, 3, 99, 42, 7],
+    [250, 11],
+    [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3],
+    [7],
+]
 
 
 @pytest.fixture(autouse=True)
@@ -69,11 +74,18 @@ def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoi
     decoding still yields the oracle's greedy tokens and depths."""
     prompts = [PROMPTS[2] + [i + 1, i + 2] for i in range(5)]
     params = SamplingParams(max_tokens=12, exit_threshold=0.6, ignore_eos=True)
-    tight = llm_factory(device="cuda", num_kv_blocks=64, incremental_kv=True, enable_preemption=True,
-                        enable_prefix_caching=True)
+    tight = llm_factory(
+        device="cuda",
+        num_kv_blocks=64,
+        incremental_kv=True,
+        enable_preemption=True,
+        enable_prefix_caching=True,
+    )
     outputs = tight.generate(prompts, params)
     assert tight.get_stats().preemptions > 0 and tight.get_stats().prefix_cache_hit_tokens > 0
-    oracle = GenerationOracle(DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), "last_exited")
+    oracle = GenerationOracle(
+        DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), "last_exited"
+    )
     for prompt, out in zip(prompts, outputs, strict=True):
         ref = oracle.generate(OracleRequest(tuple(prompt), 12, threshold=0.6, ignore_eos=True))
         assert ref.min_logit_margin > 1e-4 and ref.min_gate_margin > 1e-4

@@ -34,7 +34,11 @@ def test_greedy_generation_is_deterministic_and_english(default_llm):
     params = SamplingParams(max_tokens=24, exit_threshold=0.5)
     first = default_llm.generate(["It is a truth universally acknowledged"], params)[0]
     second = default_llm.generate(["It is a truth universally acknowledged"], params)[0]
-    assert (first.token_ids, first.exit_depths, first.text) == (second.token_ids, second.exit_depths, second.text)
+    assert (first.token_ids, first.exit_depths, first.text) == (
+        second.token_ids,
+        second.exit_depths,
+        second.text,
+    )
     words = first.text.split()
     assert len(words) >= 8
     letters = sum(c.isalpha() for c in first.text)

@@ -13,8 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_repository_follows_the_dependency_rule():
     members = {m.name for m in find_members(REPO)}
-    assert {"rlt-contracts", "rlt-scheduler", "rlt-kv", "rlt-attention", "rlt-runner",
-            "rlt-models", "rlt-sampling", "rlt-pd", "rlt-serve", "rlt"} <= members
+    assert {
+        "rlt-contracts",
+        "rlt-scheduler",
+        "rlt-kv",
+        "rlt-attention",
+        "rlt-runner",
+        "rlt-models",
+        "rlt-sampling",
+        "rlt-pd",
+        "rlt-serve",
+        "rlt",
+    } <= members
     assert [str(v) for v in find_violations(REPO)] == []
 
 
@@ -31,12 +41,24 @@ def write_member(repo: Path, group: str, name: str, deps: list[str], source: str
 
 @pytest.fixture
 def clean_tree(tmp_path):
-    write_member(tmp_path, "packages", "rlt-contracts", ["msgspec>=0.19"], "import msgspec\nimport enum\n")
+    write_member(
+        tmp_path, "packages", "rlt-contracts", ["msgspec>=0.19"], "import msgspec\nimport enum\n"
+    )
     write_member(tmp_path, "packages", "rlt-kv", ["rlt-contracts"], "from rlt_contracts import x\n")
-    write_member(tmp_path, "packages", "rlt-scheduler", ["rlt-contracts", "torch>=2.11"],
-                 "import torch\nfrom rlt_scheduler import policy\n")
-    write_member(tmp_path, "services", "rlt", ["rlt-kv", "rlt-scheduler", "rlt-contracts"],
-                 "import rlt_kv, rlt_scheduler\n")
+    write_member(
+        tmp_path,
+        "packages",
+        "rlt-scheduler",
+        ["rlt-contracts", "torch>=2.11"],
+        "import torch\nfrom rlt_scheduler import policy\n",
+    )
+    write_member(
+        tmp_path,
+        "services",
+        "rlt",
+        ["rlt-kv", "rlt-scheduler", "rlt-contracts"],
+        "import rlt_kv, rlt_scheduler\n",
+    )
     return tmp_path
 
 
@@ -69,5 +91,7 @@ def test_contracts_importing_torch_fails(clean_tree):
     messages = [v.message for v in find_violations(clean_tree)]
     assert any("torch" in m for m in messages)
     pyproject = clean_tree / "packages/rlt-contracts/pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('"msgspec>=0.19"', '"msgspec>=0.19", "torch"'))
+    pyproject.write_text(
+        pyproject.read_text().replace('"msgspec>=0.19"', '"msgspec>=0.19", "torch"')
+    )
     assert any("msgspec only" in v.message for v in find_violations(clean_tree))

@@ -23,8 +23,15 @@ def run(llm, prompts, params):
 
 def sampled_params(n: int):
     return [
-        SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
-                       exit_threshold=0.6, ignore_eos=True)
+        SamplingParams(
+            max_tokens=8,
+            temperature=0.9,
+            top_p=0.9,
+            top_k=50,
+            seed=100 + i,
+            exit_threshold=0.6,
+            ignore_eos=True,
+        )
         for i in range(n)
     ]
 
@@ -53,8 +60,11 @@ def test_refill_equals_no_refill(llm_factory, layout):
 def test_chunked_prefill_of_any_size_equals_unchunked(llm_factory, layout):
     params = SamplingParams(max_tokens=6, exit_threshold=0.6, ignore_eos=True)
     results = [
-        run(llm_factory(kv_layout=layout, prefill_chunk_size=chunk, max_num_batched_tokens=budget),
-            PROMPTS, params)
+        run(
+            llm_factory(kv_layout=layout, prefill_chunk_size=chunk, max_num_batched_tokens=budget),
+            PROMPTS,
+            params,
+        )
         for chunk, budget in ((1, 8), (3, 16), (64, 128))
     ]
     assert results[0] == results[1] == results[2]
@@ -125,7 +135,9 @@ def test_abort_while_waiting_and_during_prefill(llm_factory):
         ([1, 2], {"min_loops": 5}, InvalidRequestError, "min_loops"),
     ],
 )
-def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(llm_factory, prompt, kwargs, error, field):
+def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(
+    llm_factory, prompt, kwargs, error, field
+):
     llm = llm_factory()
     with pytest.raises(error) as info:
         llm.engine.add_request("bad", prompt, SamplingParams(**kwargs))
@@ -167,11 +179,16 @@ def test_stop_token_ids_eos_and_ignore_eos(llm_factory):
     free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     stop_at = free.token_ids[3]
     cut = free.token_ids.index(stop_at)
-    stopped = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True))[0]
+    stopped = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True)
+    )[0]
     assert stopped.token_ids == free.token_ids[: cut + 1] and stopped.finish_reason == "stop"
     # the model's EOS (id 0) ends a request unless ignore_eos; a forced EOS via stop ids shows the
     # same path: generation halts right after the stop token
-    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0].finish_reason == "length"
+    assert (
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0].finish_reason
+        == "length"
+    )
 
 
 def test_stop_strings_truncate_text(llm_factory):
@@ -179,7 +196,9 @@ def test_stop_strings_truncate_text(llm_factory):
     free = llm.generate(["The river"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert free.text
     needle = free.text[len(free.text) // 2 :][:2]
-    out = llm.generate(["The river"], SamplingParams(max_tokens=12, ignore_eos=True, stop=(needle,)))[0]
+    out = llm.generate(
+        ["The river"], SamplingParams(max_tokens=12, ignore_eos=True, stop=(needle,))
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.find(needle)]
     assert needle not in out.text
@@ -197,12 +216,18 @@ def test_logprobs_match_chosen_tokens(llm_factory):
 
 def test_text_prompts_and_exit_depth_bookkeeping(llm_factory):
     llm = llm_factory()
-    out = llm.generate(["It is a truth universally acknowledged", "The river"],
-                       SamplingParams(max_tokens=6, exit_threshold=0.6, ignore_eos=True))
+    out = llm.generate(
+        ["It is a truth universally acknowledged", "The river"],
+        SamplingParams(max_tokens=6, exit_threshold=0.6, ignore_eos=True),
+    )
     assert [len(o.exit_depths) for o in out] == [6, 6]
     assert all(o.exit_depths[0] == 4 and 2 <= min(o.exit_depths) for o in out)
-    assert out[0].prompt_token_ids == llm.tokenizer("It is a truth universally acknowledged",
-                                                    add_special_tokens=False).input_ids
+    assert (
+        out[0].prompt_token_ids
+        == llm.tokenizer(
+            "It is a truth universally acknowledged", add_special_tokens=False
+        ).input_ids
+    )
     stats = llm.get_stats()
     assert stats.generation_tokens >= 12 and stats.decode_loops > 0
 

@@ -31,7 +31,9 @@ MARGIN = 1e-4
 def oracle_outputs(path, layout: str, threshold: float, min_loops: int = 2):
     oracle = GenerationOracle(DenseOuro(path), layout)
     results = [
-        oracle.generate(OracleRequest(tuple(p), n, min_loops=min_loops, threshold=threshold, ignore_eos=True))
+        oracle.generate(
+            OracleRequest(tuple(p), n, min_loops=min_loops, threshold=threshold, ignore_eos=True)
+        )
         for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
     ]
     for r in results:
@@ -42,7 +44,9 @@ def oracle_outputs(path, layout: str, threshold: float, min_loops: int = 2):
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("threshold", [1.0, 0.8, 0.55])
-def test_greedy_tokens_and_exit_depths_match_oracle(llm_factory, tiny_checkpoint, layout, mode, threshold):
+def test_greedy_tokens_and_exit_depths_match_oracle(
+    llm_factory, tiny_checkpoint, layout, mode, threshold
+):
     llm = llm_factory(kv_layout=layout, scheduling_mode=mode)
     params = [
         SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
@@ -63,7 +67,9 @@ def test_greedy_tokens_and_exit_depths_match_oracle(llm_factory, tiny_checkpoint
 
 def test_min_and_max_loops_bound_exit_depths(llm_factory):
     llm = llm_factory()
-    out = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, exit_threshold=0.0, min_loops=3, ignore_eos=True))
+    out = llm.generate(
+        PROMPTS[:3], SamplingParams(max_tokens=8, exit_threshold=0.0, min_loops=3, ignore_eos=True)
+    )
     assert {d for o in out for d in o.exit_depths[1:]} == {3}
     out = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, max_loops=2, ignore_eos=True))
     assert {d for o in out for d in o.exit_depths[1:]} == {2}

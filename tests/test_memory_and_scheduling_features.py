@@ -25,8 +25,12 @@ def adaptive(n=6, **kw):
 
 
 def seeded(count):
-    return [SamplingParams(max_tokens=10, temperature=0.8, seed=45 + i, exit_threshold=0.6, ignore_eos=True)
-            for i in range(count)]
+    return [
+        SamplingParams(
+            max_tokens=10, temperature=0.8, seed=45 + i, exit_threshold=0.6, ignore_eos=True
+        )
+        for i in range(count)
+    ]
 
 
 # -- prefix caching ------------------------------------------------------------------------------
@@ -98,8 +102,15 @@ def test_priority_policy_admits_lower_values_first(llm_factory):
     p = lambda prio: SamplingParams(max_tokens=3, ignore_eos=True, priority=prio)  # noqa: E731
     llm.engine.add_request("first", [1, 2], p(5))
     llm.engine.step()  # admitted alone; without preemption it runs to the end
-    order = finish_order(llm, [("normal", [4], p(0)), ("late", [6], p(7)), ("urgent", [3], p(-1)),
-                               ("normal2", [5], p(0))])
+    order = finish_order(
+        llm,
+        [
+            ("normal", [4], p(0)),
+            ("late", [6], p(7)),
+            ("urgent", [3], p(-1)),
+            ("normal2", [5], p(0)),
+        ],
+    )
     assert order == ["first", "urgent", "normal", "normal2", "late"]
 
 
@@ -109,7 +120,9 @@ def test_bounded_bypass_protects_a_long_waiting_request(llm_factory):
     llm = llm_factory(num_kv_blocks=64, max_num_seqs=4, max_admission_bypasses=2)
     engine = llm.engine
     small = SamplingParams(max_tokens=3, ignore_eos=True)
-    engine.add_request("running", [1] * 20, SamplingParams(max_tokens=12, ignore_eos=True))  # 32 blocks
+    engine.add_request(
+        "running", [1] * 20, SamplingParams(max_tokens=12, ignore_eos=True)
+    )  # 32 blocks
     engine.step()
     engine.add_request("big", [2] * 40, SamplingParams(max_tokens=9, ignore_eos=True))  # 48 blocks
     admitted = []
@@ -131,8 +144,12 @@ def test_preemption_under_memory_pressure_is_lossless(llm_factory, layout):
     greedy = [adaptive(10)] * len(prompts)
     sampled = seeded(len(prompts))
     roomy = llm_factory(kv_layout=layout)
-    tight = llm_factory(kv_layout=layout, num_kv_blocks=56 if layout == "last_exited" else 14,
-                        incremental_kv=True, enable_preemption=True)
+    tight = llm_factory(
+        kv_layout=layout,
+        num_kv_blocks=56 if layout == "last_exited" else 14,
+        incremental_kv=True,
+        enable_preemption=True,
+    )
     for params in (greedy, sampled):
         assert run(tight, prompts, params) == run(roomy, prompts, params)
     stats = tight.get_stats()
@@ -145,7 +162,9 @@ def test_priority_arrival_preempts_a_running_low_priority_request(llm_factory):
     engine.add_request("low", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True, priority=10))
     engine.step()
     engine.step()
-    order = finish_order(llm, [("high", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True, priority=-10))])
+    order = finish_order(
+        llm, [("high", [4, 5], SamplingParams(max_tokens=4, ignore_eos=True, priority=-10))]
+    )
     assert order == ["high", "low"]
     assert llm.get_stats().preemptions == 1 and llm.get_stats().resumptions == 1
     alone = llm_factory().generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
@@ -176,12 +195,21 @@ def test_delayed_exit_matches_oracle(llm_factory, tiny_checkpoint, layout):
     # this random model's gate is much less confident under SHARED, so early exits need a
     # lower threshold there
     threshold = {"last_exited": 0.5, "shared": 0.1}[layout]
-    params = [SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in (8, 6, 7)]
+    params = [
+        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in (8, 6, 7)
+    ]
     outputs = llm.generate(PROMPTS[:3], params)
     oracle = GenerationOracle(DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), layout)
     for prompt, p, out in zip(PROMPTS, params, outputs, strict=False):
-        ref = oracle.generate(OracleRequest(tuple(prompt), p.max_tokens, threshold=threshold, ignore_eos=True,
-                                            exit_policy="ouro_delayed"))
+        ref = oracle.generate(
+            OracleRequest(
+                tuple(prompt),
+                p.max_tokens,
+                threshold=threshold,
+                ignore_eos=True,
+                exit_policy="ouro_delayed",
+            )
+        )
         assert ref.min_logit_margin > 1e-4 and ref.min_gate_margin > 1e-4
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths)
     immediate = llm_factory(kv_layout=layout).generate(PROMPTS[:3], params)
@@ -195,17 +223,25 @@ def test_recorded_trace_replays_exactly_without_gates(llm_factory, tmp_path, mon
     path.write_text(json.dumps(trace))
     replay = llm_factory(exit_policy="trace", exit_trace=str(path))
     model = replay.engine.core.runner.model
-    monkeypatch.setattr(model, "exit_probability", lambda h: pytest.fail("trace replay computed the gate"))
+    monkeypatch.setattr(
+        model, "exit_probability", lambda h: pytest.fail("trace replay computed the gate")
+    )
     outputs = replay.generate(PROMPTS, adaptive(8))
-    assert [(o.token_ids, o.exit_depths) for o in outputs] == [(o.token_ids, o.exit_depths) for o in recorded]
+    assert [(o.token_ids, o.exit_depths) for o in outputs] == [
+        (o.token_ids, o.exit_depths) for o in recorded
+    ]
 
 
 def test_trace_errors_are_request_errors(llm_factory, tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"short": [4, 2], "shallow": [4, 1, 1, 1], "deep": [3, 2, 2, 2]}))
     llm = llm_factory(exit_policy="trace", exit_trace=str(path))
-    for request_id, message in (("short", "cannot cover"), ("shallow", "outside"), ("deep", "full depth"),
-                                ("missing", "no depths")):
+    for request_id, message in (
+        ("short", "cannot cover"),
+        ("shallow", "outside"),
+        ("deep", "full depth"),
+        ("missing", "no depths"),
+    ):
         with pytest.raises(InvalidRequestError, match=message):
             llm.engine.add_request(request_id, [1, 2], SamplingParams(max_tokens=4))
 
@@ -226,13 +262,20 @@ def test_invalid_feature_combinations_fail_at_configuration(tiny_checkpoint, opt
     from rlt import LLM
 
     with pytest.raises(ConfigurationError) as info:
-        LLM(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), device="cpu", max_num_seqs=4,
-            max_num_batched_tokens=16, **options)
+        LLM(
+            tiny_checkpoint("l2_t4", seed=3, gate_std=0.3),
+            device="cpu",
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            **options,
+        )
     assert info.value.options == named
 
 
 def test_token_loop_budget_limits_prefill_per_step(llm_factory):
-    llm = llm_factory(max_num_batched_token_loops=24, prefill_chunk_size=64, max_num_batched_tokens=64)
+    llm = llm_factory(
+        max_num_batched_token_loops=24, prefill_chunk_size=64, max_num_batched_tokens=64
+    )
     engine = llm.engine
     engine.add_request("long", list(range(1, 40)), SamplingParams(max_tokens=2, ignore_eos=True))
     step = engine.core.scheduler.schedule()

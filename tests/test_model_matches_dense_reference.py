@@ -63,7 +63,9 @@ def test_incremental_decode_equals_full_sequence(tiny_checkpoint):
     for position, token in enumerate(token_ids):
         h = model.embed(torch.tensor([token]))
         for loop in range(model.shape.num_loops):
-            h, _ = model.recurrent_step(h, torch.tensor([position]), DenseCausalAttention(caches[loop]))
+            h, _ = model.recurrent_step(
+                h, torch.tensor([position]), DenseCausalAttention(caches[loop])
+            )
             assert rel_error(h, full_hidden[loop, position : position + 1]) < TOLERANCE
 
 

@@ -80,7 +80,11 @@ class DenseOuro:
         return x * cos + rotated * sin
 
     def attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_positions: torch.Tensor,
         key_positions: torch.Tensor,
     ) -> torch.Tensor:
         """Causal attention: query at position p sees keys at positions <= p."""
@@ -114,10 +118,14 @@ class DenseOuro:
                 [torch.arange(past.keys.shape[0], dtype=positions.dtype), positions]
             )
         o = self.attention(q, keys, values, positions, key_positions).reshape(s, -1)
-        x = x + self.rms_norm(o @ w[p + "self_attn.o_proj.weight"].T, w[p + "input_layernorm_2.weight"])
+        x = x + self.rms_norm(
+            o @ w[p + "self_attn.o_proj.weight"].T, w[p + "input_layernorm_2.weight"]
+        )
         m = self.rms_norm(x, w[p + "post_attention_layernorm.weight"])
         gate = m @ w[p + "mlp.gate_proj.weight"].T
-        f = (gate * torch.sigmoid(gate) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        f = (gate * torch.sigmoid(gate) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[
+            p + "mlp.down_proj.weight"
+        ].T
         x = x + self.rms_norm(f, w[p + "post_attention_layernorm_2.weight"])
         return x, LayerKV(k, v)
 
@@ -130,7 +138,9 @@ class DenseOuro:
             h, kv = self.layer(h, layer, positions, past[layer])
             new_kv.append(kv)
         h = self.rms_norm(h, self.w["model.norm.weight"])
-        gate = (h @ self.w["model.early_exit_gate.weight"].T).squeeze(-1) + self.w["model.early_exit_gate.bias"]
+        gate = (h @ self.w["model.early_exit_gate.weight"].T).squeeze(-1) + self.w[
+            "model.early_exit_gate.bias"
+        ]
         return h, new_kv, gate
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

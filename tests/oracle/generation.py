@@ -49,13 +49,18 @@ class OracleResult:
 class _PlaneKV:
     """Per-plane, per-layer KV rows indexed by position (float64)."""
 
-    def __init__(self, planes: int, layers: int, capacity: int, kv_heads: int, head_dim: int, dtype):
+    def __init__(
+        self, planes: int, layers: int, capacity: int, kv_heads: int, head_dim: int, dtype
+    ):
         shape = (planes, layers, capacity, kv_heads, head_dim)
         self.keys = torch.full(shape, float("nan"), dtype=dtype)
         self.values = torch.full(shape, float("nan"), dtype=dtype)
 
     def past(self, plane: int, end: int) -> list[LayerKV]:
-        return [LayerKV(self.keys[plane, l, :end], self.values[plane, l, :end]) for l in range(self.keys.shape[1])]
+        return [
+            LayerKV(self.keys[plane, layer, :end], self.values[plane, layer, :end])
+            for layer in range(self.keys.shape[1])
+        ]
 
     def store(self, plane: int, start: int, new: list[LayerKV]) -> None:
         for layer, kv in enumerate(new):
@@ -70,7 +75,9 @@ class _PlaneKV:
 
 
 class GenerationOracle:
-    def __init__(self, dense: DenseOuro, layout: str, eos_token_ids: tuple[int, ...] = (0,)) -> None:
+    def __init__(
+        self, dense: DenseOuro, layout: str, eos_token_ids: tuple[int, ...] = (0,)
+    ) -> None:
         if layout not in ("last_exited", "shared"):
             raise ValueError(layout)
         self.dense = dense
@@ -84,8 +91,14 @@ class GenerationOracle:
         d, depth = self.dense, self.dense.loops
         max_loops = request.max_loops or depth
         prompt_len = len(request.prompt)
-        kv = _PlaneKV(depth if self.layout == "last_exited" else 1, d.num_layers,
-                      prompt_len + request.max_tokens, d.num_kv_heads, d.head_dim, d.dtype)
+        kv = _PlaneKV(
+            depth if self.layout == "last_exited" else 1,
+            d.num_layers,
+            prompt_len + request.max_tokens,
+            d.num_kv_heads,
+            d.head_dim,
+            d.dtype,
+        )
         result = OracleResult()
         final = self._prefill(request.prompt, kv)
         self._emit(result, d.lm_head(final)[0], depth)
@@ -99,12 +112,18 @@ class GenerationOracle:
             survival, pending_exit, loop = 1.0, None, 0
             while True:
                 loop += 1
-                x, new_kv, gate = d.loop(x, torch.tensor([position]), kv.past(self.plane(loop), position))
+                x, new_kv, gate = d.loop(
+                    x, torch.tensor([position]), kv.past(self.plane(loop), position)
+                )
                 kv.store(self.plane(loop), position, new_kv)
                 survival *= 1.0 - float(torch.sigmoid(gate)[0])
                 if self._exits(request, loop, max_loops, survival, result, pending_exit):
                     break
-                if request.exit_policy == "ouro_delayed" and pending_exit is None and self._trigger(request, loop, survival, result):
+                if (
+                    request.exit_policy == "ouro_delayed"
+                    and pending_exit is None
+                    and self._trigger(request, loop, survival, result)
+                ):
                     pending_exit = loop + 1
             if self.layout == "last_exited" and loop < depth:
                 kv.copy_position(loop - 1, range(loop, depth), position)
@@ -126,7 +145,9 @@ class GenerationOracle:
                 kv.store(0, position, new_kv)
         return x
 
-    def _trigger(self, request: OracleRequest, loop: int, survival: float, result: OracleResult) -> bool:
+    def _trigger(
+        self, request: OracleRequest, loop: int, survival: float, result: OracleResult
+    ) -> bool:
         """The adaptive rule alone (without the max_loops cap); records the decision margin."""
         if request.threshold >= 1.0 or loop < request.min_loops:
             return False

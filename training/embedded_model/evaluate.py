@@ -70,13 +70,15 @@ def summarize(losses: torch.Tensor, gates: torch.Tensor) -> dict[str, Any]:
         for threshold in THRESHOLDS:
             depth = exit_depths(gates, threshold, min_loops)
             histogram = torch.bincount(depth, minlength=loops + 1)[1:].double() / count
-            exits.append({
-                "threshold": threshold,
-                "min_loops": min_loops,
-                "depth_fraction": [round(x, 5) for x in histogram.tolist()],
-                "mean_depth": round(depth.double().mean().item(), 4),
-                "val_loss_at_exit": round(losses.gather(0, depth[None] - 1).mean().item(), 4),
-            })
+            exits.append(
+                {
+                    "threshold": threshold,
+                    "min_loops": min_loops,
+                    "depth_fraction": [round(x, 5) for x in histogram.tolist()],
+                    "mean_depth": round(depth.double().mean().item(), 4),
+                    "val_loss_at_exit": round(losses.gather(0, depth[None] - 1).mean().item(), 4),
+                }
+            )
     return {
         "tokens": count,
         "val_loss_per_loop": [round(x, 4) for x in losses.mean(1).tolist()],
@@ -139,8 +141,9 @@ def plot(result: dict[str, Any], path: Path, curves: list[dict[str, Any]] | None
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     ax = axes[0, 0]
     ax.plot(loops, result["val_loss_per_loop"], marker="o")
-    ax.set(title="Validation loss per loop", xlabel="loop", ylabel="loss (nats/token)",
-           xticks=loops)
+    ax.set(
+        title="Validation loss per loop", xlabel="loop", ylabel="loss (nats/token)", xticks=loops
+    )
     width = 0.8 / len(THRESHOLDS)
     for ax, min_loops in zip((axes[0, 1], axes[1, 0]), MIN_LOOPS, strict=True):
         rows = [e for e in result["exit"] if e["min_loops"] == min_loops]
@@ -148,15 +151,23 @@ def plot(result: dict[str, Any], path: Path, curves: list[dict[str, Any]] | None
             xs = [x + (i - (len(rows) - 1) / 2) * width for x in loops]
             label = f"q={row['threshold']} (mean {row['mean_depth']:.2f})"
             ax.bar(xs, row["depth_fraction"], width=width, label=label)
-        ax.set(title=f"Exit depth, min_loops={min_loops}", xlabel="exit loop",
-               ylabel="fraction of tokens", xticks=loops, ylim=(0, 1))
+        ax.set(
+            title=f"Exit depth, min_loops={min_loops}",
+            xlabel="exit loop",
+            ylabel="fraction of tokens",
+            xticks=loops,
+            ylim=(0, 1),
+        )
         ax.legend()
     ax = axes[1, 1]
     stage1 = [c for c in curves or [] if c["stage"] == 1]
     if stage1:
         for t in range(len(loops)):
-            ax.plot([c["step"] for c in stage1], [c["loss_per_loop"][t] for c in stage1],
-                    label=f"loop {t + 1}")
+            ax.plot(
+                [c["step"] for c in stage1],
+                [c["loss_per_loop"][t] for c in stage1],
+                label=f"loop {t + 1}",
+            )
         ax.set(title="Training loss per loop (stage 1)", xlabel="step", ylabel="loss")
         ax.legend()
     else:
@@ -171,9 +182,11 @@ def summary_line(result: dict[str, Any]) -> str:
     """One line: loss per loop, then mean depth at each threshold for each min_loops."""
     losses = " ".join(f"{x:.3f}" for x in result["val_loss_per_loop"])
     depths = "; ".join(
-        f"min_loops={m}: " + " ".join(
+        f"min_loops={m}: "
+        + " ".join(
             f"q{e['threshold']}={e['mean_depth']:.2f}"
-            for e in result["exit"] if e["min_loops"] == m
+            for e in result["exit"]
+            if e["min_loops"] == m
         )
         for m in MIN_LOOPS
     )
@@ -195,8 +208,9 @@ def run_evaluation(
     """Load `checkpoint` (bf16 on CUDA, fp32 on CPU), evaluate, write eval.json and eval.png."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(checkpoint, dtype=dtype, device=device)
-    losses, gates = collect(model, load_tokens(data_dir / "val.bin", device), seq_len,
-                            batch_size, max_windows)
+    losses, gates = collect(
+        model, load_tokens(data_dir / "val.bin", device), seq_len, batch_size, max_windows
+    )
     result = {
         "checkpoint": str(checkpoint),
         "dtype": str(dtype).removeprefix("torch."),
@@ -224,9 +238,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the text samples")
     args = parser.parse_args()
     result = run_evaluation(
-        args.checkpoint, args.data_dir, args.out_dir or args.checkpoint.parent,
-        device=torch.device(args.device), seq_len=args.seq_len, batch_size=args.batch_size,
-        max_windows=args.max_windows, seed=args.seed,
+        args.checkpoint,
+        args.data_dir,
+        args.out_dir or args.checkpoint.parent,
+        device=torch.device(args.device),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_windows=args.max_windows,
+        seed=args.seed,
     )
     print("\n".join(result["samples"]), flush=True)
     print(summary_line(result), flush=True)

@@ -51,8 +51,15 @@ class StageLog:
     """Sums per-step stats on the device (no sync per step); every `every` steps, prints their
     means with the throughput and records them in `result.curves`."""
 
-    def __init__(self, stage: int, loops: int, tokens_per_step: int, every: int,
-                 device: torch.device, result: StageResult) -> None:
+    def __init__(
+        self,
+        stage: int,
+        loops: int,
+        tokens_per_step: int,
+        every: int,
+        device: torch.device,
+        result: StageResult,
+    ) -> None:
         self.stage, self.loops, self.every, self.device = stage, loops, every, device
         self.tokens_per_step, self.result = tokens_per_step, result
         self.stats = torch.zeros(2 * loops + 1, device=device)
@@ -72,16 +79,24 @@ class StageLog:
         mean = (self.stats / (step - self.last_step)).tolist()
         losses, exits, objective = mean[: self.loops], mean[self.loops : -1], mean[-1]
         speed = (step - self.last_step) * self.tokens_per_step / (now - self.last_time)
-        self.result.curves.append({
-            "stage": self.stage, "step": step, "objective": round(objective, 4),
-            "loss_per_loop": [round(x, 4) for x in losses],
-            "exit_per_loop": [round(x, 4) for x in exits], "lr": lr,
-        })
-        print(f"stage {self.stage} step {step:5d}/{total} obj {objective:.4f} | loss/loop "
-              + " ".join(f"{x:.3f}" for x in losses)
-              + (" | p(t) " if self.stage == 1 else " | lambda ")
-              + " ".join(f"{x:.2f}" for x in exits)
-              + f" | lr {lr:.2e} | {speed:,.0f} tok/s | {now - self.begin:.0f} s", flush=True)
+        self.result.curves.append(
+            {
+                "stage": self.stage,
+                "step": step,
+                "objective": round(objective, 4),
+                "loss_per_loop": [round(x, 4) for x in losses],
+                "exit_per_loop": [round(x, 4) for x in exits],
+                "lr": lr,
+            }
+        )
+        print(
+            f"stage {self.stage} step {step:5d}/{total} obj {objective:.4f} | loss/loop "
+            + " ".join(f"{x:.3f}" for x in losses)
+            + (" | p(t) " if self.stage == 1 else " | lambda ")
+            + " ".join(f"{x:.2f}" for x in exits)
+            + f" | lr {lr:.2e} | {speed:,.0f} tok/s | {now - self.begin:.0f} s",
+            flush=True,
+        )
         self.stats.zero_()
         self.last_time, self.last_step = now, step
 
@@ -107,8 +122,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def sample_starts(steps: int, batch: int, tokens: torch.Tensor, seq_len: int,
-                  seed: int) -> torch.Tensor:
+def sample_starts(
+    steps: int, batch: int, tokens: torch.Tensor, seq_len: int, seed: int
+) -> torch.Tensor:
     """Window starts [steps, batch] drawn on the CPU from a seeded generator, moved once."""
     generator = torch.Generator().manual_seed(seed)
     high = tokens.numel() - seq_len - 1
@@ -120,8 +136,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_stage1(model: OuroModel, tokens: torch.Tensor, args: argparse.Namespace,
-                 end_time: float) -> StageResult:
+def train_stage1(
+    model: OuroModel, tokens: torch.Tensor, args: argparse.Namespace, end_time: float
+) -> StageResult:
     """Ouro objective on all parameters. Re-plans its length from the step time measured at
     CALIBRATION, and stops at the deadline that keeps stage 2 and the evaluation in budget."""
     device, batch, seq = tokens.device, args.batch_size, args.seq_len
@@ -135,8 +152,9 @@ def train_stage1(model: OuroModel, tokens: torch.Tensor, args: argparse.Namespac
         {"params": [p for n, p in named if n in decayed], "weight_decay": WEIGHT_DECAY},
         {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda"
+    )
     starts = sample_starts(args.steps_stage1, batch, tokens, seq, args.seed + 1)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     deadline = end_time - EVAL_RESERVE_S
@@ -172,16 +190,20 @@ def train_stage1(model: OuroModel, tokens: torch.Tensor, args: argparse.Namespac
             deadline -= args.steps_stage2 * step_s * STAGE2_STEP_COST
             fit = step + int((deadline - time.monotonic()) / step_s)
             result.steps_planned = max(step, min(args.steps_stage1, fit))
-            print(f"measured {result.measured_tokens_per_s:,.0f} tok/s ({step_s * 1e3:.1f} "
-                  f"ms/step): stage 1 plans {result.steps_planned} of {args.steps_stage1} "
-                  f"steps, ~{result.steps_planned * step_s:.0f} s", flush=True)
+            print(
+                f"measured {result.measured_tokens_per_s:,.0f} tok/s ({step_s * 1e3:.1f} "
+                f"ms/step): stage 1 plans {result.steps_planned} of {args.steps_stage1} "
+                f"steps, ~{result.steps_planned * step_s:.0f} s",
+                flush=True,
+            )
         log.step_done(step, result.steps_planned, lr)
     log.finish(step)
     return result
 
 
-def train_stage2(model: OuroModel, tokens: torch.Tensor, args: argparse.Namespace,
-                 end_time: float) -> StageResult:
+def train_stage2(
+    model: OuroModel, tokens: torch.Tensor, args: argparse.Namespace, end_time: float
+) -> StageResult:
     """Gate-only training on the loss improvement between loops (Ouro's adaptive-exit stage)."""
     device, batch, seq = tokens.device, args.batch_size, args.seq_len
     result = StageResult(args.steps_stage2, steps_planned=args.steps_stage2)

@@ -66,8 +66,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data-dir", type=Path, required=True,
-                        help="holds train.bin, val.bin and the tokenizer files")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        required=True,
+        help="holds train.bin, val.bin and the tokenizer files",
+    )
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--steps-stage1", type=int, default=4000)
     parser.add_argument("--steps-stage2", type=int, default=800)
@@ -79,8 +83,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--time-limit-s", type=float, default=400.0,
-                        help="wall budget from start-up (after imports) to the end of the run")
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=400.0,
+        help="wall budget from start-up (after imports) to the end of the run",
+    )
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--eval-max-windows", type=int, default=0, help="0: all of val.bin")
@@ -98,20 +106,30 @@ def main() -> None:
     model = init_model(args.seed, device)
     config = model.config
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__} on {name}; {config.num_parameters():,} parameters; "
-          f"{tokens.numel():,} train tokens; batch {args.batch_size} x {args.seq_len}", flush=True)
+    print(
+        f"torch {torch.__version__} on {name}; {config.num_parameters():,} parameters; "
+        f"{tokens.numel():,} train tokens; batch {args.batch_size} x {args.seq_len}",
+        flush=True,
+    )
     setup_s = time.monotonic() - start
     stage1 = train_stage1(model, tokens, args, end_time)
     stage2 = train_stage2(model, tokens, args, end_time)
     export_start = time.monotonic()
-    checkpoint = save_checkpoint(model, args.out_dir / "checkpoint", dtype="bfloat16",
-                                 tokenizer_dir=args.data_dir)
+    checkpoint = save_checkpoint(
+        model, args.out_dir / "checkpoint", dtype="bfloat16", tokenizer_dir=args.data_dir
+    )
     weights_bytes = (checkpoint / "model.safetensors").stat().st_size
     export_s = time.monotonic() - export_start
     eval_start = time.monotonic()
     evaluation = run_evaluation(
-        checkpoint, args.data_dir, args.out_dir, device=device, seq_len=args.seq_len,
-        batch_size=args.eval_batch_size, max_windows=args.eval_max_windows, seed=args.seed,
+        checkpoint,
+        args.data_dir,
+        args.out_dir,
+        device=device,
+        seq_len=args.seq_len,
+        batch_size=args.eval_batch_size,
+        max_windows=args.eval_max_windows,
+        seed=args.seed,
         curves=stage1.curves + stage2.curves,
     )
     eval_s = time.monotonic() - eval_start
@@ -120,25 +138,43 @@ def main() -> None:
         "parameters": config.num_parameters(),
         "weights_bytes_bf16": weights_bytes,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "recipe": {"exit_k": EXIT_K, "exit_gamma": EXIT_GAMMA, "init": asdict(INIT),
-                   "embed_std": EMBED_STD, "weight_decay": WEIGHT_DECAY,
-                   "min_lr_fraction": MIN_LR_FRACTION, "autocast": device.type == "cuda"},
+        "recipe": {
+            "exit_k": EXIT_K,
+            "exit_gamma": EXIT_GAMMA,
+            "init": asdict(INIT),
+            "embed_std": EMBED_STD,
+            "weight_decay": WEIGHT_DECAY,
+            "min_lr_fraction": MIN_LR_FRACTION,
+            "autocast": device.type == "cuda",
+        },
         "torch": torch.__version__,
         "device": name,
         "stage1": asdict(stage1),
         "stage2": asdict(stage2),
         "tokens_seen": stage1.tokens + stage2.tokens,
-        "wall_s": {"setup": setup_s, "stage1": stage1.wall_s, "stage2": stage2.wall_s,
-                   "export": export_s, "eval": eval_s, "total": time.monotonic() - start},
+        "wall_s": {
+            "setup": setup_s,
+            "stage1": stage1.wall_s,
+            "stage2": stage2.wall_s,
+            "export": export_s,
+            "eval": eval_s,
+            "total": time.monotonic() - start,
+        },
         "eval": {k: evaluation[k] for k in ("val_loss_per_loop", "exit")},
     }
     (args.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print("\n".join(evaluation["samples"]), flush=True)
-    early = "".join(f" (stage {i} stopped early)" for i, stage in ((1, stage1), (2, stage2))
-                    if stage.stopped_early)
-    print(f"SUMMARY{early}: {stage1.steps_done}+{stage2.steps_done} steps, "
-          f"{metrics['tokens_seen'] / 1e6:.1f} M tokens, {metrics['wall_s']['total']:.0f} s, "
-          f"{weights_bytes / 1e6:.1f} MB | {summary_line(evaluation)}", flush=True)
+    early = "".join(
+        f" (stage {i} stopped early)"
+        for i, stage in ((1, stage1), (2, stage2))
+        if stage.stopped_early
+    )
+    print(
+        f"SUMMARY{early}: {stage1.steps_done}+{stage2.steps_done} steps, "
+        f"{metrics['tokens_seen'] / 1e6:.1f} M tokens, {metrics['wall_s']['total']:.0f} s, "
+        f"{weights_bytes / 1e6:.1f} MB | {summary_line(evaluation)}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def test_sampling_params_defaults_and_loop_resolution():
 
 
 def test_sampling_params_json_round_trip_and_unknown_fields():
-    params = SamplingParams(max_tokens=5, temperature=0.7, seed=None, stop=("\n",), exit_threshold=0.6)
+    params = SamplingParams(
+        max_tokens=5, temperature=0.7, seed=None, stop=("\n",), exit_threshold=0.6
+    )
     encoded = msgspec.json.encode(params)
     assert msgspec.json.decode(encoded, type=SamplingParams) == params
     with pytest.raises(msgspec.ValidationError, match="top_p"):
@@ -90,8 +92,9 @@ def test_kv_layout_planes():
 
 
 def test_admission_plan_budget():
-    plan = AdmissionPlan(required_blocks=8, reserved_growth_blocks=3, headroom_blocks=2,
-                         cached_claim_blocks=1)
+    plan = AdmissionPlan(
+        required_blocks=8, reserved_growth_blocks=3, headroom_blocks=2, cached_claim_blocks=1
+    )
     assert plan.total_cost_blocks == 14
     assert plan.fits(14) and not plan.fits(13)
 

@@ -39,7 +39,10 @@ def test_growth_appends_pages_per_plane():
     assert [(u.plane, u.first_page, len(u.block_ids)) for u in updates] == [(0, 2, 2), (1, 2, 2)]
     tables = kv.block_tables(ident("a"))
     assert [len(t) for t in tables] == [4, 4]
-    assert kv.grow(ident("a"), 100) is None and [len(t) for t in kv.block_tables(ident("a"))] == [4, 4]
+    assert kv.grow(ident("a"), 100) is None and [len(t) for t in kv.block_tables(ident("a"))] == [
+        4,
+        4,
+    ]
 
 
 def test_prefix_pages_are_shared_and_final_token_excluded():
@@ -67,7 +70,7 @@ def test_eviction_is_lru_and_never_drops_pages_in_use():
         kv.allocate(ident(name), 3, prompt_length=3)  # 2 pages x 2 planes
         kv.publish_prefix(ident(name), prompt, 3)
         kv.free(ident(name))
-    assert kv.capacity() .free_blocks == 12 and kv.capacity().cached_blocks == 4
+    assert kv.capacity().free_blocks == 12 and kv.capacity().cached_blocks == 4
     user = ident("c")
     kv.allocate(user, 3, kv.match_prefix(p2), prompt_length=3)  # pins p2's page, touches it
     assert kv.capacity().cached_blocks == 2  # only p1's page is evictable now

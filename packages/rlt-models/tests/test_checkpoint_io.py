@@ -39,8 +39,13 @@ def ckpt(tmp_path):
 
 def test_written_checkpoint_has_hugging_face_layout(ckpt):
     names = {p.name for p in ckpt.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    } <= names
     config = json.loads((ckpt / "config.json").read_text())
     assert config["model_type"] == "ouro" and config["total_ut_steps"] == 3
     stored = load_file(str(ckpt / "model.safetensors"))
@@ -64,8 +69,10 @@ def test_load_back_is_bit_exact(tmp_path, dtype):
     assert torch.equal(gate_up[64:], stored["model.layers.1.mlp.up_proj.weight"])
     assert torch.equal(params["lm_head"], stored["lm_head.weight"])
     assert torch.equal(params["early_exit_gate_bias"], stored["model.early_exit_gate.bias"])
-    assert torch.equal(params["layers.1.input_layernorm_2.weight"],
-                       stored["model.layers.1.input_layernorm_2.weight"])
+    assert torch.equal(
+        params["layers.1.input_layernorm_2.weight"],
+        stored["model.layers.1.input_layernorm_2.weight"],
+    )
 
 
 def test_writer_is_reproducible_from_seed():
@@ -103,7 +110,9 @@ def _rewrite(ckpt, mutate):
 
 def test_missing_tensor_is_named(ckpt):
     _rewrite(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor.*model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
         load_model(ckpt)
 
 
@@ -115,7 +124,9 @@ def test_extra_tensor_is_named(ckpt):
 
 def test_wrong_shape_is_named(ckpt):
     _rewrite(ckpt, lambda t: t.update({"model.norm.weight": torch.ones(31)}))
-    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has shape \(31,\), expected \(32,\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'model\.norm\.weight' has shape \(31,\), expected \(32,\)"
+    ):
         load_model(ckpt)
 
 
@@ -172,9 +183,17 @@ def test_config_round_trip_and_real_ouro_keys(ckpt):
     raw = json.loads((ckpt / "config.json").read_text())
     assert OuroConfig.from_dict(raw) == OuroConfig(**{**CONFIG.__dict__, "torch_dtype": "float32"})
     # keys that the released Ouro config.json carries are accepted
-    raw.update({"auto_map": {"AutoConfig": "configuration_ouro.OuroConfig"}, "max_window_layers": 28,
-                "initializer_range": 0.02, "use_cache": True, "transformers_version": "4.55.0",
-                "early_exit_threshold": 1.0, "sliding_window": None})
+    raw.update(
+        {
+            "auto_map": {"AutoConfig": "configuration_ouro.OuroConfig"},
+            "max_window_layers": 28,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "transformers_version": "4.55.0",
+            "early_exit_threshold": 1.0,
+            "sliding_window": None,
+        }
+    )
     assert OuroConfig.from_dict(raw).total_ut_steps == 3
 
 
@@ -188,9 +207,17 @@ def test_malformed_config_json(ckpt):
 
 
 def test_ouro_1_4b_shape_parameter_count():
-    config = OuroConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632,
-                        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-                        head_dim=128, total_ut_steps=4, max_position_embeddings=65536)
+    config = OuroConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        total_ut_steps=4,
+        max_position_embeddings=65536,
+    )
     assert config.num_parameters() == 1_434_652_673
     shapes = checkpoint_tensor_shapes(config)
     assert len(shapes) == 269

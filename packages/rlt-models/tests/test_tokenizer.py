@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from rlt_models import OuroConfig, load_tokenizer, write_random_checkpoint
 
-CONFIG = OuroConfig(vocab_size=400, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                    num_attention_heads=2, num_key_value_heads=2, head_dim=8, total_ut_steps=2,
-                    max_position_embeddings=64)
+CONFIG = OuroConfig(
+    vocab_size=400,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    total_ut_steps=2,
+    max_position_embeddings=64,
+)
 
 
 def test_tokenizer_round_trip_special_tokens_and_chat_template(tmp_path):

@@ -14,16 +14,29 @@ B = 4  # block size
 
 
 def storage(num_blocks: int = 16) -> KVStorage:
-    kv = KVStorage(num_layers=2, num_blocks=num_blocks, block_size=B, num_kv_heads=2, head_dim=3,
-                   dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVStorage(
+        num_layers=2,
+        num_blocks=num_blocks,
+        block_size=B,
+        num_kv_heads=2,
+        head_dim=3,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     kv.tensors.key_cache.copy_(torch.randn_like(kv.tensors.key_cache))
     kv.tensors.value_cache.copy_(torch.randn_like(kv.tensors.value_cache))
     return kv
 
 
 def slots(planes: int = 2) -> RequestSlots:
-    return RequestSlots(max_requests=3, num_planes=planes, max_pages=8, hidden_size=5,
-                        dtype=torch.float32, device=torch.device("cpu"))
+    return RequestSlots(
+        max_requests=3,
+        num_planes=planes,
+        max_pages=8,
+        hidden_size=5,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 def ident(name: str) -> ExecutionIdentity:
@@ -49,8 +62,12 @@ def test_copy_slots_copies_every_layer_and_nothing_else():
 def test_slots_assign_release_and_block_tables():
     table = slots()
     a = table.assign(ident("a"), SamplingParams())
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 0, (3, 4)), BlockTableUpdate(1, 0, (7, 8))))
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 2, (5,)), BlockTableUpdate(1, 2, (9,))))
+    table.apply_block_updates(
+        ident("a"), (BlockTableUpdate(0, 0, (3, 4)), BlockTableUpdate(1, 0, (7, 8)))
+    )
+    table.apply_block_updates(
+        ident("a"), (BlockTableUpdate(0, 2, (5,)), BlockTableUpdate(1, 2, (9,)))
+    )
     assert table.state(ident("a")).host_tables == [[3, 4, 5], [7, 8, 9]]
     assert table.block_tables[a.slot, 1, :3].tolist() == [7, 8, 9]
     assert table.slot_of_position(ident("a"), 1, 9, B) == 9 * B + 1  # page 2 of plane 1
@@ -63,7 +80,9 @@ def test_slots_assign_release_and_block_tables():
 def test_snapshot_restores_kv_into_new_blocks_with_hidden_and_token():
     kv, table, store = storage(), slots(), SnapshotStore()
     a = table.assign(ident("a"), SamplingParams(seed=5))
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 0, (1, 2)), BlockTableUpdate(1, 0, (3, 4))))
+    table.apply_block_updates(
+        ident("a"), (BlockTableUpdate(0, 0, (1, 2)), BlockTableUpdate(1, 0, (3, 4)))
+    )
     table.hidden[a.slot] = torch.arange(5.0)
     table.pending_token[a.slot] = 42
     saved_k, saved_v = kv.read_blocks([1, 2, 3, 4])
@@ -72,7 +91,9 @@ def test_snapshot_restores_kv_into_new_blocks_with_hidden_and_token():
     assert ident("a") not in table and ident("a") in store
     kv.tensors.key_cache.zero_()  # the old blocks are reused by others meanwhile
     table.assign(ident("a"), store.sampling_of(ident("a")))
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 0, (10, 11)), BlockTableUpdate(1, 0, (12, 13))))
+    table.apply_block_updates(
+        ident("a"), (BlockTableUpdate(0, 0, (10, 11)), BlockTableUpdate(1, 0, (12, 13)))
+    )
     store.restore(ident("a"), table, kv)
     new_k, new_v = kv.read_blocks([10, 11, 12, 13])
     assert torch.equal(new_k, saved_k) and torch.equal(new_v, saved_v)
@@ -85,10 +106,16 @@ def test_decode_batch_metadata_reads_each_rows_plane():
     table = slots()
     table.assign(ident("a"), SamplingParams())
     table.assign(ident("b"), SamplingParams())
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 0, (1, 2, 3)), BlockTableUpdate(1, 0, (4, 5, 6))))
-    table.apply_block_updates(ident("b"), (BlockTableUpdate(0, 0, (7,)), BlockTableUpdate(1, 0, (8,))))
+    table.apply_block_updates(
+        ident("a"), (BlockTableUpdate(0, 0, (1, 2, 3)), BlockTableUpdate(1, 0, (4, 5, 6)))
+    )
+    table.apply_block_updates(
+        ident("b"), (BlockTableUpdate(0, 0, (7,)), BlockTableUpdate(1, 0, (8,)))
+    )
     slot_ids = torch.tensor([table.state(ident("a")).slot, table.state(ident("b")).slot])
-    batch = decode_batch(table, slot_ids, torch.tensor([1, 0]), torch.tensor([9, 2]), block_size=B, max_position=9)
+    batch = decode_batch(
+        table, slot_ids, torch.tensor([1, 0]), torch.tensor([9, 2]), block_size=B, max_position=9
+    )
     assert batch.query_start.tolist() == [0, 1, 2] and batch.context_lengths.tolist() == [10, 3]
     assert batch.block_tables.tolist() == [[4, 5, 6], [7, 0, 0]]
     assert batch.write_slots.tolist() == [6 * B + 1, 7 * B + 2]
@@ -107,18 +134,48 @@ def test_prefill_batch_packs_groups_in_order():
 
 def test_memory_plan_sources_and_caps():
     cpu = torch.device("cpu")
-    plan = plan_kv_blocks(device=cpu, bytes_per_block=100, useful_blocks=50, explicit_blocks=None,
-                          gpu_memory_utilization=0.9, activation_reserve_bytes=0, cpu_budget_bytes=1000)
+    plan = plan_kv_blocks(
+        device=cpu,
+        bytes_per_block=100,
+        useful_blocks=50,
+        explicit_blocks=None,
+        gpu_memory_utilization=0.9,
+        activation_reserve_bytes=0,
+        cpu_budget_bytes=1000,
+    )
     assert (plan.num_blocks, plan.source, plan.total_bytes) == (10, "cpu_budget", 1000)
-    capped = plan_kv_blocks(device=cpu, bytes_per_block=100, useful_blocks=5, explicit_blocks=None,
-                            gpu_memory_utilization=0.9, activation_reserve_bytes=0, cpu_budget_bytes=1000)
+    capped = plan_kv_blocks(
+        device=cpu,
+        bytes_per_block=100,
+        useful_blocks=5,
+        explicit_blocks=None,
+        gpu_memory_utilization=0.9,
+        activation_reserve_bytes=0,
+        cpu_budget_bytes=1000,
+    )
     assert capped.num_blocks == 5
-    assert plan_kv_blocks(device=cpu, bytes_per_block=100, useful_blocks=5, explicit_blocks=7,
-                          gpu_memory_utilization=0.9, activation_reserve_bytes=0,
-                          cpu_budget_bytes=0).source == "explicit"
+    assert (
+        plan_kv_blocks(
+            device=cpu,
+            bytes_per_block=100,
+            useful_blocks=5,
+            explicit_blocks=7,
+            gpu_memory_utilization=0.9,
+            activation_reserve_bytes=0,
+            cpu_budget_bytes=0,
+        ).source
+        == "explicit"
+    )
     with pytest.raises(MemoryError, match="no memory left"):
-        plan_kv_blocks(device=cpu, bytes_per_block=100, useful_blocks=5, explicit_blocks=None,
-                       gpu_memory_utilization=0.9, activation_reserve_bytes=0, cpu_budget_bytes=50)
+        plan_kv_blocks(
+            device=cpu,
+            bytes_per_block=100,
+            useful_blocks=5,
+            explicit_blocks=None,
+            gpu_memory_utilization=0.9,
+            activation_reserve_bytes=0,
+            cpu_budget_bytes=50,
+        )
 
 
 def test_graph_buckets_are_powers_of_two_capped_by_max_rows():

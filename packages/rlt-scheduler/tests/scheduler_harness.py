@@ -69,8 +69,12 @@ GateFn = Callable[[str, int], float]  # (request_id, loop_index) -> exit probabi
 
 def make_scheduler(*, depth: int = 4, num_blocks: int = 1000, **config) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(**config), CountingKV(num_blocks, 4, depth),
-        model_depth=depth, vocab_size=1000, max_model_len=4096, eos_token_ids=(0,),
+        SchedulerConfig(**config),
+        CountingKV(num_blocks, 4, depth),
+        model_depth=depth,
+        vocab_size=1000,
+        max_model_len=4096,
+        eos_token_ids=(0,),
     )
 
 
@@ -81,9 +85,13 @@ def fake_execute(step: SchedulerOutput, gate: GateFn, token: int = 7) -> ModelRu
         prefill_progress=tuple(PrefillProgress(c.identity, c.end_position) for c in step.prefill),
         sampled_tokens=tuple(SampledToken(i.identity, i.output_index, token) for i in step.coda),
         gate_signals=tuple(
-            GateSignal(i.identity, i.position, i.loop_index, gate(i.identity.request_id, i.loop_index))
+            GateSignal(
+                i.identity, i.position, i.loop_index, gate(i.identity.request_id, i.loop_index)
+            )
             for i in step.decode
-        ) if step.compute_gates else (),
+        )
+        if step.compute_gates
+        else (),
     )
 
 

@@ -15,14 +15,18 @@ def test_cumulative_hazard_exits_when_cdf_reaches_threshold():
     """Hazard 0.4 every loop, threshold 0.6: CDF 0.4 after loop 1, 0.64 after loop 2 -> exit at 2.
     A constant hazard of 0.4 alone never reaches 0.6; only the accumulation does."""
     scheduler = make_scheduler()
-    scheduler.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, exit_threshold=0.6, min_loops=1))
+    scheduler.add_request(
+        "r", [1, 2, 3], SamplingParams(max_tokens=3, exit_threshold=0.6, min_loops=1)
+    )
     _, finals = run_until_idle(scheduler, lambda rid, loop: 0.4)
     assert all_tokens(finals["r"])[1] == [4, 2, 2]
 
 
 def test_min_loops_still_accumulates_hazard_and_threshold_one_is_fixed_depth():
     scheduler = make_scheduler()
-    scheduler.add_request("min3", [1], SamplingParams(max_tokens=3, exit_threshold=0.5, min_loops=3))
+    scheduler.add_request(
+        "min3", [1], SamplingParams(max_tokens=3, exit_threshold=0.5, min_loops=3)
+    )
     scheduler.add_request("fixed", [1], SamplingParams(max_tokens=3, exit_threshold=1.0))
     _, finals = run_until_idle(scheduler, lambda rid, loop: 0.999)
     assert all_tokens(finals["min3"])[1] == [4, 3, 3]
@@ -88,14 +92,16 @@ def test_eos_stop_ids_and_length_finish_reasons():
     scheduler = make_scheduler()
     scheduler.add_request("eos", [1], SamplingParams(max_tokens=5))
     scheduler.add_request("ignore", [1], SamplingParams(max_tokens=3, ignore_eos=True))
-    scheduler.add_request("stopid", [1], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(0,)))
+    scheduler.add_request(
+        "stopid", [1], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(0,))
+    )
     step = scheduler.schedule()
     from scheduler_harness import fake_execute
 
-    scheduler.update_from_output(fake_execute(step, lambda r, l: 0.5, token=0))
+    scheduler.update_from_output(fake_execute(step, lambda rid, loop: 0.5, token=0))
     reasons = {d.request_id: d.finish_reason for d in scheduler.take_outputs() if d.finished}
     assert reasons == {"eos": FinishReason.STOP, "stopid": FinishReason.STOP}
-    _, finals = run_until_idle(scheduler, lambda r, l: 0.5)
+    _, finals = run_until_idle(scheduler, lambda rid, loop: 0.5)
     assert finals["ignore"][-1].finish_reason is FinishReason.LENGTH
 
 
@@ -105,7 +111,7 @@ def test_late_results_after_abort_and_id_reuse_are_dropped():
     scheduler = make_scheduler()
     scheduler.add_request("x", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
     step = scheduler.schedule()
-    late = fake_execute(step, lambda r, l: 0.5, token=42)
+    late = fake_execute(step, lambda rid, loop: 0.5, token=42)
     scheduler.abort_request("x")
     new = scheduler.add_request("x", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
     scheduler.update_from_output(late)  # results of the aborted generation

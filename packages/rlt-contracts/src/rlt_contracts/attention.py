@@ -54,7 +54,9 @@ def unmet_requirements(caps: AttentionCapabilities, req: AttentionRequirements) 
     if req.head_dim > caps.max_head_dim:
         reasons.append(f"head_dim {req.head_dim} > {caps.max_head_dim}")
     if req.block_size % caps.block_size_multiple_of:
-        reasons.append(f"block_size {req.block_size} not a multiple of {caps.block_size_multiple_of}")
+        reasons.append(
+            f"block_size {req.block_size} not a multiple of {caps.block_size_multiple_of}"
+        )
     if req.kv_layout not in caps.kv_layouts:
         reasons.append(f"kv layout {req.kv_layout.value} unsupported")
     if req.num_heads % req.num_kv_heads:

@@ -87,4 +87,3 @@ class BlockTableUpdate(msgspec.Struct, frozen=True, array_like=True):
     plane: int
     first_page: int
     block_ids: tuple[int, ...]
-

@@ -116,9 +116,7 @@ class KVCacheManager:
         num_pages = cacheable_pages(len(prompt_token_ids), len(prompt_token_ids), self.block_size)
         keys = page_keys(prompt_token_ids, self.block_size, num_pages)
         blocks = self._prefix.lookup(keys)
-        claim = sum(
-            len(page) for page in blocks if all(self._pool.refs(b) == 1 for b in page)
-        )
+        claim = sum(len(page) for page in blocks if all(self._pool.refs(b) == 1 for b in page))
         return PrefixMatch(
             keys=tuple(keys[: len(blocks)]),
             blocks=tuple(blocks),
@@ -166,7 +164,9 @@ class KVCacheManager:
             for plane, table in enumerate(tables)
         )
 
-    def grow(self, identity: ExecutionIdentity, num_tokens: int) -> tuple[BlockTableUpdate, ...] | None:
+    def grow(
+        self, identity: ExecutionIdentity, num_tokens: int
+    ) -> tuple[BlockTableUpdate, ...] | None:
         """Extend every plane to hold positions [0, num_tokens). Returns the appended blocks
         (empty if nothing was needed) or None if the pool cannot supply them (no change)."""
         allocation = self._allocations[identity]

@@ -88,7 +88,9 @@ class OuroConfig:
                 "attention heads must be a multiple of key/value heads",
             )
         if self.head_dim % 2:
-            raise ModelConfigError("head_dim", f"rotary embedding needs an even head_dim, got {self.head_dim}")
+            raise ModelConfigError(
+                "head_dim", f"rotary embedding needs an even head_dim, got {self.head_dim}"
+            )
         if not self.rms_norm_eps > 0:
             raise ModelConfigError("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
@@ -107,27 +109,40 @@ class OuroConfig:
                 "model_type", f"expected {MODEL_TYPE!r}, got {model_type!r}: not an Ouro checkpoint"
             )
         _reject_unsupported(raw)
-        known = {f for f in cls.__dataclass_fields__} | _IGNORED_KEYS | _CHECKED_KEYS | {"model_type"}
+        known = (
+            {f for f in cls.__dataclass_fields__} | _IGNORED_KEYS | _CHECKED_KEYS | {"model_type"}
+        )
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ModelConfigError(
-                tuple(unknown), "unknown config field(s); rlt cannot tell whether they change the model"
+                tuple(unknown),
+                "unknown config field(s); rlt cannot tell whether they change the model",
             )
         missing = [
             name
-            for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                         "num_attention_heads", "max_position_embeddings")
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "max_position_embeddings",
+            )
             if name not in raw
         ]
         if missing:
             raise ModelConfigError(tuple(missing), "required field(s) missing")
         heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim") or (hidden // heads if isinstance(heads, int) and heads else 0)
+        head_dim = raw.get("head_dim") or (
+            hidden // heads if isinstance(heads, int) and heads else 0
+        )
         eos = raw.get("eos_token_id", 0)
         eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
-            raise ModelConfigError("eos_token_id", f"must be a token id or a list of ids, got {eos!r}")
+            raise ModelConfigError(
+                "eos_token_id", f"must be a token id or a list of ids, got {eos!r}"
+            )
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -159,7 +174,9 @@ class OuroConfig:
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face style config.json mapping that `from_dict` reads back identically."""
         fields = asdict(self)
-        fields["eos_token_id"] = list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0]
+        fields["eos_token_id"] = (
+            list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0]
+        )
         return {
             "architectures": ["OuroForCausalLM"],
             "model_type": MODEL_TYPE,
@@ -219,13 +236,17 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelConfigError("hidden_act", f"only 'silu' is supported, got {raw['hidden_act']!r}")
     if raw.get("tie_word_embeddings", False):
-        raise ModelConfigError("tie_word_embeddings", "Ouro has an untied lm_head; tied embeddings are unsupported")
+        raise ModelConfigError(
+            "tie_word_embeddings", "Ouro has an untied lm_head; tied embeddings are unsupported"
+        )
     if raw.get("use_sliding_window", False) or raw.get("sliding_window") is not None:
         raise ModelConfigError(
             ("use_sliding_window", "sliding_window"), "sliding-window attention is not supported"
         )
     if raw.get("rope_scaling") is not None:
-        raise ModelConfigError("rope_scaling", f"only default RoPE is supported, got {raw['rope_scaling']!r}")
+        raise ModelConfigError(
+            "rope_scaling", f"only default RoPE is supported, got {raw['rope_scaling']!r}"
+        )
     if raw.get("attention_bias", False):
         raise ModelConfigError("attention_bias", "Ouro projections have no bias")
     layer_types = raw.get("layer_types")

@@ -54,7 +54,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def iter_checkpoint_tensors(model_dir: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(
+    model_dir: Path, device: str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor of the checkpoint, in its stored dtype."""
     files = checkpoint_files(model_dir)
     by_file: dict[Path, list[str]] = {}
@@ -65,7 +67,9 @@ def iter_checkpoint_tensors(model_dir: Path, device: str = "cpu") -> Iterator[tu
             available = set(handle.keys())
             for name in names:
                 if name not in available:
-                    raise CheckpointError(f"tensor {name!r} is listed for {path.name} but not in it")
+                    raise CheckpointError(
+                        f"tensor {name!r} is listed for {path.name} but not in it"
+                    )
                 try:
                     yield name, handle.get_tensor(name)
                 except SafetensorError as exc:

@@ -28,7 +28,9 @@ CHAT_TEMPLATE = (
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE (NFC, no prefix space) whose first ids are `SPECIAL_TOKENS`."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} for byte-level BPE, got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} for byte-level BPE, got {vocab_size}"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

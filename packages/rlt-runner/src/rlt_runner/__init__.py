@@ -6,4 +6,11 @@ from rlt_runner.model_runner import ModelRunner
 from rlt_runner.request_slots import RequestSlots
 from rlt_runner.snapshots import SnapshotStore
 
-__all__ = ["KVMemoryPlan", "KVStorage", "ModelRunner", "RequestSlots", "SnapshotStore", "plan_kv_blocks"]
+__all__ = [
+    "KVMemoryPlan",
+    "KVStorage",
+    "ModelRunner",
+    "RequestSlots",
+    "SnapshotStore",
+    "plan_kv_blocks",
+]

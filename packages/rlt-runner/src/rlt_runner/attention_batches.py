@@ -60,9 +60,9 @@ def prefill_batch(
     positions = torch.cat(
         [torch.arange(s, e, dtype=torch.long) for s, e in zip(starts, ends, strict=True)]
     ).to(device)
-    group_of_row = torch.repeat_interleave(
-        torch.arange(len(slot_ids)), torch.tensor(lengths)
-    ).to(device)
+    group_of_row = torch.repeat_interleave(torch.arange(len(slot_ids)), torch.tensor(lengths)).to(
+        device
+    )
     write_blocks = tables[group_of_row, positions // block_size].long()
     query_start = [0]
     for n in lengths:

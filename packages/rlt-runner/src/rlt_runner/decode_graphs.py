@@ -57,7 +57,9 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_rows, hidden_size, dtype=slots.hidden.dtype, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.context = torch.ones(max_rows, dtype=torch.int32, device=device)
-        self.tables = torch.full((max_rows, pages), kv.scratch_block, dtype=torch.int32, device=device)
+        self.tables = torch.full(
+            (max_rows, pages), kv.scratch_block, dtype=torch.int32, device=device
+        )
         self.write_slots = torch.full((max_rows,), kv.scratch_slot, dtype=torch.long, device=device)
         self.query_start = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}

@@ -33,7 +33,9 @@ class KVStorage:
         )
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """K and V of one block (all layers), in bytes."""
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element

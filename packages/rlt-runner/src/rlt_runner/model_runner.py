@@ -92,12 +92,19 @@ class ModelRunner:
         if self.device.type != "cuda":
             self.graphs_disabled_reason = f"CUDA graphs need a CUDA device, not {self.device.type}"
         elif not self.attention.capabilities.supports_cuda_graphs:
-            self.graphs_disabled_reason = f"attention backend {self.attention.capabilities.name} cannot be captured"
+            self.graphs_disabled_reason = (
+                f"attention backend {self.attention.capabilities.name} cannot be captured"
+            )
         else:
             try:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
-                        self.model, self.attention, self.kv, self.slots, max_rows=max_rows, device=self.device
+                        self.model,
+                        self.attention,
+                        self.kv,
+                        self.slots,
+                        max_rows=max_rows,
+                        device=self.device,
                     )
                 self.graphs_disabled_reason = ""
             except (RuntimeError, ValueError) as exc:
@@ -165,14 +172,19 @@ class ModelRunner:
         starts = [c.start_position for c in chunks]
         lengths = [len(c.token_ids) for c in chunks]
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
-        positions = torch.cat(
-            [torch.arange(c.start_position, c.end_position) for c in chunks]
-        ).to(self.device)
+        positions = torch.cat([torch.arange(c.start_position, c.end_position) for c in chunks]).to(
+            self.device
+        )
         hidden = self.model.embed(token_ids)
         for loop in range(1, self.depth + 1):
             batch = prefill_batch(
-                self.slots, slot_ids, self.layout.plane_of_loop(loop), starts, lengths,
-                block_size=self.block_size, device=self.device,
+                self.slots,
+                slot_ids,
+                self.layout.plane_of_loop(loop),
+                starts,
+                lengths,
+                block_size=self.block_size,
+                device=self.device,
             )
             attention = self.attention.bind(self.kv.tensors, batch)
             hidden, _ = self.model.recurrent_step(hidden, positions, attention, compute_gate=False)
@@ -180,7 +192,9 @@ class ModelRunner:
         done = [i for i, c in enumerate(chunks) if c.completes_prompt]
         if done:
             index = torch.tensor(done, device=self.device)
-            self.slots.hidden[torch.tensor(slot_ids, device=self.device)[index]] = hidden[ends[index]]
+            self.slots.hidden[torch.tensor(slot_ids, device=self.device)[index]] = hidden[
+                ends[index]
+            ]
 
     def _prefill_position_by_position(self, chunks: tuple[PrefillChunk, ...]) -> None:
         """SHARED: each request advances one prompt position at a time through all loops
@@ -196,12 +210,23 @@ class ModelRunner:
             )
             for _ in range(self.depth):
                 batch = prefill_batch(
-                    self.slots, slot_ids, 0, positions_host, [1] * len(wave),
-                    block_size=self.block_size, device=self.device,
+                    self.slots,
+                    slot_ids,
+                    0,
+                    positions_host,
+                    [1] * len(wave),
+                    block_size=self.block_size,
+                    device=self.device,
                 )
                 attention = self.attention.bind(self.kv.tensors, batch)
-                hidden, _ = self.model.recurrent_step(hidden, positions, attention, compute_gate=False)
-            done = [i for i, c in enumerate(wave) if c.completes_prompt and offset == len(c.token_ids) - 1]
+                hidden, _ = self.model.recurrent_step(
+                    hidden, positions, attention, compute_gate=False
+                )
+            done = [
+                i
+                for i, c in enumerate(wave)
+                if c.completes_prompt and offset == len(c.token_ids) - 1
+            ]
             if done:
                 index = torch.tensor(done, device=self.device)
                 self.slots.hidden[torch.tensor(slot_ids, device=self.device)[index]] = hidden[index]
@@ -213,10 +238,16 @@ class ModelRunner:
             return
         sources, targets = [], []
         for plan in plans:
-            source = self.slots.slot_of_position(plan.identity, plan.source_plane, plan.position, self.block_size)
+            source = self.slots.slot_of_position(
+                plan.identity, plan.source_plane, plan.position, self.block_size
+            )
             for plane in plan.target_planes:
                 sources.append(source)
-                targets.append(self.slots.slot_of_position(plan.identity, plane, plan.position, self.block_size))
+                targets.append(
+                    self.slots.slot_of_position(
+                        plan.identity, plane, plan.position, self.block_size
+                    )
+                )
         self.kv.copy_slots(
             torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device)
         )
@@ -225,7 +256,9 @@ class ModelRunner:
         """LM head on the exited states, sampling; tokens become the rows' pending tokens."""
         if not items:
             return None
-        slot_ids = torch.tensor([self.slots.state(i.identity).slot for i in items], device=self.device)
+        slot_ids = torch.tensor(
+            [self.slots.state(i.identity).slot for i in items], device=self.device
+        )
         logits = self.model.coda(self.slots.hidden[slot_ids])
         rows = [SamplingRow(self.slots.state(i.identity).sampling, i.output_index) for i in items]
         sampled = self.sampler.sample(logits, rows)
@@ -254,8 +287,12 @@ class ModelRunner:
             self.slots.hidden[slot_ids] = hidden
             return exit_probs.clone() if compute_gates else None
         batch = decode_batch(
-            self.slots, slot_ids, planes, positions,
-            block_size=self.block_size, max_position=max(i.position for i in items),
+            self.slots,
+            slot_ids,
+            planes,
+            positions,
+            block_size=self.block_size,
+            max_position=max(i.position for i in items),
         )
         attention = self.attention.bind(self.kv.tensors, batch)
         hidden, exit_probs = self.model.recurrent_step(
@@ -280,5 +317,8 @@ class ModelRunner:
         )
         progress = tuple(PrefillProgress(c.identity, c.end_position) for c in step.prefill)
         return ModelRunnerOutput(
-            step_id=step.step_id, gate_signals=gates, sampled_tokens=tokens, prefill_progress=progress
+            step_id=step.step_id,
+            gate_signals=gates,
+            sampled_tokens=tokens,
+            prefill_progress=progress,
         )

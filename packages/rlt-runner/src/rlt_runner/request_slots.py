@@ -36,7 +36,9 @@ class RequestSlots:
         self.num_planes = num_planes
         self.hidden = torch.zeros(max_requests, hidden_size, dtype=dtype, device=device)
         self.pending_token = torch.zeros(max_requests, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_requests, num_planes, max_pages, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(
+            max_requests, num_planes, max_pages, dtype=torch.int32, device=device
+        )
         self._free = list(range(max_requests - 1, -1, -1))
         self._states: dict[ExecutionIdentity, SlotState] = {}
 
@@ -69,7 +71,9 @@ class RequestSlots:
         if state is not None:
             self._free.append(state.slot)
 
-    def apply_block_updates(self, identity: ExecutionIdentity, updates: tuple[BlockTableUpdate, ...]) -> None:
+    def apply_block_updates(
+        self, identity: ExecutionIdentity, updates: tuple[BlockTableUpdate, ...]
+    ) -> None:
         state = self.state(identity)
         for update in updates:
             table = state.host_tables[update.plane]
@@ -82,7 +86,9 @@ class RequestSlots:
                     self.block_tables.device, non_blocking=True
                 )
 
-    def slot_of_position(self, identity: ExecutionIdentity, plane: int, position: int, block_size: int) -> int:
+    def slot_of_position(
+        self, identity: ExecutionIdentity, plane: int, position: int, block_size: int
+    ) -> int:
         """Flat KV slot of `position` at `plane` (host arithmetic on the host tables)."""
         table = self.state(identity).host_tables[plane]
         return table[position // block_size] * block_size + position % block_size

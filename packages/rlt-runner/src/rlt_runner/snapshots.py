@@ -74,7 +74,9 @@ class SnapshotStore:
         for plane, table in enumerate(state.host_tables):
             pages = table[: snapshot.num_pages]
             if len(pages) < snapshot.num_pages:
-                raise RuntimeError(f"{identity}: restore needs {snapshot.num_pages} pages, has {len(pages)}")
+                raise RuntimeError(
+                    f"{identity}: restore needs {snapshot.num_pages} pages, has {len(pages)}"
+                )
             kv.write_blocks(pages, snapshot.keys[plane], snapshot.values[plane])
         slots.hidden[state.slot] = snapshot.hidden.to(slots.hidden.device)
         slots.pending_token[state.slot] = snapshot.pending_token.to(slots.pending_token.device)

@@ -68,7 +68,9 @@ def plan_admission(
     )
 
 
-def initial_allocation_tokens(config: SchedulerConfig, request: ScheduledRequest, prefix: PrefixLookup) -> int:
+def initial_allocation_tokens(
+    config: SchedulerConfig, request: ScheduledRequest, prefix: PrefixLookup
+) -> int:
     """Positions claimed at admission: the lifetime, or with incremental KV the first chunk."""
     if config.incremental_kv:
         return min(request.prompt_length, prefix.num_tokens + config.prefill_chunk_size)

@@ -64,8 +64,14 @@ class SchedulerConfig:
     max_waiting_requests: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                     "max_waiting_requests", "admission_scan_limit", "max_admission_bypasses"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_size",
+            "max_waiting_requests",
+            "admission_scan_limit",
+            "max_admission_bypasses",
+        ):
             _positive_int(name, getattr(self, name))
         if self.max_num_batched_token_loops is not None:
             _positive_int("max_num_batched_token_loops", self.max_num_batched_token_loops)
@@ -76,14 +82,19 @@ class SchedulerConfig:
                 f"decode rows ({self.max_num_seqs}) so prefill always progresses",
             )
         if not 0.0 <= self.watermark_ratio < 1.0:
-            raise ConfigurationError("kv_watermark", f"must be in [0, 1), got {self.watermark_ratio}")
-        for name, enum_type, option in (("mode", SchedulingMode, "scheduling_mode"),
-                                        ("policy", SchedulingPolicy, "scheduling_policy")):
+            raise ConfigurationError(
+                "kv_watermark", f"must be in [0, 1), got {self.watermark_ratio}"
+            )
+        for name, enum_type, option in (
+            ("mode", SchedulingMode, "scheduling_mode"),
+            ("policy", SchedulingPolicy, "scheduling_policy"),
+        ):
             try:
                 object.__setattr__(self, name, enum_type(getattr(self, name)))
             except ValueError:
                 raise ConfigurationError(
-                    option, f"must be one of {[m.value for m in enum_type]}, got {getattr(self, name)!r}"
+                    option,
+                    f"must be one of {[m.value for m in enum_type]}, got {getattr(self, name)!r}",
                 ) from None
 
     def check_depth(self, model_depth: int) -> None:

@@ -90,7 +90,9 @@ class OuroExitPolicy:
     def needs_gate(self, bounds: LoopBounds) -> bool:
         return bounds.adaptive
 
-    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
+    def after_loop(
+        self, state, bounds, loop_index, exit_probability, *, request_id, output_index
+    ) -> bool:
         if exit_probability is not None:
             state.survival *= 1.0 - exit_probability
         if loop_index >= bounds.max_loops:
@@ -148,30 +150,40 @@ class TraceExitPolicy:
             isinstance(v, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v)
             for v in raw.values()
         ):
-            raise ConfigurationError("exit_trace", "must be a JSON object {request_id: [depth, ...]}")
+            raise ConfigurationError(
+                "exit_trace", "must be a JSON object {request_id: [depth, ...]}"
+            )
         return cls(raw, model_depth)
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         depths = self.depths.get(request_id)
         if depths is None:
-            raise InvalidRequestError("exit_trace", f"the trace has no depths for request {request_id!r}")
+            raise InvalidRequestError(
+                "exit_trace", f"the trace has no depths for request {request_id!r}"
+            )
         if len(depths) < max_tokens:
             raise InvalidRequestError(
-                "exit_trace", f"{len(depths)} depths for {request_id!r} cannot cover max_tokens={max_tokens}"
+                "exit_trace",
+                f"{len(depths)} depths for {request_id!r} cannot cover max_tokens={max_tokens}",
             )
         if depths[0] != self.model_depth:
-            raise InvalidRequestError("exit_trace", f"entry 0 must be the full depth {self.model_depth}")
+            raise InvalidRequestError(
+                "exit_trace", f"entry 0 must be the full depth {self.model_depth}"
+            )
         bad = [d for d in depths[1:max_tokens] if not bounds.min_loops <= d <= bounds.max_loops]
         if bad:
             raise InvalidRequestError(
                 "exit_trace",
-                f"depths {sorted(set(bad))} of {request_id!r} are outside [{bounds.min_loops}, {bounds.max_loops}]",
+                f"depths {sorted(set(bad))} of {request_id!r} are outside "
+                f"[{bounds.min_loops}, {bounds.max_loops}]",
             )
 
     def needs_gate(self, bounds: LoopBounds) -> bool:
         return False
 
-    def after_loop(self, state, bounds, loop_index, exit_probability, *, request_id, output_index) -> bool:
+    def after_loop(
+        self, state, bounds, loop_index, exit_probability, *, request_id, output_index
+    ) -> bool:
         return loop_index >= self.depths[request_id][output_index]
 
 
@@ -185,10 +197,13 @@ def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: i
         ) from None
     if policy is ExitPolicyName.TRACE:
         if exit_trace is None:
-            raise ConfigurationError(("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file")
+            raise ConfigurationError(
+                ("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file"
+            )
         return TraceExitPolicy.from_file(exit_trace, model_depth)
     if exit_trace is not None:
         raise ConfigurationError(
-            ("exit_trace", "exit_policy"), f"an exit_trace is only read by exit_policy 'trace', not {name!r}"
+            ("exit_trace", "exit_policy"),
+            f"an exit_trace is only read by exit_policy 'trace', not {name!r}",
         )
     return OuroExitPolicy() if policy is ExitPolicyName.OURO else DelayedOuroExitPolicy()

@@ -28,11 +28,14 @@ def choose_victim(
     value), then the most blocks held (frees the most memory per preemption).
     """
     candidates = [
-        r for r in running
+        r
+        for r in running
         if r.identity not in excluded
         and held_blocks(r.identity) > 0
         and (worse_than_priority is None or r.sampling.priority > worse_than_priority)
     ]
     if not candidates:
         return None
-    return max(candidates, key=lambda r: (r.sampling.priority, held_blocks(r.identity), r.arrival_index))
+    return max(
+        candidates, key=lambda r: (r.sampling.priority, held_blocks(r.identity), r.arrival_index)
+    )

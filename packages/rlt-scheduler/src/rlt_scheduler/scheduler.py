@@ -89,7 +89,9 @@ class Scheduler:
     ) -> ScheduledRequest:
         """Validate and enqueue a request. Raises InvalidRequestError / CapacityError /
         OverloadedError without changing any state."""
-        prompt, bounds = validate_request(request_id, prompt_token_ids, sampling, self.limits, self.kv)
+        prompt, bounds = validate_request(
+            request_id, prompt_token_ids, sampling, self.limits, self.kv
+        )
         existing = self._requests.get(request_id)
         if existing is not None and not existing.finished:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -163,14 +165,20 @@ class Scheduler:
         if self._inflight is not None:
             raise RuntimeError("schedule() called again before update_from_output()")
         config = self.config
-        step = StepBuilder(config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth)
+        step = StepBuilder(
+            config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth
+        )
         self._preempt_for_priority(step)
         if config.mode is SchedulingMode.REFILL:
             self._schedule_refill_decode(step)
         else:
             self._schedule_cohort_decode(step)
         for request in list(self._running):
-            if request.stage is RequestStage.PREFILL and request in self._running and step.prefill_room() > 0:
+            if (
+                request.stage is RequestStage.PREFILL
+                and request in self._running
+                and step.prefill_room() > 0
+            ):
                 self._schedule_prefill_chunk(request, step)
         self._admit(step)
         step.kv_copies.extend(self._pending_copies)
@@ -179,7 +187,9 @@ class Scheduler:
             self.exit_policy.needs_gate(self._requests[item.identity.request_id].bounds)
             for item in step.decode
         )
-        output = step.build(self._next_step, released=tuple(self._releases), compute_gates=compute_gates)
+        output = step.build(
+            self._next_step, released=tuple(self._releases), compute_gates=compute_gates
+        )
         self._releases.clear()
         self._next_step += 1
         self._inflight = output
@@ -200,7 +210,8 @@ class Scheduler:
         """no_refill: loop the cohort until every member exited, then sample all of them and
         start the next cohort (their successors plus requests waiting in PRELUDE)."""
         cohort_looping = [
-            r for r in self._running
+            r
+            for r in self._running
             if r.identity in self._cohort and r.stage is RequestStage.RECURRENT
         ]
         if cohort_looping:
@@ -218,7 +229,9 @@ class Scheduler:
                 if self._schedule_first_loop(request, step):
                     self._cohort.add(request.identity)
 
-    def _schedule_coda(self, request: ScheduledRequest, step: StepBuilder, *, continue_token: bool) -> bool:
+    def _schedule_coda(
+        self, request: ScheduledRequest, step: StepBuilder, *, continue_token: bool
+    ) -> bool:
         """Coda, plus the successor's loop 1 when KV for its position is available.
         Returns whether the successor started."""
         step.add_coda(
@@ -237,18 +250,27 @@ class Scheduler:
 
     def _schedule_loop(self, request: ScheduledRequest, step: StepBuilder) -> None:
         step.add_decode(
-            DecodeLoop(request.identity, request.looping_position, request.loops_done + 1, starts_token=False)
+            DecodeLoop(
+                request.identity,
+                request.looping_position,
+                request.loops_done + 1,
+                starts_token=False,
+            )
         )
 
     def _schedule_first_loop(self, request: ScheduledRequest, step: StepBuilder) -> bool:
         if not self._ensure_kv(request, request.looping_position + 1, step):
             return False
-        step.add_decode(DecodeLoop(request.identity, request.looping_position, 1, starts_token=True))
+        step.add_decode(
+            DecodeLoop(request.identity, request.looping_position, 1, starts_token=True)
+        )
         return True
 
     def _schedule_prefill_chunk(self, request: ScheduledRequest, step: StepBuilder) -> None:
         start = request.computed_prompt_tokens
-        count = min(step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start)
+        count = min(
+            step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start
+        )
         if count <= 0 or not self._ensure_kv(request, start + count, step):
             return
         completes = start + count == request.prompt_length
@@ -271,7 +293,9 @@ class Scheduler:
             and (step.loop_budget is None or step.loop_budget > 0)
             and self._ensure_kv(request, request.prompt_length + 1, step)
         ):
-            step.add_decode(DecodeLoop(request.identity, request.prompt_length, 1, starts_token=True))
+            step.add_decode(
+                DecodeLoop(request.identity, request.prompt_length, 1, starts_token=True)
+            )
 
     # -- KV growth and preemption ---------------------------------------------------------------
     def _ensure_kv(self, request: ScheduledRequest, num_tokens: int, step: StepBuilder) -> bool:
@@ -341,16 +365,17 @@ class Scheduler:
         if head is None:
             return
         prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
-        while (
-            len(self._running) >= self.config.max_num_seqs
-            or not self.plan_admission(head, prefix).fits(self.kv.capacity().free_blocks)
-        ):
+        while len(self._running) >= self.config.max_num_seqs or not self.plan_admission(
+            head, prefix
+        ).fits(self.kv.capacity().free_blocks):
             victim = self._priority_victim(head, step)
             if victim is None:
                 return
             self._preempt(victim, step)
 
-    def _priority_victim(self, request: ScheduledRequest, step: StepBuilder) -> ScheduledRequest | None:
+    def _priority_victim(
+        self, request: ScheduledRequest, step: StepBuilder
+    ) -> ScheduledRequest | None:
         if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
             return None
         return choose_victim(
@@ -365,13 +390,17 @@ class Scheduler:
         return plan_admission(self.config, self.kv, request, prefix, self._running)
 
     def _try_admit(self, request: ScheduledRequest, step: StepBuilder) -> bool:
-        prefix = self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
+        prefix = (
+            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
+        )
         if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
             return self._resume(request, step)
         initial_tokens = initial_allocation_tokens(self.config, request, prefix)
-        updates = self.kv.allocate(request.identity, initial_tokens, prefix, prompt_length=request.prompt_length)
+        updates = self.kv.allocate(
+            request.identity, initial_tokens, prefix, prompt_length=request.prompt_length
+        )
         if updates is None:
             return False
         self._waiting.remove(request)
@@ -379,7 +408,9 @@ class Scheduler:
         request.stage = RequestStage.PREFILL
         request.computed_prompt_tokens = prefix.num_tokens
         request.known_to_runner = True
-        step.new_requests.append(NewRequestData(request.identity, request.sampling, request.prompt_length))
+        step.new_requests.append(
+            NewRequestData(request.identity, request.sampling, request.prompt_length)
+        )
         step.block_updates.append(RequestBlocks(request.identity, updates))
         self._schedule_prefill_chunk(request, step)
         return True
@@ -419,7 +450,9 @@ class Scheduler:
             if request is not None:
                 self.stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
                 request.computed_prompt_tokens = progress.end_position
-                self.kv.publish_prefix(request.identity, request.prompt_token_ids, progress.end_position)
+                self.kv.publish_prefix(
+                    request.identity, request.prompt_token_ids, progress.end_position
+                )
         coda_depths = {item.identity: item.exit_depth for item in step.coda}
         continued = {item.identity for item in step.decode if item.starts_token}
         for sampled in result.sampled_tokens:
@@ -464,8 +497,12 @@ class Scheduler:
             request.start_token()
         request.loops_done = item.loop_index
         exits = self.exit_policy.after_loop(
-            request.exit_state, request.bounds, item.loop_index, exit_probability,
-            request_id=request.identity.request_id, output_index=request.num_outputs,
+            request.exit_state,
+            request.bounds,
+            item.loop_index,
+            exit_probability,
+            request_id=request.identity.request_id,
+            output_index=request.num_outputs,
         )
         if not exits:
             request.stage = RequestStage.RECURRENT
@@ -490,7 +527,9 @@ class Scheduler:
             return None
         return request
 
-    def _finish(self, request: ScheduledRequest, reason: FinishReason, *, error: str | None = None) -> None:
+    def _finish(
+        self, request: ScheduledRequest, reason: FinishReason, *, error: str | None = None
+    ) -> None:
         """The one cleanup path of completion, abort and failure (R16)."""
         if request.stage is RequestStage.WAITING:
             self._waiting.remove(request)  # new, or preempted (its snapshot is dropped below)

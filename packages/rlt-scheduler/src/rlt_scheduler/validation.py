@@ -35,7 +35,11 @@ def validate_request(
     if not prompt:
         raise InvalidRequestError("prompt", "the prompt is empty")
     for token in prompt:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < limits.vocab_size:
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or not 0 <= token < limits.vocab_size
+        ):
             raise InvalidRequestError(
                 "prompt", f"token id {token!r} is not in the vocabulary [0, {limits.vocab_size})"
             )

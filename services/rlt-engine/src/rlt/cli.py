@@ -18,11 +18,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options as --kebab-case flags; defaults come from EngineConfig."""
     d = EngineConfig()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
-    group.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument(
+        "--model", default=None, help="checkpoint directory (default: the bundled model)"
+    )
+    group.add_argument(
+        "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
+    )
     group.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     group.add_argument("--kv-layout", default=d.kv_layout, choices=["last_exited", "shared"])
-    group.add_argument("--scheduling-mode", default=d.scheduling_mode, choices=["refill", "no_refill"])
+    group.add_argument(
+        "--scheduling-mode", default=d.scheduling_mode, choices=["refill", "no_refill"]
+    )
     group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     group.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
@@ -31,24 +37,43 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--attention-backend", default=d.attention_backend)
     group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    group.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
-                       help="capture the decode loop as CUDA graphs on CUDA (default: on)")
-    group.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
-                       help="waiting-queue bound; beyond it requests are refused (HTTP 429)")
-    group.add_argument("--max-num-batched-token-loops", type=int, default=None,
-                       help="cap on token x loop passes per step (default: no cap)")
+    group.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=d.cuda_graphs,
+        help="capture the decode loop as CUDA graphs on CUDA (default: on)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="waiting-queue bound; beyond it requests are refused (HTTP 429)",
+    )
+    group.add_argument(
+        "--max-num-batched-token-loops",
+        type=int,
+        default=None,
+        help="cap on token x loop passes per step (default: no cap)",
+    )
     group.add_argument("--enable-prefix-caching", action="store_true")
-    group.add_argument("--incremental-kv", action="store_true",
-                       help="claim KV pages as requests grow instead of a lifetime reservation")
+    group.add_argument(
+        "--incremental-kv",
+        action="store_true",
+        help="claim KV pages as requests grow instead of a lifetime reservation",
+    )
     group.add_argument("--kv-watermark", type=float, default=d.kv_watermark)
-    group.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                       choices=["fcfs", "priority"])
+    group.add_argument(
+        "--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"]
+    )
     group.add_argument("--enable-preemption", action="store_true")
-    group.add_argument("--exit-policy", default=d.exit_policy,
-                       choices=["ouro", "ouro_delayed", "trace"])
-    group.add_argument("--exit-trace", default=None,
-                       help="JSON file {request_id: [depth per output token]} "
-                       "for --exit-policy trace")
+    group.add_argument(
+        "--exit-policy", default=d.exit_policy, choices=["ouro", "ouro_delayed", "trace"]
+    )
+    group.add_argument(
+        "--exit-trace",
+        default=None,
+        help="JSON file {request_id: [depth per output token]} for --exit-policy trace",
+    )
     group.add_argument("--admission-scan-limit", type=int, default=d.admission_scan_limit)
     group.add_argument("--max-admission-bypasses", type=int, default=d.max_admission_bypasses)
     group.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes)
@@ -77,8 +102,12 @@ def add_loop_arguments(group) -> None:
     d = SamplingParams()
     group.add_argument("--min-loops", type=int, default=d.min_loops)
     group.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
-    group.add_argument("--exit-threshold", type=float, default=0.5,
-                       help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth)")
+    group.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=0.5,
+        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth)",
+    )
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -104,19 +133,25 @@ def run_generate(args: argparse.Namespace) -> int:
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if args.json:
-            print(json.dumps({
-                "request_id": output.request_id,
-                "prompt_token_ids": output.prompt_token_ids,
-                "token_ids": output.token_ids,
-                "text": output.text,
-                "exit_depths": output.exit_depths,
-                "finish_reason": str(output.finish_reason),
-            }))
+            print(
+                json.dumps(
+                    {
+                        "request_id": output.request_id,
+                        "prompt_token_ids": output.prompt_token_ids,
+                        "token_ids": output.token_ids,
+                        "text": output.text,
+                        "exit_depths": output.exit_depths,
+                        "finish_reason": str(output.finish_reason),
+                    }
+                )
+            )
             continue
         print(prompt + output.text)
         print(f"exit depths: {' '.join(map(str, output.exit_depths))}")
-        print(f"mean loops per decoded token: {output.mean_loops:.2f}  "
-              f"(finish: {output.finish_reason}, {len(output.token_ids)} tokens)")
+        print(
+            f"mean loops per decoded token: {output.mean_loops:.2f}  "
+            f"(finish: {output.finish_reason}, {len(output.token_ids)} tokens)"
+        )
     return 0
 
 
@@ -124,23 +159,45 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from rlt_serve import DEFAULT_MAX_BODY_BYTES
 
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default: loopback only; 0.0.0.0 for every interface)")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
+    )
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", default=os.environ.get("RLT_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)")
-    group.add_argument("--served-model-name", default=None,
-                       help="model name in the API (default: the model directory's name)")
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="larger request bodies are refused (HTTP 413)")
-    group.add_argument("--allowed-origin", action="append", default=[],
-                       help="browser origin allowed to call the API (CORS; repeatable); "
-                       "requests from other origins are refused")
-    group.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds in-flight requests may take to finish after SIGINT/SIGTERM "
-                       "before they are aborted")
-    group.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("RLT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the model directory's name)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused (HTTP 413)",
+    )
+    group.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        help="browser origin allowed to call the API (CORS; repeatable); "
+        "requests from other origins are refused",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM "
+        "before they are aborted",
+    )
+    group.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     add_loop_arguments(loops)
 
@@ -180,7 +237,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlt", description="Serve and run recurrent looped transformers.")
+    parser = argparse.ArgumentParser(
+        prog="rlt", description="Serve and run recurrent looped transformers."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate text for one or more prompts")
     generate.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched)")
@@ -189,8 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                       help="checkpoint directory (default: the bundled model)")
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL_DIR",
+        help="checkpoint directory (default: the bundled model)",
+    )
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)

@@ -84,9 +84,13 @@ def _as_prompt_list(prompts: Prompts) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence) or not prompts:
-        raise InvalidRequestError("prompts", "give a string, a list of strings or a list of token-id lists")
+        raise InvalidRequestError(
+            "prompts", "give a string, a list of strings or a list of token-id lists"
+        )
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        raise InvalidRequestError("prompts", "a single token-id prompt must be wrapped in a list: [[1, 2, 3]]")
+        raise InvalidRequestError(
+            "prompts", "a single token-id prompt must be wrapped in a list: [[1, 2, 3]]"
+        )
     return [p if isinstance(p, str) else list(p) for p in prompts]
 
 

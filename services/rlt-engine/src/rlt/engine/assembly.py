@@ -46,7 +46,9 @@ def resolve_model_dir(model: str | Path | None) -> Path:
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ConfigurationError("model", f"{str(model)!r} is not a directory (give a local checkpoint directory)")
+        raise ConfigurationError(
+            "model", f"{str(model)!r} is not a directory (give a local checkpoint directory)"
+        )
     return path
 
 
@@ -62,13 +64,16 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(config: EngineConfig) -> EngineParts:
     model_dir = resolve_model_dir(config.model)
     device = resolve_device(config.device)
-    model = load_model(model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device)
+    model = load_model(
+        model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
+    )
     shape = model.shape
     max_model_len = config.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
         raise ConfigurationError(
             "max_model_len",
-            f"{max_model_len} exceeds the model's max_position_embeddings {shape.max_position_embeddings}",
+            f"{max_model_len} exceeds the model's max_position_embeddings "
+            f"{shape.max_position_embeddings}",
         )
     layout = config.layout
     requirements = AttentionRequirements(
@@ -109,7 +114,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         vocab_size=shape.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=shape.eos_token_ids,
-        exit_policy=make_exit_policy(config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops),
+        exit_policy=make_exit_policy(
+            config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops
+        ),
     )
     runner = ModelRunner(
         model,

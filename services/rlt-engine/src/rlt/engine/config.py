@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlt_contracts import ConfigurationError, KVLayout
-from rlt_scheduler import SchedulerConfig, SchedulingMode, SchedulingPolicy
+from rlt_scheduler import SchedulerConfig, SchedulingMode
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_TYPES = ("auto", "cpu", "cuda")
@@ -73,9 +73,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
-            raise ConfigurationError("dtype", f"must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+            raise ConfigurationError(
+                "dtype", f"must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}"
+            )
         if not (self.device in DEVICE_TYPES or str(self.device).startswith("cuda:")):
-            raise ConfigurationError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            raise ConfigurationError(
+                "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"
+            )
         try:
             KVLayout(self.kv_layout)
         except ValueError:
@@ -84,7 +88,9 @@ class EngineConfig:
             ) from None
         for name in ("block_size", "num_kv_blocks", "max_model_len", "cpu_kv_cache_bytes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ConfigurationError(name, f"must be a positive integer, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigurationError(
@@ -92,10 +98,13 @@ class EngineConfig:
             )
         self.scheduler_config()  # validates the batching and memory options
         if self.exit_policy == "trace" and self.exit_trace is None:
-            raise ConfigurationError(("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file")
+            raise ConfigurationError(
+                ("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file"
+            )
         if self.exit_trace is not None and self.exit_policy != "trace":
             raise ConfigurationError(
-                ("exit_trace", "exit_policy"), f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}"
+                ("exit_trace", "exit_policy"),
+                f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}",
             )
 
     @classmethod
@@ -104,7 +113,9 @@ class EngineConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigurationError(tuple(unknown), f"unknown engine option(s); known: {sorted(known)}")
+            raise ConfigurationError(
+                tuple(unknown), f"unknown engine option(s); known: {sorted(known)}"
+            )
         return cls(**options)
 
     @property

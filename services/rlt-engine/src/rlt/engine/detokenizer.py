@@ -21,7 +21,9 @@ class IncrementalDetokenizer:
     back the last len(longest stop) - 1 characters until the request ends (serving/deltas.py).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
         self._skip_special = skip_special_tokens

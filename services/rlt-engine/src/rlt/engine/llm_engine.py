@@ -61,7 +61,9 @@ class LLMEngine:
             return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             return list(prompt)
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise InvalidRequestError(
+            "prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def add_request(
         self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None

@@ -60,7 +60,16 @@ class Sampler:
         all on the logits' device. Launches device work only; nothing is read back.
         """
         if not isinstance(batch, SamplingBatch):
-            batch = SamplingBatch.build(batch, device=logits.device)
+            rows = batch
+            if all(r.params.greedy and r.params.logprobs is None for r in rows):
+                # Fast path: argmax needs no per-row settings on the device, so skip building
+                # (and copying to the device) the batch tensors.
+                if logits.dim() != 2 or logits.shape[0] != len(rows):
+                    raise ValueError(
+                        f"logits must be [N={len(rows)}, V], got {tuple(logits.shape)}"
+                    )
+                return SamplerOutput(logits.argmax(dim=-1), None, None, None, (None,) * len(rows))
+            batch = SamplingBatch.build(rows, device=logits.device)
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(
                 f"logits must be [N={batch.num_rows}, V], got shape {tuple(logits.shape)}"

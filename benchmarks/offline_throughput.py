@@ -39,17 +39,6 @@ SHAPES = {
         total_ut_steps=4,
         max_position_embeddings=2048,
     ),
-    "ouro-1.4b": dict(
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-        total_ut_steps=4,
-        max_position_embeddings=65536,
-    ),
 }
 
 
@@ -78,7 +67,11 @@ def ensure_checkpoint(args) -> Path:
 
     path = Path(args.checkpoint_dir) / args.shape
     if not (path / "config.json").exists():
-        config = OuroConfig(**SHAPES[args.shape])
+        config = (
+            OuroConfig.ouro_1_4b()
+            if args.shape == "ouro-1.4b"
+            else OuroConfig(**SHAPES[args.shape])
+        )
         device = "cuda" if args.device.startswith("cuda") else "cpu"
         print(
             f"writing random {args.shape} checkpoint "
@@ -217,7 +210,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--model", help="checkpoint directory (default: a random --shape checkpoint)"
     )
-    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="tiny", choices=[*sorted(SHAPES), "ouro-1.4b"])
     parser.add_argument("--checkpoint-dir", default=".runs/bench-checkpoints")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")

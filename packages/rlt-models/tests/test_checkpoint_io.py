@@ -207,17 +207,7 @@ def test_malformed_config_json(ckpt):
 
 
 def test_ouro_1_4b_shape_parameter_count():
-    config = OuroConfig(
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-        total_ut_steps=4,
-        max_position_embeddings=65536,
-    )
+    config = OuroConfig.ouro_1_4b()
     assert config.num_parameters() == 1_434_652_673
     shapes = checkpoint_tensor_shapes(config)
     assert len(shapes) == 269

@@ -132,50 +132,26 @@ def test_prefill_batch_packs_groups_in_order():
     assert (batch.max_query_len, batch.max_context_len) == (3, 6)
 
 
+def cpu_plan(*, useful_blocks: int, cpu_budget_bytes: int, explicit_blocks: int | None = None):
+    return plan_kv_blocks(
+        device=torch.device("cpu"),
+        bytes_per_block=100,
+        useful_blocks=useful_blocks,
+        explicit_blocks=explicit_blocks,
+        gpu_memory_utilization=0.9,
+        activation_reserve_bytes=0,
+        cpu_budget_bytes=cpu_budget_bytes,
+    )
+
+
 def test_memory_plan_sources_and_caps():
-    cpu = torch.device("cpu")
-    plan = plan_kv_blocks(
-        device=cpu,
-        bytes_per_block=100,
-        useful_blocks=50,
-        explicit_blocks=None,
-        gpu_memory_utilization=0.9,
-        activation_reserve_bytes=0,
-        cpu_budget_bytes=1000,
-    )
+    plan = cpu_plan(useful_blocks=50, cpu_budget_bytes=1000)
     assert (plan.num_blocks, plan.source, plan.total_bytes) == (10, "cpu_budget", 1000)
-    capped = plan_kv_blocks(
-        device=cpu,
-        bytes_per_block=100,
-        useful_blocks=5,
-        explicit_blocks=None,
-        gpu_memory_utilization=0.9,
-        activation_reserve_bytes=0,
-        cpu_budget_bytes=1000,
-    )
-    assert capped.num_blocks == 5
-    assert (
-        plan_kv_blocks(
-            device=cpu,
-            bytes_per_block=100,
-            useful_blocks=5,
-            explicit_blocks=7,
-            gpu_memory_utilization=0.9,
-            activation_reserve_bytes=0,
-            cpu_budget_bytes=0,
-        ).source
-        == "explicit"
-    )
+    assert cpu_plan(useful_blocks=5, cpu_budget_bytes=1000).num_blocks == 5
+    explicit = cpu_plan(useful_blocks=5, cpu_budget_bytes=0, explicit_blocks=7)
+    assert (explicit.num_blocks, explicit.source) == (7, "explicit")
     with pytest.raises(MemoryError, match="no memory left"):
-        plan_kv_blocks(
-            device=cpu,
-            bytes_per_block=100,
-            useful_blocks=5,
-            explicit_blocks=None,
-            gpu_memory_utilization=0.9,
-            activation_reserve_bytes=0,
-            cpu_budget_bytes=50,
-        )
+        cpu_plan(useful_blocks=5, cpu_budget_bytes=50)
 
 
 def test_graph_buckets_are_powers_of_two_capped_by_max_rows():

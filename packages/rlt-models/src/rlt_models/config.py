@@ -161,6 +161,21 @@ class OuroConfig:
         )
 
     @classmethod
+    def ouro_1_4b(cls) -> OuroConfig:
+        """The architecture of ByteDance/Ouro-1.4B (ouro-model-spec.md section 1)."""
+        return cls(
+            vocab_size=49152,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            total_ut_steps=4,
+            max_position_embeddings=65536,
+        )
+
+    @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> OuroConfig:
         path = Path(model_dir) / "config.json"
         try:

@@ -185,7 +185,7 @@ def test_abort_while_preempted_drops_the_snapshot(llm_factory):
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()  # delivers the release of "high" to the runner
-    assert len(engine.core.runner.snapshots) == 0 and len(engine.core.runner.slots) == 0
+    assert len(engine.core.runner.snapshots) == 0 and len(engine.core.runner.rows) == 0
 
 
 # -- exit policies -----------------------------------------------------------------------------

@@ -7,12 +7,16 @@ import pytest
 from rlt_contracts import (
     AdmissionPlan,
     ConfigurationError,
+    DecodeRule,
     ExecutionIdentity,
+    ExitRule,
+    ExitRuleKind,
     FinishReason,
+    GeneratedTokens,
     InvalidRequestError,
     KVLayout,
     ModelRunnerOutput,
-    SampledToken,
+    NewRequestData,
     SamplingParams,
     SchedulerOutput,
 )
@@ -101,9 +105,25 @@ def test_admission_plan_budget():
 
 def test_runner_output_round_trips_through_msgpack():
     identity = ExecutionIdentity("a", 3)
-    out = ModelRunnerOutput(step_id=9, sampled_tokens=(SampledToken(identity, 0, 42, -0.5),))
+    generated = GeneratedTokens(
+        identity, 2, (42, 7), (3, 4), logprobs=(-0.5, -1.0), top_logprobs=(((42, -0.5),), ())
+    )
+    out = ModelRunnerOutput(step_id=9, generated=(generated,), decode_ticks=8, loop_slots=32)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=ModelRunnerOutput) == out
     assert not SchedulerOutput(step_id=1).has_work
+    assert SchedulerOutput(step_id=2, decode_ticks=1).has_work
+
+
+def test_decode_rule_round_trips_and_bounds_tokens_per_tick():
+    hazard = ExitRule(ExitRuleKind.HAZARD, min_loops=2, max_loops=4, threshold=0.5)
+    fixed = ExitRule(ExitRuleKind.HAZARD, min_loops=2, max_loops=4, threshold=1.0)
+    trace = ExitRule(ExitRuleKind.TRACE, 1, 4, trace_depths=(4, 3, 2, 4))
+    assert hazard.uses_gate and not fixed.uses_gate and not trace.uses_gate
+    assert (hazard.min_exit_depth, fixed.min_exit_depth, trace.min_exit_depth) == (2, 4, 2)
+    data = NewRequestData(
+        ExecutionIdentity("r", 0), SamplingParams(seed=1), 5, DecodeRule(trace, 4, (0,))
+    )
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(data), type=NewRequestData) == data
 
 
 def test_configuration_error_names_all_options():

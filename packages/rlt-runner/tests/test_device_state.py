@@ -1,14 +1,21 @@
-"""Runner device state: KV storage copies, slots and block tables, snapshots, batch metadata,
+"""Runner device state: KV storage copies, rows and block tables, snapshots, prefill metadata,
 memory planning and graph buckets (CPU tensors; no model needed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rlt_contracts import BlockTableUpdate, ExecutionIdentity, SamplingParams
-from rlt_runner import KVStorage, RequestSlots, SnapshotStore, plan_kv_blocks
-from rlt_runner.attention_batches import decode_batch, prefill_batch
+from rlt_contracts import (
+    BlockTableUpdate,
+    DecodeRule,
+    ExecutionIdentity,
+    ExitRule,
+    ExitRuleKind,
+    SamplingParams,
+)
+from rlt_runner import DecodeRows, KVStorage, RowRecord, SnapshotStore, plan_kv_blocks
 from rlt_runner.decode_graphs import bucket_sizes
+from rlt_runner.prefill import PrefillGroups
 
 B = 4  # block size
 
@@ -28,19 +35,29 @@ def storage(num_blocks: int = 16) -> KVStorage:
     return kv
 
 
-def slots(planes: int = 2) -> RequestSlots:
-    return RequestSlots(
-        max_requests=3,
+def rows(planes: int = 2, max_rows: int = 3) -> DecodeRows:
+    return DecodeRows(
+        max_rows=max_rows,
         num_planes=planes,
         max_pages=8,
         hidden_size=5,
         dtype=torch.float32,
         device=torch.device("cpu"),
+        scratch_block=16,
+        stop_capacity=3,
+        trace_capacity=6,
     )
 
 
 def ident(name: str) -> ExecutionIdentity:
     return ExecutionIdentity(name, 0)
+
+
+RULE = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 2, 4, 0.5), max_tokens=7, stop_token_ids=(0, 9))
+
+
+def record(name: str, rule: DecodeRule = RULE, **sampling) -> RowRecord:
+    return RowRecord(ident(name), -1, SamplingParams(**sampling), rule, prompt_length=3)
 
 
 def test_scratch_block_lies_outside_the_logical_pool():
@@ -59,77 +76,99 @@ def test_copy_slots_copies_every_layer_and_nothing_else():
     assert torch.equal(flat_k[:, untouched], before_k.flatten(1, 2)[:, untouched])
 
 
-def test_slots_assign_release_and_block_tables():
-    table = slots()
-    a = table.assign(ident("a"), SamplingParams())
-    table.apply_block_updates(
-        ident("a"), (BlockTableUpdate(0, 0, (3, 4)), BlockTableUpdate(1, 0, (7, 8)))
-    )
-    table.apply_block_updates(
-        ident("a"), (BlockTableUpdate(0, 2, (5,)), BlockTableUpdate(1, 2, (9,)))
-    )
-    assert table.state(ident("a")).host_tables == [[3, 4, 5], [7, 8, 9]]
-    assert table.block_tables[a.slot, 1, :3].tolist() == [7, 8, 9]
-    assert table.slot_of_position(ident("a"), 1, 9, B) == 9 * B + 1  # page 2 of plane 1
+def test_rows_are_assigned_lowest_first_with_rule_and_sampling_on_the_device():
+    table = rows()
+    table.assign([record("a", seed=11, temperature=0.7, top_k=5)])
+    table.assign([record("b")])
+    a, b = table.record(ident("a")), table.record(ident("b"))
+    assert (a.row, b.row) == (0, 1)
+    assert table.seed[0].item() == 11 and table.top_k[0].item() == 5
+    assert table.temperature[0].item() == pytest.approx(0.7)
+    assert table.stop_ids[1].tolist() == [0, 9, -1]
+    assert (table.min_loops[1].item(), table.max_loops[1].item()) == (2, 4)
+    assert table.threshold[1].item() == 0.5 and table.max_tokens[1].item() == 7
+    assert not table.active.any() and table.survival.tolist() == [1.0, 1.0, 1.0]
+    table.release([ident("a")])
+    table.assign([record("c")])
+    assert table.record(ident("c")).row == 0  # the freed row is reused first
     with pytest.raises(RuntimeError, match="already has"):
-        table.assign(ident("a"), SamplingParams())
-    table.release(ident("a"))
-    assert ident("a") not in table and table.assign(ident("b"), SamplingParams()).slot == a.slot
+        table.assign([record("c")])
 
 
-def test_snapshot_restores_kv_into_new_blocks_with_hidden_and_token():
-    kv, table, store = storage(), slots(), SnapshotStore()
-    a = table.assign(ident("a"), SamplingParams(seed=5))
+def test_block_tables_grow_on_host_and_device_and_start_at_scratch():
+    table = rows()
+    table.assign([record("a")])
     table.apply_block_updates(
-        ident("a"), (BlockTableUpdate(0, 0, (1, 2)), BlockTableUpdate(1, 0, (3, 4)))
+        [(ident("a"), (BlockTableUpdate(0, 0, (3, 4)), BlockTableUpdate(1, 0, (7, 8))))]
     )
-    table.hidden[a.slot] = torch.arange(5.0)
-    table.pending_token[a.slot] = 42
-    saved_k, saved_v = kv.read_blocks([1, 2, 3, 4])
-    saved_k, saved_v = saved_k.clone(), saved_v.clone()
-    store.save(ident("a"), table, kv)
-    assert ident("a") not in table and ident("a") in store
-    kv.tensors.key_cache.zero_()  # the old blocks are reused by others meanwhile
-    table.assign(ident("a"), store.sampling_of(ident("a")))
     table.apply_block_updates(
-        ident("a"), (BlockTableUpdate(0, 0, (10, 11)), BlockTableUpdate(1, 0, (12, 13)))
+        [(ident("a"), (BlockTableUpdate(0, 2, (5,)), BlockTableUpdate(1, 2, (9,))))]
+    )
+    a = table.record(ident("a"))
+    assert a.host_tables == [[3, 4, 5], [7, 8, 9]]
+    assert table.block_tables[a.row, 1].tolist() == [7, 8, 9] + [16] * 5
+    assert table.allocated_tokens(a, B) == 3 * B
+
+
+def test_trace_rows_need_room_for_their_depths():
+    table = rows()
+    trace = DecodeRule(ExitRule(ExitRuleKind.TRACE, 1, 4, trace_depths=(4, 3, 2)), max_tokens=3)
+    table.assign([record("t", trace)])
+    assert table.trace[0].tolist() == [4, 3, 2, 4, 4, 4]  # padded with max_loops
+    too_long = DecodeRule(ExitRule(ExitRuleKind.TRACE, 1, 4, trace_depths=(4,) * 7), 7)
+    with pytest.raises(ValueError, match="trace capacity"):
+        table.assign([record("u", too_long)])
+
+
+def test_snapshot_restores_kv_pages_and_progress_into_a_new_row():
+    kv, table, store = storage(), rows(), SnapshotStore()
+    table.assign([record("x"), record("a", seed=5)])
+    table.apply_block_updates(
+        [(ident("a"), (BlockTableUpdate(0, 0, (1, 2)), BlockTableUpdate(1, 0, (3, 4))))]
+    )
+    row = table.record(ident("a")).row
+    table.hidden[row] = torch.arange(5.0)
+    table.token[row], table.position[row], table.loops[row], table.outputs[row] = 42, 6, 2, 4
+    table.survival[row], table.active[row] = 0.25, True
+    saved_k, saved_v = kv.read_blocks(torch.tensor([1, 2, 3, 4]))
+    store.save(ident("a"), table, kv)
+    assert ident("a") not in table and ident("a") in store and not table.active[row]
+    kv.tensors.key_cache.zero_()  # the old blocks are reused by others meanwhile
+    table.release([ident("x")])
+    table.assign([store.record_of(ident("a"))])
+    table.apply_block_updates(
+        [(ident("a"), (BlockTableUpdate(0, 0, (10, 11)), BlockTableUpdate(1, 0, (12, 13))))]
     )
     store.restore(ident("a"), table, kv)
-    new_k, new_v = kv.read_blocks([10, 11, 12, 13])
+    new_k, new_v = kv.read_blocks(torch.tensor([10, 11, 12, 13]))
     assert torch.equal(new_k, saved_k) and torch.equal(new_v, saved_v)
-    slot = table.state(ident("a")).slot
-    assert table.hidden[slot].tolist() == [0, 1, 2, 3, 4] and int(table.pending_token[slot]) == 42
-    assert len(store) == 0 and table.state(ident("a")).sampling.seed == 5
+    new_row = table.record(ident("a")).row
+    assert new_row == 0 != row
+    assert table.hidden[new_row].tolist() == [0, 1, 2, 3, 4]
+    progress = [table.token, table.position, table.loops, table.outputs]
+    assert [int(t[new_row]) for t in progress] == [42, 6, 2, 4]
+    assert table.survival[new_row].item() == 0.25 and bool(table.active[new_row])
+    assert len(store) == 0 and table.seed[new_row].item() == 5
 
 
-def test_decode_batch_metadata_reads_each_rows_plane():
-    table = slots()
-    table.assign(ident("a"), SamplingParams())
-    table.assign(ident("b"), SamplingParams())
+def test_prefill_groups_pack_queries_and_derive_each_planes_slots():
+    table = rows()
+    table.assign([record("a"), record("b")])
     table.apply_block_updates(
-        ident("a"), (BlockTableUpdate(0, 0, (1, 2, 3)), BlockTableUpdate(1, 0, (4, 5, 6)))
+        [
+            (ident("a"), (BlockTableUpdate(0, 0, (2, 3)), BlockTableUpdate(1, 0, (4, 5)))),
+            (ident("b"), (BlockTableUpdate(0, 0, (6,)), BlockTableUpdate(1, 0, (7,)))),
+        ]
     )
-    table.apply_block_updates(
-        ident("b"), (BlockTableUpdate(0, 0, (7,)), BlockTableUpdate(1, 0, (8,)))
-    )
-    slot_ids = torch.tensor([table.state(ident("a")).slot, table.state(ident("b")).slot])
-    batch = decode_batch(
-        table, slot_ids, torch.tensor([1, 0]), torch.tensor([9, 2]), block_size=B, max_position=9
-    )
-    assert batch.query_start.tolist() == [0, 1, 2] and batch.context_lengths.tolist() == [10, 3]
-    assert batch.block_tables.tolist() == [[4, 5, 6], [7, 0, 0]]
-    assert batch.write_slots.tolist() == [6 * B + 1, 7 * B + 2]
-
-
-def test_prefill_batch_packs_groups_in_order():
-    table = slots(planes=1)
-    table.assign(ident("a"), SamplingParams())
-    table.apply_block_updates(ident("a"), (BlockTableUpdate(0, 0, (2, 3)),))
-    slot = table.state(ident("a")).slot
-    batch = prefill_batch(table, [slot], 0, [3], [3], block_size=B, device=torch.device("cpu"))
-    assert batch.query_start.tolist() == [0, 3] and batch.context_lengths.tolist() == [6]
-    assert batch.write_slots.tolist() == [2 * B + 3, 3 * B + 0, 3 * B + 1]
-    assert (batch.max_query_len, batch.max_context_len) == (3, 6)
+    groups = PrefillGroups(table, [0, 1], [3, 0], [3, 2], [9, 8, 7, 6, 5], block_size=B)
+    plane0, plane1 = groups.batch(0), groups.batch(1)
+    assert groups.query_start.tolist() == [0, 3, 5]
+    assert groups.context_lengths.tolist() == [6, 2]
+    assert groups.positions.tolist() == [3, 4, 5, 0, 1]
+    assert plane0.write_slots.tolist() == [2 * B + 3, 3 * B, 3 * B + 1, 6 * B, 6 * B + 1]
+    assert plane1.write_slots.tolist() == [4 * B + 3, 5 * B, 5 * B + 1, 7 * B, 7 * B + 1]
+    assert groups.last_query.tolist() == [2, 4]
+    assert (plane0.max_query_len, plane0.max_context_len) == (3, 6)
 
 
 def cpu_plan(*, useful_blocks: int, cpu_budget_bytes: int, explicit_blocks: int | None = None):

@@ -1,18 +1,17 @@
-"""Test harness: a counting KV port and a scripted runner, so scheduler tests need no torch."""
+"""Test harness: a counting KV port and a scripted device, so scheduler tests need no torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlt_contracts import (
     BlockTableUpdate,
     ExecutionIdentity,
-    GateSignal,
+    GeneratedTokens,
     KVCapacity,
     ModelRunnerOutput,
     PrefillProgress,
-    SampledToken,
     SchedulerOutput,
 )
 from rlt_scheduler import Scheduler, SchedulerConfig
@@ -26,45 +25,123 @@ class NoPrefix:
 
 
 class CountingKV:
-    """Implements the scheduler's KV port by counting blocks (no block ids matter here)."""
+    """Implements the scheduler's KV port by counting pages per request (no block ids)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_planes: int) -> None:
         self.num_blocks, self.block_size, self.num_planes = num_blocks, block_size, num_planes
-        self.held: dict[ExecutionIdentity, int] = {}
+        self.pages: dict[ExecutionIdentity, int] = {}
 
     def capacity(self) -> KVCapacity:
-        return KVCapacity(self.num_blocks, self.num_blocks - sum(self.held.values()))
+        used = sum(self.pages.values()) * self.num_planes
+        return KVCapacity(self.num_blocks, self.num_blocks - used)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) * self.num_planes
 
     def held_blocks(self, identity) -> int:
-        return self.held.get(identity, 0)
+        return self.pages.get(identity, 0) * self.num_planes
 
     def allocated_tokens(self, identity) -> int:
-        return self.held.get(identity, 0) // self.num_planes * self.block_size
+        return self.pages.get(identity, 0) * self.block_size
 
     def match_prefix(self, prompt):
         return NoPrefix()
 
     def allocate(self, identity, num_tokens, prefix, *, prompt_length=0):
-        need = self.blocks_for(num_tokens)
-        if need > self.capacity().free_blocks:
+        pages = -(-num_tokens // self.block_size)
+        if pages * self.num_planes > self.capacity().free_blocks:
             return None
-        self.held[identity] = need
-        return (BlockTableUpdate(0, 0, tuple(range(need))),)
+        self.pages[identity] = pages
+        return (BlockTableUpdate(0, 0, tuple(range(pages))),)
 
     def grow(self, identity, num_tokens):
-        return ()
+        pages = -(-num_tokens // self.block_size)
+        extra = pages - self.pages[identity]
+        if extra <= 0:
+            return ()
+        if extra * self.num_planes > self.capacity().free_blocks:
+            return None
+        first = self.pages[identity]
+        self.pages[identity] = pages
+        return (BlockTableUpdate(0, first, tuple(range(first, pages))),)
 
     def free(self, identity):
-        self.held.pop(identity, None)
+        self.pages.pop(identity, None)
 
     def publish_prefix(self, identity, prompt, computed):
         return 0
 
 
-GateFn = Callable[[str, int], float]  # (request_id, loop_index) -> exit probability
+DepthFn = Callable[[str, int], int]  # (request_id, output index) -> exit depth of that token
+
+
+@dataclass
+class _Row:
+    prompt_length: int
+    max_tokens: int
+    stop_ids: tuple[int, ...]
+    outputs: int = 0
+    loops: int = 0
+    active: bool = False
+
+
+@dataclass
+class FakeDevice:
+    """Plays the runner: prompt chunks, token 0 at full depth, then per tick one loop per
+    active row; a token exits after depth(request_id, output index) loops. Every tick checks
+    that the looping position is covered by the request's blocks."""
+
+    kv: CountingKV
+    depth: DepthFn
+    token: Callable[[str, int], int] = lambda request_id, index: 7
+    model_depth: int = 4
+    rows: dict[ExecutionIdentity, _Row] = field(default_factory=dict)
+    ticks_run: list[int] = field(default_factory=list)
+
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        for identity in (*step.snapshots, *step.released):
+            self.rows.pop(identity, None)
+        for new in step.new_requests:
+            rule = new.rule
+            self.rows[new.identity] = _Row(new.prompt_length, rule.max_tokens, rule.stop_token_ids)
+        made: dict[ExecutionIdentity, list[tuple[int, int]]] = {}
+        for chunk in step.prefill:
+            if chunk.completes_prompt:
+                self._emit(chunk.identity, self.model_depth, made)
+        for _ in range(step.decode_ticks):
+            for identity, row in self.rows.items():
+                if not row.active:
+                    continue
+                position = row.prompt_length + row.outputs - 1
+                assert position < self.kv.allocated_tokens(identity), "tick outside its blocks"
+                row.loops += 1
+                if row.loops >= self.depth(identity.request_id, row.outputs):
+                    self._emit(identity, row.loops, made)
+        self.ticks_run.append(step.decode_ticks)
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            prefill_progress=tuple(
+                PrefillProgress(c.identity, c.end_position) for c in step.prefill
+            ),
+            generated=tuple(
+                GeneratedTokens(
+                    identity,
+                    self.rows[identity].outputs - len(tokens) if identity in self.rows else 0,
+                    tuple(t for t, _ in tokens),
+                    tuple(d for _, d in tokens),
+                )
+                for identity, tokens in made.items()
+            ),
+            decode_ticks=step.decode_ticks,
+        )
+
+    def _emit(self, identity, depth, made) -> None:
+        row = self.rows[identity]
+        token = self.token(identity.request_id, row.outputs)
+        made.setdefault(identity, []).append((token, depth))
+        row.outputs += 1
+        row.loops = 0
+        row.active = not (token in row.stop_ids or row.outputs >= row.max_tokens)
 
 
 def make_scheduler(*, depth: int = 4, num_blocks: int = 1000, **config) -> Scheduler:
@@ -78,32 +155,18 @@ def make_scheduler(*, depth: int = 4, num_blocks: int = 1000, **config) -> Sched
     )
 
 
-def fake_execute(step: SchedulerOutput, gate: GateFn, token: int = 7) -> ModelRunnerOutput:
-    """What a runner would report: progress for chunks, a token per coda, a gate per loop."""
-    return ModelRunnerOutput(
-        step_id=step.step_id,
-        prefill_progress=tuple(PrefillProgress(c.identity, c.end_position) for c in step.prefill),
-        sampled_tokens=tuple(SampledToken(i.identity, i.output_index, token) for i in step.coda),
-        gate_signals=tuple(
-            GateSignal(
-                i.identity, i.position, i.loop_index, gate(i.identity.request_id, i.loop_index)
-            )
-            for i in step.decode
-        )
-        if step.compute_gates
-        else (),
-    )
-
-
-def run_until_idle(scheduler: Scheduler, gate: GateFn, max_steps: int = 500):
-    """Drive the scheduler; returns (steps, final deltas by request id)."""
-    steps, finals = [], {}
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+def run_until_idle(scheduler: Scheduler, device: FakeDevice, *, in_flight: int = 1):
+    """Drive the scheduler like the asynchronous engine: up to `in_flight` submitted steps wait
+    while the next one is scheduled. Returns (steps, deltas by request id)."""
+    steps, finals, pending = [], {}, []
+    for _ in range(1000):
+        if not scheduler.has_unfinished_requests() and not pending:
             break
         step = scheduler.schedule()
         steps.append(step)
-        scheduler.update_from_output(fake_execute(step, gate))
+        pending.append(device.execute(step))
+        while len(pending) > (in_flight if step.has_work else 0):
+            scheduler.update_from_output(pending.pop(0))
         for delta in scheduler.take_outputs():
             finals.setdefault(delta.request_id, []).append(delta)
     return steps, finals

@@ -1,67 +1,86 @@
-"""Scheduler semantics on scripted gate signals (no model): exits, modes, budget, lifecycle."""
+"""Scheduler semantics against a scripted device (no model): decode rules, ticks per step,
+budget, KV lookahead under pipelining, finish reasons and late results."""
 
 from __future__ import annotations
 
 import pytest
-from rlt_contracts import FinishReason, RequestStage, SamplingParams
-from scheduler_harness import make_scheduler, run_until_idle
+from rlt_contracts import (
+    ExitRule,
+    ExitRuleKind,
+    FinishReason,
+    GeneratedTokens,
+    ModelRunnerOutput,
+    RequestStage,
+    SamplingParams,
+)
+from rlt_scheduler import DelayedOuroExitPolicy, Scheduler, SchedulerConfig, TraceExitPolicy
+from scheduler_harness import CountingKV, FakeDevice, make_scheduler, run_until_idle
 
 
 def all_tokens(deltas):
     return [t for d in deltas for t in d.token_ids], [e for d in deltas for e in d.exit_depths]
 
 
-def test_cumulative_hazard_exits_when_cdf_reaches_threshold():
-    """Hazard 0.4 every loop, threshold 0.6: CDF 0.4 after loop 1, 0.64 after loop 2 -> exit at 2.
-    A constant hazard of 0.4 alone never reaches 0.6; only the accumulation does."""
+def test_requests_carry_their_exit_policy_and_stop_conditions_as_a_decode_rule():
     scheduler = make_scheduler()
-    scheduler.add_request(
-        "r", [1, 2, 3], SamplingParams(max_tokens=3, exit_threshold=0.6, min_loops=1)
+    adaptive = scheduler.add_request(
+        "a", [1], SamplingParams(min_loops=1, max_loops=3, exit_threshold=0.6, max_tokens=5)
     )
-    _, finals = run_until_idle(scheduler, lambda rid, loop: 0.4)
-    assert all_tokens(finals["r"])[1] == [4, 2, 2]
+    assert adaptive.rule.exit == ExitRule(ExitRuleKind.HAZARD, 1, 3, 0.6)
+    assert (adaptive.rule.max_tokens, adaptive.rule.stop_token_ids) == (5, (0,))
+    fixed = scheduler.add_request("f", [1], SamplingParams(ignore_eos=True, stop_token_ids=(5, 6)))
+    assert fixed.rule.exit == ExitRule(ExitRuleKind.HAZARD, 2, 4, 1.0)
+    assert fixed.rule.stop_token_ids == (5, 6)  # no EOS: ignore_eos
+    assert not fixed.rule.exit.uses_gate and fixed.rule.exit.min_exit_depth == 4
 
 
-def test_min_loops_still_accumulates_hazard_and_threshold_one_is_fixed_depth():
-    scheduler = make_scheduler()
-    scheduler.add_request(
-        "min3", [1], SamplingParams(max_tokens=3, exit_threshold=0.5, min_loops=3)
+def test_other_policies_compile_to_their_rule_kinds():
+    delayed = Scheduler(
+        SchedulerConfig(),
+        CountingKV(100, 4, 4),
+        model_depth=4,
+        vocab_size=100,
+        max_model_len=64,
+        eos_token_ids=(0,),
+        exit_policy=DelayedOuroExitPolicy(),
     )
-    scheduler.add_request("fixed", [1], SamplingParams(max_tokens=3, exit_threshold=1.0))
-    _, finals = run_until_idle(scheduler, lambda rid, loop: 0.999)
-    assert all_tokens(finals["min3"])[1] == [4, 3, 3]
-    assert all_tokens(finals["fixed"])[1] == [4, 4, 4]
+    assert delayed.add_request("d", [1], SamplingParams()).rule.exit.kind is (
+        ExitRuleKind.DELAYED_HAZARD
+    )
+    trace = Scheduler(
+        SchedulerConfig(),
+        CountingKV(100, 4, 4),
+        model_depth=4,
+        vocab_size=100,
+        max_model_len=64,
+        eos_token_ids=(0,),
+        exit_policy=TraceExitPolicy({"t": [4, 2, 3, 2, 4]}, 4),
+    )
+    rule = trace.add_request("t", [1], SamplingParams(max_tokens=3)).rule.exit
+    assert (rule.kind, rule.trace_depths, rule.min_exit_depth) == (ExitRuleKind.TRACE, (4, 2, 3), 2)
 
 
-def test_gates_are_skipped_when_no_row_needs_them():
-    scheduler = make_scheduler()
-    scheduler.add_request("fixed", [1, 2], SamplingParams(max_tokens=4))
-    steps, _ = run_until_idle(scheduler, lambda rid, loop: 0.5)
-    assert not any(s.compute_gates for s in steps)
+def test_steps_run_one_tick_while_prompts_wait_then_several():
+    scheduler = make_scheduler(max_num_seqs=2, decode_ticks_per_step=8)
+    for name in ("a", "b", "c"):
+        scheduler.add_request(name, [1, 2], SamplingParams(max_tokens=6, ignore_eos=True))
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 4)
+    steps, finals = run_until_idle(scheduler, device)
+    ticks = [s.decode_ticks for s in steps if s.has_work]
+    assert ticks[0] == 1  # "a" and "b" start; "c" waits for a slot
+    assert max(ticks) == 8
+    for name in ("a", "b", "c"):
+        assert all_tokens(finals[name]) == ([7] * 6, [4] * 6)
 
 
-def recurrent_batches(steps):
-    return [tuple(sorted(i.identity.request_id for i in s.decode)) for s in steps if s.decode]
-
-
-@pytest.mark.parametrize(
-    ("mode", "expected"),
-    [
-        # refill: "fast" (exits at min_loops 2) comes back with its next token while "slow" is
-        # still on its current one, and finishes its 3 tokens while "slow" is on its second
-        ("refill", [("fast", "slow")] * 4 + [("slow",)] * 4),
-        # no_refill: the cohort drains ("slow" alone) before both start their next token
-        ("no_refill", [("fast", "slow"), ("fast", "slow"), ("slow",), ("slow",), ("fast", "slow")]),
-    ],
-)
-def test_refill_and_no_refill_recurrent_batches(mode, expected):
-    scheduler = make_scheduler(mode=mode)
-    scheduler.add_request("fast", [1], SamplingParams(max_tokens=3, exit_threshold=0.0))
-    scheduler.add_request("slow", [2], SamplingParams(max_tokens=3, exit_threshold=1.0))
-    steps, finals = run_until_idle(scheduler, lambda rid, loop: 0.5)
-    assert recurrent_batches(steps)[: len(expected)] == expected
-    assert all_tokens(finals["fast"])[1] == [4, 2, 2]
-    assert all_tokens(finals["slow"])[1] == [4, 4, 4]
+def test_refill_ticks_stop_at_what_the_longest_request_can_still_use():
+    scheduler = make_scheduler(decode_ticks_per_step=8)
+    scheduler.add_request("r", [1], SamplingParams(max_tokens=3, ignore_eos=True, max_loops=2))
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 2)
+    steps, finals = run_until_idle(scheduler, device, in_flight=0)
+    # token 0 + one tick in the prefill step; then 2 tokens x 2 loops = 4 loops, 1 already run
+    assert [s.decode_ticks for s in steps] == [1, 3]
+    assert all_tokens(finals["r"]) == ([7, 7, 7], [4, 2, 2])
 
 
 def test_budget_splits_prefill_chunks_in_queue_order():
@@ -75,17 +94,36 @@ def test_budget_splits_prefill_chunks_in_queue_order():
     assert scheduler.num_waiting == 1
 
 
-def test_decode_rows_are_scheduled_before_prefill_and_prefill_still_progresses():
+def test_decoding_rows_take_budget_first_and_prefill_still_progresses():
     scheduler = make_scheduler(max_num_batched_tokens=3, max_num_seqs=2, prefill_chunk_size=8)
     scheduler.add_request("short", [1], SamplingParams(max_tokens=20, ignore_eos=True))
     scheduler.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=2))
-    steps, finals = run_until_idle(scheduler, lambda rid, loop: 0.5)
-    for step in steps:
-        assert len(step.decode) + step.num_prefill_tokens <= 3
-    # "short" decodes in every step while "long" prefills alongside with the remaining budget
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 4)
+    steps, finals = run_until_idle(scheduler, device)
     long_steps = [s for s in steps if any(c.identity.request_id == "long" for c in s.prefill)]
-    assert all(any(d.identity.request_id == "short" for d in s.decode) for s in long_steps[1:])
-    assert finals["long"][-1].finished
+    assert len(long_steps) > 2
+    for step in long_steps[1:]:  # "short" decodes beside it: 1 row + at most 2 prompt tokens
+        assert step.num_prefill_tokens <= 2 and step.decode_ticks == 1
+    assert finals["long"][-1].finished and finals["short"][-1].finished
+
+
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_blocks_cover_every_position_the_submitted_steps_reach(in_flight):
+    """Incremental KV with steps in flight: the scripted device asserts every looping position
+    lies inside the request's blocks, at every tick (depths vary between 1 and 4)."""
+    scheduler = make_scheduler(incremental_kv=True, decode_ticks_per_step=8, max_num_seqs=3)
+    for i in range(3):
+        scheduler.add_request(
+            f"r{i}",
+            [1] * (5 + i),
+            SamplingParams(max_tokens=30, ignore_eos=True, min_loops=1, exit_threshold=0.0),
+        )
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 1 + (i * 7 + len(rid)) % 4)
+    _, finals = run_until_idle(scheduler, device, in_flight=in_flight)
+    for i in range(3):
+        tokens, depths = all_tokens(finals[f"r{i}"])
+        assert len(tokens) == 30 and depths[0] == 4
+    assert scheduler.capacity().free_blocks == scheduler.capacity().total_blocks
 
 
 def test_eos_stop_ids_and_length_finish_reasons():
@@ -93,32 +131,59 @@ def test_eos_stop_ids_and_length_finish_reasons():
     scheduler.add_request("eos", [1], SamplingParams(max_tokens=5))
     scheduler.add_request("ignore", [1], SamplingParams(max_tokens=3, ignore_eos=True))
     scheduler.add_request(
-        "stopid", [1], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(0,))
+        "stopid", [1], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(9,))
     )
-    step = scheduler.schedule()
-    from scheduler_harness import fake_execute
+    device = FakeDevice(
+        scheduler.kv,
+        depth=lambda rid, i: 4,
+        token=lambda rid, i: {"eos": 0, "stopid": 9}.get(rid, 0),
+    )
+    _, finals = run_until_idle(scheduler, device)
+    reasons = {rid: deltas[-1].finish_reason for rid, deltas in finals.items()}
+    assert reasons == {"eos": FinishReason.STOP, "stopid": FinishReason.STOP, "ignore": "length"}
+    assert all_tokens(finals["ignore"])[0] == [0, 0, 0]
 
-    scheduler.update_from_output(fake_execute(step, lambda rid, loop: 0.5, token=0))
-    reasons = {d.request_id: d.finish_reason for d in scheduler.take_outputs() if d.finished}
-    assert reasons == {"eos": FinishReason.STOP, "stopid": FinishReason.STOP}
-    _, finals = run_until_idle(scheduler, lambda rid, loop: 0.5)
-    assert finals["ignore"][-1].finish_reason is FinishReason.LENGTH
+
+def test_results_apply_in_submission_order():
+    scheduler = make_scheduler()
+    scheduler.add_request("x", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert scheduler.num_submitted_steps == 2
+    with pytest.raises(RuntimeError, match="expected step"):
+        scheduler.update_from_output(ModelRunnerOutput(step_id=second.step_id))
+    scheduler.update_from_output(ModelRunnerOutput(step_id=first.step_id))
+    scheduler.update_from_output(ModelRunnerOutput(step_id=second.step_id))
+    assert scheduler.num_submitted_steps == 0
 
 
 def test_late_results_after_abort_and_id_reuse_are_dropped():
-    from scheduler_harness import fake_execute
-
     scheduler = make_scheduler()
     scheduler.add_request("x", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
     step = scheduler.schedule()
-    late = fake_execute(step, lambda rid, loop: 0.5, token=42)
+    old = step.new_requests[0].identity
     scheduler.abort_request("x")
     new = scheduler.add_request("x", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
+    late = ModelRunnerOutput(
+        step_id=step.step_id, generated=(GeneratedTokens(old, 0, (42,), (4,)),)
+    )
     scheduler.update_from_output(late)  # results of the aborted generation
     assert new.output_token_ids == [] and new.stage is RequestStage.WAITING
     deltas = scheduler.take_outputs()
     assert [d.finish_reason for d in deltas] == [FinishReason.ABORT]
     assert deltas[0].token_ids == ()
     next_step = scheduler.schedule()
-    assert step.new_requests[0].identity in next_step.released
-    assert next_step.new_requests[0].identity == new.identity != step.new_requests[0].identity
+    assert old in next_step.released
+    assert next_step.new_requests[0].identity == new.identity != old
+
+
+def test_a_gap_in_reported_outputs_is_an_error():
+    scheduler = make_scheduler()
+    scheduler.add_request("x", [1], SamplingParams(max_tokens=4, ignore_eos=True))
+    step = scheduler.schedule()
+    identity = step.new_requests[0].identity
+    with pytest.raises(RuntimeError, match="output 2 reported"):
+        scheduler.update_from_output(
+            ModelRunnerOutput(
+                step_id=step.step_id, generated=(GeneratedTokens(identity, 2, (5,), (4,)),)
+            )
+        )

@@ -23,10 +23,9 @@ from rlt_contracts.errors import (
 )
 from rlt_contracts.execution import (
     ExecutionFailure,
-    GateSignal,
+    GeneratedTokens,
     ModelRunnerOutput,
     PrefillProgress,
-    SampledToken,
 )
 from rlt_contracts.kv import AdmissionPlan, BlockTableUpdate, KVCapacity, KVLayout
 from rlt_contracts.model import (
@@ -34,6 +33,7 @@ from rlt_contracts.model import (
     LoopedLanguageModel,
     LoopedModelShape,
     SampledRows,
+    SamplingMode,
     TokenSampler,
 )
 from rlt_contracts.outputs import (
@@ -45,9 +45,9 @@ from rlt_contracts.outputs import (
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
 from rlt_contracts.scheduling import (
-    CodaItem,
-    DecodeLoop,
-    KVCopyPlan,
+    DecodeRule,
+    ExitRule,
+    ExitRuleKind,
     NewRequestData,
     PrefillChunk,
     RequestBlocks,
@@ -61,21 +61,21 @@ __all__ = [
     "AttentionRequirements",
     "BlockTableUpdate",
     "CapacityError",
-    "CodaItem",
     "ConfigurationError",
-    "DecodeLoop",
+    "DecodeRule",
     "EngineClient",
     "EngineDeadError",
     "EngineRequest",
     "EngineStats",
     "ExecutionFailure",
     "ExecutionIdentity",
+    "ExitRule",
+    "ExitRuleKind",
     "FinishReason",
-    "GateSignal",
+    "GeneratedTokens",
     "InvalidRequestError",
     "KVCacheTensors",
     "KVCapacity",
-    "KVCopyPlan",
     "KVLayout",
     "LayerAttention",
     "LoopedLanguageModel",
@@ -91,8 +91,8 @@ __all__ = [
     "RequestOutputDelta",
     "RequestStage",
     "RltError",
-    "SampledToken",
     "SampledRows",
+    "SamplingMode",
     "SamplingParams",
     "SamplingRow",
     "SchedulerOutput",

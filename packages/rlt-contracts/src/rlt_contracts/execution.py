@@ -11,31 +11,23 @@ import msgspec
 from rlt_contracts.requests import ExecutionIdentity
 
 
-class GateSignal(msgspec.Struct, frozen=True, array_like=True):
-    """Exit-gate output after loop `loop_index` of the token at `position`.
+class GeneratedTokens(msgspec.Struct, frozen=True):
+    """Consecutive output tokens of one request produced in one step, in output order.
 
-    exit_probability: sigmoid(gate logit), computed in fp32 (the per-loop hazard lambda).
+    first_output_index: output index of token_ids[0] (0 = the token produced by prefill).
+    exit_depths[i]: loops the hidden state that produced token_ids[i] went through.
+    logprobs: per token, its log-probability under the model's raw distribution (log_softmax of
+      the logits in fp32, before temperature / top-k / top-p); None if the request asked for none.
+    top_logprobs: per token, the requested number of most likely (token_id, logprob) pairs, most
+      likely first; None if the request asked for no logprobs.
     """
 
     identity: ExecutionIdentity
-    position: int
-    loop_index: int
-    exit_probability: float
-
-
-class SampledToken(msgspec.Struct, frozen=True, array_like=True):
-    """Output token `output_index` of a request.
-
-    logprob: log-probability of `token_id` under the model's distribution (log_softmax of the
-      raw logits in fp32, before temperature / top-k / top-p), or None if not requested.
-    top_logprobs: the requested number of most likely (token_id, logprob) pairs, most likely first.
-    """
-
-    identity: ExecutionIdentity
-    output_index: int
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+    first_output_index: int
+    token_ids: tuple[int, ...]
+    exit_depths: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, array_like=True):
@@ -53,11 +45,16 @@ class ExecutionFailure(msgspec.Struct, frozen=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True):
-    """Results of step `step_id`. Gate signals, sampled tokens and prefill progress are distinct
-    fields, so no caller infers meaning from the stage."""
+    """Results of step `step_id`: generated tokens and prompt progress are distinct fields, so
+    no caller infers meaning from the stage.
+
+    decode_ticks: the ticks the step ran; loop_slots: rows x ticks of the decode batch the device
+      ran (padding rows included), for utilisation statistics.
+    """
 
     step_id: int
-    gate_signals: tuple[GateSignal, ...] = ()
-    sampled_tokens: tuple[SampledToken, ...] = ()
+    generated: tuple[GeneratedTokens, ...] = ()
     prefill_progress: tuple[PrefillProgress, ...] = ()
     failure: ExecutionFailure | None = None
+    decode_ticks: int = 0
+    loop_slots: int = 0

@@ -7,12 +7,9 @@ D = head dim, V = vocabulary size. Rows are packed ("varlen"): there is no batch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
-
-from rlt_contracts.sampling import SamplingRow
 
 Tensor = Any
 
@@ -69,17 +66,50 @@ class LoopedLanguageModel(Protocol):
     def coda(self, hidden: Tensor) -> Tensor: ...
 
 
+class SamplingMode(msgspec.Struct, frozen=True):
+    """Which sampling work a batch of rows needs (host flags, fixed per captured graph).
+
+    random: some row has temperature > 0 (Gumbel noise is drawn; greedy rows still take argmax).
+    filtered: some random row uses top-k or top-p (one sort per batch).
+    top_logprobs: None when no row wants logprobs; otherwise the number of alternatives
+      computed for every row (each request keeps its own count of them).
+    """
+
+    random: bool = False
+    filtered: bool = False
+    top_logprobs: int | None = None
+
+
 class SampledRows(Protocol):
-    """Tokens sampled on the device; `token_ids` [N] int64 stays there for the next prelude."""
+    """Device results of sampling N rows (nothing is read back by the sampler).
+
+    token_ids [N] int64; logprobs [N] fp32, top_token_ids [N, k] int64 and top_logprobs [N, k]
+    fp32 are None unless the mode asked for logprobs.
+    """
 
     token_ids: Tensor
-
-    def to_host(self) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
-        """Per row: (token_id, logprob or None, top alternatives); one device->host transfer."""
-        ...
+    logprobs: Tensor | None
+    top_token_ids: Tensor | None
+    top_logprobs: Tensor | None
 
 
 class TokenSampler(Protocol):
-    """logits [N, V] -> one token per row, each row with its own parameters and stream."""
+    """logits [N, V] -> one token per row, each row with its own parameters and random stream.
 
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SampledRows: ...
+    Per-row parameters are device tensors [N]: temperature fp32 (0 = greedy), top_k int64
+    (<= 0 disabled), top_p fp32, seed int64, counter int64 (the output index being sampled: the
+    row's position in its request's random stream). Launches device work only (capturable in a
+    CUDA graph for a fixed `mode`).
+    """
+
+    def sample_rows(
+        self,
+        logits: Tensor,
+        *,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        seed: Tensor,
+        counter: Tensor,
+        mode: SamplingMode,
+    ) -> SampledRows: ...

@@ -20,17 +20,14 @@ class RequestStage(enum.StrEnum):
 
     WAITING    queued, holds no KV blocks (or preempted: its device state lives in a snapshot).
     PREFILL    prompt chunks run at full depth; the last prompt position goes straight to coda.
-    PRELUDE    a sampled token waits to be embedded for its first loop.
-    RECURRENT  the current token is between loops; the next loop runs in a later step.
-    CODA       the current token has exited; the LM head and sampler run next.
+    DECODING   the prompt is done; the request's tokens loop on the device under the decode rule
+               the scheduler handed over (loop progress and exit state live in device state).
     FINISHED   done; every resource is released.
     """
 
     WAITING = "waiting"
     PREFILL = "prefill"
-    PRELUDE = "prelude"
-    RECURRENT = "recurrent"
-    CODA = "coda"
+    DECODING = "decoding"
     FINISHED = "finished"
 
 

@@ -1,26 +1,37 @@
 """`SchedulerOutput`: what one engine step executes, as decided by the scheduler (M3).
 
-One step may hold prefill chunks, codas and one recurrent loop for every decoding row. The runner
-executes them in this order, which every consumer may rely on:
+Decoding is device-resident: a request whose prompt is done lives on the runner as a row of
+persistent device state (hidden state, looping token, position, loop count, exit state), and
+the scheduler hands the runner, once, the request's `DecodeRule`: its exit policy as data
+(`ExitRule`) plus its stop conditions. The scheduler keeps owning the policy; the device only
+evaluates it, so several loops and tokens run without a host round trip.
 
-1. `kv_copies`: LAST_EXITED finalization of tokens that exited early (on the blocks their
-   requests hold on the device, including requests preempted in this same step).
-2. `snapshots`: preempted requests' device state is saved to the host and their slots freed
-   (their blocks may be reused by later work of this same step).
-3. `released`: device state (and any snapshot) of finished / aborted requests is dropped.
-4. `new_requests` and `restores` get slots, `block_updates` are applied, then restored requests
+The runner executes one step in this order, which every consumer may rely on:
+
+1. `snapshots`: preempted requests' device state (rows and KV pages) is saved to host memory
+   and their rows freed; their blocks may be reused by later work of this same step.
+2. `released`: rows (and any snapshot) of finished / aborted requests are dropped.
+3. `new_requests` and `restores` get rows, `block_updates` are applied, then restored requests
    get their saved state back in their new blocks.
-5. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` leaves its final hidden
-   state for coda (Ouro: the last prompt position never loops again).
-6. `coda`: LM head + sampling for exited tokens and completed prompts; the sampled token becomes
-   the request's pending token on the device (it is not read back before it is used).
-7. `decode`: one loop per row; rows with `starts_token` first embed their pending token (prelude).
+4. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` sends its last
+   position straight to coda: token 0 is sampled at full depth (output index 0) and, unless it
+   ends the request, the row starts decoding (its successor's loop 1 may run in this step).
+5. `decode_ticks` ticks. In every tick each decoding row runs one loop at its own depth (rows at
+   different depths share the tick). After the loop the device applies the row's `DecodeRule`;
+   a row that exits gets its LAST_EXITED finalization copies, the LM head and the sampler, and
+   its token is recorded with its exit depth. It then stops (stop token or max_tokens) or embeds
+   the token and starts its successor's loop 1 in the next tick ("refill"); with cohort
+   decoding (no_refill) it waits until no row of the batch is looping, then all waiting rows
+   start together.
+6. One read-back of everything recorded (`ModelRunnerOutput`).
 
 Positions are 0-based token positions: the prompt occupies [0, P); generated token i is fed back
 at position P + i. Loop indices are 1-based (loop 1 .. T). A position never changes across loops.
 """
 
 from __future__ import annotations
+
+import enum
 
 import msgspec
 
@@ -29,16 +40,76 @@ from rlt_contracts.requests import ExecutionIdentity
 from rlt_contracts.sampling import SamplingParams
 
 
+class ExitRuleKind(enum.StrEnum):
+    """How a decoding token's exit depth is decided (loops are 1-based; token 0 never loops).
+
+    HAZARD          exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                    1 - prod_{j<=k}(1 - lambda_j) >= threshold, with lambda_j the gate's exit
+                    probability sigmoid(gate(h_j)) in fp32 (the product is kept in fp64).
+    DELAYED_HAZARD  the same hazard, but a trigger at loop k makes the token exit after loop k+1
+                    (max_loops still wins; the extra loop's hidden state reaches coda).
+    TRACE           token i exits after trace_depths[i] loops; the gate is never computed.
+    """
+
+    HAZARD = "hazard"
+    DELAYED_HAZARD = "delayed_hazard"
+    TRACE = "trace"
+
+
+class ExitRule(msgspec.Struct, frozen=True):
+    """One request's exit policy as data (see `ExitRuleKind`): 1 <= min_loops <= max_loops <= T.
+
+    threshold: in [0, 1]; 1.0 never triggers (fixed depth max_loops). Unused by TRACE.
+    trace_depths: TRACE only; entry i is output token i's depth (entry 0, the prefill, is T).
+    """
+
+    kind: ExitRuleKind
+    min_loops: int
+    max_loops: int
+    threshold: float = 1.0
+    trace_depths: tuple[int, ...] = ()
+
+    @property
+    def uses_gate(self) -> bool:
+        """Whether a decision may read the gate (else the runner may skip computing it)."""
+        return self.kind is not ExitRuleKind.TRACE and self.threshold < 1.0
+
+    @property
+    def min_exit_depth(self) -> int:
+        """The fewest loops any output token after token 0 can take (bounds tokens per tick)."""
+        if self.kind is ExitRuleKind.TRACE:
+            return min(self.trace_depths[1:], default=self.max_loops)
+        return self.min_loops if self.threshold < 1.0 else self.max_loops
+
+
+class DecodeRule(msgspec.Struct, frozen=True):
+    """What the device applies on its own to a decoding row, on the scheduler's behalf.
+
+    exit: when a token stops looping.
+    max_tokens: the row stops once it has produced this many outputs (token 0 included).
+    stop_token_ids: sampling one of these ends the request with reason "stop" (the model's EOS
+      ids unless ignore_eos, plus the request's stop_token_ids). The scheduler applies the same
+      conditions to the reported tokens and stays authoritative: a device may check only a
+      prefix of a long list and keep decoding; the extra tokens are then discarded.
+    """
+
+    exit: ExitRule
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
 class NewRequestData(msgspec.Struct, frozen=True):
     """Sent once, the first step a request is scheduled after admission (not after a restore).
 
     sampling: the request's parameters with `seed` resolved (never None here).
     prompt_length: number of prompt tokens P.
+    rule: the decode rule the device applies once the prompt is done.
     """
 
     identity: ExecutionIdentity
     sampling: SamplingParams
     prompt_length: int
+    rule: DecodeRule
 
 
 class PrefillChunk(msgspec.Struct, frozen=True):
@@ -54,39 +125,6 @@ class PrefillChunk(msgspec.Struct, frozen=True):
         return self.start_position + len(self.token_ids)
 
 
-class KVCopyPlan(msgspec.Struct, frozen=True, array_like=True):
-    """Copy the KV of `position` (all layers) from `source_plane` into `target_planes`."""
-
-    identity: ExecutionIdentity
-    position: int
-    source_plane: int
-    target_planes: tuple[int, ...]
-
-
-class CodaItem(msgspec.Struct, frozen=True, array_like=True):
-    """Run the LM head on the exited hidden state of `position` and sample output `output_index`.
-
-    exit_depth: loops the hidden state went through (reported with the token).
-    """
-
-    identity: ExecutionIdentity
-    position: int
-    output_index: int
-    exit_depth: int
-
-
-class DecodeLoop(msgspec.Struct, frozen=True, array_like=True):
-    """Run loop `loop_index` (1-based) for the token at `position`.
-
-    starts_token: the row first embeds its pending sampled token (prelude), then runs loop 1.
-    """
-
-    identity: ExecutionIdentity
-    position: int
-    loop_index: int
-    starts_token: bool
-
-
 class RequestBlocks(msgspec.Struct, frozen=True, array_like=True):
     """Block-table growth of one request, applied by the runner before anything executes."""
 
@@ -98,6 +136,8 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     """Everything one engine step executes. Immutable; built by the scheduler only.
 
     step_id: engine-unique, increasing; echoed in `ModelRunnerOutput.step_id`.
+    decode_ticks: loop ticks every decoding row runs in this step (0: decoding rows wait). The
+      scheduler has made every decoding row's blocks cover the positions it can reach.
     """
 
     step_id: int
@@ -107,15 +147,12 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     snapshots: tuple[ExecutionIdentity, ...] = ()
     restores: tuple[ExecutionIdentity, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
-    kv_copies: tuple[KVCopyPlan, ...] = ()
-    coda: tuple[CodaItem, ...] = ()
-    decode: tuple[DecodeLoop, ...] = ()
-    compute_gates: bool = True
+    decode_ticks: int = 0
 
     @property
     def has_work(self) -> bool:
         """True if the runner must execute model work (not only bookkeeping)."""
-        return bool(self.prefill or self.coda or self.decode)
+        return bool(self.prefill) or self.decode_ticks > 0
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -3,14 +3,17 @@
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.memory import KVMemoryPlan, plan_kv_blocks
 from rlt_runner.model_runner import ModelRunner
-from rlt_runner.request_slots import RequestSlots
+from rlt_runner.readback import PendingStep
+from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.snapshots import SnapshotStore
 
 __all__ = [
+    "DecodeRows",
     "KVMemoryPlan",
     "KVStorage",
     "ModelRunner",
-    "RequestSlots",
+    "PendingStep",
+    "RowRecord",
     "SnapshotStore",
     "plan_kv_blocks",
 ]

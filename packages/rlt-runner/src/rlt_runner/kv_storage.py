@@ -49,12 +49,19 @@ class KVStorage:
         for flat in self._flat():
             flat[:, target_slots] = flat[:, source_slots]
 
-    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of `block_ids` for all layers: two [L, n, B, Hkv, D] tensors (same device)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensors.key_cache.device)
-        return self.tensors.key_cache[:, index], self.tensors.value_cache[:, index]
+    @property
+    def device(self) -> torch.device:
+        return self.tensors.key_cache.device
 
-    def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensors.key_cache.device)
-        self.tensors.key_cache[:, index] = keys.to(self.tensors.key_cache.device)
-        self.tensors.value_cache[:, index] = values.to(self.tensors.value_cache.device)
+    def read_blocks(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of blocks `block_ids` (int64, on the device) for all layers: two new
+        [L, n, B, Hkv, D] tensors on the device."""
+        return self.tensors.key_cache[:, block_ids], self.tensors.value_cache[:, block_ids]
+
+    def write_blocks(
+        self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Write [L, n, B, Hkv, D] keys/values (host or device) into blocks `block_ids`."""
+        device = self.device
+        self.tensors.key_cache[:, block_ids] = keys.to(device, non_blocking=True)
+        self.tensors.value_cache[:, block_ids] = values.to(device, non_blocking=True)

@@ -1,11 +1,15 @@
-"""`SnapshotStore`: CPU copies of preempted requests' device state (mechanism only, R04).
+"""`SnapshotStore`: host copies of preempted requests' device state (mechanism only, R04).
 
 A snapshot holds, for one execution identity: the K/V of every page the request held, at every
-plane (copied page by page into host memory, so no request-sized device temporary), its carried
-hidden state, its pending sampled token and its sampling parameters. Restoring writes the pages
-into the request's new blocks, page i of plane p into the new page i of plane p, so positions
-keep their meaning while physical blocks change. The random stream needs no saving: it is a
-function of (seed, output index), and the output index lives in the scheduler.
+plane, its row's progress (hidden state, looping token, position, loop count, exit state,
+outputs, active/parked flags) and its host record (sampling parameters, decode rule). Restoring
+writes the pages into the request's new blocks (page i of plane p into the new page i of plane
+p, so positions keep their meaning while physical blocks change) and the progress into its new
+row. The random stream needs no saving: it is a function of (seed, output index).
+
+On CUDA every copy is queued without blocking: the device-to-host copies land in pinned memory
+in stream order, and a restore's host-to-device copies are queued after them, so a snapshot is
+complete before any restore can read it.
 """
 
 from __future__ import annotations
@@ -13,19 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rlt_contracts import ExecutionIdentity, SamplingParams
+from rlt_contracts import ExecutionIdentity
 
 from rlt_runner.kv_storage import KVStorage
-from rlt_runner.request_slots import RequestSlots
+from rlt_runner.row_state import PROGRESS_BUFFERS, DecodeRows, RowRecord
+from rlt_runner.transfers import download, upload
 
 
 @dataclass
 class DeviceSnapshot:
-    keys: list[torch.Tensor]  # per plane: [L, pages, B, Hkv, D] on the host
+    record: RowRecord
+    keys: list[torch.Tensor]  # per plane: [L, pages, B, Hkv, D] in host memory
     values: list[torch.Tensor]
-    hidden: torch.Tensor  # [d]
-    pending_token: torch.Tensor  # [] int64
-    sampling: SamplingParams
+    progress: dict[str, torch.Tensor]  # PROGRESS_BUFFERS name -> [1, ...] in host memory
 
     @property
     def num_pages(self) -> int:
@@ -45,41 +49,40 @@ class SnapshotStore:
     def identities(self) -> list[ExecutionIdentity]:
         return list(self._snapshots)
 
-    def save(self, identity: ExecutionIdentity, slots: RequestSlots, kv: KVStorage) -> None:
-        """Copy the request's device state to the host and release its runner slot."""
-        state = slots.state(identity)
-        pin = kv.tensors.key_cache.is_cuda
+    def save(self, identity: ExecutionIdentity, rows: DecodeRows, kv: KVStorage) -> None:
+        """Copy the request's device state to the host and release its row."""
+        record = rows.record(identity)
         keys, values = [], []
-        for table in state.host_tables:
-            k, v = kv.read_blocks(table)
-            keys.append(k.to("cpu", non_blocking=False).pin_memory() if pin else k.clone())
-            values.append(v.to("cpu", non_blocking=False).pin_memory() if pin else v.clone())
-        self._snapshots[identity] = DeviceSnapshot(
-            keys=keys,
-            values=values,
-            hidden=slots.hidden[state.slot].to("cpu", copy=True),
-            pending_token=slots.pending_token[state.slot].to("cpu", copy=True),
-            sampling=state.sampling,
-        )
-        slots.release(identity)
+        for table in record.host_tables:
+            k, v = kv.read_blocks(upload(table, torch.int64, kv.device))
+            keys.append(download(k))
+            values.append(download(v))
+        progress = {
+            name: download(getattr(rows, name)[record.row : record.row + 1])
+            for name in PROGRESS_BUFFERS
+        }
+        self._snapshots[identity] = DeviceSnapshot(record, keys, values, progress)
+        rows.release([identity])
 
-    def sampling_of(self, identity: ExecutionIdentity) -> SamplingParams:
-        return self._snapshots[identity].sampling
+    def record_of(self, identity: ExecutionIdentity) -> RowRecord:
+        return self._snapshots[identity].record
 
-    def restore(self, identity: ExecutionIdentity, slots: RequestSlots, kv: KVStorage) -> None:
-        """Write the saved state into the request's new slot and blocks. The slot must be
+    def restore(self, identity: ExecutionIdentity, rows: DecodeRows, kv: KVStorage) -> None:
+        """Write the saved state into the request's new row and blocks. The row must be
         assigned and its new block tables applied (covering at least the saved pages)."""
         snapshot = self._snapshots.pop(identity)
-        state = slots.state(identity)
-        for plane, table in enumerate(state.host_tables):
+        record = rows.record(identity)
+        for plane, table in enumerate(record.host_tables):
             pages = table[: snapshot.num_pages]
             if len(pages) < snapshot.num_pages:
                 raise RuntimeError(
                     f"{identity}: restore needs {snapshot.num_pages} pages, has {len(pages)}"
                 )
-            kv.write_blocks(pages, snapshot.keys[plane], snapshot.values[plane])
-        slots.hidden[state.slot] = snapshot.hidden.to(slots.hidden.device)
-        slots.pending_token[state.slot] = snapshot.pending_token.to(slots.pending_token.device)
+            kv.write_blocks(
+                upload(pages, torch.int64, kv.device), snapshot.keys[plane], snapshot.values[plane]
+            )
+        for name, saved in snapshot.progress.items():
+            getattr(rows, name)[record.row : record.row + 1].copy_(saved, non_blocking=True)
 
     def discard(self, identity: ExecutionIdentity) -> None:
         self._snapshots.pop(identity, None)

@@ -50,7 +50,7 @@ class SamplingBatch:
 
     @property
     def num_rows(self) -> int:
-        return len(self.requested_logprobs)
+        return int(self.temperature.shape[0])
 
     @property
     def device(self) -> torch.device:

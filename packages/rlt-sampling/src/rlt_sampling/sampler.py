@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from rlt_contracts import SamplingRow
+from rlt_contracts import SamplingMode, SamplingRow
 
-from rlt_sampling.batch import SamplingBatch
+from rlt_sampling.batch import MIN_TEMPERATURE, SamplingBatch
 from rlt_sampling.filtering import mask_top_k_top_p
 from rlt_sampling.noise import counter_gumbel
 from rlt_sampling.output import SamplerOutput
@@ -46,6 +46,35 @@ class Sampler:
         self._gumbel_noise = (
             torch.compile(counter_gumbel, dynamic=True) if compile_noise else counter_gumbel
         )
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        *,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seed: torch.Tensor,
+        counter: torch.Tensor,
+        mode: SamplingMode,
+    ) -> SamplerOutput:
+        """The `rlt_contracts.TokenSampler` entry: per-row settings already on the device (e.g.
+        a runner's persistent row buffers), the work to do fixed by `mode` (host flags), so the
+        call launches the same kernels whatever the values: capturable in a CUDA graph.
+        Temperatures in (0, MIN_TEMPERATURE) are raised to it, as `SamplingBatch.build` does.
+        Every row gets `mode.top_logprobs` alternatives; callers trim them per request."""
+        batch = SamplingBatch(
+            temperature=torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE), 0.0),
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            counter=counter,
+            all_greedy=not mode.random,
+            any_top_k_top_p=mode.filtered,
+            num_top_logprobs=mode.top_logprobs,
+            requested_logprobs=(mode.top_logprobs,) * int(temperature.shape[0]),
+        )
+        return self.sample(logits, batch)
 
     def sample(
         self, logits: torch.Tensor, batch: SamplingBatch | Sequence[SamplingRow]

@@ -7,7 +7,6 @@ from rlt_scheduler.exit_policy import (
     ExitPolicyName,
     LoopBounds,
     OuroExitPolicy,
-    TokenExitState,
     TraceExitPolicy,
     make_exit_policy,
 )
@@ -31,5 +30,4 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStats",
     "SchedulingMode",
-    "TokenExitState",
 ]

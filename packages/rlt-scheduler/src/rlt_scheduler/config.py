@@ -11,10 +11,10 @@ from rlt_contracts import ConfigurationError
 class SchedulingMode(enum.StrEnum):
     """How new tokens join the recurrent batch.
 
-    REFILL     a token that exits is sampled in the next step and its successor starts loop 1
-               right away, next to other rows at any depth (default).
-    NO_REFILL  the rows decoding together form a cohort; exited rows wait until the whole cohort
-               has exited, then all sample and the next cohort starts loop 1 together.
+    REFILL     a token that exits is sampled at once and its successor starts loop 1 in the next
+               tick, next to other rows at any depth (default).
+    NO_REFILL  the rows decoding together form a cohort: a row whose token exited (and was
+               sampled) waits until no row is looping, then all waiting rows start together.
     """
 
     REFILL = "refill"
@@ -47,6 +47,9 @@ class SchedulerConfig:
     admission_scan_limit / max_admission_bypasses: bounded bypass: admission looks at most this
       far down the queue past a request that does not fit, and stops letting later requests
       pass once one waiting request has been passed max_admission_bypasses times.
+    decode_ticks_per_step: most loop ticks one step runs for its decoding rows without a host
+      round trip (the device applies exits, sampling and stops itself); steps that carry prompt
+      work run one tick.
     max_waiting_requests: waiting-queue bound; add_request beyond it raises OverloadedError.
     """
 
@@ -62,6 +65,7 @@ class SchedulerConfig:
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
     max_waiting_requests: int = 4096
+    decode_ticks_per_step: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,6 +75,7 @@ class SchedulerConfig:
             "max_waiting_requests",
             "admission_scan_limit",
             "max_admission_bypasses",
+            "decode_ticks_per_step",
         ):
             _positive_int(name, getattr(self, name))
         if self.max_num_batched_token_loops is not None:

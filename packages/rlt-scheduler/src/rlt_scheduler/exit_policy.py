@@ -1,15 +1,14 @@
-"""Exit policies: when a decoding token stops looping (scheduler-owned decisions, R02).
+"""Exit policies: when a decoding token stops looping (scheduler-owned decisions, R02, R04).
 
-Loops are 1-based. After loop k the runner may report the gate's exit probability
-lambda_k = sigmoid(gate(h_k)) in fp32; the policy folds it into the token's exit state and
-says whether the token exits now. Token 0 never loops (prefill runs at full depth).
+The scheduler owns the policy; the runner evaluates it on the device, per row and per loop,
+from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule):
 
-  ouro          exit after k if k >= max_loops, or if threshold < 1, k >= min_loops and
-                1 - prod_{j<=k}(1 - lambda_j) >= threshold. Decided in the same step.
+  ouro          exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                1 - prod_{j<=k}(1 - lambda_j) >= threshold (lambda_j = sigmoid(gate_j), fp32).
   ouro_delayed  the same hazard, but a trigger at loop k (k >= min_loops) makes the token
-                exit after loop k + 1: loop k's score may be read after loop k + 1 was already
-                submitted, which an asynchronous pipeline needs. max_loops still wins, and the
-                hidden state of the extra loop is what reaches coda.
+                exit after loop k + 1: the decision of loop k may then be read after loop k + 1
+                was already submitted. max_loops still wins, and the hidden state of the extra
+                loop is what reaches coda.
   trace         replays recorded per-token depths (token i exits at trace[i]); the gate is
                 never computed or read.
 """
@@ -23,30 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rlt_contracts import ConfigurationError, InvalidRequestError
+from rlt_contracts import ConfigurationError, ExitRule, ExitRuleKind, InvalidRequestError
 
 
 class ExitPolicyName(enum.StrEnum):
     OURO = "ouro"
     OURO_DELAYED = "ouro_delayed"
     TRACE = "trace"
-
-
-@dataclass
-class TokenExitState:
-    """Exit progress of the token currently looping; reset when the token starts (prelude).
-
-    survival: prod_{j<=k} (1 - lambda_j) over the loops run so far (1.0 before loop 1).
-    pending_exit_depth: ouro_delayed only: the loop after which the token will exit.
-    """
-
-    survival: float = 1.0
-    pending_exit_depth: int | None = None
-
-    @property
-    def cdf(self) -> float:
-        """Cumulative exit probability 1 - prod(1 - lambda_j)."""
-        return 1.0 - self.survival
 
 
 @dataclass(frozen=True)
@@ -65,66 +47,31 @@ class LoopBounds:
 class ExitPolicy(Protocol):
     name: str
 
-    def needs_gate(self, bounds: LoopBounds) -> bool:
-        """Whether this request's decisions read the gate (else the runner may skip it)."""
+    def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
+        """Raise InvalidRequestError if this policy cannot serve the request (at admission)."""
         ...
 
-    def after_loop(
-        self,
-        state: TokenExitState,
-        bounds: LoopBounds,
-        loop_index: int,
-        exit_probability: float | None,
-        *,
-        request_id: str,
-        output_index: int,
-    ) -> bool:
-        """Fold loop `loop_index`'s signal into `state`; True if the token exits after it.
-        `output_index` is the index of the output token this loop's state will produce."""
+    def rule(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> ExitRule:
+        """The request's exit rule, evaluated on the device for every loop of every token."""
         ...
 
 
 class OuroExitPolicy:
     name = ExitPolicyName.OURO.value
+    kind = ExitRuleKind.HAZARD
 
-    def needs_gate(self, bounds: LoopBounds) -> bool:
-        return bounds.adaptive
+    def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
+        return None
 
-    def after_loop(
-        self, state, bounds, loop_index, exit_probability, *, request_id, output_index
-    ) -> bool:
-        if exit_probability is not None:
-            state.survival *= 1.0 - exit_probability
-        if loop_index >= bounds.max_loops:
-            return True
-        return self._decide(state, bounds, loop_index, exit_probability)
-
-    def _decide(self, state, bounds, loop_index, exit_probability) -> bool:
-        return triggered(state, bounds, loop_index, exit_probability)
+    def rule(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> ExitRule:
+        return ExitRule(self.kind, bounds.min_loops, bounds.max_loops, bounds.threshold)
 
 
 class DelayedOuroExitPolicy(OuroExitPolicy):
     """Same hazard accumulation; a trigger only schedules the exit for the next loop."""
 
     name = ExitPolicyName.OURO_DELAYED.value
-
-    def _decide(self, state, bounds, loop_index, exit_probability) -> bool:
-        if state.pending_exit_depth is not None:
-            return loop_index >= state.pending_exit_depth
-        if triggered(state, bounds, loop_index, exit_probability):
-            state.pending_exit_depth = loop_index + 1
-        return False
-
-
-def triggered(state: TokenExitState, bounds: LoopBounds, loop_index: int, exit_probability) -> bool:
-    """The adaptive rule of both Ouro policies: CDF reached the threshold at or after min_loops.
-    threshold == 1.0 never triggers (fixed depth), even if a sigmoid rounds to 1."""
-    return (
-        bounds.adaptive
-        and loop_index >= bounds.min_loops
-        and exit_probability is not None
-        and state.cdf >= bounds.threshold
-    )
+    kind = ExitRuleKind.DELAYED_HAZARD
 
 
 class TraceExitPolicy:
@@ -178,13 +125,13 @@ class TraceExitPolicy:
                 f"[{bounds.min_loops}, {bounds.max_loops}]",
             )
 
-    def needs_gate(self, bounds: LoopBounds) -> bool:
-        return False
-
-    def after_loop(
-        self, state, bounds, loop_index, exit_probability, *, request_id, output_index
-    ) -> bool:
-        return loop_index >= self.depths[request_id][output_index]
+    def rule(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> ExitRule:
+        return ExitRule(
+            ExitRuleKind.TRACE,
+            bounds.min_loops,
+            bounds.max_loops,
+            trace_depths=self.depths[request_id][:max_tokens],
+        )
 
 
 def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: int) -> ExitPolicy:

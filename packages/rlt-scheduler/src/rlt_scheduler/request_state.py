@@ -1,7 +1,11 @@
 """`ScheduledRequest`: the scheduler-side state of one admitted or waiting request.
 
-Only the scheduler writes these fields (R02). Device state (hidden states, pending tokens, KV
-tensors) lives in the runner and is addressed by `identity`.
+Only the scheduler writes these fields (R02). Device state (hidden states, the looping token,
+loop progress and exit state, KV tensors) lives in the runner and is addressed by `identity`.
+
+Progress points are kept apart (R18): what was *submitted* (scheduled_prompt_tokens,
+unconfirmed_tokens) moves ahead of what the device *completed* and the host read back
+(computed_prompt_tokens, output_token_ids).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlt_contracts import (
+    DecodeRule,
     ExecutionIdentity,
     FinishReason,
     RequestOutputDelta,
@@ -16,7 +21,7 @@ from rlt_contracts import (
     SamplingParams,
 )
 
-from rlt_scheduler.exit_policy import LoopBounds, TokenExitState
+from rlt_scheduler.exit_policy import LoopBounds
 
 
 @dataclass(eq=False)
@@ -24,24 +29,24 @@ class ScheduledRequest:
     """Progress of one request (an entity: compared by identity, not by field values).
 
     Positions: the prompt occupies [0, prompt_length); output token i is fed back at position
-    prompt_length + i. `loops_done` counts loops of the token currently looping (the latest
-    output), `exit_depth` is set once it exited and waits for coda.
+    prompt_length + i.
     """
 
     identity: ExecutionIdentity
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams  # seed resolved
     bounds: LoopBounds
+    rule: DecodeRule
     arrival_index: int
     stage: RequestStage = RequestStage.WAITING
-    computed_prompt_tokens: int = 0  # prompt positions [0, n) hold KV at every depth
+    scheduled_prompt_tokens: int = 0  # prompt positions submitted to the device
+    computed_prompt_tokens: int = 0  # prompt positions [0, n) confirmed to hold KV at all depths
+    unconfirmed_tokens: int = 0  # upper bound of outputs made by submitted, unread steps
+    confirmed_ticks: int = 0  # decode ticks it took part in, of steps already read back
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    loops_done: int = 0
-    exit_state: TokenExitState = field(default_factory=TokenExitState)
-    exit_depth: int | None = None
     known_to_runner: bool = False
     bypass_count: int = 0  # admissions of later requests while this one waited (bounded bypass)
     snapshot_tokens: int | None = None  # preempted: positions its device snapshot covers
@@ -59,11 +64,6 @@ class ScheduledRequest:
         return len(self.output_token_ids)
 
     @property
-    def looping_position(self) -> int:
-        """Position of the token currently looping (the latest output fed back)."""
-        return self.prompt_length + self.num_outputs - 1
-
-    @property
     def lifetime_tokens(self) -> int:
         """Positions the request can ever write: the last output is never fed back."""
         return self.prompt_length + self.sampling.max_tokens - 1
@@ -76,15 +76,16 @@ class ScheduledRequest:
     def finished(self) -> bool:
         return self.stage is RequestStage.FINISHED
 
-    def wants_continuation(self) -> bool:
-        """After the next coda, is another token still needed (so its loop 1 may start)?"""
-        return self.num_outputs + 1 < self.sampling.max_tokens
+    @property
+    def loops_into_token(self) -> int:
+        """Loops the token now looping has run, as of the read-back results (refill mode: a
+        decoding row loops in every tick it takes part in)."""
+        return self.confirmed_ticks - sum(self.exit_depths[1:])
 
-    def start_token(self) -> None:
-        """The latest output starts looping (prelude): reset per-token loop and exit state."""
-        self.loops_done = 0
-        self.exit_state = TokenExitState()
-        self.exit_depth = None
+    def kv_tokens_needed(self, outputs_bound: int) -> int:
+        """Positions the blocks must cover while the request has at most `outputs_bound`
+        outputs: the looping token (output n - 1) writes position P + n - 1."""
+        return min(self.prompt_length + outputs_bound, self.lifetime_tokens)
 
     def take_delta(self) -> RequestOutputDelta:
         """Outputs produced since the previous delta (and the finish, if any)."""

@@ -1,33 +1,38 @@
-"""`Scheduler`: owns request progression, batching and exit decisions (module M3).
+"""`Scheduler`: owns request progression, batching and exit policy (module M3).
 
-The engine drives it with a feedback loop:
+The engine drives it with a feedback loop that may run one step ahead of the device:
 
     output = scheduler.schedule()            # what the next step executes
-    result = runner.execute(output)          # ModelRunnerOutput
-    scheduler.update_from_output(result)     # progress, exits, completion
+    ...runner submits it; the previous step completes...
+    scheduler.update_from_output(result)     # results of the oldest submitted step
     deltas = scheduler.take_outputs()        # new tokens per request
 
-One step holds, for every running request, at most one of: a prefill chunk (the chunk that
-completes the prompt also samples token 0 and, in refill mode, starts its first loop), a coda
-(sample the exited token, then start its successor's loop 1), or one recurrent loop. Decode
-rows are scheduled before prefill, so prefill fills the remaining token budget; the config
-guarantees that budget is never empty, so neither side starves.
+Steps are applied in submission order. Between schedule() of step n and update_from_output()
+of step n, later steps may be scheduled: prompt chunks advance optimistically (they are
+deterministic), decoding rows keep running on the device, and every decoding request's blocks
+cover the most outputs the submitted steps can produce (`unconfirmed_tokens`).
+
+A step holds prefill chunks under the token budget and `decode_ticks` loop ticks for every
+decoding request. While prompts are waiting to be computed a step runs one tick, so prefill is
+never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
+more than the longest request can still use) run per host round trip.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from msgspec import structs
 from rlt_contracts import (
     AdmissionPlan,
-    CodaItem,
-    DecodeLoop,
+    DecodeRule,
     ExecutionIdentity,
     FinishReason,
+    GeneratedTokens,
     InvalidRequestError,
-    KVCopyPlan,
     ModelRunnerOutput,
     NewRequestData,
     OverloadedError,
@@ -42,7 +47,7 @@ from rlt_contracts.kv import KVCapacity
 
 from rlt_scheduler.admission import NO_PREFIX, initial_allocation_tokens, plan_admission
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
-from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy, TraceExitPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy
 from rlt_scheduler.kv_port import KVPort, PrefixLookup
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
@@ -50,6 +55,15 @@ from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
 from rlt_scheduler.validation import ModelLimits, validate_request
 from rlt_scheduler.waiting_queue import WaitingQueue
+
+
+@dataclass(frozen=True)
+class _SubmittedStep:
+    """A scheduled step whose results have not been applied yet."""
+
+    output: SchedulerOutput
+    output_bounds: dict[ExecutionIdentity, int]
+    decoding: frozenset[ExecutionIdentity]
 
 
 class Scheduler:
@@ -68,20 +82,19 @@ class Scheduler:
         self.kv = kv
         self.model_depth = model_depth
         self.limits = ModelLimits(vocab_size, model_depth, max_model_len)
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.exit_policy = exit_policy or OuroExitPolicy()
         config.check_depth(model_depth)
         self.stats = SchedulerStats()
         self._requests: dict[str, ScheduledRequest] = {}
         self._waiting = WaitingQueue(config.policy)
         self._running: list[ScheduledRequest] = []
-        self._cohort: set[ExecutionIdentity] = set()  # no_refill: rows decoding together
         self._releases: list[ExecutionIdentity] = []
-        self._pending_copies: list[KVCopyPlan] = []
         self._dirty: dict[str, ScheduledRequest] = {}
+        self._submitted: deque[_SubmittedStep] = deque()
+        self._unconfirmed_ticks: dict[ExecutionIdentity, int] = {}
         self._next_generation = 0
         self._next_step = 0
-        self._inflight: SchedulerOutput | None = None
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -100,15 +113,22 @@ class Scheduler:
                 f"{len(self._waiting)} requests are waiting (limit "
                 f"{self.config.max_waiting_requests}); retry later"
             )
-        if isinstance(self.exit_policy, TraceExitPolicy):
-            self.exit_policy.check_request(request_id, bounds, sampling.max_tokens)
+        self.exit_policy.check_request(request_id, bounds, sampling.max_tokens)
         if sampling.seed is None:
             sampling = structs.replace(sampling, seed=secrets.randbits(63))
+        stop_ids = tuple(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids += tuple(t for t in self.eos_token_ids if t not in stop_ids)
         request = ScheduledRequest(
             identity=ExecutionIdentity(request_id, self._next_generation),
             prompt_token_ids=prompt,
             sampling=sampling,
             bounds=bounds,
+            rule=DecodeRule(
+                exit=self.exit_policy.rule(request_id, bounds, sampling.max_tokens),
+                max_tokens=sampling.max_tokens,
+                stop_token_ids=stop_ids,
+            ),
             arrival_index=self._next_generation,
         )
         self._next_generation += 1
@@ -117,7 +137,8 @@ class Scheduler:
         return request
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a waiting or running request; its blocks are freed at once. False if unknown."""
+        """Abort a waiting or running request; its blocks are freed at once (device work already
+        submitted is ordered before any later use of them). False if unknown."""
         request = self._requests.get(request_id)
         if request is None or request.finished:
             return False
@@ -141,6 +162,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_submitted_steps(self) -> int:
+        """Steps scheduled whose results were not applied yet."""
+        return len(self._submitted)
+
     def running_request_ids(self) -> list[str]:
         """Ids of admitted (running) requests, in admission order."""
         return [r.identity.request_id for r in self._running]
@@ -157,150 +183,115 @@ class Scheduler:
 
     # -- schedule ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Decide the next step: decode rows first, then running prefills, then admissions.
+        """Decide the next step: decoding rows first, then running prefills, then admissions.
 
         Any preemption decided while building the step is part of it (`snapshots`): the runner
-        finishes pending KV copies, saves the victims' device state, then runs the step.
+        saves the victims' device state first thing in this step.
         """
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called again before update_from_output()")
         config = self.config
         step = StepBuilder(
             config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth
         )
         self._preempt_for_priority(step)
-        if config.mode is SchedulingMode.REFILL:
-            self._schedule_refill_decode(step)
-        else:
-            self._schedule_cohort_decode(step)
-        for request in list(self._running):
-            if (
-                request.stage is RequestStage.PREFILL
-                and request in self._running
-                and step.prefill_room() > 0
-            ):
-                self._schedule_prefill_chunk(request, step)
-        self._admit(step)
-        step.kv_copies.extend(self._pending_copies)
-        self._pending_copies.clear()
-        compute_gates = any(
-            self.exit_policy.needs_gate(self._requests[item.identity.request_id].bounds)
-            for item in step.decode
-        )
-        output = step.build(
-            self._next_step, released=tuple(self._releases), compute_gates=compute_gates
-        )
+        ticks = self._decode_ticks()
+        for request in [r for r in self._running if r.stage is RequestStage.DECODING]:
+            if request in self._running:  # not preempted while this step was being built
+                self._schedule_decode(request, ticks, step)
+        for request in [r for r in self._running if r.stage is RequestStage.PREFILL]:
+            if request in self._running and step.prefill_room() > 0:
+                self._schedule_prefill_chunk(request, ticks, step)
+        self._admit(ticks, step)
+        starts_decoding = any(chunk.completes_prompt for chunk in step.prefill)
+        if not (step.decoding or starts_decoding):
+            ticks = 0
+        output = step.build(self._next_step, released=tuple(self._releases), decode_ticks=ticks)
         self._releases.clear()
         self._next_step += 1
-        self._inflight = output
+        decoding = frozenset(step.decoding) | frozenset(
+            c.identity for c in step.prefill if c.completes_prompt
+        )
+        self._submitted.append(_SubmittedStep(output, step.output_bounds, decoding))
+        for identity in decoding:
+            self._unconfirmed_ticks[identity] = self._unconfirmed_ticks.get(identity, 0) + ticks
+        for identity, bound in step.output_bounds.items():
+            self._requests[identity.request_id].unconfirmed_tokens += bound
         return output
 
-    def _schedule_refill_decode(self, step: StepBuilder) -> None:
-        for request in list(self._running):
-            if request not in self._running:
-                continue  # preempted while this step was being built
-            if request.stage is RequestStage.CODA:
-                self._schedule_coda(request, step, continue_token=request.wants_continuation())
-            elif request.stage is RequestStage.RECURRENT:
-                self._schedule_loop(request, step)
-            elif request.stage is RequestStage.PRELUDE:
-                self._schedule_first_loop(request, step)
-
-    def _schedule_cohort_decode(self, step: StepBuilder) -> None:
-        """no_refill: loop the cohort until every member exited, then sample all of them and
-        start the next cohort (their successors plus requests waiting in PRELUDE)."""
-        cohort_looping = [
-            r
-            for r in self._running
-            if r.identity in self._cohort and r.stage is RequestStage.RECURRENT
-        ]
-        if cohort_looping:
-            for request in cohort_looping:
-                self._schedule_loop(request, step)
-            return
-        self._cohort.clear()
-        for request in list(self._running):
-            if request not in self._running:
-                continue
-            if request.stage is RequestStage.CODA:
-                if self._schedule_coda(request, step, continue_token=request.wants_continuation()):
-                    self._cohort.add(request.identity)
-            elif request.stage is RequestStage.PRELUDE:
-                if self._schedule_first_loop(request, step):
-                    self._cohort.add(request.identity)
-
-    def _schedule_coda(
-        self, request: ScheduledRequest, step: StepBuilder, *, continue_token: bool
-    ) -> bool:
-        """Coda, plus the successor's loop 1 when KV for its position is available.
-        Returns whether the successor started."""
-        step.add_coda(
-            CodaItem(
-                request.identity,
-                position=request.looping_position,
-                output_index=request.num_outputs,
-                exit_depth=request.exit_depth,
+    def _decode_ticks(self) -> int:
+        """Ticks for the next step: 1 while prompts can be computed (prefill keeps flowing and
+        new requests start soon); otherwise up to `decode_ticks_per_step`, in refill mode capped
+        by the loops the longest request may still need beyond the submitted steps."""
+        config = self.config
+        prompts_pending = any(r.stage is RequestStage.PREFILL for r in self._running) or (
+            bool(self._waiting) and len(self._running) < config.max_num_seqs
+        )
+        if prompts_pending:
+            return 1
+        ticks = config.decode_ticks_per_step
+        if config.mode is SchedulingMode.REFILL:
+            needed = max(
+                (
+                    (r.sampling.max_tokens - r.num_outputs) * r.bounds.max_loops
+                    - r.loops_into_token
+                    - self._unconfirmed_ticks.get(r.identity, 0)
+                    for r in self._running
+                    if r.stage is RequestStage.DECODING
+                ),
+                default=1,
             )
-        )
-        next_position = request.looping_position + 1
-        if continue_token and self._ensure_kv(request, next_position + 1, step):
-            step.add_decode(DecodeLoop(request.identity, next_position, 1, starts_token=True))
-            return True
-        return False
+            ticks = min(ticks, max(needed, 1))
+        return ticks
 
-    def _schedule_loop(self, request: ScheduledRequest, step: StepBuilder) -> None:
-        step.add_decode(
-            DecodeLoop(
-                request.identity,
-                request.looping_position,
-                request.loops_done + 1,
-                starts_token=False,
-            )
-        )
+    def _tick_output_bound(self, request: ScheduledRequest, ticks: int, *, fresh: bool) -> int:
+        """Most outputs `ticks` loop ticks can produce: one per `min_exit_depth` loops; a token
+        already looping (`fresh` False: its loops so far are unknown here) may exit after one."""
+        depth = request.rule.exit.min_exit_depth
+        if fresh:
+            return ticks // depth
+        return 0 if ticks <= 0 else 1 + (ticks - 1) // depth
 
-    def _schedule_first_loop(self, request: ScheduledRequest, step: StepBuilder) -> bool:
-        if not self._ensure_kv(request, request.looping_position + 1, step):
-            return False
-        step.add_decode(
-            DecodeLoop(request.identity, request.looping_position, 1, starts_token=True)
-        )
-        return True
+    def _schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
+        bound = self._tick_output_bound(request, ticks, fresh=False)
+        outputs = request.num_outputs + request.unconfirmed_tokens + bound
+        if self._ensure_kv(request, request.kv_tokens_needed(outputs), step, may_suspend=True):
+            step.add_decode(request.identity, bound)
 
-    def _schedule_prefill_chunk(self, request: ScheduledRequest, step: StepBuilder) -> None:
-        start = request.computed_prompt_tokens
+    def _schedule_prefill_chunk(
+        self, request: ScheduledRequest, ticks: int, step: StepBuilder
+    ) -> None:
+        start = request.scheduled_prompt_tokens
         count = min(
             step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start
         )
-        if count <= 0 or not self._ensure_kv(request, start + count, step):
+        if count <= 0:
             return
         completes = start + count == request.prompt_length
+        # A completing chunk samples token 0, and its successor may loop in this step's ticks.
+        bound = 1 + self._tick_output_bound(request, ticks, fresh=True) if completes else 0
+        needed = max(start + count, request.kv_tokens_needed(bound)) if completes else start + count
+        if not self._ensure_kv(request, needed, step, may_suspend=False):
+            return
         step.add_prefill(
             PrefillChunk(
                 request.identity,
                 start_position=start,
                 token_ids=request.prompt_token_ids[start : start + count],
                 completes_prompt=completes,
-            )
+            ),
+            bound,
         )
-        if not completes:
-            return
-        # The last prompt position goes straight to coda: token 0 at full depth.
-        step.add_coda(CodaItem(request.identity, request.prompt_length - 1, 0, self.model_depth))
-        if (
-            self.config.mode is SchedulingMode.REFILL
-            and request.sampling.max_tokens > 1
-            and step.token_budget > 0
-            and (step.loop_budget is None or step.loop_budget > 0)
-            and self._ensure_kv(request, request.prompt_length + 1, step)
-        ):
-            step.add_decode(
-                DecodeLoop(request.identity, request.prompt_length, 1, starts_token=True)
-            )
+        request.scheduled_prompt_tokens = start + count
+        if completes:
+            request.stage = RequestStage.DECODING
 
     # -- KV growth and preemption ---------------------------------------------------------------
-    def _ensure_kv(self, request: ScheduledRequest, num_tokens: int, step: StepBuilder) -> bool:
+    def _ensure_kv(
+        self, request: ScheduledRequest, num_tokens: int, step: StepBuilder, *, may_suspend: bool
+    ) -> bool:
         """Make the request's blocks cover positions [0, num_tokens), preempting another request
-        once if that is allowed and needed. False: not possible this step (nothing changed)."""
+        once if that is allowed and needed. A decoding request that still cannot grow is
+        suspended itself (`may_suspend`), since the device would otherwise run it. False: the
+        request does not run in this step."""
         updates = self.kv.grow(request.identity, num_tokens)
         if updates is None and self.config.enable_preemption:
             victim = choose_victim(
@@ -312,6 +303,13 @@ class Scheduler:
                 self._preempt(victim, step)
                 updates = self.kv.grow(request.identity, num_tokens)
         if updates is None:
+            if not may_suspend:
+                return False
+            if not self.config.enable_preemption:
+                raise RuntimeError(
+                    f"{request.identity}: KV growth failed although admission reserved it"
+                )
+            self._preempt(request, step)
             return False
         if updates:
             step.block_updates.append(RequestBlocks(request.identity, updates))
@@ -325,34 +323,9 @@ class Scheduler:
         victim.resume_stage = victim.stage
         self.kv.free(victim.identity)
         self._running.remove(victim)
-        self._cohort.discard(victim.identity)
         victim.stage = RequestStage.WAITING
         self._waiting.add(victim)
         self.stats.preemptions += 1
-
-    # -- admission ------------------------------------------------------------------------------
-    def _admit(self, step: StepBuilder) -> None:
-        """Admit waiting requests in policy order with bounded bypass.
-
-        A request that does not fit is deferred and later ones may pass it, but at most
-        `admission_scan_limit` are examined, and once a deferred request has been passed
-        `max_admission_bypasses` times nobody passes it any more (no starvation).
-        """
-        deferred: list[ScheduledRequest] = []
-        for scanned, request in enumerate(self._waiting):
-            if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
-                return
-            if len(self._running) >= self.config.max_num_seqs:
-                return
-            if self._try_admit(request, step):
-                for waiting in deferred:
-                    waiting.bypass_count += 1
-                if any(w.bypass_count >= self.config.max_admission_bypasses for w in deferred):
-                    return
-            elif request.bypass_count >= self.config.max_admission_bypasses:
-                return  # protected: it is next, whatever fits behind it
-            else:
-                deferred.append(request)
 
     def _preempt_for_priority(self, step: StepBuilder) -> None:
         """Before any row is selected: if the best waiting request cannot be admitted (no slot
@@ -368,35 +341,52 @@ class Scheduler:
         while len(self._running) >= self.config.max_num_seqs or not self.plan_admission(
             head, prefix
         ).fits(self.kv.capacity().free_blocks):
-            victim = self._priority_victim(head, step)
+            victim = choose_victim(
+                self._running,
+                excluded=step.selected,
+                held_blocks=self.kv.held_blocks,
+                worse_than_priority=head.sampling.priority,
+            )
             if victim is None:
                 return
             self._preempt(victim, step)
 
-    def _priority_victim(
-        self, request: ScheduledRequest, step: StepBuilder
-    ) -> ScheduledRequest | None:
-        if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
-            return None
-        return choose_victim(
-            self._running,
-            excluded=step.selected,
-            held_blocks=self.kv.held_blocks,
-            worse_than_priority=request.sampling.priority,
-        )
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self, ticks: int, step: StepBuilder) -> None:
+        """Admit waiting requests in policy order with bounded bypass.
+
+        A request that does not fit is deferred and later ones may pass it, but at most
+        `admission_scan_limit` are examined, and once a deferred request has been passed
+        `max_admission_bypasses` times nobody passes it any more (no starvation).
+        """
+        deferred: list[ScheduledRequest] = []
+        for scanned, request in enumerate(self._waiting):
+            if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
+                return
+            if len(self._running) >= self.config.max_num_seqs:
+                return
+            if self._try_admit(request, ticks, step):
+                for waiting in deferred:
+                    waiting.bypass_count += 1
+                if any(w.bypass_count >= self.config.max_admission_bypasses for w in deferred):
+                    return
+            elif request.bypass_count >= self.config.max_admission_bypasses:
+                return  # protected: it is next, whatever fits behind it
+            else:
+                deferred.append(request)
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixLookup) -> AdmissionPlan:
         """The block budget of admitting `request` now (see admission.plan_admission)."""
         return plan_admission(self.config, self.kv, request, prefix, self._running)
 
-    def _try_admit(self, request: ScheduledRequest, step: StepBuilder) -> bool:
+    def _try_admit(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> bool:
         prefix = (
             self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
         )
         if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
-            return self._resume(request, step)
+            return self._resume(request, ticks, step)
         initial_tokens = initial_allocation_tokens(self.config, request, prefix)
         updates = self.kv.allocate(
             request.identity, initial_tokens, prefix, prompt_length=request.prompt_length
@@ -406,40 +396,65 @@ class Scheduler:
         self._waiting.remove(request)
         self._running.append(request)
         request.stage = RequestStage.PREFILL
-        request.computed_prompt_tokens = prefix.num_tokens
+        request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
         request.known_to_runner = True
+        step.selected.add(request.identity)  # never a preemption victim of its own step
         step.new_requests.append(
-            NewRequestData(request.identity, request.sampling, request.prompt_length)
+            NewRequestData(request.identity, request.sampling, request.prompt_length, request.rule)
         )
         step.block_updates.append(RequestBlocks(request.identity, updates))
-        self._schedule_prefill_chunk(request, step)
+        self._schedule_prefill_chunk(request, ticks, step)
         return True
 
-    def _resume(self, request: ScheduledRequest, step: StepBuilder) -> bool:
+    def _resume(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> bool:
         """Give a preempted request blocks covering its snapshot; the runner restores it
-        before this step's work. It continues from the same stage, loop and exit state."""
-        updates = self.kv.allocate(request.identity, request.snapshot_tokens, NO_PREFIX)
+        before this step's work. It continues from the same stage, loop and exit state: a
+        decoding request also gets the blocks of this step's ticks and loops in them, a
+        prefilling one continues with its next chunk from the next step on."""
+        tokens, bound = request.snapshot_tokens, 0
+        if request.resume_stage is RequestStage.DECODING:
+            bound = self._tick_output_bound(request, ticks, fresh=False)
+            outputs = request.num_outputs + request.unconfirmed_tokens + bound
+            tokens = max(tokens, request.kv_tokens_needed(outputs))
+        updates = self.kv.allocate(request.identity, tokens, NO_PREFIX)
         if updates is None:
             return False
         self._waiting.remove(request)
         self._running.append(request)
         request.stage = request.resume_stage
         request.snapshot_tokens = request.resume_stage = None
-        if self.config.mode is SchedulingMode.NO_REFILL and request.stage is RequestStage.RECURRENT:
-            self._cohort.add(request.identity)
         step.block_updates.append(RequestBlocks(request.identity, updates))
         step.restores.append(request.identity)
         self.stats.resumptions += 1
+        if request.stage is RequestStage.DECODING:
+            step.add_decode(request.identity, bound)
+        else:
+            step.selected.add(request.identity)
         return True
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, result: ModelRunnerOutput) -> None:
-        """Apply one step's results: prompt progress, sampled tokens, then loop/exit progress."""
-        step = self._inflight
-        if step is None or result.step_id != step.step_id:
-            raise RuntimeError(f"result of step {result.step_id} does not match the step in flight")
-        self._inflight = None
+        """Apply the results of the oldest submitted step: prompt progress, then tokens."""
+        if not self._submitted or self._submitted[0].output.step_id != result.step_id:
+            expected = self._submitted[0].output.step_id if self._submitted else None
+            raise RuntimeError(f"result of step {result.step_id}, expected step {expected}")
+        submitted = self._submitted.popleft()
         self.stats.steps += 1
+        self.stats.decode_ticks += result.decode_ticks
+        self.stats.loop_slots += result.loop_slots
+        for identity, bound in submitted.output_bounds.items():
+            request = self._requests.get(identity.request_id)
+            if request is not None and request.identity == identity:
+                request.unconfirmed_tokens -= bound
+        for identity in submitted.decoding:
+            request = self._current(identity)
+            if request is not None:
+                request.confirmed_ticks += submitted.output.decode_ticks
+            left = self._unconfirmed_ticks.get(identity, 0) - submitted.output.decode_ticks
+            if left > 0:
+                self._unconfirmed_ticks[identity] = left
+            else:
+                self._unconfirmed_ticks.pop(identity, None)
         if result.failure is not None:
             for identity in result.failure.identities:
                 request = self._current(identity)
@@ -450,74 +465,43 @@ class Scheduler:
             if request is not None:
                 self.stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
                 request.computed_prompt_tokens = progress.end_position
-                self.kv.publish_prefix(
-                    request.identity, request.prompt_token_ids, progress.end_position
-                )
-        coda_depths = {item.identity: item.exit_depth for item in step.coda}
-        continued = {item.identity for item in step.decode if item.starts_token}
-        for sampled in result.sampled_tokens:
-            request = self._current(sampled.identity)
+                if request.stage is not RequestStage.WAITING:
+                    self.kv.publish_prefix(
+                        request.identity, request.prompt_token_ids, progress.end_position
+                    )
+        for generated in result.generated:
+            request = self._current(generated.identity)
             if request is not None:
-                self._record_token(request, sampled, coda_depths[sampled.identity], continued)
-        gates = {signal.identity: signal.exit_probability for signal in result.gate_signals}
-        for item in step.decode:
-            request = self._current(item.identity)
-            if request is not None and request.stage is not RequestStage.FINISHED:
-                self._apply_loop(request, item, gates.get(item.identity))
+                self._record_tokens(request, generated)
 
-    def _record_token(self, request, sampled, exit_depth: int, continued: set) -> None:
-        request.output_token_ids.append(sampled.token_id)
-        request.exit_depths.append(exit_depth)
-        if sampled.logprob is not None:
-            request.logprobs.append(sampled.logprob)
-            request.top_logprobs.append(sampled.top_logprobs)
-        self.stats.generation_tokens += 1
-        if sampled.output_index > 0:
-            self.stats.decode_loops += exit_depth
+    def _record_tokens(self, request: ScheduledRequest, generated: GeneratedTokens) -> None:
+        if generated.first_output_index != request.num_outputs:
+            raise RuntimeError(
+                f"{request.identity}: output {generated.first_output_index} reported, "
+                f"{request.num_outputs} expected next"
+            )
         self._dirty[request.identity.request_id] = request
-        reason = self._finish_reason(request, sampled.token_id)
-        if reason is not None:
-            self._finish(request, reason)
-        elif request.identity in continued:
-            request.stage = RequestStage.RECURRENT  # its successor ran loop 1 in this step
-        else:
-            request.stage = RequestStage.PRELUDE
+        for i, token in enumerate(generated.token_ids):
+            depth = generated.exit_depths[i]
+            request.output_token_ids.append(token)
+            request.exit_depths.append(depth)
+            if generated.logprobs is not None and generated.top_logprobs is not None:
+                request.logprobs.append(generated.logprobs[i])
+                request.top_logprobs.append(generated.top_logprobs[i])
+            self.stats.generation_tokens += 1
+            if request.num_outputs > 1:
+                self.stats.decode_loops += depth
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+                return
 
     def _finish_reason(self, request: ScheduledRequest, token_id: int) -> FinishReason | None:
-        if token_id in request.sampling.stop_token_ids:
-            return FinishReason.STOP
-        if token_id in self.eos_token_ids and not request.sampling.ignore_eos:
+        if token_id in request.rule.stop_token_ids:
             return FinishReason.STOP
         if request.num_outputs >= request.sampling.max_tokens:
             return FinishReason.LENGTH
         return None
-
-    def _apply_loop(self, request: ScheduledRequest, item: DecodeLoop, exit_probability) -> None:
-        if item.starts_token:
-            request.start_token()
-        request.loops_done = item.loop_index
-        exits = self.exit_policy.after_loop(
-            request.exit_state,
-            request.bounds,
-            item.loop_index,
-            exit_probability,
-            request_id=request.identity.request_id,
-            output_index=request.num_outputs,
-        )
-        if not exits:
-            request.stage = RequestStage.RECURRENT
-            return
-        request.stage = RequestStage.CODA
-        request.exit_depth = item.loop_index
-        if self.kv.num_planes > 1 and item.loop_index < self.model_depth:
-            self._pending_copies.append(
-                KVCopyPlan(
-                    request.identity,
-                    position=item.position,
-                    source_plane=item.loop_index - 1,
-                    target_planes=tuple(range(item.loop_index, self.model_depth)),
-                )
-            )
 
     # -- completion and outputs ----------------------------------------------------------------
     def _current(self, identity: ExecutionIdentity) -> ScheduledRequest | None:
@@ -539,8 +523,6 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         self.kv.free(request.identity)
-        self._cohort.discard(request.identity)
-        self._pending_copies = [c for c in self._pending_copies if c.identity != request.identity]
         if request.known_to_runner:
             self._releases.append(request.identity)
         if reason is FinishReason.ABORT:

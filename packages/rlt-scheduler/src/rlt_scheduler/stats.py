@@ -15,3 +15,5 @@ class SchedulerStats:
     aborted_requests: int = 0
     preemptions: int = 0
     resumptions: int = 0
+    decode_ticks: int = 0  # loop ticks run by the device (each runs every decoding row once)
+    loop_slots: int = 0  # rows x ticks of the decode batches (padding rows included)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from rlt_contracts import (
-    CodaItem,
-    DecodeLoop,
     ExecutionIdentity,
-    KVCopyPlan,
     NewRequestData,
     PrefillChunk,
     RequestBlocks,
@@ -17,8 +14,9 @@ from rlt_contracts import (
 class StepBuilder:
     """Mutable draft of one `SchedulerOutput`; lives only while one step is being scheduled (R03).
 
-    token_budget: token rows left this step (decode rows and prefill tokens each cost one).
-    loop_budget: token x loop passes left (decode row 1, prefill token `depth`); None = no cap.
+    token_budget: token rows left per tick (a decoding row and a prefill token each cost one).
+    loop_budget: token x loop passes left (decoding row 1, prefill token `depth`); None = no cap.
+    output_bounds: per request, the most outputs this step can produce (KV lookahead accounting).
     """
 
     def __init__(self, token_budget: int, loop_budget: int | None, depth: int) -> None:
@@ -30,9 +28,8 @@ class StepBuilder:
         self.new_requests: list[NewRequestData] = []
         self.block_updates: list[RequestBlocks] = []
         self.prefill: list[PrefillChunk] = []
-        self.kv_copies: list[KVCopyPlan] = []
-        self.coda: list[CodaItem] = []
-        self.decode: list[DecodeLoop] = []
+        self.decoding: list[ExecutionIdentity] = []
+        self.output_bounds: dict[ExecutionIdentity, int] = {}
         self.selected: set[ExecutionIdentity] = set()
 
     def prefill_room(self) -> int:
@@ -42,30 +39,25 @@ class StepBuilder:
             room = min(room, self.loop_budget // self.depth)
         return max(room, 0)
 
-    def add_decode(self, item: DecodeLoop) -> None:
-        self.decode.append(item)
-        self.selected.add(item.identity)
+    def add_decode(self, identity: ExecutionIdentity, output_bound: int) -> None:
+        self.decoding.append(identity)
+        self.selected.add(identity)
+        self.output_bounds[identity] = output_bound
         self.token_budget -= 1
         if self.loop_budget is not None:
             self.loop_budget -= 1
 
-    def add_prefill(self, chunk: PrefillChunk) -> None:
+    def add_prefill(self, chunk: PrefillChunk, output_bound: int) -> None:
         self.prefill.append(chunk)
         self.selected.add(chunk.identity)
+        if output_bound:
+            self.output_bounds[chunk.identity] = output_bound
         self.token_budget -= len(chunk.token_ids)
         if self.loop_budget is not None:
             self.loop_budget -= len(chunk.token_ids) * self.depth
 
-    def add_coda(self, item: CodaItem) -> None:
-        self.coda.append(item)
-        self.selected.add(item.identity)
-
     def build(
-        self,
-        step_id: int,
-        *,
-        released: tuple[ExecutionIdentity, ...],
-        compute_gates: bool,
+        self, step_id: int, *, released: tuple[ExecutionIdentity, ...], decode_ticks: int
     ) -> SchedulerOutput:
         return SchedulerOutput(
             step_id=step_id,
@@ -75,8 +67,5 @@ class StepBuilder:
             snapshots=tuple(self.snapshots),
             restores=tuple(self.restores),
             prefill=tuple(self.prefill),
-            kv_copies=tuple(self.kv_copies),
-            coda=tuple(self.coda),
-            decode=tuple(self.decode),
-            compute_gates=compute_gates,
+            decode_ticks=decode_ticks,
         )

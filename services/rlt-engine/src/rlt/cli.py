@@ -41,7 +41,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=d.cuda_graphs,
-        help="capture the decode loop as CUDA graphs on CUDA (default: on)",
+        help="capture the decode tick as CUDA graphs on CUDA (default: on)",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=d.async_scheduling,
+        help="schedule the next step while the device runs the current one (default: on)",
+    )
+    group.add_argument(
+        "--decode-ticks-per-step",
+        type=int,
+        default=d.decode_ticks_per_step,
+        help="most decode loop ticks per host round trip (steps with prompt work run one)",
     )
     group.add_argument(
         "--max-waiting-requests",

@@ -129,12 +129,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         device=device,
         dtype=model.dtype,
+        cohort_decoding=config.scheduling_mode == "no_refill",
+        max_decode_ticks=config.decode_ticks_per_step,
+        trace_capacity=max_model_len if config.exit_policy == "trace" else 1,
         cuda_graphs=config.cuda_graphs,
     )
     if runner.graphs is None and device.type == "cuda":
         logger.info("decode runs eagerly: %s", runner.graphs_disabled_reason)
     return EngineParts(
-        core=EngineCore(scheduler, runner, kv),
+        core=EngineCore(scheduler, runner, kv, async_scheduling=config.async_scheduling),
         model=model,
         model_dir=model_dir,
         device=device,

@@ -29,8 +29,13 @@ class EngineConfig:
     max_model_len: context length in tokens (None = the model's max_position_embeddings).
     attention_backend: "auto" or a backend name ("torch", "triton", "flash_attn").
     gpu_memory_utilization: fraction of the GPU memory the engine may use in total.
-    cuda_graphs: capture the decode loop as CUDA graphs (one per padded batch size) when on
-      CUDA with a graph-capable attention backend; otherwise, or if capture fails, run eagerly.
+    cuda_graphs: capture the decode tick as CUDA graphs (one per padded batch size and sampling
+      mode) when on CUDA with a graph-capable attention backend; otherwise, or if capture fails,
+      run it eagerly.
+    async_scheduling: schedule and submit the next step while the device runs the current one
+      (results are identical to the synchronous loop; False collects every step at once).
+    decode_ticks_per_step: most decode loop ticks per step without a host round trip (the
+      device applies exits, sampling and stop rules itself); steps with prompt work run one.
 
     Memory and scheduling features (see docs/configuration.md):
     enable_prefix_caching: share full prompt pages across requests (all depths).
@@ -58,6 +63,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    async_scheduling: bool = True
+    decode_ticks_per_step: int = 8
     cpu_kv_cache_bytes: int = 2 << 30
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = False
@@ -143,4 +150,5 @@ class EngineConfig:
             admission_scan_limit=self.admission_scan_limit,
             max_admission_bypasses=self.max_admission_bypasses,
             max_waiting_requests=self.max_waiting_requests,
+            decode_ticks_per_step=self.decode_ticks_per_step,
         )

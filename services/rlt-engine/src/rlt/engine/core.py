@@ -1,79 +1,181 @@
-"""`EngineCore`: drives the schedule -> execute -> update loop (module M2)."""
+"""`EngineCore`: drives schedule -> submit -> collect -> update (module M2).
+
+The only boundary the `LLM` and serving layers use: requests go in through `add_request` /
+`abort_request` / `finish_request`, deltas come out of `step()`.
+
+Asynchronous pipeline (default): a step is submitted to the runner, then the results of the
+step submitted before it are collected and applied while the device computes the new one.
+Submission, device completion and output delivery are distinct progress points (R18):
+
+    host:    schedule n+1 | submit n+1 | collect n (wait) | update n, deltas n | schedule n+2 ...
+    device:  ......... step n ........ | ......... step n+1 ......... | ...
+
+At most one step is in flight while the host works; a step with no model work drains the
+pipeline. KV blocks of a request that finishes or is aborted while steps are in flight are
+freed at once: the device executes steps in submission order, so any later use of the blocks
+is queued behind the in-flight work that may still write them, and the late results of that
+work are dropped by execution identity (R15, R17). `async_scheduling=False` collects every step
+right after submitting it; results are identical.
+"""
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlt_contracts import EngineStats, RequestOutputDelta
+from rlt_contracts import (
+    EngineStats,
+    FinishReason,
+    RequestOutputDelta,
+    SamplingParams,
+    SchedulerOutput,
+)
 from rlt_kv import KVCacheManager
-from rlt_runner import ModelRunner
-from rlt_scheduler import Scheduler
+from rlt_runner import ModelRunner, PendingStep
+from rlt_scheduler import ScheduledRequest, Scheduler
 
 
 @dataclass
 class StepTimings:
     """Cumulative wall-clock seconds of the engine loop's phases (host clock).
 
-    execute_s includes `readback_wait_s`, the time the host blocked on device results; the rest
-    of a step is host work (scheduling, batch preparation, kernel launches, result handling).
+    submit_s: scheduling plus queueing device work; collect_s: waiting for read-backs
+    (`readback_wait_s`) plus parsing them; update_s: applying results and building deltas.
     """
 
     steps: int = 0
     schedule_s: float = 0.0
-    execute_s: float = 0.0
+    submit_s: float = 0.0
+    collect_s: float = 0.0
     readback_wait_s: float = 0.0
     update_s: float = 0.0
 
     @property
     def host_s(self) -> float:
-        return self.schedule_s + self.execute_s - self.readback_wait_s + self.update_s
+        """Host time not spent waiting for the device."""
+        return (
+            self.schedule_s + self.submit_s + self.collect_s - self.readback_wait_s + self.update_s
+        )
 
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.execute_s + self.update_s
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One applied step, for throughput accounting: `done_s` is the host clock
+    (time.perf_counter) when its results were available; `generated` tokens it produced."""
+
+    step_id: int
+    prefill_tokens: int
+    decode_ticks: int
+    generated: int
+    done_s: float
 
 
 class EngineCore:
-    """One synchronous step at a time: the scheduler decides, the runner executes, the
-    scheduler applies the results. Not thread-safe; frontends serialize access."""
+    """Not thread-safe; frontends serialize access (one engine thread)."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        *,
+        async_scheduling: bool = True,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
+        self.async_scheduling = async_scheduling
         self.timings = StepTimings()
+        self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+        self._inflight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> ScheduledRequest:
+        return self.scheduler.add_request(request_id, prompt_token_ids, sampling)
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort_request(request_id)
+        self._drain_if_idle()
+        return aborted
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
+        self.scheduler.finish_request(request_id, reason)
+        self._drain_if_idle()
+
+    def take_outputs(self) -> list[RequestOutputDelta]:
+        """Deltas made outside `step()` (aborts, finishes)."""
+        return self.scheduler.take_outputs()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
+        timings = self.timings
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
-        result = self.runner.execute(scheduled)
+        self._inflight.append((scheduled, self.runner.submit(scheduled)))
         t2 = time.perf_counter()
-        self.scheduler.update_from_output(result)
-        deltas = self.scheduler.take_outputs()
-        t3 = time.perf_counter()
-        timings = self.timings
         timings.steps += 1
         timings.schedule_s += t1 - t0
-        timings.execute_s += t2 - t1
-        timings.update_s += t3 - t2
-        timings.readback_wait_s = self.runner.readback_wait_s
-        return deltas
+        timings.submit_s += t2 - t1
+        keep = 1 if self.async_scheduling and scheduled.has_work else 0
+        while len(self._inflight) > keep:
+            self._apply_oldest()
+        self._drain_if_idle()
+        return self.scheduler.take_outputs()
 
+    def _drain_if_idle(self) -> None:
+        """With no request left, nothing would ever collect the steps in flight: collect them
+        now (their results only release device state), so an idle engine holds nothing."""
+        if not self.scheduler.has_unfinished_requests():
+            while self._inflight:
+                self._apply_oldest()
+
+    def _apply_oldest(self) -> None:
+        scheduled, pending = self._inflight.popleft()
+        t0 = time.perf_counter()
+        wait_before = self.runner.readback_wait_s
+        result = self.runner.collect(pending)
+        t1 = time.perf_counter()
+        self.scheduler.update_from_output(result)
+        t2 = time.perf_counter()
+        timings = self.timings
+        timings.collect_s += t1 - t0
+        timings.readback_wait_s += self.runner.readback_wait_s - wait_before
+        timings.update_s += t2 - t1
+        if self.step_log is not None:
+            self.step_log.append(
+                StepRecord(
+                    scheduled.step_id,
+                    scheduled.num_prefill_tokens,
+                    result.decode_ticks,
+                    sum(len(g.token_ids) for g in result.generated),
+                    t1,
+                )
+            )
+
+    # -- inspection ----------------------------------------------------------------------------
     def leak_report(self) -> list[str]:
         """Resources still held although nothing runs (empty when idle and clean): KV blocks
-        held by any request, unfinished requests, or device state (runner slots, preemption
-        snapshots) of requests whose release is not already queued for the next step."""
+        held by any request, unfinished requests or steps, or device state (runner rows,
+        preemption snapshots) of requests whose release is not already queued."""
         problems = []
         capacity = self.kv.capacity()
         if capacity.free_blocks != capacity.total_blocks:
             problems.append(f"KV blocks held: {capacity}")
         if self.scheduler.has_unfinished_requests():
             problems.append("unfinished requests remain")
+        if self._inflight:
+            problems.append(f"{len(self._inflight)} submitted steps not collected")
         stray = self.runner.held_identities() - self.scheduler.pending_releases()
         if stray:
-            problems.append(f"device state without a pending release: {sorted(stray)}")
+            problems.append(f"device state without a pending release: {sorted(map(str, stray))}")
         return problems
 
     def stats(self) -> EngineStats:

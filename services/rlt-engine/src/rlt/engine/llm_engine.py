@@ -74,7 +74,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         token_ids = self.tokenize(prompt)
-        request = self.core.scheduler.add_request(request_id, token_ids, params)
+        request = self.core.add_request(request_id, token_ids, params)
         self._outputs[request_id] = RequestOutput(
             request_id=request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -84,8 +84,8 @@ class LLMEngine:
         )
         tokenizer = self._tokenizer_or_none()
         if tokenizer is None and params.stop:
-            self.core.scheduler.abort_request(request_id)
-            self.core.scheduler.take_outputs()
+            self.core.abort_request(request_id)
+            self.core.take_outputs()
             del self._outputs[request_id]
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         self._detokenizers[request_id] = (
@@ -100,13 +100,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish reason "abort") or None if unknown."""
-        if not self.core.scheduler.abort_request(request_id):
+        if not self.core.abort_request(request_id):
             return None
-        outputs = self._apply(self.core.scheduler.take_outputs())
+        outputs = self._apply(self.core.take_outputs())
         return next((o for o in outputs if o.request_id == request_id), None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the cumulative outputs of requests that progressed."""
@@ -139,8 +139,8 @@ class LLMEngine:
         if detokenizer is not None:
             detokenizer.add_tokens(delta.token_ids)
             if detokenizer.stopped and not delta.finished:
-                self.core.scheduler.finish_request(delta.request_id, FinishReason.STOP)
-                late = self.core.scheduler.take_outputs()
+                self.core.finish_request(delta.request_id, FinishReason.STOP)
+                late = self.core.take_outputs()
                 delta = next(d for d in late if d.request_id == delta.request_id)
             if delta.finished:
                 detokenizer.flush()

@@ -1,0 +1,235 @@
+"""`DecodeProgram`: one decode tick for rows [0, B), entirely on the device.
+
+A tick, for every active row at once (rows at different loop depths mix):
+
+    loop      one recurrent step at the row's plane (LAST_EXITED: plane = loop - 1) and position;
+              the key/value of the loop is stored at the row's slot of that plane
+    exit      the row's exit rule on the new state (exit_rules.decide_exits)
+    finalize  LAST_EXITED: an exit at loop e copies the position's KV into planes e..T-1
+    coda      LM head + sampler for every row (rows that did not exit are discarded: a fixed
+              shape keeps the tick capturable as one CUDA graph, and the head costs about as
+              much as 1/20 of a loop at batch 1)
+    commit    exited rows record (token, depth[, logprobs]) in the ring at this tick's index; a
+              row stops when its token is a stop id or max_tokens is reached, else its token is
+              embedded (prelude) and starts loop 1 in the next tick; other rows keep their state
+
+Nothing is read back and no host value depends on device data, so K ticks can be queued (or
+replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked)
+compute garbage that is never kept: their KV write goes to the scratch slot, their attention
+reads one key, and every state update is masked.
+
+`start_rows` is the coda of rows whose prompt just completed (token 0, full depth).
+
+Ring layout: float64 [max_ticks, S, 3 + 2k]; columns token (-1 = no token this tick), exit
+depth, then with logprobs: the token's logprob, k alternative ids, k alternative logprobs.
+Token ids (< 2**53) and fp32 logprobs are exact in fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import (
+    AttentionBackend,
+    KVLayout,
+    LoopedLanguageModel,
+    PagedAttentionBatch,
+    SampledRows,
+    SamplingMode,
+    TokenSampler,
+)
+from rlt_contracts.sampling import MAX_TOP_LOGPROBS
+
+from rlt_runner.exit_rules import decide_exits
+from rlt_runner.kv_storage import KVStorage
+from rlt_runner.row_state import DecodeRows
+
+RING_COLUMNS = 3 + 2 * MAX_TOP_LOGPROBS
+
+
+def record_columns(mode: SamplingMode) -> int:
+    """Ring columns a step in `mode` fills (token and depth; logprob fields when asked)."""
+    return 2 if mode.top_logprobs is None else 3 + 2 * mode.top_logprobs
+
+
+class DecodeProgram:
+    def __init__(
+        self,
+        model: LoopedLanguageModel,
+        attention: AttentionBackend,
+        sampler: TokenSampler,
+        kv: KVStorage,
+        rows: DecodeRows,
+        *,
+        layout: KVLayout,
+        cohort: bool,
+        max_ticks: int,
+        max_context: int,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.sampler = sampler
+        self.kv = kv
+        self.rows = rows
+        self.layout = layout
+        self.cohort = cohort
+        self.depth = model.shape.num_loops
+        self.block_size = kv.block_size
+        self.max_context = max_context
+        device = rows.device
+        num_rows = rows.hidden.shape[0]
+        self.query_start = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+        self.tick_index = torch.zeros(1, dtype=torch.int64, device=device)
+        self.ring = torch.zeros(
+            max_ticks, num_rows, RING_COLUMNS, dtype=torch.float64, device=device
+        )
+
+    def begin_step(self) -> None:
+        """The next tick records into ring row 0."""
+        self.tick_index.zero_()
+
+    # -- one tick ------------------------------------------------------------------------------
+    def tick(
+        self, num_rows: int, mode: SamplingMode, gate: bool, max_context: int | None = None
+    ) -> None:
+        """Run one tick for rows [0, num_rows). `gate`: some row's rule reads the exit gate
+        (else it is not computed). max_context (host int) bounds the keys any row can see
+        (None: the full table width, as graphs need)."""
+        B, rows = num_rows, self.rows
+        if self.cohort:  # parked rows start together once no row is looping
+            rows.parked[:B] &= (rows.active[:B] & ~rows.parked[:B]).any()
+        run = rows.active[:B] & ~rows.parked[:B]
+        loop_index = rows.loops[:B] + 1
+        position = rows.position[:B]
+        plane = torch.clamp(self._plane(loop_index), max=rows.num_planes - 1)
+        pages = rows.block_tables.shape[-1]
+        tables = rows.block_tables[:B].gather(1, plane.view(B, 1, 1).expand(B, 1, pages)).squeeze(1)
+        page = torch.clamp(position // self.block_size, max=pages - 1)
+        offset = position % self.block_size
+        own_slot = tables.gather(1, page[:, None]).squeeze(1).to(torch.int64) * self.block_size
+        own_slot = own_slot + offset
+        batch = PagedAttentionBatch(
+            query_start=self.query_start[: B + 1],
+            context_lengths=torch.where(run, position + 1, 1).to(torch.int32),
+            block_tables=tables,
+            write_slots=torch.where(run, own_slot, self.kv.scratch_slot),
+            max_query_len=1,
+            max_context_len=max_context or pages * self.block_size,
+        )
+        hidden, gate_probability = self.model.recurrent_step(
+            rows.hidden[:B],
+            position,
+            self.attention.bind(self.kv.tensors, batch),
+            compute_gate=gate,
+        )
+        decision = decide_exits(rows, B, loop_index, gate_probability)
+        exits = decision.exits & run
+        if rows.num_planes > 1:
+            self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
+        sampled = self._sample(hidden, slice(0, B), rows.outputs[:B], mode)
+        outputs = rows.outputs[:B] + exits.to(torch.int64)
+        stops = exits & self._stop_hit(sampled.token_ids, slice(0, B), outputs)
+        self._record(B, exits, loop_index, sampled, mode)
+        carry_on = exits & ~stops
+        looping = run & ~exits
+        rows.hidden[:B] = torch.where(
+            carry_on[:, None],
+            self.model.embed(sampled.token_ids),
+            torch.where(looping[:, None], hidden, rows.hidden[:B]),
+        )
+        rows.token[:B] = torch.where(exits, sampled.token_ids, rows.token[:B])
+        rows.position[:B] += carry_on.to(torch.int64)
+        rows.loops[:B] = torch.where(exits, 0, torch.where(run, loop_index, rows.loops[:B]))
+        rows.survival[:B] = torch.where(
+            exits, 1.0, torch.where(run, decision.survival, rows.survival[:B])
+        )
+        rows.pending_exit[:B] = torch.where(
+            exits, 0, torch.where(run, decision.pending_exit, rows.pending_exit[:B])
+        )
+        rows.outputs[:B] = outputs
+        rows.active[:B] &= ~stops
+        if self.cohort:
+            rows.parked[:B] |= carry_on
+
+    def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
+        if self.layout is KVLayout.LAST_EXITED:
+            return loop_index - 1
+        return torch.zeros_like(loop_index)
+
+    def _finalize_kv(self, B, exits, loop_index, page, offset, own_slot) -> None:
+        """LAST_EXITED: a token that exits at loop e < T gets its plane e-1 KV copied into
+        planes e..T-1, so later queries at any deeper loop read its last version."""
+        scratch = self.kv.scratch_slot
+        copies = exits & (loop_index < self.depth)
+        sources, targets = [], []
+        for plane in range(1, self.rows.num_planes):
+            table = self.rows.block_tables[:B, plane]
+            target = table.gather(1, page[:, None]).squeeze(1).to(torch.int64) * self.block_size
+            needed = copies & (loop_index <= plane)
+            sources.append(torch.where(needed, own_slot, scratch))
+            targets.append(torch.where(needed, target + offset, scratch))
+        self.kv.copy_slots(torch.cat(sources), torch.cat(targets))
+
+    def _sample(self, hidden, index, counter, mode: SamplingMode) -> SampledRows:
+        rows = self.rows
+        return self.sampler.sample_rows(
+            self.model.coda(hidden),
+            temperature=rows.temperature[index],
+            top_k=rows.top_k[index],
+            top_p=rows.top_p[index],
+            seed=rows.seed[index],
+            counter=counter,
+            mode=mode,
+        )
+
+    def _stop_hit(self, token_ids, index, outputs) -> torch.Tensor:
+        rows = self.rows
+        stop_token = (token_ids[:, None] == rows.stop_ids[index]).any(dim=1)
+        return stop_token | (outputs >= rows.max_tokens[index])
+
+    def _record(self, B, exits, loop_index, sampled: SampledRows, mode: SamplingMode) -> None:
+        values = _record_values(exits, loop_index, sampled, mode)
+        self.ring.narrow(1, 0, B).narrow(2, 0, values.shape[1]).index_copy_(
+            0, self.tick_index, values[None]
+        )
+        self.tick_index += 1
+
+    # -- rows whose prompt completed -----------------------------------------------------------
+    def start_rows(
+        self, index: torch.Tensor, prompt_lengths: torch.Tensor, mode: SamplingMode
+    ) -> torch.Tensor:
+        """Coda of rows `index` [n] whose last prompt position left its state in `hidden`:
+        sample token 0 (full depth), make the rows decode from position P (unless token 0
+        already ends them). Returns the record [n, columns] of token 0 (not read back here)."""
+        rows = self.rows
+        counter = torch.zeros_like(prompt_lengths)
+        sampled = self._sample(rows.hidden[index], index, counter, mode)
+        token = sampled.token_ids
+        stops = self._stop_hit(token, index, counter + 1)
+        full_depth = torch.full_like(prompt_lengths, self.depth)
+        everyone = torch.ones_like(stops)
+        record = _record_values(everyone, full_depth, sampled, mode)
+        rows.token.index_copy_(0, index, token)
+        rows.position.index_copy_(0, index, prompt_lengths)
+        rows.outputs.index_copy_(0, index, counter + 1)
+        rows.loops.index_copy_(0, index, counter)
+        rows.pending_exit.index_copy_(0, index, counter)
+        rows.survival.index_fill_(0, index, 1.0)
+        rows.active.index_copy_(0, index, ~stops)
+        rows.parked.index_copy_(0, index, ~stops if self.cohort else torch.zeros_like(stops))
+        rows.hidden.index_copy_(0, index, self.model.embed(token))
+        return record
+
+
+def _record_values(exits, depth, sampled: SampledRows, mode: SamplingMode) -> torch.Tensor:
+    """[B, columns] fp64: token (-1 where no exit), depth (0 where no exit)[, logprob fields]."""
+    columns = [
+        torch.where(exits, sampled.token_ids, -1).to(torch.float64)[:, None],
+        torch.where(exits, depth, 0).to(torch.float64)[:, None],
+    ]
+    if mode.top_logprobs is not None:
+        columns += [
+            sampled.logprobs.to(torch.float64)[:, None],
+            sampled.top_token_ids.to(torch.float64),
+            sampled.top_logprobs.to(torch.float64),
+        ]
+    return torch.cat(columns, dim=1)

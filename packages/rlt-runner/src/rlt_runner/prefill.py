@@ -1,0 +1,133 @@
+"""Prompt chunks at full depth (eager; the chunk's GEMMs dominate its launches).
+
+Metadata is built once per call from one upload of host lists, then derived on the device for
+every plane (no per-loop uploads, no host reads):
+
+- LAST_EXITED, depth-major: every chunk position runs loop 1 (plane 0), then loop 2, and so on;
+  a position at loop t reads plane t of earlier positions, all at full depth.
+- SHARED, position by position: each request advances one prompt position at a time through all
+  loops (batched across requests), so every prompt token sees earlier prompt tokens at their
+  final depth whatever the chunk boundaries are (slow: the layout's semantics require it).
+
+A chunk that completes its prompt leaves the state of its last position in the row's `hidden`.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
+
+from rlt_runner.kv_storage import KVStorage
+from rlt_runner.row_state import DecodeRows
+from rlt_runner.transfers import upload
+
+
+class PrefillGroups:
+    """Packed query rows of several groups (runs of consecutive positions of one request each),
+    with everything a model call needs except the plane's block tables."""
+
+    def __init__(
+        self,
+        rows: DecodeRows,
+        row_ids: list[int],
+        starts: list[int],
+        lengths: list[int],
+        token_ids: list[int],
+        *,
+        block_size: int,
+    ) -> None:
+        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+        query_start = [0]
+        for n in lengths:
+            query_start.append(query_start[-1] + n)
+        positions = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
+        group_of_query = [g for g, n in enumerate(lengths) for _ in range(n)]
+        ints = upload(
+            [token_ids, positions, group_of_query], torch.int64, rows.device
+        )  # one upload for the per-query columns
+        meta = upload([row_ids, ends, query_start[1:]], torch.int64, rows.device)
+        self.rows = rows
+        self.block_size = block_size
+        self.token_ids, self.positions, self.group_of_query = ints.unbind(0)
+        self.row_index = meta[0]
+        self.context_lengths = meta[1].to(torch.int32)
+        self.query_start = torch.cat([meta[2].new_zeros(1), meta[2]]).to(torch.int32)
+        self.max_query_len = max(lengths)
+        self.max_context_len = max(ends)
+        self.pages = (self.max_context_len - 1) // block_size + 1
+        self.last_query = meta[2] - 1  # [S] packed index of each group's last query
+
+    def batch(self, plane: int) -> PagedAttentionBatch:
+        tables = self.rows.block_tables[self.row_index, plane, : self.pages]
+        blocks = tables[self.group_of_query, self.positions // self.block_size].to(torch.int64)
+        return PagedAttentionBatch(
+            query_start=self.query_start,
+            context_lengths=self.context_lengths,
+            block_tables=tables,
+            write_slots=blocks * self.block_size + self.positions % self.block_size,
+            max_query_len=self.max_query_len,
+            max_context_len=self.max_context_len,
+        )
+
+
+def run_prefill(
+    model: LoopedLanguageModel,
+    attention: AttentionBackend,
+    kv: KVStorage,
+    rows: DecodeRows,
+    layout: KVLayout,
+    chunks: list[tuple[int, int, tuple[int, ...], bool]],
+) -> None:
+    """Run chunks (row, start_position, token_ids, completes_prompt) at full depth."""
+    if not chunks:
+        return
+    if layout is KVLayout.SHARED:
+        _position_by_position(model, attention, kv, rows, chunks)
+    else:
+        _depth_major(model, attention, kv, rows, layout, chunks)
+
+
+def _depth_major(model, attention, kv, rows, layout, chunks) -> None:
+    groups = PrefillGroups(
+        rows,
+        [row for row, _, _, _ in chunks],
+        [start for _, start, _, _ in chunks],
+        [len(tokens) for _, _, tokens, _ in chunks],
+        [t for _, _, tokens, _ in chunks for t in tokens],
+        block_size=kv.block_size,
+    )
+    hidden = model.embed(groups.token_ids)
+    for loop in range(1, model.shape.num_loops + 1):
+        bound = attention.bind(kv.tensors, groups.batch(layout.plane_of_loop(loop)))
+        hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
+    _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
+
+
+def _position_by_position(model, attention, kv, rows, chunks) -> None:
+    for offset in range(max(len(tokens) for _, _, tokens, _ in chunks)):
+        wave = [c for c in chunks if offset < len(c[2])]
+        groups = PrefillGroups(
+            rows,
+            [row for row, _, _, _ in wave],
+            [start + offset for _, start, _, _ in wave],
+            [1] * len(wave),
+            [tokens[offset] for _, _, tokens, _ in wave],
+            block_size=kv.block_size,
+        )
+        hidden = model.embed(groups.token_ids)
+        for _ in range(model.shape.num_loops):
+            bound = attention.bind(kv.tensors, groups.batch(0))
+            hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
+        last = [done and offset == len(tokens) - 1 for _, _, tokens, done in wave]
+        _keep_final_states(rows, groups, hidden, last)
+
+
+def _keep_final_states(rows: DecodeRows, groups: PrefillGroups, hidden, keep: list[bool]) -> None:
+    """Store the last query's state of every group flagged in `keep` into its row's hidden."""
+    kept = [g for g, flag in enumerate(keep) if flag]
+    if not kept:
+        return
+    group_index = upload(kept, torch.int64, rows.device)
+    rows.hidden.index_copy_(
+        0, groups.row_index[group_index], hidden[groups.last_query[group_index]]
+    )

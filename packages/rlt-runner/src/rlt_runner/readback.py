@@ -1,0 +1,137 @@
+"""One asynchronous read-back per step, and its parsing into `GeneratedTokens` (R18, R21).
+
+A submitted step queues a single device-to-host copy of everything it recorded (token 0 of the
+prompts it completed, then its ticks' ring rows) into pinned memory and records an event after
+it. `collect` waits on that event only: the one point where the host waits for the device.
+Rows are attributed to the request that owned them when the step was submitted (its `RowRecord`,
+whose identity carries the generation), so a late result never reaches a request that reuses
+the id or the row (R17).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from rlt_contracts import (
+    ExecutionFailure,
+    GeneratedTokens,
+    ModelRunnerOutput,
+    PrefillProgress,
+    SamplingMode,
+)
+
+from rlt_runner.decode_program import record_columns
+from rlt_runner.row_state import RowRecord
+from rlt_runner.transfers import download
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: what it recorded is on its way to `host` (valid once `event` is done).
+
+    started: rows whose prompt completed (their token-0 record comes first in `host`);
+    owners: the record of every decode row [0, rows) at submission (None: free row).
+    """
+
+    step_id: int
+    mode: SamplingMode = SamplingMode()
+    started: list[RowRecord] = field(default_factory=list)
+    owners: list[RowRecord | None] = field(default_factory=list)
+    ticks: int = 0
+    rows: int = 0
+    progress: tuple[PrefillProgress, ...] = ()
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    failure: ExecutionFailure | None = None
+
+
+def start_readback(
+    pending: PendingStep, started_record: torch.Tensor | None, ring: torch.Tensor
+) -> None:
+    """Queue the one copy of this step's records: [started rows, columns] then the ring's
+    [ticks, rows, columns] block, flattened into one fp64 tensor."""
+    parts = []
+    if started_record is not None:
+        parts.append(started_record.reshape(-1))
+    if pending.ticks:
+        columns = record_columns(pending.mode)
+        parts.append(ring[: pending.ticks, : pending.rows, :columns].reshape(-1))
+    if not parts:
+        return
+    pending.host = download(torch.cat(parts) if len(parts) > 1 else parts[0])
+    if pending.host.is_pinned():
+        pending.event = torch.cuda.Event()
+        pending.event.record()
+
+
+def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
+    """Wait for the step's copy (the only wait), then attribute every recorded token.
+    Returns the output and the seconds spent waiting."""
+    start = time.perf_counter()
+    if pending.event is not None:
+        pending.event.synchronize()
+    waited = time.perf_counter() - start
+    if pending.failure is not None:
+        return ModelRunnerOutput(step_id=pending.step_id, failure=pending.failure), waited
+    tokens: dict[int, _Collected] = {}
+    if pending.host is not None:
+        columns = record_columns(pending.mode)
+        values = pending.host.view(-1, columns)
+        started = len(pending.started)
+        for record, row_values in zip(pending.started, values[:started].tolist(), strict=True):
+            _collected(tokens, record).add(row_values)
+        if pending.ticks:
+            ring = values[started:].view(pending.ticks, pending.rows, columns)
+            emitted = (ring[:, :, 0] >= 0).nonzero().tolist()
+            entries = ring[ring[:, :, 0] >= 0].tolist()
+            for (_, row), row_values in zip(emitted, entries, strict=True):
+                record = pending.owners[row]
+                if record is not None:
+                    _collected(tokens, record).add(row_values)
+    output = ModelRunnerOutput(
+        step_id=pending.step_id,
+        generated=tuple(c.build() for c in tokens.values()),
+        prefill_progress=pending.progress,
+        decode_ticks=pending.ticks,
+        loop_slots=pending.ticks * pending.rows,
+    )
+    return output, waited
+
+
+class _Collected:
+    def __init__(self, record: RowRecord) -> None:
+        self.record = record
+        self.first = record.reported
+        self.values: list[list[float]] = []
+
+    def add(self, row_values: list[float]) -> None:
+        self.values.append(row_values)
+        self.record.reported += 1
+
+    def build(self) -> GeneratedTokens:
+        wanted = self.record.sampling.logprobs
+        logprobs = top = None
+        if wanted is not None:
+            k = (len(self.values[0]) - 3) // 2
+            keep = min(wanted, k)
+            logprobs = tuple(v[2] for v in self.values)
+            top = tuple(
+                tuple((int(v[3 + j]), v[3 + k + j]) for j in range(keep)) for v in self.values
+            )
+        return GeneratedTokens(
+            identity=self.record.identity,
+            first_output_index=self.first,
+            token_ids=tuple(int(v[0]) for v in self.values),
+            exit_depths=tuple(int(v[1]) for v in self.values),
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+
+
+def _collected(tokens: dict[int, _Collected], record: RowRecord) -> _Collected:
+    entry = tokens.get(id(record))
+    if entry is None:
+        entry = tokens[id(record)] = _Collected(record)
+    return entry

@@ -1,0 +1,258 @@
+"""`DecodeRows`: the device state of every running request, one persistent row each (M5).
+
+Each request with device state owns one row index into buffers that live as long as the runner
+(so CUDA graphs can read and write them in place). Rows are handed out lowest-first, so the
+rows in use stay packed at the front and a decode tick runs the smallest bucket that covers them.
+
+Per-row device buffers (S rows); the runner writes them at admission, the decode program at
+every tick (nobody else writes them):
+  hidden [S, d]        the state the next loop reads (after an exit: the embedded new token)
+  token [S]            the latest sampled token (the one looping)
+  position [S]         its position (prompt length + outputs - 1)
+  loops [S]            loops it has run so far
+  survival [S] fp64    prod(1 - lambda_j) over those loops (the hazard exit state)
+  pending_exit [S]     DELAYED_HAZARD: the loop after which it exits (0: none yet)
+  outputs [S]          outputs produced so far (token 0 included) = the next output's index
+  active [S] bool      decoding on the device (cleared when a stop rule fires or on release)
+  parked [S] bool      cohort decoding: sampled, waiting for the cohort to drain
+  rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C]: the
+                       request's `DecodeRule` (stop_ids padded with -1)
+  temperature, top_k, top_p, seed: its sampling parameters
+  block_tables [S, planes, pages] int32: physical block of every page of every plane; pages not
+                       allocated point at the scratch block, so a stray write never lands in a
+                       block some other request holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from rlt_contracts import (
+    BlockTableUpdate,
+    DecodeRule,
+    ExecutionIdentity,
+    ExitRuleKind,
+    SamplingParams,
+)
+
+from rlt_runner.transfers import upload
+
+HAZARD_CODE, DELAYED_CODE, TRACE_CODE = 0, 1, 2
+RULE_CODES = {
+    ExitRuleKind.HAZARD: HAZARD_CODE,
+    ExitRuleKind.DELAYED_HAZARD: DELAYED_CODE,
+    ExitRuleKind.TRACE: TRACE_CODE,
+}
+
+# Buffers that hold a row's progress (saved by snapshots; reset at admission).
+PROGRESS_BUFFERS = (
+    "hidden",
+    "token",
+    "position",
+    "loops",
+    "survival",
+    "pending_exit",
+    "outputs",
+    "active",
+    "parked",
+)
+
+
+@dataclass(eq=False)
+class RowRecord:
+    """Host view of one request's row. `decoding`: its prompt is done, so the row may be active
+    on the device; `reported`: outputs already parsed from read-backs (the next one's index)."""
+
+    identity: ExecutionIdentity
+    row: int
+    sampling: SamplingParams
+    rule: DecodeRule
+    prompt_length: int
+    host_tables: list[list[int]] = field(default_factory=list)
+    decoding: bool = False
+    reported: int = 0
+
+
+class DecodeRows:
+    def __init__(
+        self,
+        *,
+        max_rows: int,
+        num_planes: int,
+        max_pages: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scratch_block: int,
+        stop_capacity: int = 8,
+        trace_capacity: int = 1,
+    ) -> None:
+        self.device = device
+        self.num_planes = num_planes
+        self.max_pages = max_pages
+        self.scratch_block = scratch_block
+        self.stop_capacity = stop_capacity
+        self.trace_capacity = trace_capacity
+        S = max_rows
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.hidden = zeros(S, hidden_size, dtype=dtype)
+        self.token = zeros(S)
+        self.position = zeros(S)
+        self.loops = zeros(S)
+        self.survival = torch.ones(S, dtype=torch.float64, device=device)
+        self.pending_exit = zeros(S)
+        self.outputs = zeros(S)
+        self.active = zeros(S, dtype=torch.bool)
+        self.parked = zeros(S, dtype=torch.bool)
+        self.rule_kind = zeros(S)
+        self.min_loops = torch.ones(S, dtype=torch.int64, device=device)
+        self.max_loops = torch.ones(S, dtype=torch.int64, device=device)
+        self.threshold = torch.ones(S, dtype=torch.float64, device=device)
+        self.trace = zeros(S, trace_capacity, dtype=torch.int8)
+        self.max_tokens = torch.ones(S, dtype=torch.int64, device=device)
+        self.stop_ids = torch.full((S, stop_capacity), -1, dtype=torch.int64, device=device)
+        self.temperature = zeros(S, dtype=torch.float32)
+        self.top_k = zeros(S)
+        self.top_p = torch.ones(S, dtype=torch.float32, device=device)
+        self.seed = zeros(S)
+        self.block_tables = torch.full(
+            (S, num_planes, max_pages), scratch_block, dtype=torch.int32, device=device
+        )
+        self._free = list(range(S))
+        self._records: dict[ExecutionIdentity, RowRecord] = {}
+
+    # -- host view -----------------------------------------------------------------------------
+    def __contains__(self, identity: ExecutionIdentity) -> bool:
+        return identity in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def identities(self) -> list[ExecutionIdentity]:
+        return list(self._records)
+
+    def record(self, identity: ExecutionIdentity) -> RowRecord:
+        try:
+            return self._records[identity]
+        except KeyError:
+            raise RuntimeError(f"runner has no state for {identity}") from None
+
+    def decoding_records(self) -> list[RowRecord]:
+        return [r for r in self._records.values() if r.decoding]
+
+    def row_owners(self, num_rows: int) -> list[RowRecord | None]:
+        """The record owning each of rows [0, num_rows) right now (None: free row)."""
+        owners: list[RowRecord | None] = [None] * num_rows
+        for record in self._records.values():
+            if record.row < num_rows:
+                owners[record.row] = record
+        return owners
+
+    # -- admission and release -----------------------------------------------------------------
+    def assign(self, records: list[RowRecord]) -> None:
+        """Give each record (row unset) the lowest free row and write its rule, sampling
+        parameters and fresh progress to the device (a few uploads for the whole batch)."""
+        if not records:
+            return
+        for record in records:
+            if record.identity in self._records:
+                raise RuntimeError(f"{record.identity} already has a runner row")
+            if not self._free:
+                raise RuntimeError("no free runner row (more running requests than max_num_seqs)")
+            record.row = heapq.heappop(self._free)
+            record.host_tables = [[] for _ in range(self.num_planes)]
+            self._records[record.identity] = record
+        index = upload([r.row for r in records], torch.int64, self.device)
+        ints = [self._int_fields(r) for r in records]
+        ints_dev = upload(ints, torch.int64, self.device)
+        columns = iter(ints_dev.unbind(1))
+        for name in ("rule_kind", "min_loops", "max_loops", "max_tokens", "top_k", "seed"):
+            getattr(self, name).index_copy_(0, index, next(columns))
+        self.stop_ids.index_copy_(0, index, ints_dev[:, 6:])
+        floats = upload(
+            [[r.rule.exit.threshold, r.sampling.temperature, r.sampling.top_p] for r in records],
+            torch.float64,
+            self.device,
+        )
+        self.threshold.index_copy_(0, index, floats[:, 0])
+        self.temperature.index_copy_(0, index, floats[:, 1].float())
+        self.top_p.index_copy_(0, index, floats[:, 2].float())
+        if any(r.rule.exit.kind is ExitRuleKind.TRACE for r in records):
+            self.trace.index_copy_(0, index, upload(self._traces(records), torch.int8, self.device))
+        self.block_tables.index_fill_(0, index, self.scratch_block)
+        self.reset_progress(index)
+
+    def _int_fields(self, record: RowRecord) -> list[int]:
+        rule = record.rule
+        stops = list(rule.stop_token_ids[: self.stop_capacity])
+        stops += [-1] * (self.stop_capacity - len(stops))
+        return [
+            RULE_CODES[rule.exit.kind],
+            rule.exit.min_loops,
+            rule.exit.max_loops,
+            rule.max_tokens,
+            record.sampling.top_k,
+            record.sampling.seed,
+            *stops,
+        ]
+
+    def _traces(self, records: list[RowRecord]) -> list[list[int]]:
+        rows = []
+        for record in records:
+            depths = list(record.rule.exit.trace_depths[: self.trace_capacity])
+            if record.rule.exit.kind is ExitRuleKind.TRACE and len(
+                record.rule.exit.trace_depths
+            ) > (self.trace_capacity):
+                raise ValueError(
+                    f"{record.identity}: trace of {len(record.rule.exit.trace_depths)} depths "
+                    f"exceeds the runner's trace capacity {self.trace_capacity}"
+                )
+            rows.append(depths + [record.rule.exit.max_loops] * (self.trace_capacity - len(depths)))
+        return rows
+
+    def reset_progress(self, index: torch.Tensor) -> None:
+        """Rows `index` hold no token yet: inactive, no loops, no outputs."""
+        for name in ("token", "position", "loops", "pending_exit", "outputs"):
+            getattr(self, name).index_fill_(0, index, 0)
+        self.survival.index_fill_(0, index, 1.0)
+        self.active.index_fill_(0, index, False)
+        self.parked.index_fill_(0, index, False)
+
+    def release(self, identities: list[ExecutionIdentity]) -> list[RowRecord]:
+        """Free the rows of `identities` (unknown ones are skipped) and deactivate them on the
+        device, in stream order after the work already submitted."""
+        released = [self._records.pop(i) for i in identities if i in self._records]
+        if released:
+            index = upload([r.row for r in released], torch.int64, self.device)
+            self.active.index_fill_(0, index, False)
+            self.parked.index_fill_(0, index, False)
+            for record in released:
+                heapq.heappush(self._free, record.row)
+        return released
+
+    def apply_block_updates(
+        self, updates: list[tuple[ExecutionIdentity, tuple[BlockTableUpdate, ...]]]
+    ) -> None:
+        """Write block-table growth of several requests with one upload of (index, block)."""
+        flat_index, blocks = [], []
+        for identity, request_updates in updates:
+            record = self.record(identity)
+            for update in request_updates:
+                table = record.host_tables[update.plane]
+                del table[update.first_page :]
+                table.extend(update.block_ids)
+                base = (record.row * self.num_planes + update.plane) * self.max_pages
+                for offset, block in enumerate(update.block_ids):
+                    flat_index.append(base + update.first_page + offset)
+                    blocks.append(block)
+        if flat_index:
+            pairs = upload([flat_index, blocks], torch.int64, self.device)
+            self.block_tables.view(-1).index_copy_(0, pairs[0], pairs[1].to(torch.int32))
+
+    def allocated_tokens(self, record: RowRecord, block_size: int) -> int:
+        return len(record.host_tables[0]) * block_size

@@ -1,13 +1,27 @@
-"""The engine on CUDA (skipped without a GPU): fp32 equals the dense oracle exactly as on the CPU
-(TF32 off), and bf16 runs the same requests with the Triton backend and stays close to fp32."""
+"""The engine on CUDA (skipped without a GPU).
+
+- fp32 on CUDA (TF32 off) equals the dense fp64 oracle token- and depth-exactly, with the fused
+  kernels and tick graphs on and with both off, in both layouts;
+- bf16 stays close to fp32 (first token, its depth and logprob);
+- graphs under preemption and prefix caching still give the oracle's tokens;
+- the asynchronous multi-tick pipeline equals synchronous single ticks;
+- whole engine steps (prefill, decode ticks with early exits and LAST_EXITED finalization,
+  coda, sampling, preemption snapshots and restores) make no host-device sync besides the one
+  read-back wait per step (torch.cuda.set_sync_debug_mode("error"));
+- two engines built one after the other in one process get the same KV pool, and shutdown
+  returns the device memory.
+"""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 from oracle.dense_ouro import DenseOuro
 from oracle.generation import GenerationOracle, OracleRequest
-from rlt import SamplingParams
+from rlt import LLM, SamplingParams
+from test_async_pipeline import assert_same, scenario
 
 pytestmark = pytest.mark.cuda
 
@@ -27,51 +41,44 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def oracle_for(tiny_checkpoint, layout: str) -> GenerationOracle:
+    return GenerationOracle(DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), layout)
+
+
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_fp32_cuda_matches_oracle(llm_factory, tiny_checkpoint, layout):
-    llm = llm_factory(device="cuda", kv_layout=layout)
+@pytest.mark.parametrize("fast", [True, False], ids=["fused+graphs", "eager"])
+def test_fp32_cuda_matches_oracle(llm_factory, tiny_checkpoint, layout, fast):
+    llm = llm_factory(device="cuda", kv_layout=layout, cuda_graphs=fast, fused_kernels=fast)
     assert llm.engine.parts.attention_backend == "triton"
-    params = SamplingParams(max_tokens=8, exit_threshold=0.6, ignore_eos=True)
+    runner = llm.engine.core.runner
+    assert (runner.graphs is not None) == fast
+    assert llm.engine.parts.model.fused_impl(runner.rows.hidden) == ("triton" if fast else None)
+    params = SamplingParams(max_tokens=10, exit_threshold=0.6, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params)
-    oracle = GenerationOracle(DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), layout)
+    oracle = oracle_for(tiny_checkpoint, layout)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        ref = oracle.generate(OracleRequest(tuple(prompt), 8, threshold=0.6, ignore_eos=True))
+        ref = oracle.generate(OracleRequest(tuple(prompt), 10, threshold=0.6, ignore_eos=True))
         assert ref.min_logit_margin > 1e-4 and ref.min_gate_margin > 1e-4
         assert (output.token_ids, output.exit_depths) == (ref.token_ids, ref.exit_depths)
+    assert min(d for o in outputs for d in o.exit_depths[1:]) < 4  # early exits happened
+    if fast:
+        assert runner.graphs.replays > 0
 
 
 def test_bf16_cuda_runs_and_tracks_fp32(llm_factory):
+    """bf16 rounding may flip near-ties later in a sequence; the first token and its depth
+    (full-depth prefill) must agree, and its log-probability within bf16 precision (~1e-2
+    relative on logits of magnitude ~1 here, 5e-2 absolute on the logprob)."""
     params = SamplingParams(max_tokens=8, exit_threshold=0.6, ignore_eos=True, logprobs=0)
     bf16 = llm_factory(device="cuda", dtype="bfloat16").generate(PROMPTS, params)
     fp32 = llm_factory(device="cpu").generate(PROMPTS, params)
-    # bf16 rounding may flip near-ties later in a sequence; the first token and its depth
-    # (full-depth prefill) must agree, and its log-probability within bf16 precision
     for a, b in zip(bf16, fp32, strict=True):
         assert a.token_ids[0] == b.token_ids[0] and a.exit_depths[0] == b.exit_depths[0] == 4
         assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=5e-2)
         assert len(a.token_ids) == 8 and min(a.exit_depths[1:]) >= 2
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_cuda_graph_decode_equals_eager_and_oracle(llm_factory, tiny_checkpoint, layout):
-    """Graph replays (padded buckets: 3 rows run in the 4-row graph) give the oracle's tokens."""
-    prompts = PROMPTS[:3]
-    params = SamplingParams(max_tokens=10, exit_threshold=0.6, ignore_eos=True)
-    graphs = llm_factory(device="cuda", kv_layout=layout, cuda_graphs=True)
-    eager = llm_factory(device="cuda", kv_layout=layout, cuda_graphs=False)
-    assert graphs.engine.core.runner.graphs is not None and eager.engine.core.runner.graphs is None
-    with_graphs = [(o.token_ids, o.exit_depths) for o in graphs.generate(prompts, params)]
-    assert graphs.engine.core.runner.graphs.replays > 0
-    assert with_graphs == [(o.token_ids, o.exit_depths) for o in eager.generate(prompts, params)]
-    oracle = GenerationOracle(DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), layout)
-    for prompt, got in zip(prompts, with_graphs, strict=True):
-        ref = oracle.generate(OracleRequest(tuple(prompt), 10, threshold=0.6, ignore_eos=True))
-        assert got == (ref.token_ids, ref.exit_depths)
-
-
 def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoint):
-    """Under memory pressure (snapshots to host memory and back) with shared prompt pages, graph
-    decoding still yields the oracle's greedy tokens and depths."""
     prompts = [PROMPTS[2] + [i + 1, i + 2] for i in range(5)]
     params = SamplingParams(max_tokens=12, exit_threshold=0.6, ignore_eos=True)
     tight = llm_factory(
@@ -83,10 +90,76 @@ def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoi
     )
     outputs = tight.generate(prompts, params)
     assert tight.get_stats().preemptions > 0 and tight.get_stats().prefix_cache_hit_tokens > 0
-    oracle = GenerationOracle(
-        DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), "last_exited"
-    )
+    oracle = oracle_for(tiny_checkpoint, "last_exited")
     for prompt, out in zip(prompts, outputs, strict=True):
         ref = oracle.generate(OracleRequest(tuple(prompt), 12, threshold=0.6, ignore_eos=True))
         assert ref.min_logit_margin > 1e-4 and ref.min_gate_margin > 1e-4
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths)
+
+
+@pytest.mark.parametrize("options", [{}, {"scheduling_mode": "no_refill"}, {"kv_layout": "shared"}])
+def test_cuda_async_pipeline_equals_synchronous_ticks(llm_factory, options):
+    tight = dict(num_kv_blocks=40, incremental_kv=True, enable_preemption=True)
+    reference = scenario(
+        llm_factory(device="cuda", async_scheduling=False, decode_ticks_per_step=1, **options)
+    )
+    assert_same(scenario(llm_factory(device="cuda", **options)), reference)
+    assert_same(scenario(llm_factory(device="cuda", **tight, **options)), reference)
+
+
+def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory):
+    """Warm up (kernel compilation and graph capture of every sampling mode used), then run
+    the same traffic with CUDA's sync debug mode set to raise on any synchronizing call."""
+    llm = llm_factory(
+        device="cuda",
+        num_kv_blocks=40,
+        incremental_kv=True,
+        enable_preemption=True,
+        enable_prefix_caching=True,
+    )
+    scenario(llm)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scenario(llm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = llm.get_stats()
+    assert stats.preemptions > 0 and stats.generation_tokens > 0
+
+
+def test_two_engines_one_after_the_other_get_the_same_pool(tiny_checkpoint):
+    """KV sizing profiles activations and counts memory torch caches but does not use as free,
+    so a second engine is sized like the first; shutdown returns the device memory. The memory
+    budget is set ~256 MiB above what is in use, so the pool is sized by memory, not capped by
+    what max_num_seqs full-length requests could use (512 MiB here)."""
+    path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    options = dict(
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=512,
+        max_num_batched_tokens=1024,
+        gpu_memory_utilization=(total - free + (256 << 20)) / total,
+    )
+    before = torch.cuda.memory_allocated()
+    first = LLM(path, **options)
+    plan = first.engine.parts.memory_plan
+    assert plan.source == "cuda_profile" and plan.num_blocks < plan.useful_blocks
+    assert plan.activation.prefill_bytes > 0 and plan.activation.decode_bytes > 0
+    first.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    first.shutdown()
+    after_one = torch.cuda.memory_allocated()
+    assert after_one - before < 32 << 20  # only process-wide library workspaces remain
+    with LLM(path, **options) as second:
+        assert second.engine.parts.memory_plan.num_blocks == plan.num_blocks
+    assert torch.cuda.memory_allocated() == after_one
+    third = LLM(path, **options)  # the next one is left to garbage collection alone
+    assert third.engine.parts.memory_plan.num_blocks == plan.num_blocks
+    del third
+    gc.collect()
+    fourth = LLM(path, **options)
+    assert fourth.engine.parts.memory_plan.num_blocks == plan.num_blocks
+    fourth.shutdown()

@@ -178,7 +178,7 @@ def cpu_plan(*, useful_blocks: int, cpu_budget_bytes: int, explicit_blocks: int 
         useful_blocks=useful_blocks,
         explicit_blocks=explicit_blocks,
         gpu_memory_utilization=0.9,
-        activation_reserve_bytes=0,
+        activation=None,
         cpu_budget_bytes=cpu_budget_bytes,
     )
 

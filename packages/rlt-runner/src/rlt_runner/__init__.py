@@ -1,13 +1,20 @@
 """rlt-runner: device state, KV storage and batch execution (module M5)."""
 
 from rlt_runner.kv_storage import KVStorage
-from rlt_runner.memory import KVMemoryPlan, plan_kv_blocks
+from rlt_runner.memory import (
+    ActivationProfile,
+    KVMemoryPlan,
+    plan_kv_blocks,
+    profile_activation_peak,
+    profile_blocks,
+)
 from rlt_runner.model_runner import ModelRunner
 from rlt_runner.readback import PendingStep
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.snapshots import SnapshotStore
 
 __all__ = [
+    "ActivationProfile",
     "DecodeRows",
     "KVMemoryPlan",
     "KVStorage",
@@ -16,4 +23,6 @@ __all__ = [
     "RowRecord",
     "SnapshotStore",
     "plan_kv_blocks",
+    "profile_activation_peak",
+    "profile_blocks",
 ]

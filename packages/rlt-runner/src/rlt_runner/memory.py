@@ -1,26 +1,134 @@
-"""KV pool sizing: how many blocks fit, and why (recorded in `KVMemoryPlan`)."""
+"""KV pool sizing from a profiling run (the Worker role of the RFC): no formula reserve.
+
+Before the KV pool exists, a throw-away runner with a tiny pool executes the two heaviest
+shapes the engine will ever run: the largest prefill chunk at full depth (token 0 of it
+sampled with every sampling feature on) and a decode tick over every row in the most expensive
+sampling mode. The peak bytes each allocates above the resident state, plus the runner's own
+persistent buffers, are what the pool must leave free. Decode ticks run as CUDA graphs whose
+memory pool stays allocated while prefill runs eagerly next to it, so the two peaks are added.
+
+The device's memory is counted as torch sees it: bytes held by live tensors are used; bytes the
+caching allocator keeps but no tensor uses (e.g. left by an engine that was shut down) are free;
+anything else the driver reports used (other processes, CUDA contexts) is used.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from rlt_contracts import (
+    BlockTableUpdate,
+    DecodeRule,
+    ExecutionIdentity,
+    ExitRule,
+    ExitRuleKind,
+    NewRequestData,
+    PrefillChunk,
+    RequestBlocks,
+    SamplingParams,
+    SchedulerOutput,
+)
+from rlt_contracts.sampling import MAX_TOP_LOGPROBS
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Peak bytes above the resident state: prefill of the largest chunk, one decode tick at
+    the largest batch, and the runner's persistent buffers other than the KV pool."""
+
+    prefill_bytes: int
+    decode_bytes: int
+    runner_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.prefill_bytes + self.decode_bytes + self.runner_bytes
 
 
 @dataclass(frozen=True)
 class KVMemoryPlan:
-    """num_blocks: pool size; source: "explicit", "cuda_free_memory" or "cpu_budget";
+    """num_blocks: pool size; source: "explicit", "cuda_profile" or "cpu_budget";
     bytes_per_block: K+V of one block, all layers; useful_blocks: blocks that max_num_seqs
-    full-context requests could ever use (the pool is never made larger)."""
+    full-context requests could ever use (the pool is never made larger); activation: the
+    profile the CUDA budget subtracted (None elsewhere)."""
 
     num_blocks: int
     source: str
     bytes_per_block: int
     useful_blocks: int
+    activation: ActivationProfile | None = None
 
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+
+def profile_blocks(prefill_tokens: int, rows: int, block_size: int, num_planes: int) -> int:
+    """Pool size of the profiling runner: the prefill request plus one page per decode row."""
+    pages = -(-(prefill_tokens + 1) // block_size) + rows
+    return pages * num_planes
+
+
+def profile_activation_peak(
+    runner, *, prefill_tokens: int, rows: int, vocab_size: int, model_depth: int
+) -> ActivationProfile:
+    """Run the two heaviest step shapes on `runner` (a `ModelRunner` whose pool holds
+    `profile_blocks(...)` blocks) and measure their peak device bytes. CUDA only."""
+    device = runner.device
+    block_size = runner.block_size
+    planes = runner.rows.num_planes
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_TOP_LOGPROBS, seed=0, max_tokens=2
+    )
+    rule = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 1, model_depth, 0.5), max_tokens=2)
+    next_block = 0
+
+    def request(index: int, length: int) -> tuple[NewRequestData, RequestBlocks]:
+        nonlocal next_block
+        identity = ExecutionIdentity(f"memory-profile-{index}", -1 - index)
+        pages = -(-(length + 1) // block_size)
+        updates = []
+        for plane in range(planes):
+            updates.append(BlockTableUpdate(plane, 0, tuple(range(next_block, next_block + pages))))
+            next_block += pages
+        return NewRequestData(identity, params, length, rule), RequestBlocks(identity, tuple(updates))
+
+    def peak_of(step: SchedulerOutput) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        output = runner.collect(runner.submit(step))
+        if output.failure is not None:
+            raise RuntimeError(f"memory profiling step failed: {output.failure.message}")
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+
+    big, big_blocks = request(0, prefill_tokens)
+    tokens = tuple((7 * i) % vocab_size for i in range(prefill_tokens))
+    prefill = peak_of(
+        SchedulerOutput(
+            step_id=-2,
+            new_requests=(big,),
+            block_updates=(big_blocks,),
+            prefill=(PrefillChunk(big.identity, 0, tokens, completes_prompt=True),),
+        )
+    )
+    small = [request(1 + i, 1) for i in range(rows)]
+    decode = peak_of(
+        SchedulerOutput(
+            step_id=-1,
+            new_requests=tuple(n for n, _ in small),
+            block_updates=tuple(b for _, b in small),
+            released=(big.identity,),
+            prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in small),
+            decode_ticks=1,
+        )
+    )
+    runner.collect(
+        runner.submit(SchedulerOutput(step_id=0, released=tuple(n.identity for n, _ in small)))
+    )
+    return ActivationProfile(prefill, decode, runner.persistent_bytes())
 
 
 def plan_kv_blocks(
@@ -30,26 +138,34 @@ def plan_kv_blocks(
     useful_blocks: int,
     explicit_blocks: int | None,
     gpu_memory_utilization: float,
-    activation_reserve_bytes: int,
+    activation: ActivationProfile | None,
     cpu_budget_bytes: int,
 ) -> KVMemoryPlan:
-    """Size the pool. On CUDA: what remains of `gpu_memory_utilization` x total memory after
-    the weights already loaded and an activation reserve. On the CPU: `cpu_budget_bytes`."""
+    """Size the pool. On CUDA: `gpu_memory_utilization` x total memory, minus what other
+    processes and contexts use, minus live tensors (the weights), minus the profiled
+    activations; memory cached by torch's allocator but unused counts as free. On the CPU:
+    `cpu_budget_bytes`."""
     if explicit_blocks is not None:
         return KVMemoryPlan(explicit_blocks, "explicit", bytes_per_block, useful_blocks)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * gpu_memory_utilization) - used - activation_reserve_bytes
-        source = "cuda_free_memory"
+        outside_torch = total - free - torch.cuda.memory_reserved(device)
+        reserve = activation.total_bytes if activation is not None else 0
+        budget = (
+            int(total * gpu_memory_utilization)
+            - outside_torch
+            - torch.cuda.memory_allocated(device)
+            - reserve
+        )
+        source = "cuda_profile"
     else:
         budget = cpu_budget_bytes
         source = "cpu_budget"
     blocks = min(max(budget // bytes_per_block, 0), useful_blocks)
     if blocks < 1:
         raise MemoryError(
-            f"no memory left for the KV cache ({budget} bytes after weights and a "
-            f"{activation_reserve_bytes}-byte activation reserve); lower max_num_batched_tokens or "
-            "raise gpu_memory_utilization"
+            f"no memory left for the KV cache ({budget} bytes after the weights and the "
+            "profiled activations); lower max_num_batched_tokens or max_num_seqs, or raise "
+            "gpu_memory_utilization"
         )
-    return KVMemoryPlan(blocks, source, bytes_per_block, useful_blocks)
+    return KVMemoryPlan(blocks, source, bytes_per_block, useful_blocks, activation)

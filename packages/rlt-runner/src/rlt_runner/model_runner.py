@@ -133,6 +133,20 @@ class ModelRunner:
                 logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
                 self.graphs_disabled_reason = f"capture failed: {exc}"
 
+    def persistent_bytes(self) -> int:
+        """Device bytes of the runner's own buffers (rows, ring), the KV pool excluded."""
+        tensors = [*vars(self.rows).values(), *vars(self.program).values()]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def close(self) -> None:
+        """Drop every device buffer (graphs, KV pool, rows): the runner is unusable after."""
+        self.graphs = None
+        self.program = None
+        self.rows = None
+        self.kv = None
+        self.model = None
+        self.snapshots = SnapshotStore()
+
     def held_identities(self) -> frozenset:
         """Requests with device state here: a row or a preemption snapshot."""
         return frozenset(self.rows.identities()) | frozenset(self.snapshots.identities())

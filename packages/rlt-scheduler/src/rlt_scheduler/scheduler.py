@@ -171,6 +171,10 @@ class Scheduler:
         """Ids of admitted (running) requests, in admission order."""
         return [r.identity.request_id for r in self._running]
 
+    def waiting_request_ids(self) -> list[str]:
+        """Ids of waiting (new or preempted) requests, in queue order."""
+        return [r.identity.request_id for r in self._waiting]
+
     def pending_releases(self) -> frozenset[ExecutionIdentity]:
         """Finished or aborted requests whose runner state is dropped at the next step."""
         return frozenset(self._releases)

@@ -44,6 +44,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture the decode tick as CUDA graphs on CUDA (default: on)",
     )
     group.add_argument(
+        "--fused-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused_kernels,
+        help="fused Triton kernels in the recurrent step on CUDA (default: on)",
+    )
+    group.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=d.async_scheduling,

@@ -31,6 +31,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
         self._ids = itertools.count()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Abort what runs and release the engine's device memory (idempotent)."""
+        self.engine.shutdown()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,14 @@ from rlt_attention import select_attention_backend
 from rlt_contracts import AttentionRequirements, ConfigurationError
 from rlt_kv import KVCacheManager
 from rlt_models import OuroModel, load_model
-from rlt_runner import KVMemoryPlan, KVStorage, ModelRunner, plan_kv_blocks
+from rlt_runner import (
+    KVMemoryPlan,
+    KVStorage,
+    ModelRunner,
+    plan_kv_blocks,
+    profile_activation_peak,
+    profile_blocks,
+)
 from rlt_sampling import Sampler
 from rlt_scheduler import Scheduler, make_exit_policy
 
@@ -67,6 +75,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model = load_model(
         model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
     )
+    model.fused_path = "auto" if config.fused_kernels else "off"
     shape = model.shape
     max_model_len = config.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
@@ -92,13 +101,34 @@ def build_engine(config: EngineConfig) -> EngineParts:
     bytes_per_block = KVStorage.bytes_per_block(
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, model.dtype
     )
+    def make_runner(num_kv_blocks: int, cuda_graphs: bool) -> ModelRunner:
+        return ModelRunner(
+            model,
+            selection.backend,
+            Sampler(),
+            kv_layout=layout,
+            num_kv_blocks=num_kv_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=model.dtype,
+            cohort_decoding=config.scheduling_mode == "no_refill",
+            max_decode_ticks=config.decode_ticks_per_step,
+            trace_capacity=max_model_len if config.exit_policy == "trace" else 1,
+            cuda_graphs=cuda_graphs,
+        )
+
+    activation = None
+    if device.type == "cuda" and config.num_kv_blocks is None:
+        activation = _profile_activations(config, model, make_runner, max_model_len, num_planes)
     memory_plan = plan_kv_blocks(
         device=device,
         bytes_per_block=bytes_per_block,
         useful_blocks=config.max_num_seqs * pages_per_request * num_planes,
         explicit_blocks=config.num_kv_blocks,
         gpu_memory_utilization=config.gpu_memory_utilization,
-        activation_reserve_bytes=_activation_reserve_bytes(config, model),
+        activation=activation,
         cpu_budget_bytes=config.cpu_kv_cache_bytes,
     )
     kv = KVCacheManager(
@@ -118,22 +148,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops
         ),
     )
-    runner = ModelRunner(
-        model,
-        selection.backend,
-        Sampler(),
-        kv_layout=layout,
-        num_kv_blocks=memory_plan.num_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        device=device,
-        dtype=model.dtype,
-        cohort_decoding=config.scheduling_mode == "no_refill",
-        max_decode_ticks=config.decode_ticks_per_step,
-        trace_capacity=max_model_len if config.exit_policy == "trace" else 1,
-        cuda_graphs=config.cuda_graphs,
-    )
+    runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":
         logger.info("decode runs eagerly: %s", runner.graphs_disabled_reason)
     return EngineParts(
@@ -148,9 +163,26 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
 
 
-def _activation_reserve_bytes(config: EngineConfig, model: OuroModel) -> int:
-    """Conservative peak of one step's temporaries: fp32 rows of the widest activations
-    (MLP, logits, attention scores) for every token row of a step, times a safety factor 4."""
+def _profile_activations(config, model, make_runner, max_model_len: int, num_planes: int):
+    """Peak activations of the heaviest prefill chunk and decode tick, measured by running
+    them on a throw-away runner with a tiny pool (see rlt_runner.memory)."""
     shape = model.shape
-    widest = max(2 * model.config.intermediate_size, shape.vocab_size, 4 * shape.hidden_size)
-    return max(1 << 30, 4 * config.max_num_batched_tokens * widest * 4)
+    prefill_tokens = min(config.max_num_batched_tokens, max_model_len - 1)
+    blocks = profile_blocks(prefill_tokens, config.max_num_seqs, config.block_size, num_planes)
+    runner = make_runner(blocks, False)
+    try:
+        with torch.inference_mode():
+            profile = profile_activation_peak(
+                runner,
+                prefill_tokens=prefill_tokens,
+                rows=config.max_num_seqs,
+                vocab_size=shape.vocab_size,
+                model_depth=shape.num_loops,
+            )
+    finally:
+        runner.close()
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    logger.info("profiled activations: %s", profile)
+    return profile

@@ -32,6 +32,9 @@ class EngineConfig:
     cuda_graphs: capture the decode tick as CUDA graphs (one per padded batch size and sampling
       mode) when on CUDA with a graph-capable attention backend; otherwise, or if capture fails,
       run it eagerly.
+    fused_kernels: run the recurrent step's elementwise work as fused Triton kernels (norm +
+      residual, RoPE, SwiGLU) when on CUDA; False keeps the eager torch ops. (Attention is the
+      selected backend's either way.)
     async_scheduling: schedule and submit the next step while the device runs the current one
       (results are identical to the synchronous loop; False collects every step at once).
     decode_ticks_per_step: most decode loop ticks per step without a host round trip (the
@@ -63,6 +66,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    fused_kernels: bool = True
     async_scheduling: bool = True
     decode_ticks_per_step: int = 8
     cpu_kv_cache_bytes: int = 2 << 30

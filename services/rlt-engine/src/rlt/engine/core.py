@@ -160,6 +160,18 @@ class EngineCore:
                 )
             )
 
+    def close(self) -> None:
+        """Abort every request, collect the steps in flight and drop the runner's device
+        state (KV pool, rows, graphs)."""
+        for request_id in self.scheduler.running_request_ids():
+            self.scheduler.abort_request(request_id)
+        for request_id in self.scheduler.waiting_request_ids():
+            self.scheduler.abort_request(request_id)
+        while self._inflight:
+            self._apply_oldest()
+        self.scheduler.take_outputs()
+        self.runner.close()
+
     # -- inspection ----------------------------------------------------------------------------
     def leak_report(self) -> list[str]:
         """Resources still held although nothing runs (empty when idle and clean): KV blocks

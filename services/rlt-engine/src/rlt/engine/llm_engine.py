@@ -6,10 +6,13 @@ Wraps `EngineCore` with input processing (tokenization, validation) and output p
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from functools import cached_property
 
+import torch
 from rlt_contracts import (
+    EngineDeadError,
     EngineStats,
     FinishReason,
     InvalidRequestError,
@@ -28,7 +31,12 @@ PromptInput = str | Sequence[int]
 
 
 class LLMEngine:
-    """Synchronous and not thread-safe: one caller drives `step()`."""
+    """Synchronous and not thread-safe: one caller drives `step()`.
+
+    `shutdown()` (or leaving a `with` block) aborts what runs and returns the engine's device
+    memory; an engine that is garbage-collected frees its tensors too (torch's allocator keeps
+    them cached for reuse, and the next engine's KV sizing counts cached memory as free).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -36,6 +44,32 @@ class LLMEngine:
         self.core = self.parts.core
         self._outputs: dict[str, RequestOutput] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
+        self._closed = False
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Abort every request and release the device memory (idempotent); later calls to
+        the engine raise EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        device = self.parts.device
+        self.core.close()
+        self._outputs.clear()
+        self._detokenizers.clear()
+        self.parts = self.core = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
 
     @cached_property
     def tokenizer(self):
@@ -70,6 +104,7 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError (or a subclass) on bad
         input, leaving the engine unchanged."""
+        self._check_open()
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
@@ -100,19 +135,21 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request; returns its final output (finish reason "abort") or None if unknown."""
-        if not self.core.abort_request(request_id):
+        if self._closed or not self.core.abort_request(request_id):
             return None
         outputs = self._apply(self.core.take_outputs())
         return next((o for o in outputs if o.request_id == request_id), None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return not self._closed and self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the cumulative outputs of requests that progressed."""
+        self._check_open()
         return self._apply(self.core.step())
 
     def get_stats(self) -> EngineStats:
+        self._check_open()
         return self.core.stats()
 
     # -- output processing ---------------------------------------------------------------------

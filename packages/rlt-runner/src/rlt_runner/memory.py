@@ -92,7 +92,9 @@ def profile_activation_peak(
         for plane in range(planes):
             updates.append(BlockTableUpdate(plane, 0, tuple(range(next_block, next_block + pages))))
             next_block += pages
-        return NewRequestData(identity, params, length, rule), RequestBlocks(identity, tuple(updates))
+        return NewRequestData(identity, params, length, rule), RequestBlocks(
+            identity, tuple(updates)
+        )
 
     def peak_of(step: SchedulerOutput) -> int:
         torch.cuda.synchronize(device)

@@ -1,7 +1,8 @@
 """Test configuration shared by every test tree (packages/*/tests, services/*/tests, tests/).
 
 - Hugging Face libraries run offline.
-- Tests marked `cuda` are skipped, with the reason, where no CUDA device is present.
+- Tests marked `cuda` are skipped, with the reason, where no CUDA device is present; Triton
+  kernels then run in Triton's interpreter.
 - `tiny_checkpoint` writes small random Ouro checkpoints once per session and shape.
 """
 
@@ -14,6 +15,12 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels are defined at import: without CUDA, define them for the interpreter so
+    # CPU tests can run them (slowly) against their torch references.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

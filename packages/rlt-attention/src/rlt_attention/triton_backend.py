@@ -1,20 +1,25 @@
-"""Triton paged attention backend (cuda): index_copy_ store + the online-softmax read kernel.
+"""Triton paged attention backend (cuda): a store kernel + the online-softmax read kernel(s).
 
-`bind` only validates shapes and picks the tile configuration; every layer call launches two
-`index_copy_` (keys, values) and one kernel whose grid depends on bind-time host ints only and
-whose metadata (query_start, context_lengths, block_tables, write_slots) is read on the device.
-That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
-max_query_len) replays correctly when the runner rewrites those metadata tensors in place.
-(Capture itself has not been exercised by this package's tests.)
+`bind` only validates shapes and picks the tile configuration; every layer call launches one
+store kernel (keys and values at write_slots: the writes of `kv_store.store_kv`, one launch
+instead of two index_copy_) and the read kernel(s), whose grids depend on bind-time host ints
+only and whose metadata (query_start, context_lengths, block_tables, write_slots) is read on the
+device. Decode-only calls (max_query_len == 1) use the split-KV pair (split kernel + combine;
+the split count is a function of S, Hkv and max_context_len only); prefill and mixed calls the
+tiled kernel. That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
+max_query_len, max_context_len) replays correctly when the runner rewrites those metadata
+tensors in place. (Capture itself has not been exercised by this package's CPU tests.)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
 from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
-from rlt_attention.kv_store import SlotViews, slot_views, store_kv
+from rlt_attention.kv_store import SlotViews, slot_views
 
 try:
     from rlt_attention import triton_kernel
@@ -40,8 +45,20 @@ def triton_unavailable_reason() -> str | None:
     return _TRITON_IMPORT_ERROR
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host query); the H100/H200 count elsewhere."""
+    if device.type != "cuda":
+        return triton_kernel.DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class TritonPagedAttention:
     """Stateless Triton backend. `block_m` / `block_n` override the tile heuristics (tests, tuning).
+
+    `split_kv=False` serves decode-only calls with the tiled kernel too (the split-KV kernels are
+    the default for them); `num_splits` forces the split count of decode-only calls (tests,
+    tuning; default: `triton_kernel.choose_splits`).
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
@@ -49,11 +66,22 @@ class TritonPagedAttention:
 
     capabilities = TRITON_CAPABILITIES
 
-    def __init__(self, *, block_m: int | None = None, block_n: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_m: int | None = None,
+        block_n: int | None = None,
+        split_kv: bool = True,
+        num_splits: int | None = None,
+    ) -> None:
         if triton_kernel is None:
             raise RuntimeError(_TRITON_IMPORT_ERROR)
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self._block_m = block_m
         self._block_n = block_n
+        self._split_kv = split_kv
+        self._num_splits = num_splits
 
     def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch) -> _TritonBoundAttention:
         views = slot_views(kv_cache)
@@ -67,7 +95,14 @@ class TritonPagedAttention:
         if kv_cache.key_cache.stride(-1) != 1 or kv_cache.value_cache.stride(-1) != 1:
             raise ValueError("KV caches must have a contiguous head dim")
         return _TritonBoundAttention(
-            kv_cache, views, batch, shape, block_m=self._block_m, block_n=self._block_n
+            kv_cache,
+            views,
+            batch,
+            shape,
+            block_m=self._block_m,
+            block_n=self._block_n,
+            split_decode=self._split_kv and shape.max_query_len == 1,
+            num_splits=self._num_splits,
         )
 
 
@@ -83,6 +118,8 @@ class _TritonBoundAttention:
         *,
         block_m: int | None,
         block_n: int | None,
+        split_decode: bool,
+        num_splits: int | None,
     ) -> None:
         self._kv_cache = kv_cache
         self._views = views
@@ -92,18 +129,48 @@ class _TritonBoundAttention:
         self._shape = shape
         self._block_m = block_m
         self._block_n = block_n
+        self._split_decode = split_decode
+        self._num_splits = num_splits
+        self._sm_count = _sm_count(kv_cache.key_cache.device) if split_decode else 0
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        store_kv(self._views, layer_index, self._batch.write_slots, key, value)
+        triton_kernel.launch_store_kv(
+            self._views.key_slots[layer_index],
+            self._views.value_slots[layer_index],
+            self._batch.write_slots,
+            key,
+            value,
+        )
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty_like(query)
         _, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
+        if self._split_decode:
+            triton_kernel.launch_split_decode_attention(
+                out,
+                query,
+                self._kv_cache.key_cache[layer_index],
+                self._kv_cache.value_cache[layer_index],
+                self._block_tables,
+                self._batch.query_start,
+                self._batch.context_lengths,
+                split=triton_kernel.choose_splits(
+                    num_groups=self._shape.num_groups,
+                    num_kv_heads=kv_heads,
+                    max_context_len=self._shape.max_context_len,
+                    queries_per_kv=num_heads // kv_heads,
+                    head_dim=head_dim,
+                    sm_count=self._sm_count,
+                    num_splits=self._num_splits,
+                    block_n=self._block_n,
+                ),
+            )
+            return out
         triton_kernel.launch_paged_attention(
             out,
             query,

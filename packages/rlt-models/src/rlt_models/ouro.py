@@ -4,6 +4,14 @@ One recurrent step = all L shared layers + the end-of-loop RMSNorm (+ the exit g
 Token positions, and therefore RoPE phases, do not change across loops. Attention goes through
 the `LayerAttention` the caller binds, so the same model runs over paged KV (rlt-runner) or a
 dense per-sequence cache (`DenseCausalAttention`).
+
+Two execution paths compute the same loop (`OuroModel.fused_path`):
+- eager (`OuroDecoderLayer.forward`): the modules of `layers.py`, one torch op at a time.
+- fused (`OuroDecoderLayer.forward_fused`): the residual stream and the next sublayer's normed
+  input travel together; a layer is qkv GEMM -> `rotary_qk_` -> attention -> o GEMM ->
+  `add_rms_norm` -> gate_up GEMM -> `silu_mul` -> down GEMM -> `add_rms_norm` (whose second norm
+  is the next layer's input norm, or the end-of-loop norm after the last layer), with the
+  elementwise ops of `fused_ops` (Triton kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import torch.nn.functional as F
 from rlt_contracts import LayerAttention, LoopedModelShape
 from torch import nn
 
+from rlt_models import fused_ops
 from rlt_models.config import OuroConfig
 from rlt_models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, empty_parameter
 
@@ -55,9 +64,63 @@ class OuroDecoderLayer(nn.Module):
         x = x + self.input_layernorm_2(F.linear(attn, self.o_proj))
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: LayerAttention,
+        next_norm_weight: torch.Tensor,
+        *,
+        impl: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer on (x, input_layernorm(x)); returns (x', RMSNorm(x'; next_norm_weight))
+        where next_norm_weight is the next layer's input norm (or the end-of-loop norm).
+        `impl` ("triton" / "torch") picks the elementwise ops of `fused_ops`."""
+        n = x.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size, _ = self.qkv_split
+        qkv = F.linear(normed, self.qkv_proj)
+        fused_ops.rotary_qk_(qkv, cos, sin, heads, kv_heads, head_dim, impl=impl)
+        q = qkv[:, :q_size].view(n, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
+        attn = attention(self.layer_index, q, k, v).reshape(n, -1)
+        eps = self.input_layernorm.eps
+        x, m = fused_ops.add_rms_norm(
+            x,
+            F.linear(attn, self.o_proj),
+            self.input_layernorm_2.weight,
+            self.post_attention_layernorm.weight,
+            eps,
+            impl=impl,
+        )
+        gate_up = F.linear(m, self.mlp.gate_up_proj)
+        act = fused_ops.silu_mul(gate_up, self.mlp.intermediate_size, impl=impl)
+        return fused_ops.add_rms_norm(
+            x,
+            F.linear(act, self.mlp.down_proj),
+            self.post_attention_layernorm_2.weight,
+            next_norm_weight,
+            eps,
+            impl=impl,
+        )
+
+
+FUSED_PATHS = ("auto", "triton", "torch", "off")
+
 
 class OuroModel(nn.Module):
-    """Ouro with the `LoopedLanguageModel` interface (see rlt_contracts.model)."""
+    """Ouro with the `LoopedLanguageModel` interface (see rlt_contracts.model).
+
+    `fused_path` selects how `recurrent_step` runs (a plain attribute, settable at any time):
+    - "auto" (default): the fused path with Triton kernels when the hidden state is on CUDA and
+      Triton imports; otherwise the eager path (CPU keeps the eager numerics and speed).
+    - "triton": always the fused path with Triton kernels (on CPU only under TRITON_INTERPRET=1).
+    - "torch": the fused path with the torch reference ops (bit-identical to eager; for tests).
+    - "off": always the eager path (e.g. to compare fused vs unfused on CUDA).
+    """
 
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
@@ -73,6 +136,21 @@ class OuroModel(nn.Module):
         self.early_exit_gate_bias = empty_parameter(1)
         self.lm_head = empty_parameter(config.vocab_size, d)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.fused_path = "auto"
+
+    def fused_impl(self, hidden: torch.Tensor) -> str | None:
+        """The `fused_ops` impl ("triton" / "torch") `recurrent_step` uses for `hidden`, or None
+        for the eager path."""
+        path = self.fused_path
+        if path == "off":
+            return None
+        if path == "auto":
+            if hidden.is_cuda and fused_ops.triton_unavailable_reason() is None:
+                return "triton"
+            return None
+        if path in ("triton", "torch"):
+            return path
+        raise ValueError(f"fused_path must be one of {FUSED_PATHS}, got {path!r}")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,13 +174,36 @@ class OuroModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One loop: all layers then the shared end-of-loop norm; gate probability in fp32."""
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        x = hidden
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention)
-        x = self.norm(x)
+        impl = self.fused_impl(hidden)
+        if impl is None:
+            x = hidden
+            for layer in self.layers:
+                x = layer(x, cos, sin, attention)
+            x = self.norm(x)
+        else:
+            x = self._fused_layers(hidden, cos, sin, attention, impl)
         if not compute_gate:
             return x, None
         return x, self.exit_probability(x)
+
+    def _fused_layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: LayerAttention,
+        impl: str,
+    ) -> torch.Tensor:
+        """All layers and the end-of-loop norm on the fused path; returns the normed state."""
+        layers = self.layers
+        eps = self.norm.eps
+        x = hidden
+        normed = fused_ops.rms_norm(x, layers[0].input_layernorm.weight, eps, impl=impl)
+        for index, layer in enumerate(layers):
+            last = index + 1 == len(layers)
+            next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
+            x, normed = layer.forward_fused(x, normed, cos, sin, attention, next_weight, impl=impl)
+        return normed
 
     def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
         """sigmoid(gate(h)) [N] in fp32 from the normed state h [N, d] (vllm-rlt numerics)."""

@@ -39,6 +39,7 @@ from rlt_contracts import (
 )
 from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 
+from rlt_runner import tick_kernels
 from rlt_runner.exit_rules import decide_exits
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
@@ -64,6 +65,7 @@ class DecodeProgram:
         cohort: bool,
         max_ticks: int,
         max_context: int,
+        fused_tick: bool | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
@@ -82,6 +84,9 @@ class DecodeProgram:
         self.ring = torch.zeros(
             max_ticks, num_rows, RING_COLUMNS, dtype=torch.float64, device=device
         )
+        if fused_tick is None:
+            fused_tick = device.type == "cuda" and tick_kernels.available()
+        self.kernels = tick_kernels.TickKernels(self) if fused_tick else None
 
     def begin_step(self) -> None:
         """The next tick records into ring row 0."""
@@ -94,6 +99,9 @@ class DecodeProgram:
         """Run one tick for rows [0, num_rows). `gate`: some row's rule reads the exit gate
         (else it is not computed). max_context (host int) bounds the keys any row can see
         (None: the full table width, as graphs need)."""
+        if self.kernels is not None:
+            self._fused_tick(num_rows, mode, gate, max_context)
+            return
         B, rows = num_rows, self.rows
         if self.cohort:  # parked rows start together once no row is looping
             rows.parked[:B] &= (rows.active[:B] & ~rows.parked[:B]).any()
@@ -149,6 +157,32 @@ class DecodeProgram:
         rows.active[:B] &= ~stops
         if self.cohort:
             rows.parked[:B] |= carry_on
+
+    def _fused_tick(self, B: int, mode: SamplingMode, gate: bool, max_context: int | None) -> None:
+        """The same tick with the bookkeeping in three Triton kernels (tick_kernels.py)."""
+        kernels, rows = self.kernels, self.rows
+        kernels.prepare(B)
+        pages = rows.block_tables.shape[-1]
+        plane = kernels.plane[:B].view(B, 1, 1).expand(B, 1, pages)
+        batch = PagedAttentionBatch(
+            query_start=self.query_start[: B + 1],
+            context_lengths=kernels.context[:B],
+            block_tables=rows.block_tables[:B].gather(1, plane).squeeze(1),
+            write_slots=kernels.write_slot[:B],
+            max_query_len=1,
+            max_context_len=max_context or pages * self.block_size,
+        )
+        hidden, gate_probability = self.model.recurrent_step(
+            rows.hidden[:B],
+            rows.position[:B],
+            self.attention.bind(self.kv.tensors, batch),
+            compute_gate=gate,
+        )
+        sampled = self._sample(hidden, slice(0, B), rows.outputs[:B], mode)
+        embedded = self.model.embed(sampled.token_ids)
+        kernels.commit(B, gate_probability, hidden, sampled, embedded, mode)
+        self.tick_index += 1
+        kernels.copy(B)
 
     def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
         if self.layout is KVLayout.LAST_EXITED:

@@ -101,6 +101,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     bytes_per_block = KVStorage.bytes_per_block(
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, model.dtype
     )
+
     def make_runner(num_kv_blocks: int, cuda_graphs: bool) -> ModelRunner:
         return ModelRunner(
             model,

@@ -1,0 +1,277 @@
+"""Split-KV ("flash-decoding") Triton kernels of decode-only calls vs the torch backend and the
+fp64 reference.
+
+Without CUDA the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1): cases
+are small, fp32 and fp16 only (the interpreter's bf16 is not faithful). The tests marked `cuda`
+cover bf16, the Ouro shape, no host sync and CUDA-graph replay with rewritten metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from rlt_attention import TorchPagedAttention, TritonPagedAttention, triton_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Decode rows (q_len 1) with mixed contexts, a padding-like row of context 1, an empty group.
+DECODE_GROUPS = [(1, 1), (1, 2), (1, 17), (1, 40), (1, 100), (0, 0), (1, 33)]
+
+
+def run_layer(backend, case):
+    return backend.bind(case.kv_cache, case.batch)(
+        case.layer_index, case.query, case.key, case.value
+    )
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records which read kernel each layer call launched ("split" with its config, or "tiled")."""
+    calls = []
+    split_launch = triton_kernel.launch_split_decode_attention
+    tiled_launch = triton_kernel.launch_paged_attention
+
+    def spy_split(*args, split: triton_kernel.SplitConfig, **kwargs):
+        calls.append(("split", split))
+        return split_launch(*args, split=split, **kwargs)
+
+    def spy_tiled(*args, **kwargs):
+        calls.append(("tiled", None))
+        return tiled_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernel, "launch_split_decode_attention", spy_split)
+    monkeypatch.setattr(triton_kernel, "launch_paged_attention", spy_tiled)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "head_dim", "num_splits", "block_n"),
+    [
+        (4, 2, 2, 16, 1, 16),  # G = 1 (one valid row of the 16-row tile), one split: direct output
+        (4, 2, 2, 16, 3, 16),
+        (3, 2, 2, 12, 8, 16),  # non-power-of-two head dim, more splits than some contexts need
+        (16, 6, 2, 16, 3, 16),  # G = 3
+        (1, 4, 1, 16, 8, 16),  # G = 4, block size 1
+        (5, 4, 2, 32, 1, None),  # default key step (64)
+        (16, 4, 1, 16, None, None),  # G = 4, split count from the heuristic
+    ],
+)
+def test_split_decode_matches_torch_backend_and_reference(
+    paged_case,
+    reference,
+    launches,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    num_splits,
+    block_n,
+):
+    kwargs = dict(
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        seed=block_size + head_dim,
+        device=DEVICE,
+    )
+    triton_case = paged_case(DECODE_GROUPS, **kwargs)
+    torch_case = paged_case(DECODE_GROUPS, **kwargs)
+    out = run_layer(TritonPagedAttention(num_splits=num_splits, block_n=block_n), triton_case)
+    assert [kind for kind, _ in launches] == ["split"]
+    if num_splits is not None:
+        assert launches[0][1].num_splits == num_splits
+    expected = run_layer(TorchPagedAttention(), torch_case)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), reference(triton_case), rtol=1e-5, atol=1e-5)
+    # Same cache writes as the torch backend (the store side is shared).
+    torch.testing.assert_close(
+        triton_case.kv_cache.key_cache,
+        torch_case.kv_cache.key_cache,
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )
+
+
+def test_split_counts_agree(paged_case):
+    """1, 3 and 8 splits give the same output up to fp32 rounding of the combine."""
+    outs = []
+    for num_splits in (1, 3, 8):
+        case = paged_case(
+            DECODE_GROUPS,
+            block_size=4,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            seed=3,
+            device=DEVICE,
+        )
+        outs.append(run_layer(TritonPagedAttention(num_splits=num_splits, block_n=16), case))
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_split_decode_fp16(paged_case, reference):
+    case = paged_case(
+        DECODE_GROUPS, block_size=4, head_dim=16, dtype=torch.float16, seed=4, device=DEVICE
+    )
+    out = run_layer(TritonPagedAttention(num_splits=3, block_n=16), case)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double().cpu(), reference(case), rtol=2e-3, atol=2e-3)
+
+
+def test_full_width_bind_with_rewritten_metadata(paged_case, reference):
+    """As in a decode CUDA graph: bound once with full-width tables (max_context_len = table
+    width), then contexts, tables and slots are rewritten in place; ranges come from the device."""
+    shapes = dict(block_size=4, head_dim=16, num_blocks=80, max_pages=30, device=DEVICE)
+    first = paged_case([(1, 9), (1, 100), (1, 1)], seed=5, **shapes)
+    second = paged_case([(1, 117), (1, 3), (1, 50)], seed=6, **shapes)
+    full_width = dataclasses.replace(first.batch, max_context_len=30 * 4)
+    attention = TritonPagedAttention(num_splits=8, block_n=16).bind(first.kv_cache, full_width)
+    out = attention(first.layer_index, first.query, first.key, first.value)
+    torch.testing.assert_close(out.double().cpu(), reference(first), rtol=1e-5, atol=1e-5)
+
+    first.kv_cache.key_cache.copy_(second.kv_cache.key_cache)
+    first.kv_cache.value_cache.copy_(second.kv_cache.value_cache)
+    for name in ("query_start", "context_lengths", "block_tables", "write_slots"):
+        getattr(first.batch, name).copy_(getattr(second.batch, name))
+    out = attention(second.layer_index, second.query, second.key, second.value)
+    torch.testing.assert_close(out.double().cpu(), reference(second), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_mixed_calls_keep_the_tiled_kernel(paged_case, launches):
+    case = paged_case([(1, 9), (3, 12), (1, 1)], block_size=4, head_dim=16, device=DEVICE)
+    run_layer(TritonPagedAttention(), case)
+    decode = paged_case([(1, 9), (1, 12)], block_size=4, head_dim=16, device=DEVICE)
+    run_layer(TritonPagedAttention(split_kv=False), decode)
+    assert [kind for kind, _ in launches] == ["tiled", "tiled"]
+
+
+def test_choose_splits_heuristic():
+    def splits(groups, kv_heads, context, **kwargs):
+        return triton_kernel.choose_splits(
+            num_groups=groups,
+            num_kv_heads=kv_heads,
+            max_context_len=context,
+            queries_per_kv=1,
+            head_dim=128,
+            **kwargs,
+        ).num_splits
+
+    # Ouro-1.4B decode at ~1K context: 16 kv heads, BLOCK_N 64, 132 SMs.
+    assert splits(1, 16, 1088) == 17  # ceil(264 / 16), also ceil(1088 / 64)
+    assert splits(1, 16, 8192) == 17
+    assert splits(4, 16, 8192) == 5
+    assert splits(32, 16, 1088) == 1  # 512 programs already fill the GPU
+    assert splits(1, 1, 100_000) == triton_kernel.MAX_SPLITS
+    assert splits(1, 16, 40) == 1  # one key step: nothing to split
+    assert splits(1, 16, 1088, num_splits=5) == 5
+    assert splits(1, 16, 1088, sm_count=78) == 10
+    assert (
+        triton_kernel.choose_splits(
+            num_groups=1, num_kv_heads=2, max_context_len=64, queries_per_kv=4, head_dim=12
+        ).block_m
+        == 16
+    )
+    with pytest.raises(ValueError, match="num_splits"):
+        TritonPagedAttention(num_splits=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LONG_DECODE = [(1, 1088), (1, 1), (1, 300), (1, 2049), (1, 17)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "head_dim"),
+    [(16, 16, 16, 128), (16, 16, 4, 64), (5, 8, 2, 96), (32, 4, 2, 256)],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_split_decode_matches_torch_on_gpu(
+    paged_case, dtype, block_size, num_heads, num_kv_heads, head_dim, num_splits
+):
+    kwargs = dict(
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cuda",
+    )
+    triton_case, torch_case = paged_case(LONG_DECODE, **kwargs), paged_case(LONG_DECODE, **kwargs)
+    out = run_layer(TritonPagedAttention(num_splits=num_splits), triton_case)
+    expected = run_layer(TorchPagedAttention(), torch_case)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+def test_split_decode_does_not_sync(paged_case):
+    case = paged_case(
+        LONG_DECODE,
+        block_size=16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    backend = TritonPagedAttention()
+    run_layer(backend, case)  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        attention = backend.bind(case.kv_cache, case.batch)
+        for layer in range(case.kv_cache.key_cache.shape[0]):
+            attention(layer, case.query, case.key, case.value)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_split_decode_replays_in_a_cuda_graph(paged_case):
+    """Capture a decode call bound with full-width tables, rewrite everything in place, replay."""
+    shapes = dict(
+        block_size=16,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        num_blocks=200,
+        max_pages=80,
+        device="cuda",
+    )
+    captured = paged_case([(1, 40), (1, 1088), (1, 1)], seed=1, **shapes)
+    replayed = paged_case([(1, 1200), (1, 7), (1, 333)], seed=2, **shapes)
+    full = dataclasses.replace(captured.batch, max_context_len=80 * 16)
+    attention = TritonPagedAttention().bind(captured.kv_cache, full)
+    query, key, value = captured.query.clone(), captured.key.clone(), captured.value.clone()
+    attention(captured.layer_index, query, key, value)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention(captured.layer_index, query, key, value)
+
+    captured.kv_cache.key_cache.copy_(replayed.kv_cache.key_cache)
+    captured.kv_cache.value_cache.copy_(replayed.kv_cache.value_cache)
+    for name in ("query_start", "context_lengths", "block_tables", "write_slots"):
+        getattr(captured.batch, name).copy_(getattr(replayed.batch, name))
+    query.copy_(replayed.query), key.copy_(replayed.key), value.copy_(replayed.value)
+    graph.replay()
+
+    replayed_full = dataclasses.replace(replayed.batch, max_context_len=80 * 16)
+    expected = TritonPagedAttention().bind(replayed.kv_cache, replayed_full)(
+        replayed.layer_index, replayed.query, replayed.key, replayed.value
+    )
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    reference = run_layer(TorchPagedAttention(), replayed)
+    torch.testing.assert_close(out.float(), reference.float(), rtol=1.6e-2, atol=1.6e-2)

@@ -24,6 +24,7 @@ from torch import nn
 from rlt_models import fused_ops
 from rlt_models.config import OuroConfig
 from rlt_models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.small_batch_linear import small_batch_linear
 
 
 class OuroDecoderLayer(nn.Module):
@@ -77,11 +78,13 @@ class OuroDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer on (x, input_layernorm(x)); returns (x', RMSNorm(x'; next_norm_weight))
         where next_norm_weight is the next layer's input norm (or the end-of-loop norm).
-        `impl` ("triton" / "torch") picks the elementwise ops of `fused_ops`."""
+        `impl` ("triton" / "torch") picks the elementwise ops of `fused_ops`; with "triton"
+        the projections of few rows may use the measured small-batch kernel."""
         n = x.shape[0]
+        linear = small_batch_linear if impl == "triton" else F.linear
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size, _ = self.qkv_split
-        qkv = F.linear(normed, self.qkv_proj)
+        qkv = linear(normed, self.qkv_proj)
         fused_ops.rotary_qk_(qkv, cos, sin, heads, kv_heads, head_dim, impl=impl)
         q = qkv[:, :q_size].view(n, heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim)
@@ -90,17 +93,17 @@ class OuroDecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         x, m = fused_ops.add_rms_norm(
             x,
-            F.linear(attn, self.o_proj),
+            linear(attn, self.o_proj),
             self.input_layernorm_2.weight,
             self.post_attention_layernorm.weight,
             eps,
             impl=impl,
         )
-        gate_up = F.linear(m, self.mlp.gate_up_proj)
+        gate_up = linear(m, self.mlp.gate_up_proj)
         act = fused_ops.silu_mul(gate_up, self.mlp.intermediate_size, impl=impl)
         return fused_ops.add_rms_norm(
             x,
-            F.linear(act, self.mlp.down_proj),
+            linear(act, self.mlp.down_proj),
             self.post_attention_layernorm_2.weight,
             next_norm_weight,
             eps,
@@ -213,4 +216,4 @@ class OuroModel(nn.Module):
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [N, d] -> logits [N, V] in the model dtype."""
-        return F.linear(hidden, self.lm_head)
+        return small_batch_linear(hidden, self.lm_head)

@@ -74,7 +74,8 @@ def profile_activation_peak(
     runner, *, prefill_tokens: int, rows: int, vocab_size: int, model_depth: int
 ) -> ActivationProfile:
     """Run the two heaviest step shapes on `runner` (a `ModelRunner` whose pool holds
-    `profile_blocks(...)` blocks) and measure their peak device bytes. CUDA only."""
+    `profile_blocks(...)` blocks) and measure their peak device bytes, on a second pass (the
+    first one compiles kernels and makes one-time selections, which allocate too). CUDA only."""
     device = runner.device
     block_size = runner.block_size
     planes = runner.rows.num_planes
@@ -106,30 +107,35 @@ def profile_activation_peak(
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
 
-    big, big_blocks = request(0, prefill_tokens)
-    tokens = tuple((7 * i) % vocab_size for i in range(prefill_tokens))
-    prefill = peak_of(
-        SchedulerOutput(
-            step_id=-2,
-            new_requests=(big,),
-            block_updates=(big_blocks,),
-            prefill=(PrefillChunk(big.identity, 0, tokens, completes_prompt=True),),
+    def measure() -> tuple[int, int]:
+        big, big_blocks = request(0, prefill_tokens)
+        tokens = tuple((7 * i) % vocab_size for i in range(prefill_tokens))
+        prefill = peak_of(
+            SchedulerOutput(
+                step_id=-2,
+                new_requests=(big,),
+                block_updates=(big_blocks,),
+                prefill=(PrefillChunk(big.identity, 0, tokens, completes_prompt=True),),
+            )
         )
-    )
-    small = [request(1 + i, 1) for i in range(rows)]
-    decode = peak_of(
-        SchedulerOutput(
-            step_id=-1,
-            new_requests=tuple(n for n, _ in small),
-            block_updates=tuple(b for _, b in small),
-            released=(big.identity,),
-            prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in small),
-            decode_ticks=1,
+        small = [request(1 + i, 1) for i in range(rows)]
+        decode = peak_of(
+            SchedulerOutput(
+                step_id=-1,
+                new_requests=tuple(n for n, _ in small),
+                block_updates=tuple(b for _, b in small),
+                released=(big.identity,),
+                prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in small),
+                decode_ticks=1,
+            )
         )
-    )
-    runner.collect(
-        runner.submit(SchedulerOutput(step_id=0, released=tuple(n.identity for n, _ in small)))
-    )
+        released = tuple(n.identity for n, _ in small)
+        runner.collect(runner.submit(SchedulerOutput(step_id=0, released=released)))
+        return prefill, decode
+
+    measure()  # first pass: kernel compilation and one-time kernel selection allocate too
+    next_block = 0
+    prefill, decode = measure()
     return ActivationProfile(prefill, decode, runner.persistent_bytes())
 
 

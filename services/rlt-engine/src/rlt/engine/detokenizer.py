@@ -1,16 +1,21 @@
 """Incremental detokenization and stop strings (output processing, module M1).
 
-Text grows token by token without decoding the whole output every step: only a short window
-of recent tokens is decoded. A window ending in an incomplete UTF-8 sequence (U+FFFD) is held
-back until the next token completes it, so streamed text never contains broken characters.
+Each token is decoded once, with the tokenizers library's `DecodeStream`, which keeps the
+little state byte-level BPE needs (the previous tokens whose bytes merge with the next ones) and
+returns nothing while a character's UTF-8 bytes are incomplete, so streamed text never contains
+broken characters and no window of earlier tokens is decoded again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-REPLACEMENT_CHAR = "\ufffd"
-WINDOW_TOKENS = 6  # tokens decoded before the new ones, so merges across tokens decode right
+from tokenizers.decoders import DecodeStream
+
+
+def backend_tokenizer(tokenizer):
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the object itself)."""
+    return getattr(tokenizer, "backend_tokenizer", tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -25,16 +30,13 @@ class IncrementalDetokenizer:
         self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True
     ) -> None:
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
+        self._backend = backend_tokenizer(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._skip_special = skip_special_tokens
-        self._tokens: list[int] = []
-        self._prefix_offset = 0  # start of the decode window
-        self._read_offset = 0  # tokens whose text is already in `text`
+        self._stop = tuple(stop)
+        self._held: list[int] = []  # tokens whose text the stream has not released yet
         self.text = ""
         self.stopped = False
-
-    def _decode(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(tokens, skip_special_tokens=self._skip_special)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Append tokens to the text (a character whose bytes are incomplete waits)."""
@@ -42,24 +44,21 @@ class IncrementalDetokenizer:
             return
         before = len(self.text)
         for token in token_ids:
-            self._tokens.append(token)
-            window_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-            full_text = self._decode(self._tokens[self._prefix_offset :])
-            if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(window_text):
+            piece = self._stream.step(self._backend, token)
+            if piece is None:
+                self._held.append(token)
                 continue
-            self.text += full_text[len(window_text) :]
-            self._prefix_offset = max(self._read_offset - WINDOW_TOKENS, 0)
-            self._read_offset = len(self._tokens)
+            self._held.clear()
+            self.text += piece
             if self._stop and self._apply_stop(search_from=max(before - self._longest_stop(), 0)):
                 break
 
     def flush(self) -> None:
         """At the end of generation, add the text of trailing incomplete bytes (as U+FFFD)."""
-        if self.stopped or self._read_offset == len(self._tokens):
+        if self.stopped or not self._held:
             return
-        window_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        self.text += self._decode(self._tokens[self._prefix_offset :])[len(window_text) :]
-        self._read_offset = len(self._tokens)
+        self.text += self._tokenizer.decode(self._held, skip_special_tokens=self._skip_special)
+        self._held.clear()
 
     def _longest_stop(self) -> int:
         return max(len(s) for s in self._stop)

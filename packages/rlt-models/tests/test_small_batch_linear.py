@@ -1,0 +1,37 @@
+"""The small-batch linear kernel computes x @ W.T (Triton interpreter on CPU, fp16), masks
+every edge (rows < 16, N and K not multiples of the tiles), and the selector falls back to
+torch wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rlt_models import small_batch_linear as sbl
+
+pytestmark = pytest.mark.skipif(sbl.triton is None, reason="triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("config", sbl.CONFIGS[:2])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 80), (3, 33, 300), (16, 64, 256)])
+def test_kernel_matches_the_fp32_product(config, rows, n, k):
+    if DEVICE == "cpu" and not sbl.INTERPRETED:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before import")
+    generator = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=generator).half().to(DEVICE)
+    w = torch.randn(n, k, generator=generator).half().to(DEVICE)
+    out = sbl.launch(x, w, config)
+    reference = F.linear(x.float(), w.float())
+    assert out.dtype == torch.float16 and out.shape == (rows, n)
+    # fp32 accumulation of fp16 products, one rounding to fp16 (relative 2**-11)
+    assert torch.allclose(out.float(), reference, rtol=2e-3, atol=2e-3 * k**0.5)
+
+
+def test_selector_keeps_torch_where_the_kernel_does_not_apply():
+    linear = sbl.SmallBatchLinear()
+    x = torch.randn(2, 8)
+    w = torch.randn(4, 8)
+    assert torch.equal(linear(x, w), F.linear(x, w))  # fp32 / CPU: plain torch, not measured
+    assert linear.choices == {}
+    assert not sbl.SmallBatchLinear._eligible(torch.randn(17, 8).half(), w.half())

@@ -32,12 +32,16 @@ class RotaryEmbedding:
     """Split-half (GPT-NeoX) RoPE with fp32 frequencies and angles, cast to the activation dtype.
 
     The fp32 `inv_freq` is not a module buffer, so casting the model to bf16 never rounds it; it
-    follows the positions' device on first use.
+    follows the positions' device on first use. On CUDA, cos/sin of every position below
+    `max_positions` are computed once per dtype (the same elementwise ops, so the same values)
+    and looked up: one gather per loop instead of seven small kernels.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, max_positions: int = 0) -> None:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         self.inv_freq = 1.0 / (theta**exponents)
+        self.max_positions = max_positions
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -45,6 +49,17 @@ class RotaryEmbedding:
         """cos, sin [N, head_dim] in `dtype` for integer `positions` [N]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        if positions.is_cuda and self.max_positions:
+            table = self._tables.get((positions.device, dtype))
+            if table is None:
+                every = torch.arange(self.max_positions, device=positions.device)
+                table = torch.stack(self._compute(every, dtype), dim=1)  # [P, 2, D]
+                self._tables[(positions.device, dtype)] = table
+            pair = table[positions]
+            return pair[:, 0], pair[:, 1]
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

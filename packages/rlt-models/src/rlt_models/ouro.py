@@ -138,7 +138,9 @@ class OuroModel(nn.Module):
         self.early_exit_gate_weight = empty_parameter(1, d)
         self.early_exit_gate_bias = empty_parameter(1)
         self.lm_head = empty_parameter(config.vocab_size, d)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings
+        )
         self.fused_path = "auto"
 
     def fused_impl(self, hidden: torch.Tensor) -> str | None:
@@ -211,7 +213,12 @@ class OuroModel(nn.Module):
     def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
         """sigmoid(gate(h)) [N] in fp32 from the normed state h [N, d] (vllm-rlt numerics)."""
         weight, bias = self.early_exit_gate_weight, self.early_exit_gate_bias
-        logits = F.linear(hidden.float(), weight.float(), bias.float())
+        if weight.dtype != torch.float32:  # the fp32 copy is made once, not in every loop
+            cached = getattr(self, "_gate_fp32", None)
+            if cached is None or cached[0].device != weight.device:
+                cached = self._gate_fp32 = (weight.float(), bias.float())
+            weight, bias = cached
+        logits = F.linear(hidden.float(), weight, bias)
         return torch.sigmoid(logits.squeeze(-1))
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -54,11 +54,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 class TritonPagedAttention:
-    """Stateless Triton backend. `block_m` / `block_n` override the tile heuristics (tests, tuning).
+    """Triton backend. `block_m` / `block_n` override the tile heuristics (tests, tuning).
 
     `split_kv=False` serves decode-only calls with the tiled kernel too (the split-KV kernels are
     the default for them); `num_splits` forces the split count of decode-only calls (tests,
-    tuning; default: `triton_kernel.choose_splits`).
+    tuning; default: `triton_kernel.choose_splits`). Decode-only calls store the new keys and
+    values inside the split kernel, and its last split merges the partials (`fused_decode`;
+    False keeps the separate store and combine kernels). The only state is the merge tickets:
+    one zeroed int32 per (group, kv head) per call shape, reused by every call (and graph).
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
@@ -73,6 +76,7 @@ class TritonPagedAttention:
         block_n: int | None = None,
         split_kv: bool = True,
         num_splits: int | None = None,
+        fused_decode: bool = True,
     ) -> None:
         if triton_kernel is None:
             raise RuntimeError(_TRITON_IMPORT_ERROR)
@@ -82,6 +86,17 @@ class TritonPagedAttention:
         self._block_n = block_n
         self._split_kv = split_kv
         self._num_splits = num_splits
+        self._fused_decode = fused_decode
+        self._tickets: dict[tuple, torch.Tensor] = {}
+
+    def _tickets_for(self, device: torch.device, groups: int, kv_heads: int) -> torch.Tensor:
+        key = (device, groups, kv_heads)
+        tickets = self._tickets.get(key)
+        if tickets is None:
+            tickets = self._tickets[key] = torch.zeros(
+                groups, kv_heads, dtype=torch.int32, device=device
+            )
+        return tickets
 
     def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch) -> _TritonBoundAttention:
         views = slot_views(kv_cache)
@@ -103,6 +118,11 @@ class TritonPagedAttention:
             block_n=self._block_n,
             split_decode=self._split_kv and shape.max_query_len == 1,
             num_splits=self._num_splits,
+            tickets=(
+                self._tickets_for(device, shape.num_groups, kv_cache.key_cache.shape[3])
+                if self._fused_decode and self._split_kv and shape.max_query_len == 1
+                else None
+            ),
         )
 
 
@@ -120,6 +140,7 @@ class _TritonBoundAttention:
         block_n: int | None,
         split_decode: bool,
         num_splits: int | None,
+        tickets: torch.Tensor | None,
     ) -> None:
         self._kv_cache = kv_cache
         self._views = views
@@ -131,6 +152,7 @@ class _TritonBoundAttention:
         self._block_n = block_n
         self._split_decode = split_decode
         self._num_splits = num_splits
+        self._tickets = tickets
         self._sm_count = _sm_count(kv_cache.key_cache.device) if split_decode else 0
 
     def __call__(
@@ -138,13 +160,15 @@ class _TritonBoundAttention:
     ) -> torch.Tensor:
         """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        triton_kernel.launch_store_kv(
-            self._views.key_slots[layer_index],
-            self._views.value_slots[layer_index],
-            self._batch.write_slots,
-            key,
-            value,
-        )
+        fused = self._split_decode and self._tickets is not None
+        if not fused:
+            triton_kernel.launch_store_kv(
+                self._views.key_slots[layer_index],
+                self._views.value_slots[layer_index],
+                self._batch.write_slots,
+                key,
+                value,
+            )
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty_like(query)
@@ -169,6 +193,10 @@ class _TritonBoundAttention:
                     num_splits=self._num_splits,
                     block_n=self._block_n,
                 ),
+                new_key=key if fused else None,
+                new_value=value if fused else None,
+                write_slots=self._batch.write_slots if fused else None,
+                tickets=self._tickets if fused else None,
             )
             return out
         triton_kernel.launch_paged_attention(

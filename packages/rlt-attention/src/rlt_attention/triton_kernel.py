@@ -145,6 +145,10 @@ def _split_decode_kernel(
     block_tables_ptr,  # [S, max_pages] int32
     query_start_ptr,  # [S + 1] int32
     context_lengths_ptr,  # [S] int32
+    new_key_ptr,  # [N, Hkv, D]: the call's keys (STORE_NEW)
+    new_value_ptr,  # [N, Hkv, D]
+    write_slots_ptr,  # [N] int64: where they are stored
+    tickets_ptr,  # [S, Hkv] int32, all 0 between calls (FUSED_COMBINE)
     scale_log2,  # D^-0.5 * log2(e)
     num_splits,  # host int: splits per (group, kv head) = grid axis 2
     stride_query_row,
@@ -158,6 +162,10 @@ def _split_decode_kernel(
     stride_value_offset,
     stride_value_head,
     stride_table_group,
+    stride_new_key_row,
+    stride_new_key_head,
+    stride_new_value_row,
+    stride_new_value_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (>= 16)
     PAGE_SIZE: tl.constexpr,
@@ -165,6 +173,9 @@ def _split_decode_kernel(
     BLOCK_M: tl.constexpr,  # rows of the tl.dot tile: the G heads, padded to >= 16
     BLOCK_N: tl.constexpr,  # key positions per step
     DIRECT_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write the output here
+    STORE_NEW: tl.constexpr,  # the query's own key/value come from new_*_ptr and are stored
+    FUSED_COMBINE: tl.constexpr,  # the last split to finish merges all splits (no 2nd kernel)
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits (FUSED_COMBINE)
 ):
     group = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -201,6 +212,43 @@ def _split_decode_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    own_position = context_len - 1
+    if STORE_NEW:
+        # The query's own key/value (position context_len - 1) are read from the call's
+        # tensors, never from the cache, and the split that covers them stores them: the only
+        # program that could read that slot is this one.
+        new_key = tl.load(
+            new_key_ptr + row * stride_new_key_row + kv_head * stride_new_key_head + offs_d,
+            mask=dim_valid,
+            other=0.0,
+        ).to(cache_dtype)
+        new_value = tl.load(
+            new_value_ptr + row * stride_new_value_row + kv_head * stride_new_value_head + offs_d,
+            mask=dim_valid,
+            other=0.0,
+        ).to(cache_dtype)
+        if (key_start <= own_position) & (own_position < key_end):
+            slot = tl.load(write_slots_ptr + row)
+            slot_block = slot // PAGE_SIZE
+            slot_offset = slot % PAGE_SIZE
+            tl.store(
+                key_cache_ptr
+                + slot_block * stride_key_block
+                + slot_offset * stride_key_offset
+                + kv_head * stride_key_head
+                + offs_d,
+                new_key,
+                mask=dim_valid,
+            )
+            tl.store(
+                value_cache_ptr
+                + slot_block * stride_value_block
+                + slot_offset * stride_value_offset
+                + kv_head * stride_value_head
+                + offs_d,
+                new_value,
+                mask=dim_valid,
+            )
     for key_begin in range(key_start, key_end, BLOCK_N):
         key_position = key_begin + offs_n
         key_valid = key_position < key_end
@@ -208,8 +256,12 @@ def _split_decode_kernel(
         block = block.to(tl.int64)
         offset = key_position % PAGE_SIZE
         kv_mask = key_valid[:, None] & dim_valid[None, :]
+        if STORE_NEW:
+            kv_mask = kv_mask & (key_position != own_position)[:, None]
         key_row = block * stride_key_block + offset * stride_key_offset + kv_head * stride_key_head
         k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if STORE_NEW:
+            k = tl.where((key_position == own_position)[:, None], new_key[None, :], k)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -220,6 +272,8 @@ def _split_decode_kernel(
             block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
         )
         v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if STORE_NEW:
+            v = tl.where((key_position == own_position)[:, None], new_value[None, :], v)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         row_max = new_max
     if DIRECT_OUTPUT:
@@ -235,6 +289,44 @@ def _split_decode_kernel(
         tl.store(
             partial_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask
         )
+        if FUSED_COMBINE:
+            # Release our partials, count ourselves in; the last split to arrive (acquire)
+            # merges all of them and resets the ticket for the next call.
+            ticket_ptr = tickets_ptr + group * tl.num_programs(1) + kv_head
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
+                offs_s = tl.arange(0, BLOCK_S)
+                split_valid = offs_s < num_splits
+                for g in tl.static_range(QUERIES_PER_KV):
+                    one_head = kv_head * QUERIES_PER_KV + g
+                    first = (group * (QUERIES_PER_KV * tl.num_programs(1)) + one_head) * num_splits
+                    split_max = tl.load(
+                        partial_max_ptr + first + offs_s,
+                        mask=split_valid,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    split_sum = tl.load(
+                        partial_sum_ptr + first + offs_s,
+                        mask=split_valid,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    split_acc = tl.load(
+                        partial_acc_ptr + (first + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_valid[:, None] & dim_valid[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    total_max = tl.max(split_max, 0)
+                    total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+                    weight = tl.exp2(split_max - total_max)
+                    merged = tl.sum(split_acc * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
+                    tl.store(
+                        out_ptr + row * stride_out_row + one_head * stride_out_head + offs_d,
+                        merged.to(out_ptr.dtype.element_ty),
+                        mask=dim_valid,
+                    )
+                tl.atomic_xchg(ticket_ptr, 0)
 
 
 @triton.jit
@@ -435,12 +527,21 @@ def launch_split_decode_attention(
     context_lengths: torch.Tensor,
     *,
     split: SplitConfig,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+    write_slots: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> None:
     """Decode-only attention (every group has at most one query) split over the keys.
 
-    Same arguments as `launch_paged_attention`. Grid (S, Hkv, num_splits) for the split kernel,
-    then (S, H) for the combine kernel when num_splits > 1; the fp32 partials are allocated here
-    with torch.empty (a CUDA-graph capture puts them in the graph's pool). No host sync.
+    Same arguments as `launch_paged_attention`. Grid (S, Hkv, num_splits) for the split kernel;
+    the fp32 partials are allocated here with torch.empty (a CUDA-graph capture puts them in the
+    graph's pool). No host sync.
+    - new_key / new_value [N, Hkv, D] and write_slots [N]: the call's own keys and values; the
+      kernel stores them (no separate store launch) and reads them from registers.
+    - tickets [S, Hkv] int32, zero between calls (the kernel leaves them zero): the last split of
+      each (group, kv head) to finish merges the partials itself; without tickets a combine
+      kernel (S, H) runs after the split kernel when num_splits > 1.
     """
     num_groups = context_lengths.shape[0]
     _, num_heads, head_dim = query.shape
@@ -459,6 +560,15 @@ def launch_split_decode_attention(
         partial_acc = torch.empty(
             (num_groups, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
         )
+    store_new = new_key is not None
+    fused_combine = tickets is not None and not direct
+    if store_new:
+        if new_key.stride(-1) != 1:
+            new_key = new_key.contiguous()
+        if new_value.stride(-1) != 1:
+            new_value = new_value.contiguous()
+    else:
+        new_key = new_value = write_slots = query  # unused
     _split_decode_kernel[(num_groups, kv_heads, num_splits)](
         out,
         partial_max,
@@ -470,6 +580,10 @@ def launch_split_decode_attention(
         block_tables,
         query_start,
         context_lengths,
+        new_key,
+        new_value,
+        write_slots,
+        tickets if fused_combine else context_lengths,
         head_dim**-0.5 * math.log2(math.e),
         num_splits,
         query.stride(0),
@@ -483,6 +597,10 @@ def launch_split_decode_attention(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
+        new_key.stride(0),
+        new_key.stride(1),
+        new_value.stride(0),
+        new_value.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=split.block_d,
         PAGE_SIZE=page_size,
@@ -490,9 +608,12 @@ def launch_split_decode_attention(
         BLOCK_M=split.block_m,
         BLOCK_N=split.block_n,
         DIRECT_OUTPUT=direct,
+        STORE_NEW=store_new,
+        FUSED_COMBINE=fused_combine,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         num_warps=split.num_warps,
     )
-    if direct:
+    if direct or fused_combine:
         return
     _split_combine_kernel[(num_groups, num_heads)](
         out,

@@ -34,10 +34,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @dataclass(frozen=True)
 class TileConfig:
+    """single_row: the one-row kernel (no tensor cores, more CTAs: BLOCK_N may go down to 4)."""
+
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    single_row: bool = False
 
 
 CONFIGS = (
@@ -46,6 +49,10 @@ CONFIGS = (
     TileConfig(16, 512, 4, 3),
     TileConfig(64, 128, 4, 4),
     TileConfig(32, 128, 4, 5),
+    TileConfig(4, 512, 4, 4, single_row=True),
+    TileConfig(8, 512, 4, 3, single_row=True),
+    TileConfig(8, 256, 4, 4, single_row=True),
+    TileConfig(16, 256, 8, 4, single_row=True),
 )
 
 if triton is not None:
@@ -90,14 +97,57 @@ if triton is not None:
             mask=row_ok[:, None] & col_ok[None, :],
         )
 
+    @triton.jit
+    def _single_row_linear_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        n,
+        k,
+        stride_w,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < n
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k
+            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
 
 def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.Tensor:
-    """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection)."""
+    """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); the single-row
+    kernel needs M == 1."""
     rows, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if config.single_row:
+        if rows != 1:
+            raise ValueError(f"the single-row kernel takes 1 row, got {rows}")
+        _single_row_linear_kernel[(triton.cdiv(n, config.block_n),)](
+            x,
+            weight,
+            out,
+            n,
+            k,
+            weight.stride(0),
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        return out
     _small_rows_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -157,6 +207,8 @@ class SmallBatchLinear:
         reference = F.linear(x, weight).float()
         scale = reference.abs().max().item() + 1e-6
         for config in CONFIGS:
+            if config.single_row and rows != 1:
+                continue
             out = launch(x, weight, config).float()
             if (out - reference).abs().max().item() > 0.02 * scale:
                 continue  # never choose a configuration that computes something else

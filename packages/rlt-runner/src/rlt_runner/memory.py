@@ -45,6 +45,17 @@ class ActivationProfile:
     def total_bytes(self) -> int:
         return self.prefill_bytes + self.decode_bytes + self.runner_bytes
 
+    @property
+    def reserve_bytes(self) -> int:
+        """What the KV budget leaves free: the total rounded up to RESERVE_GRANULE. The peaks
+        move by a few hundred KiB with the allocator's history (workspaces allocated once per
+        process, block reuse); rounding gives every engine built with the same options the same
+        pool and leaves headroom for fragmentation."""
+        return -(-self.total_bytes // RESERVE_GRANULE) * RESERVE_GRANULE
+
+
+RESERVE_GRANULE = 128 << 20
+
 
 @dataclass(frozen=True)
 class KVMemoryPlan:
@@ -158,7 +169,7 @@ def plan_kv_blocks(
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         outside_torch = total - free - torch.cuda.memory_reserved(device)
-        reserve = activation.total_bytes if activation is not None else 0
+        reserve = activation.reserve_bytes if activation is not None else 0
         budget = (
             int(total * gpu_memory_utilization)
             - outside_torch

@@ -78,7 +78,7 @@ def test_split_decode_matches_torch_backend_and_reference(
     )
     triton_case = paged_case(DECODE_GROUPS, **kwargs)
     torch_case = paged_case(DECODE_GROUPS, **kwargs)
-    backend = TritonPagedAttention(num_splits=num_splits, block_n=block_n)
+    backend = TritonPagedAttention(num_splits=num_splits, block_n=block_n, fused_decode=True)
     out = run_layer(backend, triton_case)
     assert [kind for kind, _ in launches] == ["split"]
     # The fused merge leaves every ticket at zero for the next call (or graph replay).
@@ -101,16 +101,15 @@ def test_split_decode_matches_torch_backend_and_reference(
 
 
 def test_unfused_decode_store_and_combine_agree(paged_case):
-    """fused_decode=False (separate store and combine kernels) computes the same thing."""
+    """fused_decode=True (store and merge inside the split kernel) computes the same thing as
+    the default separate store and combine kernels."""
     shapes = dict(block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, seed=9, device=DEVICE)
     fused_case, plain_case = (
         paged_case(DECODE_GROUPS, **shapes),
         paged_case(DECODE_GROUPS, **shapes),
     )
-    fused = run_layer(TritonPagedAttention(num_splits=3, block_n=16), fused_case)
-    plain = run_layer(
-        TritonPagedAttention(num_splits=3, block_n=16, fused_decode=False), plain_case
-    )
+    fused = run_layer(TritonPagedAttention(num_splits=3, block_n=16, fused_decode=True), fused_case)
+    plain = run_layer(TritonPagedAttention(num_splits=3, block_n=16), plain_case)
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
     for name in ("key_cache", "value_cache"):
         torch.testing.assert_close(

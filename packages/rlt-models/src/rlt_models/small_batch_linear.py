@@ -29,6 +29,9 @@ except ImportError:  # pragma: no cover - linux wheels of torch bring triton
     triton = None
 
 MAX_ROWS = 16
+# A kernel must beat cuBLAS by this factor in isolation: near-ties measured with a flushed L2
+# did not hold inside the decode graph on an H200 (a 5%-margin pick made a loop slower).
+MARGIN = 0.85
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -213,7 +216,7 @@ class SmallBatchLinear:
             if (out - reference).abs().max().item() > 0.02 * scale:
                 continue  # never choose a configuration that computes something else
             ms = _time(lambda c=config: launch(x, weight, c))
-            if ms < 0.95 * best_ms:
+            if ms < MARGIN * best_ms:
                 best, best_ms = config, ms
         return best
 

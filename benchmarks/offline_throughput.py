@@ -19,9 +19,11 @@ Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counte
                               last request (plus a device synchronize)
   decode_output_tokens_per_s  decode phase, from engine.core.step_log of the measured run: over
                               applied steps with prefill_tokens == 0, sum(generated) / sum of
-                              their durations, a step's duration being its done_s minus the
-                              done_s of the applied step before it (the run's first step has no
-                              predecessor and is skipped); null if no such step
+                              their durations, a step's duration being its device_s on CUDA
+                              (device-clock spacing of consecutive steps' ends, idle included)
+                              or else its done_s minus the done_s of the applied step before it
+                              (the run's first step has no predecessor and is skipped); null if
+                              no such step
   decode_output_tokens, decode_wall_s, decode_steps: the numerator, denominator and step count
   steps, step_ms (wall_s / steps), decode_ticks (loop ticks of all steps of the run),
   host_ms_per_step / readback_wait_ms_per_step (StepTimings.host_s / readback_wait_s deltas
@@ -182,13 +184,16 @@ def write_trace(path: Path, probs: list[float], args) -> None:
 
 
 def decode_phase(records) -> tuple[int, float, int]:
-    """(tokens, seconds, steps) of the steps without prefill work; a step lasts from the
-    previous applied step's done_s to its own; the first record (no predecessor) is skipped."""
+    """(tokens, seconds, steps) of the steps without prefill work; a step lasts its device_s
+    (CUDA) or from the previous applied step's done_s to its own; the first record (no
+    predecessor) is skipped. The host clock charges a step with the submission of the step
+    after it (e.g. a long eager prefill), so it understates decode throughput next to prefill."""
     tokens, seconds, steps = 0, 0.0, 0
     for before, record in zip(records, records[1:], strict=False):
         if record.prefill_tokens == 0:
             tokens += record.generated
-            seconds += record.done_s - before.done_s
+            device_s = getattr(record, "device_s", None)
+            seconds += device_s if device_s is not None else record.done_s - before.done_s
             steps += 1
     return tokens, seconds, steps
 

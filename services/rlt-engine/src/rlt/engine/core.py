@@ -63,13 +63,20 @@ class StepTimings:
 @dataclass(frozen=True)
 class StepRecord:
     """One applied step, for throughput accounting: `done_s` is the host clock
-    (time.perf_counter) when its results were available; `generated` tokens it produced."""
+    (time.perf_counter) when its results were available; `generated` tokens it produced.
+
+    device_s (CUDA): seconds on the device clock from the end of the previous step's device
+    work to the end of this one's, idle time included. Unlike differences of `done_s`, it does
+    not charge a step with host work done for a later one (the pipeline submits step n + 1,
+    e.g. a long eager prefill, before it collects step n). None on the CPU or for a step with
+    nothing to read back."""
 
     step_id: int
     prefill_tokens: int
     decode_ticks: int
     generated: int
     done_s: float
+    device_s: float | None = None
 
 
 class EngineCore:
@@ -90,6 +97,7 @@ class EngineCore:
         self.timings = StepTimings()
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
         self._inflight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        self._last_event = None  # the latest collected step's end-of-work event (CUDA)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -149,6 +157,11 @@ class EngineCore:
         timings.collect_s += t1 - t0
         timings.readback_wait_s += self.runner.readback_wait_s - wait_before
         timings.update_s += t2 - t1
+        device_s = None
+        if pending.event is not None:
+            if self._last_event is not None:
+                device_s = self._last_event.elapsed_time(pending.event) / 1000.0
+            self._last_event = pending.event
         if self.step_log is not None:
             self.step_log.append(
                 StepRecord(
@@ -157,6 +170,7 @@ class EngineCore:
                     result.decode_ticks,
                     sum(len(g.token_ids) for g in result.generated),
                     t1,
+                    device_s,
                 )
             )
 

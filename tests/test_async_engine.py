@@ -123,8 +123,10 @@ def test_streamed_text_never_contains_a_stop_string(checkpoint, reference):
 
 
 def test_cancel_mid_stream_frees_kv_and_unknown_cancel_is_a_noop(checkpoint):
-    client = make_engine(checkpoint)
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    # One tick per step and the longest request the context allows (3 + 500 - 1 <= 512): the
+    # cancel races with the engine thread, which must not finish the request first.
+    client = make_engine(checkpoint, decode_ticks_per_step=1)
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
 
     async def main():
         await client.cancel("never-submitted")  # no-op
@@ -141,7 +143,7 @@ def test_cancel_mid_stream_frees_kv_and_unknown_cancel_is_a_noop(checkpoint):
     try:
         deltas = asyncio.run(main())
         assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
-        assert sum(len(d.token_ids) for d in deltas) < 200
+        assert sum(len(d.token_ids) for d in deltas) < 500
         stats = client.stats()
         assert stats.kv_blocks_used == 0 and stats.aborted_requests == 1
         assert stats.running_requests == 0

@@ -46,13 +46,14 @@ from rlt_contracts import (
 from rlt_contracts.kv import KVCapacity
 
 from rlt_scheduler.admission import NO_PREFIX, initial_allocation_tokens, plan_admission
-from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
+from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy
 from rlt_scheduler.kv_port import KVPort, PrefixLookup
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
 from rlt_scheduler.validation import ModelLimits, validate_request
 from rlt_scheduler.waiting_queue import WaitingQueue
 
@@ -197,7 +198,9 @@ class Scheduler:
             config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth
         )
         self._preempt_for_priority(step)
-        ticks = self._decode_ticks()
+        ticks = decode_ticks(
+            config, self._running, len(self._running), len(self._waiting), self._unconfirmed_ticks
+        )
         for request in [r for r in self._running if r.stage is RequestStage.DECODING]:
             if request in self._running:  # not preempted while this step was being built
                 self._schedule_decode(request, ticks, step)
@@ -221,41 +224,8 @@ class Scheduler:
             self._requests[identity.request_id].unconfirmed_tokens += bound
         return output
 
-    def _decode_ticks(self) -> int:
-        """Ticks for the next step: 1 while prompts can be computed (prefill keeps flowing and
-        new requests start soon); otherwise up to `decode_ticks_per_step`, in refill mode capped
-        by the loops the longest request may still need beyond the submitted steps."""
-        config = self.config
-        prompts_pending = any(r.stage is RequestStage.PREFILL for r in self._running) or (
-            bool(self._waiting) and len(self._running) < config.max_num_seqs
-        )
-        if prompts_pending:
-            return 1
-        ticks = config.decode_ticks_per_step
-        if config.mode is SchedulingMode.REFILL:
-            needed = max(
-                (
-                    (r.sampling.max_tokens - r.num_outputs) * r.bounds.max_loops
-                    - r.loops_into_token
-                    - self._unconfirmed_ticks.get(r.identity, 0)
-                    for r in self._running
-                    if r.stage is RequestStage.DECODING
-                ),
-                default=1,
-            )
-            ticks = min(ticks, max(needed, 1))
-        return ticks
-
-    def _tick_output_bound(self, request: ScheduledRequest, ticks: int, *, fresh: bool) -> int:
-        """Most outputs `ticks` loop ticks can produce: one per `min_exit_depth` loops; a token
-        already looping (`fresh` False: its loops so far are unknown here) may exit after one."""
-        depth = request.rule.exit.min_exit_depth
-        if fresh:
-            return ticks // depth
-        return 0 if ticks <= 0 else 1 + (ticks - 1) // depth
-
     def _schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
-        bound = self._tick_output_bound(request, ticks, fresh=False)
+        bound = tick_output_bound(request, ticks, fresh=False)
         outputs = request.num_outputs + request.unconfirmed_tokens + bound
         if self._ensure_kv(request, request.kv_tokens_needed(outputs), step, may_suspend=True):
             step.add_decode(request.identity, bound)
@@ -271,7 +241,7 @@ class Scheduler:
             return
         completes = start + count == request.prompt_length
         # A completing chunk samples token 0, and its successor may loop in this step's ticks.
-        bound = 1 + self._tick_output_bound(request, ticks, fresh=True) if completes else 0
+        bound = 1 + tick_output_bound(request, ticks, fresh=True) if completes else 0
         needed = max(start + count, request.kv_tokens_needed(bound)) if completes else start + count
         if not self._ensure_kv(request, needed, step, may_suspend=False):
             return
@@ -417,7 +387,7 @@ class Scheduler:
         prefilling one continues with its next chunk from the next step on."""
         tokens, bound = request.snapshot_tokens, 0
         if request.resume_stage is RequestStage.DECODING:
-            bound = self._tick_output_bound(request, ticks, fresh=False)
+            bound = tick_output_bound(request, ticks, fresh=False)
             outputs = request.num_outputs + request.unconfirmed_tokens + bound
             tokens = max(tokens, request.kv_tokens_needed(outputs))
         updates = self.kv.allocate(request.identity, tokens, NO_PREFIX)

@@ -1,0 +1,57 @@
+"""How many decode ticks a step runs, and how many outputs they can produce (KV lookahead).
+
+A tick runs one loop for every decoding row on the device, where exits, sampling and stops
+happen without the host; the scheduler only chooses how many ticks a step holds and must size
+every decoding request's blocks for the most outputs those ticks can make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from rlt_contracts import ExecutionIdentity, RequestStage
+
+from rlt_scheduler.config import SchedulerConfig, SchedulingMode
+from rlt_scheduler.request_state import ScheduledRequest
+
+
+def decode_ticks(
+    config: SchedulerConfig,
+    running: Iterable[ScheduledRequest],
+    num_running: int,
+    num_waiting: int,
+    unconfirmed_ticks: Mapping[ExecutionIdentity, int],
+) -> int:
+    """Ticks for the next step: 1 while prompts can be computed (prefill keeps flowing and new
+    requests start soon); otherwise up to `decode_ticks_per_step`, in refill mode capped by the
+    loops the longest request may still need beyond the submitted steps (a decoding row loops
+    in every tick it takes part in, so ticks past that would only run padding)."""
+    running = list(running)
+    prompts_pending = any(r.stage is RequestStage.PREFILL for r in running) or (
+        num_waiting > 0 and num_running < config.max_num_seqs
+    )
+    if prompts_pending:
+        return 1
+    ticks = config.decode_ticks_per_step
+    if config.mode is SchedulingMode.REFILL:
+        needed = max(
+            (
+                (r.sampling.max_tokens - r.num_outputs) * r.bounds.max_loops
+                - r.loops_into_token
+                - unconfirmed_ticks.get(r.identity, 0)
+                for r in running
+                if r.stage is RequestStage.DECODING
+            ),
+            default=1,
+        )
+        ticks = min(ticks, max(needed, 1))
+    return ticks
+
+
+def tick_output_bound(request: ScheduledRequest, ticks: int, *, fresh: bool) -> int:
+    """Most outputs `ticks` loop ticks can produce: one per `min_exit_depth` loops; a token
+    already looping (`fresh` False: its loops so far are unknown here) may exit after one."""
+    depth = request.rule.exit.min_exit_depth
+    if fresh:
+        return ticks // depth
+    return 0 if ticks <= 0 else 1 + (ticks - 1) // depth

@@ -9,7 +9,7 @@ import torch
 
 
 class HostSample(NamedTuple):
-    """One row's result as Python values, ready for `rlt_contracts.SampledToken`.
+    """One row's result as Python values.
 
     logprob: the chosen token's log-probability under the RAW logits (see `Sampler`), or None
       when the row asked for no logprobs.

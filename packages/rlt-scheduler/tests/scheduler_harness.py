@@ -96,11 +96,17 @@ class FakeDevice:
     token: Callable[[str, int], int] = lambda request_id, index: 7
     model_depth: int = 4
     rows: dict[ExecutionIdentity, _Row] = field(default_factory=dict)
+    saved: dict[ExecutionIdentity, _Row] = field(default_factory=dict)
     ticks_run: list[int] = field(default_factory=list)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        for identity in (*step.snapshots, *step.released):
+        for identity in step.snapshots:
+            self.saved[identity] = self.rows.pop(identity)
+        for identity in step.released:
             self.rows.pop(identity, None)
+            self.saved.pop(identity, None)
+        for identity in step.restores:
+            self.rows[identity] = self.saved.pop(identity)
         for new in step.new_requests:
             rule = new.rule
             self.rows[new.identity] = _Row(new.prompt_length, rule.max_tokens, rule.stop_token_ids)

@@ -187,3 +187,26 @@ def test_a_gap_in_reported_outputs_is_an_error():
                 step_id=step.step_id, generated=(GeneratedTokens(identity, 2, (5,), (4,)),)
             )
         )
+
+
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_decoding_requests_that_cannot_grow_are_suspended_and_resumed(in_flight):
+    """A pool too small for every request's lookahead: decoding requests are preempted (a
+    victim, or the request itself when nothing else can give way), resumed later, and every
+    request still gets all its tokens, with the blocks covering every tick."""
+    scheduler = make_scheduler(
+        num_blocks=48, incremental_kv=True, enable_preemption=True, decode_ticks_per_step=8
+    )
+    for i in range(3):
+        scheduler.add_request(
+            f"r{i}",
+            [1] * 6,
+            SamplingParams(max_tokens=24, ignore_eos=True, min_loops=1, exit_threshold=0.0),
+        )
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 1 + i % 2)
+    _, finals = run_until_idle(scheduler, device, in_flight=in_flight)
+    for i in range(3):
+        assert len(all_tokens(finals[f"r{i}"])[0]) == 24
+    assert scheduler.stats.preemptions > 0
+    assert scheduler.stats.resumptions == scheduler.stats.preemptions
+    assert scheduler.capacity().free_blocks == scheduler.capacity().total_blocks

@@ -289,7 +289,7 @@ def loop_paths(device: str) -> dict:
 
 def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[dict]:
     import torch
-    from rlt_attention import triton_kernel
+    from rlt_attention import split_decode_kernel
 
     config = model.config
     gen = torch.Generator(device=device).manual_seed(rows)
@@ -317,7 +317,7 @@ def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[
             "kv_gb_per_s": paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9,
         }
         if name == "split":
-            entry["num_splits"] = triton_kernel.choose_splits(
+            entry["num_splits"] = split_decode_kernel.choose_splits(
                 num_groups=rows,
                 num_kv_heads=config.num_key_value_heads,
                 max_context_len=paged.pages * paged.block_size,
@@ -326,7 +326,7 @@ def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[
                 sm_count=(
                     torch.cuda.get_device_properties(device).multi_processor_count
                     if device == "cuda"
-                    else triton_kernel.DEFAULT_SM_COUNT
+                    else split_decode_kernel.DEFAULT_SM_COUNT
                 ),
             ).num_splits
         results.append(entry)

@@ -12,7 +12,12 @@ import dataclasses
 
 import pytest
 import torch
-from rlt_attention import TorchPagedAttention, TritonPagedAttention, triton_kernel
+from rlt_attention import (
+    TorchPagedAttention,
+    TritonPagedAttention,
+    split_decode_kernel,
+    triton_kernel,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Decode rows (q_len 1) with mixed contexts, a padding-like row of context 1, an empty group.
@@ -29,10 +34,10 @@ def run_layer(backend, case):
 def launches(monkeypatch):
     """Records which read kernel each layer call launched ("split" with its config, or "tiled")."""
     calls = []
-    split_launch = triton_kernel.launch_split_decode_attention
+    split_launch = split_decode_kernel.launch_split_decode_attention
     tiled_launch = triton_kernel.launch_paged_attention
 
-    def spy_split(*args, split: triton_kernel.SplitConfig, **kwargs):
+    def spy_split(*args, split: split_decode_kernel.SplitConfig, **kwargs):
         calls.append(("split", split))
         return split_launch(*args, split=split, **kwargs)
 
@@ -40,7 +45,7 @@ def launches(monkeypatch):
         calls.append(("tiled", None))
         return tiled_launch(*args, **kwargs)
 
-    monkeypatch.setattr(triton_kernel, "launch_split_decode_attention", spy_split)
+    monkeypatch.setattr(split_decode_kernel, "launch_split_decode_attention", spy_split)
     monkeypatch.setattr(triton_kernel, "launch_paged_attention", spy_tiled)
     return calls
 
@@ -177,7 +182,7 @@ def test_prefill_and_mixed_calls_keep_the_tiled_kernel(paged_case, launches):
 
 def test_choose_splits_heuristic():
     def splits(groups, kv_heads, context, **kwargs):
-        return triton_kernel.choose_splits(
+        return split_decode_kernel.choose_splits(
             num_groups=groups,
             num_kv_heads=kv_heads,
             max_context_len=context,
@@ -191,12 +196,12 @@ def test_choose_splits_heuristic():
     assert splits(1, 16, 8192) == 17
     assert splits(4, 16, 8192) == 5
     assert splits(32, 16, 1088) == 1  # 512 programs already fill the GPU
-    assert splits(1, 1, 100_000) == triton_kernel.MAX_SPLITS
+    assert splits(1, 1, 100_000) == split_decode_kernel.MAX_SPLITS
     assert splits(1, 16, 40) == 1  # one key step: nothing to split
     assert splits(1, 16, 1088, num_splits=5) == 5
     assert splits(1, 16, 1088, sm_count=78) == 10
     assert (
-        triton_kernel.choose_splits(
+        split_decode_kernel.choose_splits(
             num_groups=1, num_kv_heads=2, max_context_len=64, queries_per_kv=4, head_dim=12
         ).block_m
         == 16

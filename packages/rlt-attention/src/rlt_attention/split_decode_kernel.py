@@ -1,0 +1,431 @@
+"""Triton split-KV ("flash-decoding") paged attention for decode-only calls.
+
+When every group of a call has one query (decode rows), the split kernel runs a (group, kv head,
+split) grid in which split s covers keys [s * L, min((s + 1) * L, context_len)), L =
+ceil(ceil(context_len / num_splits) / BLOCK_N) * BLOCK_N computed on the device, and writes an
+fp32 partial (running max, sum of exponentials, unnormalised accumulator); the combine kernel
+merges the splits of every (group, head) into the output. With one split the split kernel
+normalises and writes the output itself. num_splits is a function of bind-time host ints only,
+so a CUDA graph captured with full-width block tables keeps a fixed grid.
+
+Optionally (`fused_decode` of the backend) the split kernel also stores the call's own keys and
+values and its last split to finish merges the partials (atomic ticket), saving two launches;
+measured slower on an H200, so the backend does not use it by default.
+
+Importing this module decorates the kernels: on a machine without CUDA set TRITON_INTERPRET=1
+before importing it to run them (slowly) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_decode_kernel(
+    out_ptr,  # [N, H, D] query dtype (written only when DIRECT_OUTPUT)
+    partial_max_ptr,  # [S, H, num_splits] fp32, log2 units (unused when DIRECT_OUTPUT)
+    partial_sum_ptr,  # [S, H, num_splits] fp32
+    partial_acc_ptr,  # [S, H, num_splits, HEAD_DIM] fp32, unnormalised
+    query_ptr,  # [N, H, D]
+    key_cache_ptr,  # [num_blocks, block_size, Hkv, D] of one layer, cache dtype
+    value_cache_ptr,  # same layout as key_cache_ptr
+    block_tables_ptr,  # [S, max_pages] int32
+    query_start_ptr,  # [S + 1] int32
+    context_lengths_ptr,  # [S] int32
+    new_key_ptr,  # [N, Hkv, D]: the call's keys (STORE_NEW)
+    new_value_ptr,  # [N, Hkv, D]
+    write_slots_ptr,  # [N] int64: where they are stored
+    tickets_ptr,  # [S, Hkv] int32, all 0 between calls (FUSED_COMBINE)
+    scale_log2,  # D^-0.5 * log2(e)
+    num_splits,  # host int: splits per (group, kv head) = grid axis 2
+    stride_query_row,
+    stride_query_head,
+    stride_out_row,
+    stride_out_head,
+    stride_key_block,
+    stride_key_offset,
+    stride_key_head,
+    stride_value_block,
+    stride_value_offset,
+    stride_value_head,
+    stride_table_group,
+    stride_new_key_row,
+    stride_new_key_head,
+    stride_new_value_row,
+    stride_new_value_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (>= 16)
+    PAGE_SIZE: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,  # G = H / Hkv
+    BLOCK_M: tl.constexpr,  # rows of the tl.dot tile: the G heads, padded to >= 16
+    BLOCK_N: tl.constexpr,  # key positions per step
+    DIRECT_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write the output here
+    STORE_NEW: tl.constexpr,  # the query's own key/value come from new_*_ptr and are stored
+    FUSED_COMBINE: tl.constexpr,  # the last split to finish merges all splits (no 2nd kernel)
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits (FUSED_COMBINE)
+):
+    group = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    query_begin = tl.load(query_start_ptr + group)
+    if tl.load(query_start_ptr + group + 1) - query_begin == 0:
+        return  # padding group without a query row
+    # The group's single query sits at position context_len - 1 and sees every key before it.
+    context_len = tl.load(context_lengths_ptr + group)
+    per_split = (context_len + num_splits - 1) // num_splits
+    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    key_start = split * split_len
+    key_end = tl.minimum(key_start + split_len, context_len)
+
+    row = query_begin.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_valid = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_tables_ptr + group * stride_table_group
+    cache_dtype = key_cache_ptr.dtype.element_ty
+
+    # The G query heads of the kv head are the rows of a tile sharing each loaded key.
+    offs_m = tl.arange(0, BLOCK_M)
+    head = kv_head * QUERIES_PER_KV + offs_m
+    row_valid = offs_m < QUERIES_PER_KV
+    row_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(
+        query_ptr + row * stride_query_row + head[:, None] * stride_query_head + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    q = q.to(cache_dtype)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    own_position = context_len - 1
+    if STORE_NEW:
+        # The query's own key/value (position context_len - 1) are read from the call's
+        # tensors, never from the cache, and the split that covers them stores them: the only
+        # program that could read that slot is this one.
+        new_key = tl.load(
+            new_key_ptr + row * stride_new_key_row + kv_head * stride_new_key_head + offs_d,
+            mask=dim_valid,
+            other=0.0,
+        ).to(cache_dtype)
+        new_value = tl.load(
+            new_value_ptr + row * stride_new_value_row + kv_head * stride_new_value_head + offs_d,
+            mask=dim_valid,
+            other=0.0,
+        ).to(cache_dtype)
+        if (key_start <= own_position) & (own_position < key_end):
+            slot = tl.load(write_slots_ptr + row)
+            slot_block = slot // PAGE_SIZE
+            slot_offset = slot % PAGE_SIZE
+            tl.store(
+                key_cache_ptr
+                + slot_block * stride_key_block
+                + slot_offset * stride_key_offset
+                + kv_head * stride_key_head
+                + offs_d,
+                new_key,
+                mask=dim_valid,
+            )
+            tl.store(
+                value_cache_ptr
+                + slot_block * stride_value_block
+                + slot_offset * stride_value_offset
+                + kv_head * stride_value_head
+                + offs_d,
+                new_value,
+                mask=dim_valid,
+            )
+    for key_begin in range(key_start, key_end, BLOCK_N):
+        key_position = key_begin + offs_n
+        key_valid = key_position < key_end
+        block = tl.load(table_row + key_position // PAGE_SIZE, mask=key_valid, other=0)
+        block = block.to(tl.int64)
+        offset = key_position % PAGE_SIZE
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        if STORE_NEW:
+            kv_mask = kv_mask & (key_position != own_position)[:, None]
+        key_row = block * stride_key_block + offset * stride_key_offset + kv_head * stride_key_head
+        k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if STORE_NEW:
+            k = tl.where((key_position == own_position)[:, None], new_key[None, :], k)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        correction = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        value_row = (
+            block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
+        )
+        v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if STORE_NEW:
+            v = tl.where((key_position == own_position)[:, None], new_value[None, :], v)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        row_max = new_max
+    if DIRECT_OUTPUT:
+        tl.store(
+            out_ptr + row * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :],
+            (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
+    else:
+        partial = (group * (QUERIES_PER_KV * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(partial_max_ptr + partial, row_max, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, row_sum, mask=row_valid)
+        tl.store(
+            partial_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask
+        )
+        if FUSED_COMBINE:
+            # Release our partials, count ourselves in; the last split to arrive (acquire)
+            # merges all of them and resets the ticket for the next call.
+            ticket_ptr = tickets_ptr + group * tl.num_programs(1) + kv_head
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
+                offs_s = tl.arange(0, BLOCK_S)
+                split_valid = offs_s < num_splits
+                for g in tl.static_range(QUERIES_PER_KV):
+                    one_head = kv_head * QUERIES_PER_KV + g
+                    first = (group * (QUERIES_PER_KV * tl.num_programs(1)) + one_head) * num_splits
+                    split_max = tl.load(
+                        partial_max_ptr + first + offs_s,
+                        mask=split_valid,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    split_sum = tl.load(
+                        partial_sum_ptr + first + offs_s,
+                        mask=split_valid,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    split_acc = tl.load(
+                        partial_acc_ptr + (first + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_valid[:, None] & dim_valid[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    total_max = tl.max(split_max, 0)
+                    total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+                    weight = tl.exp2(split_max - total_max)
+                    merged = tl.sum(split_acc * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
+                    tl.store(
+                        out_ptr + row * stride_out_row + one_head * stride_out_head + offs_d,
+                        merged.to(out_ptr.dtype.element_ty),
+                        mask=dim_valid,
+                    )
+                tl.atomic_xchg(ticket_ptr, 0)
+
+
+@triton.jit
+def _split_combine_kernel(
+    out_ptr,  # [N, H, D] query dtype
+    partial_max_ptr,  # [S, H, num_splits] fp32
+    partial_sum_ptr,  # [S, H, num_splits] fp32
+    partial_acc_ptr,  # [S, H, num_splits, HEAD_DIM] fp32
+    query_start_ptr,  # [S + 1] int32
+    num_splits,
+    stride_out_row,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+):
+    group = tl.program_id(0)
+    head = tl.program_id(1)
+    query_begin = tl.load(query_start_ptr + group)
+    if tl.load(query_start_ptr + group + 1) - query_begin == 0:
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    split_valid = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    dim_valid = offs_d < HEAD_DIM
+    partial = (group * tl.num_programs(1) + head) * num_splits + offs_s
+    split_max = tl.load(partial_max_ptr + partial, mask=split_valid, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + partial, mask=split_valid, other=0.0)
+    split_acc = tl.load(
+        partial_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    total_max = tl.max(split_max, 0)
+    total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+    weight = tl.exp2(split_max - total_max)  # 0 for empty splits (max -inf)
+    total_sum = tl.sum(split_sum * weight, 0)
+    out = tl.sum(split_acc * weight[:, None], 0) / total_sum
+    row = query_begin.to(tl.int64)
+    tl.store(
+        out_ptr + row * stride_out_row + head * stride_out_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+# Split-KV decode: enough programs to fill about this many SMs twice (H100 / H200 have 132).
+DEFAULT_SM_COUNT = 132
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Launch configuration of the split-KV decode kernels (host ints)."""
+
+    num_splits: int
+    block_m: int  # query-head rows of the tl.dot tile: the G heads padded to >= 16
+    block_n: int
+    block_d: int
+    num_warps: int
+
+
+def choose_splits(
+    *,
+    num_groups: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    queries_per_kv: int,
+    head_dim: int,
+    sm_count: int = DEFAULT_SM_COUNT,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> SplitConfig:
+    """Splits per (group, kv head): ceil(2 * sm_count / (S * Hkv)), capped at MAX_SPLITS and at
+    ceil(max_context_len / BLOCK_N) (every split gets at least one key step). A function of
+    bind-time host ints only, so a graph captured with full-width tables keeps a fixed grid.
+    `num_splits` overrides the heuristic (tests); `block_n` the key step (power of two >= 16).
+    Defaults (BLOCK_N 64, 4 warps for D <= 128) were the fastest of a small sweep on an H200.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is None:
+        programs = max(1, num_groups * num_kv_heads)
+        num_splits = -(-2 * sm_count // programs)
+        num_splits = min(num_splits, MAX_SPLITS, max(1, -(-max_context_len // block_n)))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # A 16-row tl.dot tile also for G == 1: on an H200 it beat vector reductions over the keys
+    # (10 vs 12 us per layer at batch 1, 71 vs 120 us at batch 32; Ouro-1.4B, context 1088).
+    block_m = max(16, triton.next_power_of_2(queries_per_kv))
+    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps)
+
+
+def launch_split_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lengths: torch.Tensor,
+    *,
+    split: SplitConfig,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
+    write_slots: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
+) -> None:
+    """Decode-only attention (every group has at most one query) split over the keys.
+
+    Same arguments as `launch_paged_attention`. Grid (S, Hkv, num_splits) for the split kernel;
+    the fp32 partials are allocated here with torch.empty (a CUDA-graph capture puts them in the
+    graph's pool). No host sync.
+    - new_key / new_value [N, Hkv, D] and write_slots [N]: the call's own keys and values; the
+      kernel stores them (no separate store launch) and reads them from registers.
+    - tickets [S, Hkv] int32, zero between calls (the kernel leaves them zero): the last split of
+      each (group, kv head) to finish merges the partials itself; without tickets a combine
+      kernel (S, H) runs after the split kernel when num_splits > 1.
+    """
+    num_groups = context_lengths.shape[0]
+    _, num_heads, head_dim = query.shape
+    _, page_size, kv_heads, _ = key_cache.shape
+    if num_groups == 0:
+        return
+    num_splits = split.num_splits
+    direct = num_splits == 1
+    if direct:
+        partial_max = partial_sum = partial_acc = out  # unused
+    else:
+        partial_max = torch.empty(
+            (num_groups, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        partial_sum = torch.empty_like(partial_max)
+        partial_acc = torch.empty(
+            (num_groups, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+    store_new = new_key is not None
+    fused_combine = tickets is not None and not direct
+    if store_new:
+        if new_key.stride(-1) != 1:
+            new_key = new_key.contiguous()
+        if new_value.stride(-1) != 1:
+            new_value = new_value.contiguous()
+    else:
+        new_key = new_value = write_slots = query  # unused
+    _split_decode_kernel[(num_groups, kv_heads, num_splits)](
+        out,
+        partial_max,
+        partial_sum,
+        partial_acc,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start,
+        context_lengths,
+        new_key,
+        new_value,
+        write_slots,
+        tickets if fused_combine else context_lengths,
+        head_dim**-0.5 * math.log2(math.e),
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        new_key.stride(0),
+        new_key.stride(1),
+        new_value.stride(0),
+        new_value.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=split.block_d,
+        PAGE_SIZE=page_size,
+        QUERIES_PER_KV=num_heads // kv_heads,
+        BLOCK_M=split.block_m,
+        BLOCK_N=split.block_n,
+        DIRECT_OUTPUT=direct,
+        STORE_NEW=store_new,
+        FUSED_COMBINE=fused_combine,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=split.num_warps,
+    )
+    if direct or fused_combine:
+        return
+    _split_combine_kernel[(num_groups, num_heads)](
+        out,
+        partial_max,
+        partial_sum,
+        partial_acc,
+        query_start,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=split.block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=1 if split.block_d * num_splits <= 2048 else 4,
+    )

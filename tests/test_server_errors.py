@@ -8,6 +8,7 @@ headers answer 403; a dead engine turns /health to 503 and requests to 503 / in-
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -275,4 +276,4 @@ def test_dead_engine_turns_health_503_and_fails_requests_cleanly(checkpoint):
         assert health.status_code == 503 and health.json()["status"] == "dead"
         assert_error(http.post("/v1/completions", json=OK_COMPLETION), 503, None)
         assert http.get("/metrics").status_code == 200
-        assert "rlt_engine_up 0.0" in http.get("/metrics").text
+        assert re.search(r"^rlt:engine_up\{[^}]*\} 0\.0$", http.get("/metrics").text, re.M)

@@ -293,12 +293,9 @@ def test_disconnect_mid_stream_aborts_and_frees_every_kv_block(server, http):
     stats = server.wait_idle(timeout=10)
     assert stats.aborted_requests == aborted_before + 1
     assert stats.kv_blocks_used == 0
-    after = wait_for_metric(
-        http, ("rlt_requests_total", (("endpoint", "completions"), ("outcome", "abort"))), before
-    )
-    assert after > before.get(
-        ("rlt_requests_total", (("endpoint", "completions"), ("outcome", "abort"))), 0
-    )
+    key = ("rlt:http_requests_total", (("endpoint", "completions"), ("outcome", "abort")))
+    after = wait_for_metric(http, key, before)
+    assert after > before.get(key, 0)
 
 
 def test_disconnect_of_a_non_streaming_request_aborts_it(server):
@@ -322,13 +319,15 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server):
 
 
 def metric_values(http) -> dict:
+    """{(sample name, sorted labels other than model_name): value} of one scrape."""
     response = http.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     values = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            values[(sample.name, labels)] = sample.value
     return values
 
 
@@ -353,25 +352,28 @@ def test_metrics_parse_and_counters_move(http):
         key = (name, tuple(sorted(labels)))
         return after.get(key, 0) - before.get(key, 0)
 
-    assert moved("rlt_requests_total", [("endpoint", "completions"), ("outcome", "length")]) == 1
-    assert moved("rlt_requests_total", [("endpoint", "completions"), ("outcome", "invalid")]) == 1
-    assert moved("rlt_generation_tokens_total") == 5
-    assert moved("rlt_prompt_tokens_total") > 0
-    assert moved("rlt_engine_steps_total") > 0
-    assert moved("rlt_time_to_first_token_seconds_count") == 1
-    assert moved("rlt_inter_token_latency_seconds_count") == 4
-    assert moved("rlt_loops_per_token_count") == 4  # decoded tokens (token 0 is prefill)
-    assert moved("rlt_request_latency_seconds_count") == 1
+    http_requests = "rlt:http_requests_total"
+    assert moved(http_requests, [("endpoint", "completions"), ("outcome", "length")]) == 1
+    assert moved(http_requests, [("endpoint", "completions"), ("outcome", "invalid")]) == 1
+    assert moved("rlt:request_success_total", [("finished_reason", "length")]) == 1
+    assert moved("rlt:generation_tokens_total") == 5
+    assert moved("rlt:prompt_tokens_total") > 0
+    assert moved("rlt:engine_steps_total") > 0
+    assert moved("rlt:time_to_first_token_seconds_count") == 1
+    assert moved("rlt:inter_token_latency_seconds_count") == 4
+    assert moved("rlt:loops_per_token_count") == 4  # decoded tokens (token 0 is prefill)
+    assert moved("rlt:e2e_request_latency_seconds_count") == 1
     for gauge in (
-        "rlt_requests_running",
-        "rlt_requests_waiting",
-        "rlt_kv_blocks_used",
-        "rlt_kv_blocks_free",
-        "rlt_kv_blocks_total",
+        "rlt:num_requests_running",
+        "rlt:num_requests_waiting",
+        "rlt:kv_cache_usage_perc",
+        "rlt:kv_cache_blocks_used",
+        "rlt:kv_cache_blocks_free",
+        "rlt:kv_cache_blocks_total",
     ):
         assert (gauge, ()) in after
-    assert after[("rlt_kv_blocks_total", ())] == 512
-    assert after[("rlt_engine_up", ())] == 1
+    assert after[("rlt:kv_cache_blocks_total", ())] == 512
+    assert after[("rlt:engine_up", ())] == 1
 
 
 def test_models_and_health(http):

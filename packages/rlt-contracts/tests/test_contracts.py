@@ -17,6 +17,8 @@ from rlt_contracts import (
     KVLayout,
     ModelRunnerOutput,
     NewRequestData,
+    RequestOutputDelta,
+    RequestTimings,
     SamplingParams,
     SchedulerOutput,
 )
@@ -130,3 +132,16 @@ def test_configuration_error_names_all_options():
     err = ConfigurationError(("enable_prefix_caching", "kv_layout"), "needs last_exited")
     assert err.options == ("enable_prefix_caching", "kv_layout")
     assert "enable_prefix_caching + kv_layout" in str(err)
+
+
+def test_request_timings_intervals_and_backward_compatible_deltas():
+    timings = RequestTimings(queued=1.0, scheduled=1.5, first_token=2.25, last_token=4.0)
+    assert (timings.queue_time, timings.prefill_time) == (0.5, 0.75)
+    assert (timings.decode_time, timings.inference_time) == (1.75, 2.5)
+    waiting = RequestTimings(queued=1.0)
+    assert waiting.queue_time is waiting.prefill_time is waiting.inference_time is None
+    delta = RequestOutputDelta("r", (5,), (4,), finished=True, timings=timings)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(delta), type=RequestOutputDelta) == delta
+    old = RequestOutputDelta("r", (5,), (4,))  # engines that record no timings
+    assert old.timings is None
+    assert msgspec.json.decode(msgspec.json.encode(old), type=RequestOutputDelta) == old

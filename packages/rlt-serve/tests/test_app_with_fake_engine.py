@@ -204,7 +204,8 @@ def test_engine_failure_mid_stream_is_reported_in_band(http, fake):
     assert chunks[0]["choices"][0]["text"] == "ok"
     assert "device lost" in chunks[1]["error"]["message"] and chunks[-1] == "[DONE]"
     metrics = http.get("/metrics").text
-    assert 'rlt_requests_total{endpoint="completions",outcome="unavailable"} 1.0' in metrics
+    labels = 'endpoint="completions",model_name="m",outcome="unavailable"'
+    assert f"rlt:http_requests_total{{{labels}}} 1.0" in metrics
 
 
 def test_health_follows_the_engine(http, fake):

@@ -41,6 +41,7 @@ from rlt_contracts.outputs import (
     EngineStats,
     ModelInfo,
     RequestOutputDelta,
+    RequestTimings,
 )
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
@@ -89,6 +90,7 @@ __all__ = [
     "PrefillProgress",
     "RequestBlocks",
     "RequestOutputDelta",
+    "RequestTimings",
     "RequestStage",
     "RltError",
     "SampledRows",

@@ -21,6 +21,53 @@ class EngineRequest(msgspec.Struct, frozen=True):
     arrival_time: float = 0.0
 
 
+class RequestTimings(msgspec.Struct, frozen=True):
+    """When the engine saw one request's lifecycle events (reported on its final delta).
+
+    Every timestamp is the engine host's `time.monotonic()`: only differences between them are
+    meaningful (not comparable with `EngineRequest.arrival_time`, the wall clock, or another
+    process's clock). The engine runs asynchronously, so token events are taken when the host
+    applies a step's results, which is after the next step was already submitted.
+
+    queued: the scheduler accepted the request (add_request).
+    scheduled: it was first admitted (its first prefill chunk scheduled); None if never. A
+      preempted request resumes where it was, so later re-admissions do not move it.
+    first_token: the results holding token 0 were applied; None if it produced no token.
+    last_token: the results holding its last token were applied; None if it produced none.
+    """
+
+    queued: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """queued -> scheduled (waiting for admission)."""
+        return None if self.scheduled is None else self.scheduled - self.queued
+
+    @property
+    def prefill_time(self) -> float | None:
+        """scheduled -> first token (prompt computation and token 0)."""
+        if self.scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        """first token -> last token (0.0 for a one-token request)."""
+        if self.first_token is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        """scheduled -> last token (prefill plus decode)."""
+        if self.scheduled is None or self.last_token is None:
+            return None
+        return self.last_token - self.scheduled
+
+
 class RequestOutputDelta(msgspec.Struct, frozen=True):
     """New results of one request since its previous delta.
 
@@ -32,6 +79,8 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
       prefill and always has the full model depth.
     logprobs / top_logprobs: aligned with token_ids when the request asked for logprobs.
     resolved_seed: the seed actually used (differs from the request when it asked for None).
+    timings: engine-side timestamps, on the final delta only (None elsewhere, and from engines
+      that do not record them).
     """
 
     request_id: str
@@ -45,6 +94,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     num_prompt_tokens: int = 0
     resolved_seed: int | None = None
     error: str | None = None
+    timings: RequestTimings | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -87,5 +137,6 @@ __all__ = [
     "FinishReason",
     "ModelInfo",
     "RequestOutputDelta",
+    "RequestTimings",
     "SamplingParams",
 ]

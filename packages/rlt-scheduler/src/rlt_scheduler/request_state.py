@@ -18,6 +18,7 @@ from rlt_contracts import (
     FinishReason,
     RequestOutputDelta,
     RequestStage,
+    RequestTimings,
     SamplingParams,
 )
 
@@ -54,6 +55,11 @@ class ScheduledRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     delivered_tokens: int = 0  # outputs already reported in a delta
+    # lifecycle timestamps (host time.monotonic(); see rlt_contracts.RequestTimings)
+    queued_time: float = 0.0  # accepted by add_request
+    scheduled_time: float | None = None  # first admitted
+    first_token_time: float | None = None  # results holding output 0 applied
+    last_token_time: float | None = None  # results holding the latest output applied
 
     @property
     def prompt_length(self) -> int:
@@ -87,8 +93,17 @@ class ScheduledRequest:
         outputs: the looping token (output n - 1) writes position P + n - 1."""
         return min(self.prompt_length + outputs_bound, self.lifetime_tokens)
 
+    def timings(self) -> RequestTimings:
+        return RequestTimings(
+            queued=self.queued_time,
+            scheduled=self.scheduled_time,
+            first_token=self.first_token_time,
+            last_token=self.last_token_time,
+        )
+
     def take_delta(self) -> RequestOutputDelta:
-        """Outputs produced since the previous delta (and the finish, if any)."""
+        """Outputs produced since the previous delta (and the finish, if any; the final delta
+        carries the request's timings)."""
         start, self.delivered_tokens = self.delivered_tokens, self.num_outputs
         wants_logprobs = self.sampling.logprobs is not None
         return RequestOutputDelta(
@@ -102,4 +117,5 @@ class ScheduledRequest:
             num_prompt_tokens=self.prompt_length,
             resolved_seed=self.sampling.seed,
             error=self.error,
+            timings=self.timings() if self.finished else None,
         )

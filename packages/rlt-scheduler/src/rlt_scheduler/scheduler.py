@@ -16,11 +16,16 @@ A step holds prefill chunks under the token budget and `decode_ticks` loop ticks
 decoding request. While prompts are waiting to be computed a step runs one tick, so prefill is
 never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
 more than the longest request can still use) run per host round trip.
+
+Each request records when it was queued (add_request), first admitted (schedule) and when the
+results holding its first and latest tokens were applied (update_from_output), on the host's
+time.monotonic() clock; its final delta reports them (`RequestTimings`).
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +136,7 @@ class Scheduler:
                 stop_token_ids=stop_ids,
             ),
             arrival_index=self._next_generation,
+            queued_time=time.monotonic(),
         )
         self._next_generation += 1
         self._requests[request_id] = request
@@ -370,6 +376,7 @@ class Scheduler:
         self._waiting.remove(request)
         self._running.append(request)
         request.stage = RequestStage.PREFILL
+        request.scheduled_time = time.monotonic()
         request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
         request.known_to_runner = True
         step.selected.add(request.identity)  # never a preemption victim of its own step
@@ -443,18 +450,25 @@ class Scheduler:
                     self.kv.publish_prefix(
                         request.identity, request.prompt_token_ids, progress.end_position
                     )
+        now = time.monotonic() if result.generated else 0.0
         for generated in result.generated:
             request = self._current(generated.identity)
             if request is not None:
-                self._record_tokens(request, generated)
+                self._record_tokens(request, generated, now)
 
-    def _record_tokens(self, request: ScheduledRequest, generated: GeneratedTokens) -> None:
+    def _record_tokens(
+        self, request: ScheduledRequest, generated: GeneratedTokens, now: float
+    ) -> None:
         if generated.first_output_index != request.num_outputs:
             raise RuntimeError(
                 f"{request.identity}: output {generated.first_output_index} reported, "
                 f"{request.num_outputs} expected next"
             )
         self._dirty[request.identity.request_id] = request
+        if generated.token_ids:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
         for i, token in enumerate(generated.token_ids):
             depth = generated.exit_depths[i]
             request.output_token_ids.append(token)

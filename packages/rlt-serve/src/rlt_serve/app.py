@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,8 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from rlt_contracts import EngineClient, EngineDeadError, RltError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlt_serve import chat, completions
 from rlt_serve.context import ServerContext
@@ -108,7 +112,10 @@ def build_app(
         return observed_failure[0] if observed_failure else None
 
     metrics = ServingMetrics(
-        client, model_depth=info.num_loops, is_alive=lambda: current_engine_error() is None
+        client,
+        model_depth=info.num_loops,
+        model_name=served_model_name,
+        is_alive=lambda: current_engine_error() is None,
     )
     ctx = ServerContext(
         client=client,
@@ -187,6 +194,21 @@ def build_app(
             return JSONResponse(Health(status="shutting_down").model_dump(), status_code=503)
         return Health(status="ok")
 
+    def playground_file(name: str, media_type: str):
+        async def serve_file() -> Response:
+            return Response(_static_file(name), media_type=media_type, headers=_PAGE_HEADERS)
+
+        return serve_file
+
+    for path, (name, media_type) in PLAYGROUND_FILES.items():
+        app.add_api_route(
+            path,
+            playground_file(name, media_type),
+            methods=["GET"],
+            include_in_schema=False,
+            response_class=Response,
+        )
+
     @app.get(
         "/metrics",
         tags=["ops"],
@@ -222,8 +244,73 @@ def build_app(
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
         )
+    # Outermost: runs before the guards, so that the playground's own POSTs pass the Origin
+    # check (browsers send Origin even on same-origin POSTs).
+    app.add_middleware(
+        _SameOriginIsNoOrigin, enabled=allowed_hosts is not None or api_key is not None
+    )
     app.openapi = _openapi_with_security(app, api_key is not None)
     return app
+
+
+# The playground (docs/serving.md, "The playground page"): plain files shipped in the package,
+# served at these paths (the page's URLs are relative, so a path prefix added by a proxy works).
+PLAYGROUND_FILES: dict[str, tuple[str, str]] = {
+    "/playground": ("playground.html", "text/html; charset=utf-8"),
+    "/playground/playground.js": ("playground.js", "text/javascript; charset=utf-8"),
+    "/playground/playground.css": ("playground.css", "text/css; charset=utf-8"),
+}
+
+# Nothing but this server: no external script, style, font or image can load, and the API
+# calls may only go back to the origin that served the page.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",  # (no-referrer would make POSTs send "Origin: null")
+    "Cache-Control": "no-cache",
+}
+
+
+@cache
+def _static_file(name: str) -> bytes:
+    return (resources.files("rlt_serve") / "static" / name).read_bytes()
+
+
+class _SameOriginIsNoOrigin:
+    """Treat a request whose Origin is the server's own (scheme://Host) as carrying no Origin.
+
+    Browsers send Origin on every POST, same-origin ones included, so without this the
+    playground page could not call the API it was served with: the Origin guard refuses any
+    Origin not listed with --allowed-origin. A page can only have the server's own origin if it
+    came from this server, or through DNS rebinding (a foreign name resolving to this server).
+    So this is enabled only where rebinding gains nothing: when the Host header is checked
+    (bound to loopback: a rebinding page's Host is its own name and answers 403), or when an
+    API key is required (such a page never has the key). Otherwise (a public bind without a
+    key) browser pages still need --allowed-origin.
+    """
+
+    def __init__(self, app: ASGIApp, *, enabled: bool) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.enabled and scope["type"] == "http":
+            headers = Headers(scope=scope)
+            origin = headers.get("origin")
+            host = headers.get("host")
+            if origin is not None and host and _is_own_origin(origin, host):
+                scope = {
+                    **scope,
+                    "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"origin"],
+                }
+        await self.app(scope, receive, send)
+
+
+def _is_own_origin(origin: str, host: str) -> bool:
+    origin, host = origin.strip().lower(), host.strip().lower()
+    return origin in (f"http://{host}", f"https://{host}")
 
 
 def _counting(handler, metrics: ServingMetrics):

@@ -126,17 +126,14 @@ class Generation:
     def _apply(self, choice: Choice, delta: RequestOutputDelta) -> Choice:
         now = time.monotonic()
         if delta.token_ids:
-            count = len(delta.token_ids)
-            if choice.last_token_time is None:
-                self._metrics.time_to_first_token.observe(now - self._start)
-                count -= 1
-            if count > 0 and choice.last_token_time is not None:
-                gap = (now - choice.last_token_time) / count
-                for _ in range(count):
-                    self._metrics.inter_token_latency.observe(gap)
+            self._metrics.observe_tokens(
+                delta.exit_depths,
+                tokens_before=len(choice.token_ids),
+                last_token_time=choice.last_token_time,
+                start=self._start,
+                now=now,
+            )
             choice.last_token_time = now
-            decoded = delta.exit_depths if choice.token_ids else delta.exit_depths[1:]
-            self._metrics.observe_loops(decoded)
         choice.token_ids.extend(delta.token_ids)
         choice.exit_depths.extend(delta.exit_depths)
         if delta.text:
@@ -147,6 +144,12 @@ class Generation:
         if delta.finished:
             choice.finish_reason = str(delta.finish_reason or "abort")
             choice.error = delta.error
+            self._metrics.observe_finished(
+                delta,
+                prompt_tokens=choice.prompt_tokens,
+                generated_tokens=len(choice.token_ids),
+                e2e=now - self._start,
+            )
         return choice
 
     # -- results -------------------------------------------------------------------------------
@@ -184,7 +187,6 @@ class Generation:
             outcome = "error"
         else:
             outcome = next((r for r in ("abort", "length", "stop") if r in reasons), "abort")
-        self._metrics.request_latency.observe(time.monotonic() - self._start)
         self._record(outcome)
 
     def _record(self, outcome: str) -> None:

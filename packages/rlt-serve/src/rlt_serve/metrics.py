@@ -1,23 +1,24 @@
 """Prometheus metrics of one server (GET /metrics, text exposition format).
 
-Each app owns its registry (several apps in one process never share counters). Engine
-counters and gauges are read from `EngineClient.stats()` at scrape time; latency and loop
-histograms are observed by the HTTP layer as deltas reach it.
+Names follow vLLM's (v1) `vllm:` metrics under an `rlt:` prefix where vLLM has one; every
+metric carries a `model_name` label. docs/serving.md lists them all.
 
-  rlt_requests_total{endpoint,outcome}      counter: one per generation request; outcome is
-                                            stop | length | abort | invalid | unauthorized |
-                                            overloaded | unavailable | error
-  rlt_requests_running / rlt_requests_waiting                  gauges (engine)
-  rlt_kv_blocks_used / _free / _total                          gauges (engine)
-  rlt_prompt_tokens_total / rlt_generation_tokens_total        counters (engine)
-  rlt_engine_steps_total, rlt_decode_loops_total, rlt_preemptions_total, rlt_resumptions_total,
-  rlt_prefix_cache_hit_tokens_total, rlt_prefix_cache_queried_tokens_total  counters (engine)
-  rlt_engine_up                                                gauge: 1 running, 0 dead
-  rlt_time_to_first_token_seconds          histogram: arrival -> first token at the frontend
-  rlt_inter_token_latency_seconds          histogram: gap between tokens (per token)
-  rlt_request_latency_seconds              histogram: arrival -> last delta
-  rlt_loops_per_token                      histogram: exit depth of each decoded token
-                                           (token 0 comes from prefill and is excluded)
+Each app owns its registry (several apps in one process never share counters). Engine gauges and
+counters are read from one `EngineClient.stats()` snapshot at scrape time (nothing is computed
+per step). Per-request histograms are observed by the HTTP layer as deltas reach it:
+
+- what a client sees (TTFT, inter-token latency, end-to-end latency) on the frontend's
+  time.monotonic(), from the moment the handler submits the request (after parsing and
+  tokenizing) to the moment a delta reaches the handler;
+- engine phases (queue, prefill, decode, inference time) from the `RequestTimings` on the final
+  delta: differences of the engine host's time.monotonic() stamps, which the scheduler takes when
+  it queues and first admits a request and when it applies a step's results (the engine is
+  asynchronous: the results of step n are applied after step n + 1 was submitted);
+- loops: the exit depth of every decoded token (token 0 comes from prefill and is excluded).
+
+Per-request histograms count each engine request (one per prompt/choice) whose final delta the
+handler reads; a request whose client went away first is not observed (it still counts in
+`rlt:http_requests_total{outcome="abort"}` and the engine counters).
 """
 
 from __future__ import annotations
@@ -27,26 +28,33 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from rlt_contracts import EngineClient
+from rlt_contracts import EngineClient, FinishReason, RequestOutputDelta
 
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+PREFIX = "rlt:"
+# vLLM's buckets; ITL and the request phases get a finer low end (a looped model's decode tick
+# and an idle server's queue are often well under vLLM's first bucket).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0,
+    10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+
+def token_count_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    buckets, base = [], 1
+    while base <= max_model_len:
+        buckets += [float(base * m) for m in (1, 2, 5) if base * m <= max_model_len]
+        base *= 10
+    return tuple(buckets)
 
 
 def outcome_of_status(status: int) -> str:
@@ -57,93 +65,218 @@ def outcome_of_status(status: int) -> str:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, client: EngineClient, is_alive: Callable[[], bool]) -> None:
+    """Engine gauges and counters from one stats snapshot per scrape."""
+
+    def __init__(self, client: EngineClient, is_alive: Callable[[], bool], model_name: str) -> None:
         self._client = client
         self._is_alive = is_alive
+        self._model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
         stats = self._client.stats()
+        total = stats.kv_blocks_total
         gauges = {
-            "rlt_requests_running": (
-                "Requests holding KV blocks and decoding.",
+            "num_requests_running": (
+                "Requests admitted (holding KV blocks): prefilling or decoding.",
                 stats.running_requests,
             ),
-            "rlt_requests_waiting": ("Requests queued for admission.", stats.waiting_requests),
-            "rlt_kv_blocks_used": ("KV cache blocks in use.", stats.kv_blocks_used),
-            "rlt_kv_blocks_free": ("KV cache blocks free.", stats.kv_blocks_free),
-            "rlt_kv_blocks_total": ("KV cache blocks in the pool.", stats.kv_blocks_total),
-            "rlt_engine_up": (
+            "num_requests_waiting": (
+                "Requests waiting for admission (new or preempted).",
+                stats.waiting_requests,
+            ),
+            "kv_cache_usage_perc": (
+                "KV-cache usage: fraction of the KV blocks in use (1 means 100 percent).",
+                stats.kv_blocks_used / total if total else 0.0,
+            ),
+            "kv_cache_blocks_used": ("KV cache blocks in use.", stats.kv_blocks_used),
+            "kv_cache_blocks_free": ("KV cache blocks free.", stats.kv_blocks_free),
+            "kv_cache_blocks_total": ("KV cache blocks in the pool.", total),
+            "engine_up": (
                 "1 while the engine runs, 0 once it died or shut down.",
                 int(self._is_alive()),
             ),
         }
+        labels = [self._model_name]
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
         counters = {
-            "rlt_prompt_tokens": ("Prompt tokens prefilled.", stats.prompt_tokens),
-            "rlt_generation_tokens": ("Tokens generated.", stats.generation_tokens),
-            "rlt_engine_steps": ("Engine steps run.", stats.steps),
-            "rlt_decode_loops": ("Recurrent loops run for decoded tokens.", stats.decode_loops),
-            "rlt_preemptions": ("Requests preempted.", stats.preemptions),
-            "rlt_resumptions": ("Preempted requests resumed.", stats.resumptions),
-            "rlt_prefix_cache_hit_tokens": (
-                "Prompt tokens served from the prefix cache.",
+            "prompt_tokens": (
+                "Prompt tokens prefilled (prefix-cache hits excluded).",
+                stats.prompt_tokens,
+            ),
+            "generation_tokens": ("Tokens generated.", stats.generation_tokens),
+            "num_preemptions": ("Requests preempted (suspended).", stats.preemptions),
+            "num_resumptions": ("Preempted requests resumed.", stats.resumptions),
+            "prefix_cache_queries": (
+                "Prefix cache queries, in prompt tokens looked up.",
+                stats.prefix_cache_queried_tokens,
+            ),
+            "prefix_cache_hits": (
+                "Prefix cache hits, in prompt tokens found.",
                 stats.prefix_cache_hit_tokens,
             ),
-            "rlt_prefix_cache_queried_tokens": (
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queried_tokens,
+            "engine_steps": ("Engine steps applied.", stats.steps),
+            "decode_loops": (
+                "Recurrent loops run for decoded tokens (token 0, from prefill, excluded).",
+                stats.decode_loops,
             ),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
 
 
 class ServingMetrics:
+    """The registry of one app and the observations of its HTTP layer.
+
+    model_name: the `model_name` label (the served model name); defaults to the engine's model
+    name, which is what `rlt serve` serves unless --served-model-name renames it.
+    """
+
     def __init__(
-        self, client: EngineClient, *, model_depth: int, is_alive: Callable[[], bool]
+        self,
+        client: EngineClient,
+        *,
+        model_depth: int,
+        is_alive: Callable[[], bool],
+        model_name: str | None = None,
     ) -> None:
+        info = client.model_info()
+        self.model_name = model_name if model_name is not None else info.name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "rlt_requests",
-            "Generation requests by endpoint and outcome.",
-            ["endpoint", "outcome"],
-            registry=self.registry,
+        registry = self.registry
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]):
+            return Histogram(
+                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=registry
+            ).labels(self.model_name)
+
+        self._requests = Counter(
+            PREFIX + "http_requests",
+            "Generation requests (HTTP) by endpoint and outcome.",
+            ["model_name", "endpoint", "outcome"],
+            registry=registry,
         )
-        self.time_to_first_token = Histogram(
-            "rlt_time_to_first_token_seconds",
-            "Arrival to the first generated token.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        request_success = Counter(
+            PREFIX + "request_success",
+            "Engine requests finished, by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=registry,
         )
-        self.inter_token_latency = Histogram(
-            "rlt_inter_token_latency_seconds",
-            "Time between consecutive generated tokens.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self._request_success = {
+            str(reason): request_success.labels(self.model_name, str(reason))
+            for reason in FinishReason
+        }
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Time to first token: request submitted -> its first token at the server.",
+            TTFT_BUCKETS,
         )
-        self.request_latency = Histogram(
-            "rlt_request_latency_seconds",
-            "Arrival to the end of the request.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Inter-token latency: gap between consecutive tokens of a request at the server "
+            "(one observation per token after the first; a delta's tokens share its gap).",
+            ITL_BUCKETS,
         )
-        self.loops_per_token = Histogram(
-            "rlt_loops_per_token",
-            "Exit depth (loops) of each decoded token.",
-            buckets=tuple(float(d) for d in range(1, model_depth + 1)),
-            registry=self.registry,
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "End-to-end request latency: request submitted -> its final delta at the server.",
+            REQUEST_LATENCY_BUCKETS,
         )
-        self.registry.register(_EngineCollector(client, is_alive))
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited for admission (engine clock).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Admission -> first token read back (engine clock).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "First token -> last token read back (engine clock).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Admission -> last token read back: prefill plus decode (engine clock).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = token_count_buckets(info.max_model_len)
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", token_buckets
+        )
+        self.generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated by each finished request.",
+            token_buckets,
+        )
+        self.loops_per_token = histogram(
+            "loops_per_token",
+            "Exit depth (loops run) of each decoded token, token 0 (prefill) excluded; "
+            "bucket le=k minus bucket le=k-1 counts the tokens that exited at depth k.",
+            tuple(float(d) for d in range(1, model_depth + 1)),
+        )
+        registry.register(_EngineCollector(client, is_alive, self.model_name))
 
     def count(self, path: str, outcome: str) -> None:
+        """One HTTP generation request answered with `outcome`."""
         endpoint = ENDPOINTS.get(path)
         if endpoint is not None:
-            self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+            self._requests.labels(self.model_name, endpoint, outcome).inc()
 
-    def observe_loops(self, exit_depths: Sequence[int]) -> None:
-        for depth in exit_depths:
-            self.loops_per_token.observe(depth)
+    def observe_tokens(
+        self,
+        exit_depths: Sequence[int],
+        *,
+        tokens_before: int,
+        last_token_time: float | None,
+        start: float,
+        now: float,
+    ) -> None:
+        """A delta brought `len(exit_depths)` (> 0) tokens of one request at `now`.
+
+        tokens_before: tokens of the request received earlier; last_token_time: when the latest
+        of them arrived (None before the first token); start: when the request was submitted.
+        Tokens that arrive together with the first one have an inter-token latency of 0.
+        """
+        count = len(exit_depths)
+        if last_token_time is None:
+            self.time_to_first_token.observe(now - start)
+            gap, count = 0.0, count - 1
+        else:
+            gap = (now - last_token_time) / count
+        itl = self.inter_token_latency
+        for _ in range(count):
+            itl.observe(gap)
+        loops = self.loops_per_token
+        for depth in exit_depths if tokens_before else exit_depths[1:]:
+            loops.observe(depth)
+
+    def observe_finished(
+        self, delta: RequestOutputDelta, *, prompt_tokens: int, generated_tokens: int, e2e: float
+    ) -> None:
+        """The final delta of one engine request reached the server `e2e` seconds after it was
+        submitted."""
+        self._request_success[str(delta.finish_reason or FinishReason.ABORT)].inc()
+        self.e2e_request_latency.observe(e2e)
+        self.prompt_tokens.observe(prompt_tokens)
+        self.generation_tokens.observe(generated_tokens)
+        timings = delta.timings
+        if timings is None:
+            return
+        for histogram, value in (
+            (self.queue_time, timings.queue_time),
+            (self.prefill_time, timings.prefill_time),
+            (self.decode_time, timings.decode_time),
+            (self.inference_time, timings.inference_time),
+        ):
+            if value is not None:
+                histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""The `rlt` command: `rlt generate PROMPT ...` and `rlt serve [MODEL_DIR]`."""
+"""The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]` and `rlt bench serve`."""
 
 from __future__ import annotations
 
@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
+    from rlt.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

@@ -185,3 +185,4 @@ class LLMEngine:
         output.finished = delta.finished
         output.finish_reason = delta.finish_reason
         output.error = delta.error
+        output.timings = delta.timings

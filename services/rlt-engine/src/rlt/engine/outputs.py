@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlt_contracts import FinishReason
+from rlt_contracts import FinishReason, RequestTimings
 
 
 @dataclass
@@ -27,6 +27,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     seed: int | None = None
     error: str | None = None
+    timings: RequestTimings | None = None  # lifecycle timestamps, once finished
 
     @property
     def mean_loops(self) -> float:

@@ -56,6 +56,7 @@ class OutputCursor:
             num_prompt_tokens=len(output.prompt_token_ids),
             resolved_seed=output.seed,
             error=output.error,
+            timings=output.timings if output.finished else None,
         )
 
 
@@ -81,4 +82,5 @@ def merge_deltas(first: RequestOutputDelta, second: RequestOutputDelta) -> Reque
         if second.resolved_seed is not None
         else first.resolved_seed,
         error=second.error or first.error,
+        timings=second.timings or first.timings,
     )

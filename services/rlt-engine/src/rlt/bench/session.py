@@ -1,0 +1,182 @@
+"""One `rlt bench serve` invocation: find the model, build the workload once, then run it at
+each request rate (one rate, or a sweep), printing and saving each run's result."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlt_contracts import ConfigurationError
+
+from rlt.bench.arrival import arrival_times
+from rlt.bench.datasets import DEFAULT_VOCAB_SIZE, BenchRequest, jsonl_requests, random_requests
+from rlt.bench.metrics import summarize
+from rlt.bench.report import (
+    default_result_filename,
+    print_summary,
+    rate_label,
+    save_result,
+    with_rate_suffix,
+)
+from rlt.bench.request import Endpoint, RequestOptions
+from rlt.bench.runner import list_models, make_client, run_requests
+
+
+def build_requests(args: argparse.Namespace, *, chat: bool, vocab_size: int) -> list:
+    if args.dataset_name == "jsonl":
+        return jsonl_requests(
+            args.dataset_path,
+            args.num_prompts,
+            chat=chat,
+            default_output_len=args.jsonl_output_len,
+        )
+    return random_requests(
+        args.num_prompts,
+        input_len=args.random_input_len,
+        output_len=args.random_output_len,
+        chat=chat,
+        range_ratio=args.random_range_ratio,
+        vocab_size=vocab_size,
+        seed=args.seed,
+    )
+
+
+def result_metadata(args, endpoint: Endpoint, model: str, rate: float, date: str) -> dict:
+    return {
+        "date": date,
+        "backend": "openai-chat" if endpoint.chat else "openai",
+        "base_url": endpoint.base_url,
+        "endpoint": endpoint.path,
+        "model_id": model,
+        "num_prompts": args.num_prompts,
+        "dataset_name": args.dataset_name,
+        "dataset_path": args.dataset_path,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "request_rate": rate_label(rate) if math.isinf(rate) else rate,
+        "arrival": args.arrival,
+        "burstiness": args.burstiness,
+        "burst_size": args.burst_size,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "ignore_eos": args.ignore_eos,
+        "exit_threshold": args.exit_threshold,
+        "min_loops": args.min_loops,
+        "max_loops": args.max_loops,
+    }
+
+
+def result_filename(args, endpoint: Endpoint, model: str, rate: float, date: str, sweep: bool):
+    if args.result_filename:
+        return with_rate_suffix(args.result_filename, rate) if sweep else args.result_filename
+    backend = "openai-chat" if endpoint.chat else "openai"
+    return default_result_filename(backend, model, rate, args.max_concurrency, date)
+
+
+@dataclass
+class BenchSession:
+    args: argparse.Namespace
+    endpoint: Endpoint
+    api_key: str
+    options: dict[str, Any]  # RequestOptions fields but the model
+    percentiles: tuple[float, ...]
+    goodput: dict[str, float]
+    date: str
+    model: str | None = None
+    results: list[dict] = field(default_factory=list)
+
+    async def _discover(self, client) -> int:
+        """Fill in the model (if not given); return the vocabulary size for random prompts."""
+        args = self.args
+        cards: list[dict] = []
+        if args.model is None or args.random_vocab_size is None:
+            try:
+                cards = await list_models(client)
+            except Exception as exc:
+                if args.model is None:
+                    raise ConfigurationError(
+                        "model",
+                        f"cannot list models at {self.endpoint.api_base}/models "
+                        f"({type(exc).__name__}: {exc}); is the server up? "
+                        "Otherwise pass --model",
+                    ) from None
+        if args.model is None and not cards:
+            raise ConfigurationError("model", "the server lists no model; pass --model")
+        self.model = args.model or cards[0]["id"]
+        if args.random_vocab_size is not None:
+            return args.random_vocab_size
+        card = next((c for c in cards if c.get("id") == self.model), {})
+        vocab = card.get("vocab_size")
+        return vocab if isinstance(vocab, int) and vocab > 0 else DEFAULT_VOCAB_SIZE
+
+    async def run(self, rates: list[float]) -> list[dict]:
+        args = self.args
+        client = make_client(
+            self.endpoint,
+            api_key=self.api_key,
+            timeout=args.request_timeout,
+            trust_env=args.trust_env,
+        )
+        async with client:
+            vocab_size = await self._discover(client)
+            requests = build_requests(args, chat=self.endpoint.chat, vocab_size=vocab_size)
+            options = RequestOptions(model=self.model, **self.options)
+            for rate in rates:
+                result = await self._run_rate(client, requests, options, rate, len(rates) > 1)
+                self.results.append(result)
+                if result["interrupted"]:
+                    break
+        return self.results
+
+    async def _run_rate(
+        self, client, requests: list[BenchRequest], options: RequestOptions, rate, sweep: bool
+    ) -> dict:
+        from tqdm import tqdm
+
+        args = self.args
+        arrivals = arrival_times(
+            len(requests),
+            rate,
+            process=args.arrival,
+            burstiness=args.burstiness,
+            burst_size=args.burst_size,
+            seed=args.seed,
+        )
+        with tqdm(
+            total=len(requests),
+            desc=f"rate {rate_label(rate)}",
+            unit="req",
+            disable=args.disable_tqdm,
+            file=sys.stderr,
+        ) as progress:
+            outcome = await run_requests(
+                client,
+                self.endpoint,
+                requests,
+                arrivals,
+                options,
+                max_concurrency=args.max_concurrency,
+                progress=progress,
+            )
+        result = result_metadata(args, self.endpoint, self.model, rate, self.date)
+        result.update(interrupted=outcome.interrupted, percentiles=list(self.percentiles))
+        result.update(
+            summarize(
+                outcome.results,
+                outcome.duration,
+                percentiles=self.percentiles,
+                goodput_slos=self.goodput,
+            )
+        )
+        print_summary(result, sys.stdout)
+        if args.save_result:
+            name = result_filename(args, self.endpoint, self.model, rate, self.date, sweep)
+            path = save_result(result, args.result_dir, name)
+            print(f"result written to {path}")
+        return result

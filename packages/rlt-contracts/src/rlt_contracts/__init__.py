@@ -43,6 +43,14 @@ from rlt_contracts.outputs import (
     RequestOutputDelta,
     RequestTimings,
 )
+from rlt_contracts.pd import (
+    HandoffEvents,
+    HandoffTarget,
+    KVHandoffPort,
+    KVTransferParams,
+    PDCompatibility,
+    PDRole,
+)
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
 from rlt_contracts.scheduling import (
@@ -74,10 +82,14 @@ __all__ = [
     "ExitRuleKind",
     "FinishReason",
     "GeneratedTokens",
+    "HandoffEvents",
+    "HandoffTarget",
     "InvalidRequestError",
     "KVCacheTensors",
     "KVCapacity",
     "KVLayout",
+    "KVHandoffPort",
+    "KVTransferParams",
     "LayerAttention",
     "LoopedLanguageModel",
     "LoopedModelShape",
@@ -85,6 +97,8 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "OverloadedError",
+    "PDCompatibility",
+    "PDRole",
     "PagedAttentionBatch",
     "PrefillChunk",
     "PrefillProgress",

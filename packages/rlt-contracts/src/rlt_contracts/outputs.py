@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from rlt_contracts.pd import HandoffTarget, KVTransferParams
 from rlt_contracts.requests import FinishReason
 from rlt_contracts.sampling import SamplingParams
 
@@ -13,12 +14,15 @@ class EngineRequest(msgspec.Struct, frozen=True):
 
     prompt_token_ids: the tokenized prompt (non-empty, every id < the vocabulary size).
     arrival_time: seconds since the epoch (time.time()) when the frontend received it.
+    kv_transfer: PD only (see rlt_contracts.pd): on a decode instance, wait for the prompt's KV
+      from a prefill instance; on a prefill instance, compute the prompt and push its KV.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    kv_transfer: KVTransferParams | None = None
 
 
 class RequestTimings(msgspec.Struct, frozen=True):
@@ -79,6 +83,8 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
       prefill and always has the full model depth.
     logprobs / top_logprobs: aligned with token_ids when the request asked for logprobs.
     resolved_seed: the seed actually used (differs from the request when it asked for None).
+    kv_target: PD decode instance only: where the prefill instance must write this request's
+      KV, on the first delta after the request was admitted (no tokens yet).
     timings: engine-side timestamps, on the final delta only (None elsewhere, and from engines
       that do not record them).
     """
@@ -95,6 +101,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     resolved_seed: int | None = None
     error: str | None = None
     timings: RequestTimings | None = None
+    kv_target: HandoffTarget | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True):

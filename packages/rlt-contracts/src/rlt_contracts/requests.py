@@ -22,12 +22,18 @@ class RequestStage(enum.StrEnum):
     PREFILL    prompt chunks run at full depth; the last prompt position goes straight to coda.
     DECODING   the prompt is done; the request's tokens loop on the device under the decode rule
                the scheduler handed over (loop progress and exit state live in device state).
+    AWAITING_KV  PD decode instance: admitted, its prompt's KV (and final hidden state) are being
+               written by a prefill instance; it decodes once every write has landed.
+    SENDING_KV   PD prefill instance: the prompt is computed; its KV is being pushed to the decode
+               instance; it finishes when every write completed.
     FINISHED   done; every resource is released.
     """
 
     WAITING = "waiting"
     PREFILL = "prefill"
     DECODING = "decoding"
+    AWAITING_KV = "awaiting_kv"
+    SENDING_KV = "sending_kv"
     FINISHED = "finished"
 
 

@@ -16,6 +16,8 @@ The runner executes one step in this order, which every consumer may rely on:
 4. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` sends its last
    position straight to coda: token 0 is sampled at full depth (output index 0) and, unless it
    ends the request, the row starts decoding (its successor's loop 1 may run in this step).
+   `remote_starts` (PD decode) get the same coda for the state a prefill instance wrote; a
+   `prefill_only` request (PD prefill) keeps its final state for transfer instead.
 5. `decode_ticks` ticks. In every tick each decoding row runs one loop at its own depth (rows at
    different depths share the tick). After the loop the device applies the row's `DecodeRule`;
    a row that exits gets its LAST_EXITED finalization copies, the LM head and the sampler, and
@@ -104,12 +106,15 @@ class NewRequestData(msgspec.Struct, frozen=True):
     sampling: the request's parameters with `seed` resolved (never None here).
     prompt_length: number of prompt tokens P.
     rule: the decode rule the device applies once the prompt is done.
+    prefill_only: PD prefill instance: the completed prompt keeps its final hidden state in the
+      row for transfer; token 0 is not sampled here.
     """
 
     identity: ExecutionIdentity
     sampling: SamplingParams
     prompt_length: int
     rule: DecodeRule
+    prefill_only: bool = False
 
 
 class PrefillChunk(msgspec.Struct, frozen=True):
@@ -138,6 +143,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     step_id: engine-unique, increasing; echoed in `ModelRunnerOutput.step_id`.
     decode_ticks: loop ticks every decoding row runs in this step (0: decoding rows wait). The
       scheduler has made every decoding row's blocks cover the positions it can reach.
+    remote_starts: PD decode instance: requests whose prompt KV and final hidden state were
+      written into their blocks and row by a prefill instance; they get token 0 (coda at full
+      depth) right after the bookkeeping, as if their prompt had completed here.
     """
 
     step_id: int
@@ -147,12 +155,13 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     snapshots: tuple[ExecutionIdentity, ...] = ()
     restores: tuple[ExecutionIdentity, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
+    remote_starts: tuple[ExecutionIdentity, ...] = ()
     decode_ticks: int = 0
 
     @property
     def has_work(self) -> bool:
         """True if the runner must execute model work (not only bookkeeping)."""
-        return bool(self.prefill) or self.decode_ticks > 0
+        return bool(self.prefill or self.remote_starts) or self.decode_ticks > 0
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -162,12 +162,18 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self._apply_bookkeeping(step)
-                started = [self.rows.record(c.identity) for c in step.prefill if c.completes_prompt]
+                started = [
+                    record
+                    for record in (
+                        self.rows.record(c.identity) for c in step.prefill if c.completes_prompt
+                    )
+                    if not record.prefill_only
+                ] + [self.rows.record(identity) for identity in step.remote_starts]
                 running = self.rows.decoding_records() if step.decode_ticks > 0 else []
                 pending.mode = sampling_mode([r.sampling for r in running + started])
                 started_record = self._run_prefill(step, started, pending)
                 self._run_ticks(step.decode_ticks, pending)
-                start_readback(pending, started_record, self.program.ring)
+                start_readback(pending, started_record, self.program.ring, self.device)
         except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
             logger.exception("step %d failed; aborting its requests", step.step_id)
             identities = {c.identity for c in step.prefill}
@@ -190,7 +196,9 @@ class ModelRunner:
         for identity in step.released:
             self.snapshots.discard(identity)
         new = [
-            RowRecord(n.identity, -1, n.sampling, n.rule, n.prompt_length)
+            RowRecord(
+                n.identity, -1, n.sampling, n.rule, n.prompt_length, prefill_only=n.prefill_only
+            )
             for n in step.new_requests
         ]
         self.rows.assign(new + [self.snapshots.record_of(i) for i in step.restores])
@@ -201,9 +209,29 @@ class ModelRunner:
     def _run_prefill(
         self, step: SchedulerOutput, started: list[RowRecord], pending: PendingStep
     ) -> torch.Tensor | None:
-        """Prompt chunks, then token 0 of the prompts they complete (returns its records)."""
-        if not step.prefill:
+        """Prompt chunks, then token 0 of the prompts they complete and of the PD requests whose
+        prompt state was written here by a prefill instance (returns token 0's records)."""
+        if step.prefill:
+            self._run_chunks(step, pending)
+        if not started:
             return None
+        if step.remote_starts:  # PD decode: the prompt state a prefill instance wrote
+            landed = upload(
+                [self.rows.record(i).row for i in step.remote_starts], torch.int64, self.device
+            )
+            self.rows.hidden.index_copy_(0, landed, self.rows.landing[landed])
+        index, lengths = upload(
+            [[r.row for r in started], [r.prompt_length for r in started]],
+            torch.int64,
+            self.device,
+        )
+        pending.started = started
+        record = self.program.start_rows(index, lengths, pending.mode)
+        for r in started:
+            r.decoding = True
+        return record
+
+    def _run_chunks(self, step: SchedulerOutput, pending: PendingStep) -> None:
         run_prefill(
             self.model,
             self.attention,
@@ -221,18 +249,6 @@ class ModelRunner:
             ],
         )
         pending.progress = tuple(PrefillProgress(c.identity, c.end_position) for c in step.prefill)
-        if not started:
-            return None
-        index, lengths = upload(
-            [[r.row for r in started], [r.prompt_length for r in started]],
-            torch.int64,
-            self.device,
-        )
-        pending.started = started
-        record = self.program.start_rows(index, lengths, pending.mode)
-        for r in started:
-            r.decoding = True
-        return record
 
     def _run_ticks(self, ticks: int, pending: PendingStep) -> None:
         decoding = self.rows.decoding_records()

@@ -48,10 +48,15 @@ class PendingStep:
 
 
 def start_readback(
-    pending: PendingStep, started_record: torch.Tensor | None, ring: torch.Tensor
+    pending: PendingStep,
+    started_record: torch.Tensor | None,
+    ring: torch.Tensor,
+    device: torch.device,
 ) -> None:
     """Queue the one copy of this step's records: [started rows, columns] then the ring's
-    [ticks, rows, columns] block, flattened into one fp64 tensor."""
+    [ticks, rows, columns] block, flattened into one fp64 tensor. A CUDA step with nothing to
+    read back (prefill only) still records its event: collecting it is the evidence that its
+    device work (e.g. a chunk's KV, before a transfer reads it) is complete (R18)."""
     parts = []
     if started_record is not None:
         parts.append(started_record.reshape(-1))
@@ -59,6 +64,9 @@ def start_readback(
         columns = record_columns(pending.mode)
         parts.append(ring[: pending.ticks, : pending.rows, :columns].reshape(-1))
     if not parts:
+        if device.type == "cuda":
+            pending.event = torch.cuda.Event(enable_timing=True)
+            pending.event.record()
         return
     pending.host = download(torch.cat(parts) if len(parts) > 1 else parts[0])
     if pending.host.is_pinned():

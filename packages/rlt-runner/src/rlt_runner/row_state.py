@@ -7,6 +7,7 @@ rows in use stay packed at the front and a decode tick runs the smallest bucket 
 Per-row device buffers (S rows); the runner writes them at admission, the decode program at
 every tick (nobody else writes them):
   hidden [S, d]        the state the next loop reads (after an exit: the embedded new token)
+  landing [S, d]       PD decode: the final prompt state a prefill instance writes (remote DMA)
   token [S]            the latest sampled token (the one looping)
   position [S]         its position (prompt length + outputs - 1)
   loops [S]            loops it has run so far
@@ -63,7 +64,8 @@ PROGRESS_BUFFERS = (
 @dataclass(eq=False)
 class RowRecord:
     """Host view of one request's row. `decoding`: its prompt is done, so the row may be active
-    on the device; `reported`: outputs already parsed from read-backs (the next one's index)."""
+    on the device; `reported`: outputs already parsed from read-backs (the next one's index);
+    `prefill_only` (PD prefill): the completed prompt's state stays in the row for transfer."""
 
     identity: ExecutionIdentity
     row: int
@@ -73,6 +75,7 @@ class RowRecord:
     host_tables: list[list[int]] = field(default_factory=list)
     decoding: bool = False
     reported: int = 0
+    prefill_only: bool = False
 
 
 class DecodeRows:
@@ -101,6 +104,9 @@ class DecodeRows:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.hidden = zeros(S, hidden_size, dtype=dtype)
+        # PD decode: a prefill instance writes a prompt's final state here (never touched by a
+        # tick, which rewrites every row's `hidden`); copied into `hidden` at its remote start.
+        self.landing = zeros(S, hidden_size, dtype=dtype)
         self.token = zeros(S)
         self.position = zeros(S)
         self.loops = zeros(S)

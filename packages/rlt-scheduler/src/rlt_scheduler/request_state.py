@@ -16,6 +16,8 @@ from rlt_contracts import (
     DecodeRule,
     ExecutionIdentity,
     FinishReason,
+    KVTransferParams,
+    PDRole,
     RequestOutputDelta,
     RequestStage,
     RequestTimings,
@@ -55,6 +57,8 @@ class ScheduledRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     delivered_tokens: int = 0  # outputs already reported in a delta
+    kv_transfer: KVTransferParams | None = None  # PD role of this request, if any
+    kv_landed: bool = False  # PD decode: the handoff completed; starts at the next step
     # lifecycle timestamps (host time.monotonic(); see rlt_contracts.RequestTimings)
     queued_time: float = 0.0  # accepted by add_request
     scheduled_time: float | None = None  # first admitted
@@ -70,8 +74,21 @@ class ScheduledRequest:
         return len(self.output_token_ids)
 
     @property
+    def prefill_only(self) -> bool:
+        """PD prefill: the prompt is computed here and sent; no token is generated here."""
+        return self.kv_transfer is not None and self.kv_transfer.role is PDRole.PREFILL
+
+    @property
+    def awaits_kv(self) -> bool:
+        """PD decode: the prompt's KV is written here by a prefill instance."""
+        return self.kv_transfer is not None and self.kv_transfer.role is PDRole.DECODE
+
+    @property
     def lifetime_tokens(self) -> int:
-        """Positions the request can ever write: the last output is never fed back."""
+        """Positions the request can ever write: the last output is never fed back (a PD
+        prefill request writes only its prompt)."""
+        if self.prefill_only:
+            return self.prompt_length
         return self.prompt_length + self.sampling.max_tokens - 1
 
     @property

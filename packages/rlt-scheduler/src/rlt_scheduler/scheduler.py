@@ -38,6 +38,7 @@ from rlt_contracts import (
     FinishReason,
     GeneratedTokens,
     InvalidRequestError,
+    KVTransferParams,
     ModelRunnerOutput,
     NewRequestData,
     OverloadedError,
@@ -59,7 +60,7 @@ from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
 from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
-from rlt_scheduler.validation import ModelLimits, validate_request
+from rlt_scheduler.validation import ModelLimits, check_kv_transfer, validate_request
 from rlt_scheduler.waiting_queue import WaitingQueue
 
 
@@ -99,18 +100,27 @@ class Scheduler:
         self._dirty: dict[str, ScheduledRequest] = {}
         self._submitted: deque[_SubmittedStep] = deque()
         self._unconfirmed_ticks: dict[ExecutionIdentity, int] = {}
+        self._held: dict[ExecutionIdentity, ScheduledRequest] = {}  # PD: blocks a writer may hit
+        self._reserved: list[ScheduledRequest] = []  # PD decode: admitted, target not reported
         self._next_generation = 0
         self._next_step = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        kv_transfer: KVTransferParams | None = None,
     ) -> ScheduledRequest:
         """Validate and enqueue a request. Raises InvalidRequestError / CapacityError /
-        OverloadedError without changing any state."""
+        OverloadedError without changing any state. `kv_transfer` (PD): role DECODE admits the
+        request to wait for its prompt's KV from a prefill instance; role PREFILL computes the
+        prompt only, for transfer to `kv_transfer.target`."""
         prompt, bounds = validate_request(
             request_id, prompt_token_ids, sampling, self.limits, self.kv
         )
+        check_kv_transfer(kv_transfer, len(prompt))
         existing = self._requests.get(request_id)
         if existing is not None and not existing.finished:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -137,6 +147,7 @@ class Scheduler:
             ),
             arrival_index=self._next_generation,
             queued_time=time.monotonic(),
+            kv_transfer=kv_transfer,
         )
         self._next_generation += 1
         self._requests[request_id] = request
@@ -159,7 +170,7 @@ class Scheduler:
             self._finish(request, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._held)
 
     @property
     def num_running(self) -> int:
@@ -213,15 +224,27 @@ class Scheduler:
         for request in [r for r in self._running if r.stage is RequestStage.PREFILL]:
             if request in self._running and step.prefill_room() > 0:
                 self._schedule_prefill_chunk(request, ticks, step)
+        for request in [r for r in self._running if r.stage is RequestStage.AWAITING_KV]:
+            if request.kv_landed:
+                self._schedule_remote_start(request, ticks, step)
         self._admit(ticks, step)
-        starts_decoding = any(chunk.completes_prompt for chunk in step.prefill)
+        starts_decoding = bool(step.remote_starts) or any(
+            c.completes_prompt and not self._requests[c.identity.request_id].prefill_only
+            for c in step.prefill
+        )
         if not (step.decoding or starts_decoding):
             ticks = 0
         output = step.build(self._next_step, released=tuple(self._releases), decode_ticks=ticks)
         self._releases.clear()
         self._next_step += 1
-        decoding = frozenset(step.decoding) | frozenset(
-            c.identity for c in step.prefill if c.completes_prompt
+        decoding = (
+            frozenset(step.decoding)
+            | frozenset(step.remote_starts)
+            | frozenset(
+                c.identity
+                for c in step.prefill
+                if c.completes_prompt and not self._requests[c.identity.request_id].prefill_only
+            )
         )
         self._submitted.append(_SubmittedStep(output, step.output_bounds, decoding))
         for identity in decoding:
@@ -246,9 +269,11 @@ class Scheduler:
         if count <= 0:
             return
         completes = start + count == request.prompt_length
-        # A completing chunk samples token 0, and its successor may loop in this step's ticks.
-        bound = 1 + tick_output_bound(request, ticks, fresh=True) if completes else 0
-        needed = max(start + count, request.kv_tokens_needed(bound)) if completes else start + count
+        # A completing chunk samples token 0, and its successor may loop in this step's ticks
+        # (not on a PD prefill instance: the state is sent for the decode instance's coda).
+        starts = completes and not request.prefill_only
+        bound = 1 + tick_output_bound(request, ticks, fresh=True) if starts else 0
+        needed = max(start + count, request.kv_tokens_needed(bound)) if starts else start + count
         if not self._ensure_kv(request, needed, step, may_suspend=False):
             return
         step.add_prefill(
@@ -262,7 +287,67 @@ class Scheduler:
         )
         request.scheduled_prompt_tokens = start + count
         if completes:
-            request.stage = RequestStage.DECODING
+            request.stage = (
+                RequestStage.SENDING_KV if request.prefill_only else RequestStage.DECODING
+            )
+
+    def _schedule_remote_start(
+        self, request: ScheduledRequest, ticks: int, step: StepBuilder
+    ) -> None:
+        """PD decode: the prompt's KV and final state landed; token 0 is sampled in this step
+        and the row decodes in its ticks, as after a prompt completed here."""
+        bound = 1 + tick_output_bound(request, ticks, fresh=True)
+        if not self._ensure_kv(request, request.kv_tokens_needed(bound), step, may_suspend=False):
+            return
+        request.stage = RequestStage.DECODING
+        request.kv_landed = False
+        request.scheduled_prompt_tokens = request.computed_prompt_tokens = request.prompt_length
+        self.kv.publish_prefix(request.identity, request.prompt_token_ids, request.prompt_length)
+        step.add_remote_start(request.identity, bound)
+
+    # -- PD transfer events (from the engine's connector) ---------------------------------------
+    def kv_landed(self, identity: ExecutionIdentity) -> bool:
+        """PD decode: every write of the request's handoff arrived; it starts decoding in the
+        next step. False for an unknown or replaced identity (a stale event)."""
+        request = self._current(identity)
+        if request is None or request.stage is not RequestStage.AWAITING_KV:
+            return False
+        request.kv_landed = True
+        return True
+
+    def kv_sent(self, identity: ExecutionIdentity) -> bool:
+        """PD prefill: every write to the decode instance completed; the request ends and its
+        blocks and row are released. False for a stale event."""
+        request = self._current(identity)
+        if request is None or request.stage is not RequestStage.SENDING_KV:
+            return False
+        self._finish(request, FinishReason.STOP)
+        return True
+
+    def kv_transfer_failed(self, identity: ExecutionIdentity, message: str) -> bool:
+        """The handoff failed or timed out: the request is aborted with `message` (on D its
+        blocks and row stay held until `release_held`)."""
+        request = self._current(identity)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT, error=message)
+        return True
+
+    def release_held(self, identity: ExecutionIdentity) -> None:
+        """PD: a cancelled or failed handoff drained (or its lease expired): free the blocks
+        and row it held."""
+        if self._held.pop(identity, None) is not None:
+            self.kv.free(identity)
+            self._releases.append(identity)
+
+    def held_transfers(self) -> frozenset[ExecutionIdentity]:
+        """Finished PD requests whose blocks wait for their handoff to drain."""
+        return frozenset(self._held)
+
+    def newly_reserved(self) -> list[ScheduledRequest]:
+        """PD decode requests admitted since the last call (their KV target is now known)."""
+        reserved, self._reserved = self._reserved, []
+        return reserved
 
     # -- KV growth and preemption ---------------------------------------------------------------
     def _ensure_kv(
@@ -276,7 +361,7 @@ class Scheduler:
         if updates is None and self.config.enable_preemption:
             victim = choose_victim(
                 self._running,
-                excluded=step.selected | {request.identity},
+                excluded=step.selected | {request.identity} | self._transfer_endpoints(),
                 held_blocks=self.kv.held_blocks,
             )
             if victim is not None:
@@ -294,6 +379,11 @@ class Scheduler:
         if updates:
             step.block_updates.append(RequestBlocks(request.identity, updates))
         return True
+
+    def _transfer_endpoints(self) -> set[ExecutionIdentity]:
+        """Requests whose blocks a KV transfer reads or writes: never preemption victims."""
+        busy = (RequestStage.AWAITING_KV, RequestStage.SENDING_KV)
+        return {r.identity for r in self._running if r.stage in busy}
 
     def _preempt(self, victim: ScheduledRequest, step: StepBuilder) -> None:
         """Suspend `victim`: the runner snapshots its device state first thing in this step; its
@@ -323,7 +413,7 @@ class Scheduler:
         ).fits(self.kv.capacity().free_blocks):
             victim = choose_victim(
                 self._running,
-                excluded=step.selected,
+                excluded=step.selected | self._transfer_endpoints(),
                 held_blocks=self.kv.held_blocks,
                 worse_than_priority=head.sampling.priority,
             )
@@ -343,7 +433,7 @@ class Scheduler:
         for scanned, request in enumerate(self._waiting):
             if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
                 return
-            if len(self._running) >= self.config.max_num_seqs:
+            if len(self._running) + len(self._held) >= self.config.max_num_seqs:
                 return
             if self._try_admit(request, ticks, step):
                 for waiting in deferred:
@@ -381,10 +471,20 @@ class Scheduler:
         request.known_to_runner = True
         step.selected.add(request.identity)  # never a preemption victim of its own step
         step.new_requests.append(
-            NewRequestData(request.identity, request.sampling, request.prompt_length, request.rule)
+            NewRequestData(
+                request.identity,
+                request.sampling,
+                request.prompt_length,
+                request.rule,
+                prefill_only=request.prefill_only,
+            )
         )
         step.block_updates.append(RequestBlocks(request.identity, updates))
-        self._schedule_prefill_chunk(request, ticks, step)
+        if request.awaits_kv:  # PD decode: the prompt's KV comes from a prefill instance
+            request.stage = RequestStage.AWAITING_KV
+            self._reserved.append(request)
+        else:
+            self._schedule_prefill_chunk(request, ticks, step)
         return True
 
     def _resume(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> bool:
@@ -507,12 +607,23 @@ class Scheduler:
             self._waiting.remove(request)  # new, or preempted (its snapshot is dropped below)
         else:
             self._running.remove(request)
+        # PD: a transfer may still write this request's blocks and row (decode side), or read
+        # them (prefill side, unless it ended because every write completed): hold them until
+        # the transfer drained (`release_held`).
+        awaiting_writes = request.stage is RequestStage.AWAITING_KV or (
+            request.prefill_only
+            and request.stage in (RequestStage.PREFILL, RequestStage.SENDING_KV)
+            and reason is FinishReason.ABORT
+        )
         request.stage = RequestStage.FINISHED
         request.finish_reason = reason
         request.error = error
-        self.kv.free(request.identity)
-        if request.known_to_runner:
-            self._releases.append(request.identity)
+        if awaiting_writes:  # a prefill instance may still write its blocks and row
+            self._held[request.identity] = request
+        else:
+            self.kv.free(request.identity)
+            if request.known_to_runner:
+                self._releases.append(request.identity)
         if reason is FinishReason.ABORT:
             self.stats.aborted_requests += 1
         else:

@@ -29,6 +29,7 @@ class StepBuilder:
         self.block_updates: list[RequestBlocks] = []
         self.prefill: list[PrefillChunk] = []
         self.decoding: list[ExecutionIdentity] = []
+        self.remote_starts: list[ExecutionIdentity] = []
         self.output_bounds: dict[ExecutionIdentity, int] = {}
         self.selected: set[ExecutionIdentity] = set()
 
@@ -41,6 +42,15 @@ class StepBuilder:
 
     def add_decode(self, identity: ExecutionIdentity, output_bound: int) -> None:
         self.decoding.append(identity)
+        self.selected.add(identity)
+        self.output_bounds[identity] = output_bound
+        self.token_budget -= 1
+        if self.loop_budget is not None:
+            self.loop_budget -= 1
+
+    def add_remote_start(self, identity: ExecutionIdentity, output_bound: int) -> None:
+        """A PD decode request whose prompt KV landed: token 0 plus this step's ticks."""
+        self.remote_starts.append(identity)
         self.selected.add(identity)
         self.output_bounds[identity] = output_bound
         self.token_budget -= 1
@@ -67,5 +77,6 @@ class StepBuilder:
             snapshots=tuple(self.snapshots),
             restores=tuple(self.restores),
             prefill=tuple(self.prefill),
+            remote_starts=tuple(self.remote_starts),
             decode_ticks=decode_ticks,
         )

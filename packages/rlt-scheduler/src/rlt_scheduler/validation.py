@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlt_contracts import CapacityError, InvalidRequestError, SamplingParams
+from rlt_contracts import (
+    CapacityError,
+    InvalidRequestError,
+    KVTransferParams,
+    PDRole,
+    SamplingParams,
+)
 
 from rlt_scheduler.exit_policy import LoopBounds
 from rlt_scheduler.kv_port import KVPort
@@ -59,3 +65,31 @@ def validate_request(
             "max_tokens, or give the engine more KV blocks",
         )
     return prompt, LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold)
+
+
+def check_kv_transfer(kv_transfer: KVTransferParams | None, prompt_length: int) -> None:
+    """A PD request's transfer parameters make sense for its prompt (InvalidRequestError)."""
+    if kv_transfer is None:
+        return
+    if not kv_transfer.transfer_id:
+        raise InvalidRequestError("kv_transfer_params.transfer_id", "must be a non-empty string")
+    if kv_transfer.role is PDRole.PREFILL:
+        target = kv_transfer.target
+        if target is None:
+            raise InvalidRequestError(
+                "kv_transfer_params.target", "a prefill request needs the decode instance's target"
+            )
+        if target.prompt_length != prompt_length:
+            raise InvalidRequestError(
+                "kv_transfer_params.target",
+                f"the target expects a {target.prompt_length}-token prompt, got {prompt_length}",
+            )
+        if not 0 <= target.first_token < prompt_length:
+            raise InvalidRequestError(
+                "kv_transfer_params.target",
+                f"first_token {target.first_token} must be in [0, {prompt_length})",
+            )
+    elif kv_transfer.role is not PDRole.DECODE:
+        raise InvalidRequestError(
+            "kv_transfer_params.role", f"must be prefill or decode, got {kv_transfer.role!r}"
+        )

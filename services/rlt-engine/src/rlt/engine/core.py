@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from rlt_contracts import (
     EngineStats,
     FinishReason,
+    InvalidRequestError,
+    KVTransferParams,
     RequestOutputDelta,
     SamplingParams,
     SchedulerOutput,
@@ -35,6 +37,8 @@ from rlt_contracts import (
 from rlt_kv import KVCacheManager
 from rlt_runner import ModelRunner, PendingStep
 from rlt_scheduler import ScheduledRequest, Scheduler
+
+from rlt.engine.pd_link import PDLink
 
 
 @dataclass
@@ -98,15 +102,30 @@ class EngineCore:
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
         self._inflight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self._last_event = None  # the latest collected step's end-of-work event (CUDA)
+        self.pd: PDLink | None = None  # set for a PD prefill or decode instance
+        self._pd_deltas: list[RequestOutputDelta] = []
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        kv_transfer: KVTransferParams | None = None,
     ) -> ScheduledRequest:
-        return self.scheduler.add_request(request_id, prompt_token_ids, sampling)
+        if kv_transfer is not None and (self.pd is None or kv_transfer.role is not self.pd.role):
+            role = self.pd.role.value if self.pd is not None else "none"
+            raise InvalidRequestError(
+                "kv_transfer_params.role",
+                f"this instance's PD role is {role}, not {kv_transfer.role.value}",
+            )
+        return self.scheduler.add_request(request_id, prompt_token_ids, sampling, kv_transfer)
 
     def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.get_request(request_id)
         aborted = self.scheduler.abort_request(request_id)
+        if aborted and self.pd is not None:
+            self.pd.aborted(request.identity)
         self._drain_if_idle()
         return aborted
 
@@ -116,7 +135,11 @@ class EngineCore:
 
     def take_outputs(self) -> list[RequestOutputDelta]:
         """Deltas made outside `step()` (aborts, finishes)."""
-        return self.scheduler.take_outputs()
+        return self._outputs()
+
+    def _outputs(self) -> list[RequestOutputDelta]:
+        pd_deltas, self._pd_deltas = self._pd_deltas, []
+        return pd_deltas + self.scheduler.take_outputs()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -125,9 +148,13 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         timings = self.timings
         t0 = time.perf_counter()
+        if self.pd is not None:
+            self.pd.poll()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
         self._inflight.append((scheduled, self.runner.submit(scheduled)))
+        if self.pd is not None:
+            self._pd_deltas.extend(self.pd.after_submit())
         t2 = time.perf_counter()
         timings.steps += 1
         timings.schedule_s += t1 - t0
@@ -136,7 +163,7 @@ class EngineCore:
         while len(self._inflight) > keep:
             self._apply_oldest()
         self._drain_if_idle()
-        return self.scheduler.take_outputs()
+        return self._outputs()
 
     def _drain_if_idle(self) -> None:
         """With no request left, nothing would ever collect the steps in flight: collect them
@@ -152,6 +179,8 @@ class EngineCore:
         result = self.runner.collect(pending)
         t1 = time.perf_counter()
         self.scheduler.update_from_output(result)
+        if self.pd is not None and result.failure is None:
+            self.pd.after_collect(scheduled)
         t2 = time.perf_counter()
         timings = self.timings
         timings.collect_s += t1 - t0

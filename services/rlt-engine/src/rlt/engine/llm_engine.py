@@ -16,6 +16,7 @@ from rlt_contracts import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
+    KVTransferParams,
     ModelInfo,
     RequestOutputDelta,
     SamplingParams,
@@ -100,7 +101,11 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt: PromptInput, sampling_params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError (or a subclass) on bad
         input, leaving the engine unchanged."""
@@ -109,7 +114,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         token_ids = self.tokenize(prompt)
-        request = self.core.add_request(request_id, token_ids, params)
+        request = self.core.add_request(request_id, token_ids, params, kv_transfer)
         self._outputs[request_id] = RequestOutput(
             request_id=request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -186,3 +191,5 @@ class LLMEngine:
         output.finish_reason = delta.finish_reason
         output.error = delta.error
         output.timings = delta.timings
+        if delta.kv_target is not None:
+            output.kv_target = delta.kv_target

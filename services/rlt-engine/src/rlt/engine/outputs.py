@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlt_contracts import FinishReason, RequestTimings
+from rlt_contracts import FinishReason, HandoffTarget, RequestTimings
 
 
 @dataclass
@@ -28,6 +28,7 @@ class RequestOutput:
     seed: int | None = None
     error: str | None = None
     timings: RequestTimings | None = None  # lifecycle timestamps, once finished
+    kv_target: HandoffTarget | None = None  # PD decode: where the prefill instance writes
 
     @property
     def mean_loops(self) -> float:

@@ -1,0 +1,135 @@
+"""PD disaggregation at the engine level, two engines in one process joined by a loopback KV
+port (exact tensor copies, the same evidence rules as the NIXL port): the decode engine's
+output equals a single engine's, tokens and exit depths, greedy and seeded, both layouts, both
+scheduling modes, chunked prefill, prompts ending mid-block, prefix-cache hits on D; aborts on
+either side leave both engines with no block or row held."""
+
+from __future__ import annotations
+
+import pytest
+from pd_loopback import LoopbackPair
+from rlt import SamplingParams
+from rlt.engine.pd_link import PDLink
+from rlt_contracts import KVTransferParams, PDRole
+
+PROMPTS = [
+    [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 12, 13],  # 13 tokens: ends mid-block (block 4)
+    [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 12, 14, 15, 16, 17],  # shares 3 full pages
+    [250, 11],
+    [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3],
+]
+
+
+def params(i: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=8 + i,
+        exit_threshold=(0.55, 0.8, 1.0)[i % 3],
+        ignore_eos=True,
+        temperature=0.0 if i % 2 else 0.9,
+        seed=40 + i,
+    )
+
+
+def connect(prefill, decode) -> LoopbackPair:
+    pair = LoopbackPair(prefill.engine.core.runner, decode.engine.core.runner)
+    for llm, role, port, name in (
+        (prefill, PDRole.PREFILL, pair.prefill_port, "P"),
+        (decode, PDRole.DECODE, pair.decode_port, "D"),
+    ):
+        core = llm.engine.core
+        core.pd = PDLink(role, port, core.scheduler, core.runner, core.kv, agent_name=name)
+    return pair
+
+
+def run_pd(prefill, decode, prompts, all_params, *, abort=None) -> dict:
+    """Submit every request to D, hand each reserved target to P, step both to the end.
+    `abort`: (side, request id, after how many P steps) to abort one request mid-way."""
+    for i, (prompt, p) in enumerate(zip(prompts, all_params, strict=True)):
+        transfer = KVTransferParams(PDRole.DECODE, f"t{i}", prefill_agent="P")
+        decode.engine.add_request(f"r{i}", prompt, p, kv_transfer=transfer)
+    finals, on_p, p_steps = {}, set(), 0
+    for _ in range(2000):
+        busy_d = decode.engine.has_unfinished_requests()
+        if not (busy_d or prefill.engine.has_unfinished_requests()):
+            break
+        for out in decode.engine.step() if busy_d else ():
+            i = int(out.request_id[1:])
+            if out.kv_target is not None and out.request_id not in on_p:
+                on_p.add(out.request_id)
+                transfer = KVTransferParams(
+                    PDRole.PREFILL, out.kv_target.transfer_id, target=out.kv_target
+                )
+                prefill.engine.add_request(out.request_id, prompts[i], all_params[i], transfer)
+            if out.finished:
+                finals[out.request_id] = out
+        if prefill.engine.has_unfinished_requests():
+            prefill.engine.step()
+            p_steps += 1
+            if abort is not None and p_steps == abort[2]:
+                side = prefill if abort[0] == "P" else decode
+                out = side.engine.abort_request(abort[1])
+                if side is decode:
+                    finals[out.request_id] = out
+    return finals
+
+
+def reference(llm_factory, prompts, all_params, **options) -> list:
+    single = llm_factory(**options)
+    return [(o.token_ids, o.exit_depths) for o in single.generate(prompts, list(all_params))]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_layout="last_exited"),
+        dict(kv_layout="shared"),
+        dict(scheduling_mode="no_refill"),
+    ],
+    ids=["last_exited", "shared", "no_refill"],
+)
+def test_pd_output_equals_a_single_engine(llm_factory, options):
+    all_params = [params(i) for i in range(len(PROMPTS))]
+    expected = reference(llm_factory, PROMPTS, all_params, **options)
+    prefill, decode = llm_factory(**options), llm_factory(**options)
+    pair = connect(prefill, decode)
+    finals = run_pd(prefill, decode, PROMPTS, all_params)
+    got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
+    assert got == expected
+    assert all(finals[f"r{i}"].finish_reason == "length" for i in range(len(PROMPTS)))
+    # every prompt position went over the port exactly once (chunks of 5 positions)
+    assert pair.written == {f"t{i}": len(p) for i, p in enumerate(PROMPTS)}
+
+
+def test_prefix_hits_on_the_decode_side_are_not_sent_again(llm_factory):
+    all_params = [params(1)] * 2
+    prompts = PROMPTS[:2]
+    expected = reference(llm_factory, prompts, all_params)
+    prefill = llm_factory()
+    decode = llm_factory(enable_prefix_caching=True)
+    pair = connect(prefill, decode)
+    first = run_pd(prefill, decode, prompts[:1], all_params[:1])
+    assert (first["r0"].token_ids, first["r0"].exit_depths) == expected[0]
+    assert pair.written == {"t0": 13}
+    second = run_pd(prefill, decode, prompts[1:], all_params[1:])
+    assert (second["r0"].token_ids, second["r0"].exit_depths) == expected[1]
+    # 12 positions (3 full pages) were cached on D: only the last 4 of 16 were sent
+    assert decode.get_stats().prefix_cache_hit_tokens == 12
+    assert pair.written == {"t0": 13 + 4}
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_abort_during_transfer_frees_both_sides(llm_factory, side):
+    """A long prompt in chunks of 5: abort it after P's second step on either side. Both
+    engines end with every block and row free (the leak check of llm_factory), the aborted
+    request reports "abort", and the other request is unaffected."""
+    all_params = [params(0), params(1)]
+    prompts = [list(range(1, 40)), PROMPTS[1]]
+    expected = reference(llm_factory, prompts, all_params)
+    prefill, decode = llm_factory(), llm_factory()
+    connect(prefill, decode)
+    finals = run_pd(prefill, decode, prompts, all_params, abort=(side, "r0", 2))
+    assert finals["r0"].finish_reason == "abort"
+    assert (finals["r1"].token_ids, finals["r1"].exit_depths) == expected[1]
+    for llm in (prefill, decode):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()

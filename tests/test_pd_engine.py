@@ -41,12 +41,22 @@ def connect(prefill, decode) -> LoopbackPair:
     return pair
 
 
-def run_pd(prefill, decode, prompts, all_params, *, abort=None) -> dict:
+def connect_nixl(prefill, decode) -> str:
+    """Join two PD engines' NIXL transports (UCX over host memory); returns P's agent."""
+    p, d = prefill.engine.parts.pd, decode.engine.parts.pd
+    assert p.transport.connect(d.metadata) == d.agent
+    assert d.transport.connect(p.metadata) == p.agent
+    return p.agent
+
+
+def run_pd(
+    prefill, decode, prompts, all_params, *, abort=None, prefill_agent="P", transfer="t"
+) -> dict:
     """Submit every request to D, hand each reserved target to P, step both to the end.
     `abort`: (side, request id, after how many P steps) to abort one request mid-way."""
     for i, (prompt, p) in enumerate(zip(prompts, all_params, strict=True)):
-        transfer = KVTransferParams(PDRole.DECODE, f"t{i}", prefill_agent="P")
-        decode.engine.add_request(f"r{i}", prompt, p, kv_transfer=transfer)
+        params = KVTransferParams(PDRole.DECODE, f"{transfer}{i}", prefill_agent=prefill_agent)
+        decode.engine.add_request(f"r{i}", prompt, p, kv_transfer=params)
     finals, on_p, p_steps = {}, set(), 0
     for _ in range(2000):
         busy_d = decode.engine.has_unfinished_requests()
@@ -130,6 +140,49 @@ def test_abort_during_transfer_frees_both_sides(llm_factory, side):
     finals = run_pd(prefill, decode, prompts, all_params, abort=(side, "r0", 2))
     assert finals["r0"].finish_reason == "abort"
     assert (finals["r1"].token_ids, finals["r1"].exit_depths) == expected[1]
+    for llm in (prefill, decode):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_pd_over_nixl_equals_a_single_engine(llm_factory, layout):
+    """The real transport in one process: KV and the final hidden state go through NIXL
+    WRITEs with notifications (UCX over host memory), prompts chunked by 5 and ending
+    mid-block; D's output equals a single engine's, tokens and exit depths."""
+    all_params = [params(i) for i in range(len(PROMPTS))]
+    expected = reference(llm_factory, PROMPTS, all_params, kv_layout=layout)
+    prefill = llm_factory(kv_layout=layout, pd_role="prefill")
+    decode = llm_factory(kv_layout=layout, pd_role="decode")
+    agent = connect_nixl(prefill, decode)
+    finals = run_pd(prefill, decode, PROMPTS, all_params, prefill_agent=agent)
+    got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
+    assert got == expected
+    assert (
+        prefill.engine.parts.pd.transport.posted["prepped"]
+        + prefill.engine.parts.pd.transport.posted["explicit"]
+        > 0
+    )
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_abort_over_nixl_then_reuse_the_request_id_at_once(llm_factory, side):
+    """Abort mid-transfer over the real transport, then submit the same request id again at
+    once (a fresh transfer id): the new request gets its own blocks (the aborted transfer's
+    stay held until P drained), no late write of the old transfer reaches it, and its output
+    equals a single engine's."""
+    all_params = [params(0), params(1)]
+    prompts = [list(range(1, 40)), PROMPTS[1]]
+    expected = reference(llm_factory, prompts, all_params)
+    prefill, decode = llm_factory(pd_role="prefill"), llm_factory(pd_role="decode")
+    agent = connect_nixl(prefill, decode)
+    finals = run_pd(
+        prefill, decode, prompts, all_params, abort=(side, "r0", 2), prefill_agent=agent
+    )
+    assert finals["r0"].finish_reason == "abort"
+    assert (finals["r1"].token_ids, finals["r1"].exit_depths) == expected[1]
+    again = run_pd(prefill, decode, prompts[:1], all_params[:1], prefill_agent=agent, transfer="u")
+    assert (again["r0"].token_ids, again["r0"].exit_depths) == expected[0]
     for llm in (prefill, decode):
         while llm.engine.has_unfinished_requests():
             llm.engine.step()

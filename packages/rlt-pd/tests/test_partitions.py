@@ -138,3 +138,28 @@ def test_hidden_state_gets_its_own_partition_when_the_last_is_full():
     assert [p.num_writes for p in by_count.partitions] == [2, 1]
     fits = plan_handoff(IDENT, [[0]], [[1]], 4, r, hidden_state_bytes=16, max_descriptors=3)
     assert [p.num_writes for p in fits.partitions] == [3]
+
+
+def test_chunk_plans_continue_sequences_and_only_the_final_one_has_the_hidden_state():
+    r = region(layers=1)
+    src, dst = [[0, 1, 2]], [[5, 6, 7]]
+    kwargs = dict(hidden_state_bytes=16, transfer_chunk_bytes=48)
+    first = plan_handoff(IDENT, src, dst, 6, r, final=False, **kwargs)  # page 0 + 2 tokens
+    assert [p.sequence for p in first.partitions] == [0, 1]
+    assert all(p.hidden_state_bytes == 0 for p in first.partitions)
+    assert first.total_bytes == first.kv_bytes == 2 * 6 * 8
+    last = plan_handoff(
+        IDENT, src, dst, 10, r, first_token=6, first_sequence=first.commit_count, **kwargs
+    )
+    assert [p.sequence for p in last.partitions] == [2, 3]
+    assert last.partitions[-1].hidden_state_bytes == 16 and last.commit_count == 4
+    # a token-exact split of page 1: chunk 0 wrote its tokens 0-1, the final chunk starts at
+    # token 2 (and runs on into page 2, contiguous on both sides: one range per tensor)
+    ranges = [
+        (d.destination_offset_bytes, d.length_bytes) for p in last.partitions for d in p.descriptors
+    ]
+    assert ranges == [(6 * 32 + 2 * 8, 4 * 8)] * 2
+    nothing = plan_handoff(IDENT, src, dst, 4, r, first_token=4, final=False, **kwargs)
+    assert nothing.partitions == () and nothing.commit_count == 0
+    with pytest.raises(ValueError, match="first_sequence"):
+        plan_handoff(IDENT, src, dst, 4, r, first_sequence=-1, **kwargs)

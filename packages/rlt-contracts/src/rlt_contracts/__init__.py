@@ -51,6 +51,7 @@ from rlt_contracts.pd import (
     PDCompatibility,
     PDRole,
 )
+from rlt_contracts.pd_wire import InstanceInfo, InstanceLoad, PDControl, PDIncompatibleError
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
 from rlt_contracts.scheduling import (
@@ -99,6 +100,10 @@ __all__ = [
     "OverloadedError",
     "PDCompatibility",
     "PDRole",
+    "InstanceInfo",
+    "InstanceLoad",
+    "PDControl",
+    "PDIncompatibleError",
     "PagedAttentionBatch",
     "PrefillChunk",
     "PrefillProgress",

@@ -128,7 +128,8 @@ class KVHandoffPort(Protocol):
       the last chunk: the hidden state follows, then the commit. `cancel` stops a transfer.
     D side: `expect` registers a reserved target before P can write; `cancel` asks P to stop and
       drain (the destination stays held until `released`).
-    Both: `poll` once per engine step (the engine thread is the only caller).
+    Both: `poll` once per engine step (the engine thread is the only caller); `close` at
+      engine shutdown (before the registered memory is dropped).
     """
 
     def send_chunk(
@@ -145,3 +146,5 @@ class KVHandoffPort(Protocol):
     def cancel(self, transfer_id: str) -> None: ...
 
     def poll(self) -> HandoffEvents: ...
+
+    def close(self) -> None: ...

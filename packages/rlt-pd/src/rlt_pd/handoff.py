@@ -69,11 +69,14 @@ class TransferPartition(msgspec.Struct, frozen=True):
 
 
 class HandoffPlan(msgspec.Struct, frozen=True):
-    """Everything P sends D for one admission (identity), as partitions numbered 0..count-1.
+    """What P sends D for one admission (identity), or for one prefill chunk of it, as partitions
+    numbered first_sequence, first_sequence + 1, ...
 
     Token positions [first_token, valid_tokens) of every plane are sent for every layer, key and
-    value; the final partition carries the hidden state. P sends `commit(commit_count)` once every
-    partition is posted; D may activate only after all `commit_count` notifications arrived (R18).
+    value. A final plan (the whole admission, or its last chunk) carries the hidden state in its
+    last partition; P sends `commit(commit_count)` once every partition is posted; D may activate
+    only after all `commit_count` notifications arrived (R18). A non-final chunk plan
+    (`final=False`) carries no hidden state and may have no partition at all.
     """
 
     identity: ExecutionIdentity
@@ -82,10 +85,14 @@ class HandoffPlan(msgspec.Struct, frozen=True):
     num_planes: int
     hidden_state_bytes: int
     partitions: tuple[TransferPartition, ...]
+    first_sequence: int = 0
+    final: bool = True
 
     @property
     def commit_count(self) -> int:
-        return len(self.partitions)
+        """first_sequence + number of partitions: the commit count when this plan is final
+        (the next free sequence number otherwise)."""
+        return self.first_sequence + len(self.partitions)
 
     @property
     def kv_bytes(self) -> int:
@@ -93,7 +100,7 @@ class HandoffPlan(msgspec.Struct, frozen=True):
 
     @property
     def total_bytes(self) -> int:
-        return self.kv_bytes + self.hidden_state_bytes
+        return self.kv_bytes + (self.hidden_state_bytes if self.final else 0)
 
 
 def plan_handoff(
@@ -108,6 +115,8 @@ def plan_handoff(
     first_token: int = 0,
     transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
     max_descriptors: int = DEFAULT_MAX_TRANSFER_DESCRIPTORS,
+    first_sequence: int = 0,
+    final: bool = True,
 ) -> HandoffPlan:
     """Plan the KV + hidden-state writes of one admission from P's blocks into D's blocks.
 
@@ -120,6 +129,11 @@ def plan_handoff(
     first_token: inclusive start; positions before it are already valid on D (its cached
         prefix) and are skipped. Default 0.
     transfer_chunk_bytes / max_descriptors: per-partition limits on bytes and writes.
+    first_sequence: number of the first partition (chunk-incremental planning: P plans each
+        prefill chunk's positions [first_token, valid_tokens) on its own, continuing the
+        sequence numbers of the previous chunks). Default 0.
+    final: whether this plan ends the admission. Only a final plan writes the hidden state
+        (in its last partition); a non-final chunk plan has no partition when it has no bytes.
 
     Full pages become whole-block ranges, partial pages only their valid tokens, each per layer;
     ranges contiguous on both sides merge; ranges larger than a chunk are split. Descriptor order
@@ -133,6 +147,8 @@ def plan_handoff(
         raise ValueError(f"valid_tokens must be >= 0, got {valid_tokens}")
     if not 0 <= first_token <= valid_tokens:
         raise ValueError(f"first_token {first_token} must be in [0, valid_tokens={valid_tokens}]")
+    if first_sequence < 0:
+        raise ValueError(f"first_sequence must be >= 0, got {first_sequence}")
     if transfer_chunk_bytes < 1 or max_descriptors < 1:
         raise ValueError(
             f"transfer_chunk_bytes ({transfer_chunk_bytes}) and max_descriptors "
@@ -147,9 +163,22 @@ def plan_handoff(
         source_tables, destination_tables, valid_tokens, first_token, region, dst_region
     )
     descriptors = _descriptors(pages, region, dst_region)
-    partitions = _partition(descriptors, hidden_state_bytes, transfer_chunk_bytes, max_descriptors)
+    partitions = _partition(
+        descriptors,
+        hidden_state_bytes if final else 0,
+        transfer_chunk_bytes,
+        max_descriptors,
+        first_sequence,
+    )
     return HandoffPlan(
-        identity, first_token, valid_tokens, len(source_tables), hidden_state_bytes, partitions
+        identity,
+        first_token,
+        valid_tokens,
+        len(source_tables),
+        hidden_state_bytes,
+        partitions,
+        first_sequence,
+        final,
     )
 
 
@@ -268,9 +297,11 @@ def _partition(
     hidden_state_bytes: int,
     chunk_bytes: int,
     max_descriptors: int,
+    first_sequence: int,
 ) -> tuple[TransferPartition, ...]:
-    """Greedy in-order packing; the hidden state joins the last partition if it fits, else its
-    own. Every partition has total_bytes <= chunk_bytes and num_writes <= max_descriptors."""
+    """Greedy in-order packing; the hidden state (if any: 0 = a non-final chunk) joins the last
+    partition if it fits, else its own. Every partition has total_bytes <= chunk_bytes and
+    num_writes <= max_descriptors; a non-final chunk without bytes has no partition."""
     groups: list[list[TransferDescriptor]] = [[]]
     group_bytes = [0]
     for descriptor in descriptors:
@@ -283,7 +314,11 @@ def _partition(
                 group_bytes.append(0)
             groups[-1].append(piece)
             group_bytes[-1] += piece.length_bytes
-    if groups[-1] and (
+    if not hidden_state_bytes:
+        if not groups[-1]:
+            groups.pop()
+            group_bytes.pop()
+    elif groups[-1] and (
         group_bytes[-1] + hidden_state_bytes > chunk_bytes or len(groups[-1]) + 1 > max_descriptors
     ):
         groups.append([])  # the hidden state travels alone
@@ -291,7 +326,10 @@ def _partition(
     last = len(groups) - 1
     return tuple(
         TransferPartition(
-            seq, tuple(group), group_bytes[seq], hidden_state_bytes if seq == last else 0
+            first_sequence + i,
+            tuple(group),
+            group_bytes[i],
+            hidden_state_bytes if i == last else 0,
         )
-        for seq, group in enumerate(groups)
+        for i, group in enumerate(groups)
     )

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from rlt_contracts import EngineClient, EngineDeadError, RltError
+from rlt_contracts import EngineClient, EngineDeadError, PDControl, RltError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -30,6 +30,7 @@ from rlt_serve.errors import (
 from rlt_serve.guards import RequestGuard
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
 from rlt_serve.params import LoopDefaults
+from rlt_serve.pd_routes import add_pd_routes
 from rlt_serve.prompts import Tokenizer
 from rlt_serve.schemas import (
     ChatCompletionChunk,
@@ -91,6 +92,7 @@ def build_app(
     allowed_hosts: Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     engine_error: Callable[[], BaseException | None] | None = None,
+    pd: PDControl | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `client` (docs/serving.md describes the API).
 
@@ -101,6 +103,8 @@ def build_app(
     allowed_hosts: accepted Host names (None: any); pass loopback names when bound to loopback.
     allowed_origins: browser origins allowed to call the API (CORS); others get 403.
     engine_error: returns why the engine stopped, or None while it runs (drives /health).
+    pd: an engine instance's PD control: adds the /internal/pd/* endpoints a PD coordinator
+      uses (pd_routes.py).
     Shutting the app down (lifespan end) shuts the client down.
     """
     info = client.model_info()
@@ -199,6 +203,9 @@ def build_app(
             return Response(_static_file(name), media_type=media_type, headers=_PAGE_HEADERS)
 
         return serve_file
+
+    if pd is not None:
+        add_pd_routes(app, client, pd)
 
     for path, (name, media_type) in PLAYGROUND_FILES.items():
         app.add_api_route(

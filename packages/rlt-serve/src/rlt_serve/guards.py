@@ -3,7 +3,8 @@
 1. Host header (DNS-rebinding defence): when the server is bound to loopback, only
    localhost / 127.0.0.1 / [::1] Host names are accepted; otherwise 403.
 2. Origin header (drive-by requests from web pages): any Origin not explicitly allowed -> 403.
-3. API key: with an api_key set, every /v1/* request needs `Authorization: Bearer KEY` -> 401.
+3. API key: with an api_key set, every /v1/* and /internal/* request needs
+   `Authorization: Bearer KEY` -> 401.
    /health, /metrics and the docs stay open.
 4. Body: a POST body must be JSON (`Content-Type: application/json`; a missing header counts
    as JSON) -> 415, and at most `max_body_bytes` long -> 413. The body is read here (up to the
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rlt_serve.errors import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_KEYED_PREFIXES = ("/v1/", "/internal/")  # paths that need the API key when one is set
 
 
 class RequestGuard:
@@ -82,7 +84,7 @@ class RequestGuard:
             )
 
     def _check_api_key(self, headers: Headers, path: str) -> None:
-        if self.api_key is None or not (path == "/v1" or path.startswith("/v1/")):
+        if self.api_key is None or not (path == "/v1" or path.startswith(_KEYED_PREFIXES)):
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(

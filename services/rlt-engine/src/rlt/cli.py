@@ -1,4 +1,5 @@
-"""The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]` and `rlt bench serve`."""
+"""The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]`, `rlt bench serve` and
+`rlt pd serve` (the PD coordinator, rlt_pd_coordinator.cli)."""
 
 from __future__ import annotations
 
@@ -97,9 +98,55 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes)
 
 
+def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
+    """An instance's prefill/decode disaggregation role and transfer limits (`rlt serve`)."""
+    d = EngineConfig()
+    group = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
+    group.add_argument(
+        "--pd-role",
+        "--role",
+        dest="pd_role",
+        default=d.pd_role,
+        choices=["none", "prefill", "decode"],
+        help="this instance's role behind `rlt pd serve` (default: none, a whole engine)",
+    )
+    group.add_argument(
+        "--pd-kv-timeout-s",
+        type=float,
+        default=d.pd_kv_timeout_s,
+        help="decode: seconds a request may wait for its KV before it fails",
+    )
+    group.add_argument(
+        "--pd-kv-lease-s",
+        type=float,
+        default=d.pd_kv_lease_s,
+        help="decode: seconds a cancelled transfer's blocks stay held without the prefill "
+        "side's confirmation (must exceed --pd-write-timeout-s)",
+    )
+    group.add_argument(
+        "--pd-write-timeout-s",
+        type=float,
+        default=d.pd_write_timeout_s,
+        help="prefill: seconds one posted KV write may take before the transfer fails",
+    )
+    group.add_argument(
+        "--pd-max-inflight-bytes",
+        type=int,
+        default=d.pd_max_inflight_bytes,
+        help="prefill: bytes of posted, unfinished KV writes",
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Every EngineConfig field has a flag of the same name (--kebab-case) above."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """Every EngineConfig field has a flag of the same name (--kebab-case) above; a command
+    without some flags (e.g. `generate` has no PD flags) keeps their defaults."""
+    return EngineConfig(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(EngineConfig)
+            if hasattr(args, f.name)
+        }
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -274,8 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory (default: the bundled model)",
     )
     add_engine_arguments(serve)
+    add_pd_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
+    commands.add_parser(
+        "pd",
+        help="prefill/decode disaggregated serving: `rlt pd serve --help`",
+        add_help=False,
+    )
     from rlt.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
@@ -283,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pd"]:  # the coordinator parses its own command line
+        from rlt_pd_coordinator.cli import main as pd_main
+
+        return pd_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -6,10 +6,11 @@ import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rlt_attention import select_attention_backend
-from rlt_contracts import AttentionRequirements, ConfigurationError
+from rlt_contracts import AttentionRequirements, ConfigurationError, PDRole
 from rlt_kv import KVCacheManager
 from rlt_models import OuroModel, load_model
 from rlt_runner import (
@@ -25,6 +26,9 @@ from rlt_scheduler import Scheduler, make_exit_policy
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
+
+if TYPE_CHECKING:
+    from rlt.engine.pd_assembly import PDParts
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class EngineParts:
     attention_reason: str
     memory_plan: KVMemoryPlan
     max_model_len: int
+    pd: PDParts | None = None  # a prefill or decode instance's transport and port
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -152,8 +157,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":
         logger.info("decode runs eagerly: %s", runner.graphs_disabled_reason)
+    core = EngineCore(scheduler, runner, kv, async_scheduling=config.async_scheduling)
+    pd = None
+    if config.role is not PDRole.NONE:
+        from rlt.engine.pd_assembly import attach_pd  # imports NIXL: only PD instances need it
+
+        try:
+            pd = attach_pd(core, config, model_dir)
+        except BaseException:
+            runner.close()
+            raise
+        logger.info("PD %s instance, transport agent %s", config.role, pd.agent)
     return EngineParts(
-        core=EngineCore(scheduler, runner, kv, async_scheduling=config.async_scheduling),
+        core=core,
         model=model,
         model_dir=model_dir,
         device=device,
@@ -161,6 +177,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         attention_reason=selection.reason,
         memory_plan=memory_plan,
         max_model_len=max_model_len,
+        pd=pd,
     )
 
 

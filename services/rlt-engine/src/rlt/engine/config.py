@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlt_contracts import ConfigurationError, KVLayout
+from rlt_contracts import ConfigurationError, KVLayout, PDRole
 from rlt_scheduler import SchedulerConfig, SchedulingMode
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -50,6 +50,16 @@ class EngineConfig:
       {request_id: [depth per output token]} read by the "trace" policy.
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
     admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
+
+    Prefill/decode disaggregation (docs/pd.md):
+    pd_role: "none" (a whole engine), "prefill" or "decode" (KV moves over NIXL).
+    pd_kv_timeout_s: decode: longest wait from admission until a request's KV has landed
+      (the prefill instance's queueing and prefill included); then the request fails.
+    pd_kv_lease_s: decode: after a cancelled or failed transfer, how long its blocks stay held
+      without the prefill instance's "drained" (it may be dead); must exceed the prefill
+      instances' pd_write_timeout_s so that no late write lands in a reused block.
+    pd_write_timeout_s: prefill: lease of one posted write; past it the transfer fails.
+    pd_max_inflight_bytes: prefill: bytes of posted, unfinished KV writes (later chunks wait).
     """
 
     model: str | Path | None = None
@@ -81,6 +91,11 @@ class EngineConfig:
     max_num_batched_token_loops: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
+    pd_role: str = "none"
+    pd_kv_timeout_s: float = 600.0
+    pd_kv_lease_s: float = 480.0
+    pd_write_timeout_s: float = 300.0
+    pd_max_inflight_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -108,6 +123,7 @@ class EngineConfig:
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         self.scheduler_config()  # validates the batching and memory options
+        self._check_pd()
         if self.exit_policy == "trace" and self.exit_trace is None:
             raise ConfigurationError(
                 ("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file"
@@ -128,6 +144,31 @@ class EngineConfig:
                 tuple(unknown), f"unknown engine option(s); known: {sorted(known)}"
             )
         return cls(**options)
+
+    def _check_pd(self) -> None:
+        try:
+            PDRole(self.pd_role)
+        except ValueError:
+            raise ConfigurationError(
+                "pd_role", f"must be one of {[r.value for r in PDRole]}, got {self.pd_role!r}"
+            ) from None
+        for name in ("pd_kv_timeout_s", "pd_kv_lease_s", "pd_write_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.pd_kv_lease_s <= self.pd_write_timeout_s:
+            raise ConfigurationError(
+                ("pd_kv_lease_s", "pd_write_timeout_s"),
+                f"the lease ({self.pd_kv_lease_s:g} s) must exceed the write timeout "
+                f"({self.pd_write_timeout_s:g} s), or a late write could land in a reused block",
+            )
+        if self.pd_max_inflight_bytes < 1 << 20:
+            raise ConfigurationError(
+                "pd_max_inflight_bytes", f"must be >= 1 MiB, got {self.pd_max_inflight_bytes}"
+            )
+
+    @property
+    def role(self) -> PDRole:
+        return PDRole(self.pd_role)
 
     @property
     def layout(self) -> KVLayout:

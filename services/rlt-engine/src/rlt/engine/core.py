@@ -40,6 +40,9 @@ from rlt_scheduler import ScheduledRequest, Scheduler
 
 from rlt.engine.pd_link import PDLink
 
+# How long a PD instance's step waits when it has no model work, only transfers to watch.
+PD_IDLE_POLL_S = 0.0005
+
 
 @dataclass
 class StepTimings:
@@ -163,6 +166,8 @@ class EngineCore:
         while len(self._inflight) > keep:
             self._apply_oldest()
         self._drain_if_idle()
+        if self.pd is not None and not scheduled.has_work and not self._pd_deltas:
+            time.sleep(PD_IDLE_POLL_S)  # only KV transfers are pending: poll, do not spin
         return self._outputs()
 
     def _drain_if_idle(self) -> None:
@@ -213,6 +218,8 @@ class EngineCore:
         while self._inflight:
             self._apply_oldest()
         self.scheduler.take_outputs()
+        if self.pd is not None:
+            self.pd.port.close()  # deregisters the memory before the runner drops it
         self.runner.close()
 
     # -- inspection ----------------------------------------------------------------------------

@@ -127,6 +127,12 @@ class _Cancel:
 
 
 @dataclass(frozen=True)
+class _Call:
+    function: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class _Shutdown:
     pass
 
@@ -171,6 +177,11 @@ class AsyncEngine:
         """Why the engine stopped (an EngineDeadError after shutdown), or None while it runs."""
         return self._dead
 
+    @property
+    def stopped(self) -> bool:
+        """The engine thread has ended: the engine may be used (or shut down) directly again."""
+        return not self._thread.is_alive()
+
     async def submit(self, request: EngineRequest) -> None:
         loop = asyncio.get_running_loop()
         stream = _Stream(request.request_id, loop, self._forget)
@@ -211,6 +222,14 @@ class AsyncEngine:
         """A stream got its final delta: cancel() has nothing left to aim at."""
         if self._active.get(stream.request_id) is stream:
             del self._active[stream.request_id]
+
+    async def call(self, function: Callable[[LLMEngine], object]):
+        """Run `function(engine)` on the engine thread between two steps and return its result
+        (or raise its exception): the way to use parts only that thread may touch, such as a
+        PD instance's transport."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(function, done))
+        return await asyncio.wrap_future(done)
 
     async def shutdown(self) -> None:
         self._begin_shutdown()
@@ -277,7 +296,10 @@ class AsyncEngine:
             request = command.request
             try:
                 self._engine.add_request(
-                    request.request_id, list(request.prompt_token_ids), request.sampling
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    request.sampling,
+                    request.kv_transfer,
                 )
             except BaseException as exc:  # noqa: BLE001 - reported to the submitter
                 command.accepted.set_exception(exc)
@@ -285,6 +307,12 @@ class AsyncEngine:
             self._live[request.request_id] = command.stream
             self._cursors[request.request_id] = OutputCursor(request.sampling.stop)
             command.accepted.set_result(None)
+        elif isinstance(command, _Call):
+            if command.done.set_running_or_notify_cancel():
+                try:
+                    command.done.set_result(command.function(self._engine))
+                except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                    command.done.set_exception(exc)
         elif isinstance(command, _Cancel):
             request_id = command.stream.request_id
             if self._live.get(request_id) is not command.stream:
@@ -337,6 +365,8 @@ class AsyncEngine:
                 break
             if isinstance(command, _Submit) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
+            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(error)
 
 
 def _final_abort(request_id: str) -> RequestOutputDelta:

@@ -27,6 +27,7 @@ class OutputCursor:
         self._text_holdback = max((len(s) for s in stop), default=1) - 1
         self.tokens = 0  # token_ids / exit_depths / logprobs entries delivered
         self.text = 0  # characters of text delivered
+        self.target_sent = False  # PD decode: the handoff target went out
 
     def advance(self, output: RequestOutput) -> RequestOutputDelta | None:
         """The delta since the previous call, or None when nothing new is deliverable."""
@@ -35,8 +36,10 @@ class OutputCursor:
             text_end = len(output.text)
         else:
             text_end = max(self.text, len(output.text) - self._text_holdback)
-        if end == start and text_end == self.text and not output.finished:
+        target = output.kv_target if not self.target_sent else None
+        if end == start and text_end == self.text and not output.finished and target is None:
             return None
+        self.target_sent = self.target_sent or target is not None
         text = output.text[self.text : text_end]
         self.tokens, self.text = end, max(self.text, text_end)
         wants_logprobs = output.logprobs is not None
@@ -57,6 +60,7 @@ class OutputCursor:
             resolved_seed=output.seed,
             error=output.error,
             timings=output.timings if output.finished else None,
+            kv_target=target,
         )
 
 
@@ -83,4 +87,5 @@ def merge_deltas(first: RequestOutputDelta, second: RequestOutputDelta) -> Reque
         else first.resolved_seed,
         error=second.error or first.error,
         timings=second.timings or first.timings,
+        kv_target=first.kv_target or second.kv_target,
     )

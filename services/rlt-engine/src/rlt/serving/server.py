@@ -26,6 +26,7 @@ from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, buil
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
 from rlt.serving.async_engine import AsyncEngine
+from rlt.serving.pd_control import EnginePDControl
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def build_server(engine: LLMEngine, options: ServeOptions):
         allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
         allowed_origins=options.allowed_origins,
         engine_error=lambda: client.dead,
+        pd=EnginePDControl(client, engine.parts.pd),
     )
     return app, client
 
@@ -132,6 +134,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
             server.run()  # (a port it cannot bind ends it with SystemExit(1))
     finally:
         client.close(timeout=options.shutdown_timeout)
+        if client.stopped:
+            engine.shutdown()  # (a PD instance deregisters its memory from NIXL here)
     return 0
 
 

@@ -1,0 +1,294 @@
+"""`rlt pd serve`: the PD coordinator (or the plain router) with its OpenAI-compatible front.
+
+    rlt pd serve [MODEL] --num-prefill N --num-decode M [options] [engine flags]
+    rlt pd serve [MODEL] --prefill-url URL ... --decode-url URL ... [options]
+    rlt pd serve [MODEL] --replicas N | --url URL ... [options]       (plain router baseline)
+
+MODEL (default: the engine's bundled model) comes right after `serve`, or as --model. Any flag
+this command does not know is an engine flag: it is passed verbatim to every local instance's
+`rlt serve` (see `rlt serve --help`: --dtype, --max-num-seqs, --block-size, ...).
+
+Also runs as `python -m rlt_pd_coordinator serve ...` (a leading `pd` is accepted too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import shlex
+import sys
+from collections.abc import Sequence
+
+from rlt_contracts import ConfigurationError, RltError
+from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
+
+from rlt_pd_coordinator.client import Timeouts
+from rlt_pd_coordinator.server import CoordinatorOptions, run
+from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, StartupError
+
+PROG = "rlt pd"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Prefill/decode disaggregated serving: a coordinator with an "
+        "OpenAI-compatible front over prefill and decode engine instances.",
+        allow_abbrev=False,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API over prefill/decode instances or replicas",
+        usage=f"{PROG} serve [MODEL] [options] [engine flags]",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_serve_arguments(serve)
+    parser.set_defaults(serve_parser=serve)
+    return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = CoordinatorOptions()
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory (also the positional MODEL)"
+    )
+    pd = parser.add_argument_group("prefill/decode instances")
+    pd.add_argument("--num-prefill", type=int, default=0, help="local prefill instances to start")
+    pd.add_argument("--num-decode", type=int, default=0, help="local decode instances to start")
+    pd.add_argument(
+        "--prefill-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running prefill instance (`rlt serve --pd-role prefill`; repeatable)",
+    )
+    pd.add_argument(
+        "--decode-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running decode instance (`rlt serve --pd-role decode`; repeatable)",
+    )
+    pd.add_argument(
+        "--prefill-credits",
+        type=int,
+        default=defaults.prefill_credits,
+        help="most requests in flight per prefill instance",
+    )
+    pd.add_argument(
+        "--decode-credits",
+        type=int,
+        default=defaults.decode_credits,
+        help="most requests in flight per decode instance",
+    )
+    router = parser.add_argument_group("plain router (the colocated baseline)")
+    router.add_argument(
+        "--replicas", type=int, default=0, help="local whole-engine replicas to start"
+    )
+    router.add_argument(
+        "--url",
+        "--replica-url",
+        dest="replica_url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running colocated instance (`rlt serve`; repeatable)",
+    )
+    router.add_argument(
+        "--replica-credits",
+        type=int,
+        default=defaults.replica_credits,
+        help="most requests in flight per replica",
+    )
+
+    local = parser.add_argument_group("local instances")
+    local.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        help="device of the local instances; several (comma-separated or repeated) are "
+        "assigned round-robin: prefill instances first, then decode, then replicas",
+    )
+    local.add_argument(
+        "--engine-command",
+        default=None,
+        help="command that runs one instance, MODEL and flags appended "
+        f"(default: {' '.join(DEFAULT_COMMAND[1:])} with this Python)",
+    )
+    local.add_argument(
+        "--instance-log-level",
+        default=defaults.instance_log_level,
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    local.add_argument(
+        "--restart-delay",
+        type=float,
+        default=defaults.restart_delay,
+        help="seconds before restarting an instance that died (doubling on repeated "
+        "failures, up to 30 s)",
+    )
+    local.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=defaults.startup_timeout,
+        help="seconds an instance may take to answer /health",
+    )
+
+    timing = parser.add_argument_group("instances and timeouts")
+    timing.add_argument(
+        "--instance-api-key",
+        default=os.environ.get("RLT_INSTANCE_API_KEY"),
+        help="API key of the instances (default: $RLT_INSTANCE_API_KEY, else --api-key; "
+        "local instances get a random one when neither is set)",
+    )
+    timing.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=defaults.timeouts.admission,
+        help="seconds for a decode instance to admit a request (its handoff target)",
+    )
+    timing.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=defaults.timeouts.transfer,
+        help="seconds from the prefill call to the decode instance's first token",
+    )
+    timing.add_argument(
+        "--credit-wait",
+        type=float,
+        default=defaults.credit_wait,
+        help="seconds a request waits for a free credit before HTTP 429",
+    )
+    timing.add_argument("--connect-timeout", type=float, default=defaults.connect_timeout)
+    timing.add_argument(
+        "--poll-interval",
+        type=float,
+        default=defaults.poll_interval,
+        help="seconds between load / health polls of each instance",
+    )
+
+    front = parser.add_argument_group("server (the coordinator's front)")
+    front.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
+    )
+    front.add_argument("--port", type=int, default=8000)
+    front.add_argument(
+        "--api-key",
+        default=os.environ.get("RLT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)",
+    )
+    front.add_argument("--served-model-name", default=None)
+    front.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    front.add_argument("--allowed-origin", action="append", default=[])
+    front.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout,
+        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM",
+    )
+    front.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    loops = parser.add_argument_group("loop defaults (requests may override them)")
+    loops.add_argument("--min-loops", type=int, default=LoopDefaults().min_loops)
+    loops.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
+    loops.add_argument("--exit-threshold", type=float, default=0.5)
+
+
+def split_model(argv: list[str]) -> tuple[str | None, list[str]]:
+    """MODEL is the token right after `serve` when it is not a flag."""
+    if argv and not argv[0].startswith("-"):
+        return argv[0], argv[1:]
+    return None, argv
+
+
+def options_from_args(
+    args: argparse.Namespace, model: str | None, engine_args: list[str]
+) -> CoordinatorOptions:
+    if model is not None and args.model is not None and model != args.model:
+        raise ConfigurationError("model", "give the model directory once (MODEL or --model)")
+    devices = tuple(d.strip() for value in args.device for d in value.split(",") if d.strip())
+    local = args.num_prefill + args.num_decode + args.replicas
+    instance_key = args.instance_api_key or args.api_key
+    if instance_key is None and local:
+        instance_key = secrets.token_urlsafe(24)  # only the coordinator talks to them
+    router = bool(args.replicas or args.replica_url)
+    command = tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_COMMAND
+    if not command:
+        raise ConfigurationError("engine_command", "must not be empty")
+    return CoordinatorOptions(
+        model=model if model is not None else args.model,
+        mode="router" if router else "pd",
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        replicas=args.replicas,
+        prefill_urls=tuple(args.prefill_url),
+        decode_urls=tuple(args.decode_url),
+        replica_urls=tuple(args.replica_url),
+        prefill_credits=args.prefill_credits,
+        decode_credits=args.decode_credits,
+        replica_credits=args.replica_credits,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        allowed_origins=tuple(args.allowed_origin),
+        loop_defaults=LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold),
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+        instance_api_key=instance_key,
+        timeouts=Timeouts(admission=args.admission_timeout, transfer=args.transfer_timeout),
+        connect_timeout=args.connect_timeout,
+        poll_interval=args.poll_interval,
+        credit_wait=args.credit_wait,
+        command=command,
+        engine_args=tuple(engine_args),
+        devices=devices,
+        instance_log_level=args.instance_log_level,
+        startup_timeout=args.startup_timeout,
+        restart_delay=args.restart_delay,
+    )
+
+
+def parse(argv: Sequence[str]) -> CoordinatorOptions:
+    """Options of `serve ...` (argv without the program name; a leading `pd` is dropped)."""
+    argv = list(argv)
+    if argv[:1] == ["pd"]:
+        argv = argv[1:]
+    parser = build_parser()
+    if argv[:1] != ["serve"]:
+        parser.parse_args(argv)  # prints usage / help, or the error, and exits
+        parser.error("expected the `serve` command")
+    model, rest = split_model(argv[1:])
+    args, engine_args = parser.get_default("serve_parser").parse_known_args(rest)
+    return options_from_args(args, model, engine_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        options = parse(argv)
+        logging.basicConfig(
+            level=options.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal call
+        return run(options)
+    except StartupError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    except RltError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""`PDEngineClient`: the `EngineClient` of a group of engine instances, over HTTP.
+
+PD mode, per request (see README.md for the timeline):
+
+  submit   take a credit on the least loaded prefill instance P and decode instance D, open
+           D's generate stream (role decode, a fresh transfer id, P's agent) and wait for its
+           answer: a validation error is raised from submit exactly as a single engine would
+           (400 / 429); an unreachable or unavailable D is skipped for the next one.
+  task     wait for D's `target` line (admission timeout), POST P's generate (role prefill,
+           that target), then stream D's deltas into the request's queue. P must report
+           `done` and D its first delta within the transfer timeout.
+  stream   yields the queued deltas: D's own, so token ids, text, logprobs and `exit_depths`
+           are exactly a single engine's.
+  cancel   cancels the task, which closes both connections (each instance then aborts the
+           request; D cancels the transfer with P) and ends the stream with "abort".
+
+Router mode (replicas of role none) is the same without P: one generate stream per request
+on the least loaded replica.
+
+Failures never raise out of `stream()`: the stream ends with a final delta whose `error`
+names the instance and what happened (rlt-serve answers 500 with that message, or sends it
+in-band on a streaming response). An instance that could not be reached or whose connection
+broke is marked unreachable, so the next requests go to the others until a poll finds it
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+from rlt_contracts import (
+    EngineDeadError,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    RequestOutputDelta,
+)
+from rlt_contracts.pd import HandoffTarget, KVTransferParams, PDRole
+
+from rlt_pd_coordinator.cluster import Cluster, Instance
+from rlt_pd_coordinator.wire import (
+    GENERATE_PATH,
+    GenerateBody,
+    InstanceError,
+    InstanceUnavailableError,
+    StreamLine,
+    encode,
+    error_from_response,
+    line_decoder,
+)
+
+logger = logging.getLogger("rlt_pd_coordinator")
+
+CANCEL_WAIT_S = 5.0  # cancel() waits this long for both connections to be closed
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """admission: D's `target` line after its stream opened (and each submit's wait for an
+    instance's answer). transfer: from P's generate call to D's first delta (P's prefill and
+    KV writes, D's activation)."""
+
+    admission: float = 60.0
+    transfer: float = 120.0
+
+
+class _FlowFailure(InstanceError):
+    """Ends one request with this message as its error (the instance named in it); raised
+    from submit, rlt-serve answers it as an engine error (HTTP 500 with the message)."""
+
+
+@dataclass(eq=False)
+class _Flow:
+    request: EngineRequest
+    transfer_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode: Instance | None = None  # D, or the replica
+    prefill: Instance | None = None
+    responses: list[httpx.Response] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    claimed: bool = False
+    finished: bool = False  # the final delta is queued
+    cancelled: bool = False
+    first_delta: asyncio.Event = field(default_factory=asyncio.Event)
+    tokens: int = 0  # tokens streamed so far
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_loops: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+class PDEngineClient:
+    """`rlt_contracts.EngineClient` over the instances of `cluster` (admitted already).
+
+    model_info: what the front needs about the served model (the coordinator builds it from
+    the model directory and the instances' /v1/models).
+    """
+
+    def __init__(
+        self, cluster: Cluster, model_info: ModelInfo, *, timeouts: Timeouts | None = None
+    ) -> None:
+        self.cluster = cluster
+        self._model_info = model_info
+        self.timeouts = timeouts or Timeouts()
+        self._flows: dict[str, _Flow] = {}
+        self._counters = _Counters()
+        self._shutting_down = False
+        self._shutdown_done = False
+
+    @property
+    def mode(self) -> str:
+        return self.cluster.options.mode
+
+    # -- EngineClient -------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        """Gauges from the instances' last polled load (running / waiting on the instances
+        that stream the tokens, KV blocks over every instance); counters from what this
+        coordinator saw (prompt and generated tokens, decode loops, finished and aborted
+        requests). Engine-internal counters (steps, preemptions, prefix cache) stay 0."""
+        outputs = self.cluster.of_role(self.cluster.output_role)
+        loads = [i.load for i in self.cluster.instances]
+        total = sum(load.kv_blocks_total for load in loads)
+        free = sum(load.kv_blocks_free for load in loads)
+        c = self._counters
+        return EngineStats(
+            running_requests=sum(i.load.running for i in outputs),
+            waiting_requests=sum(i.load.waiting for i in outputs),
+            kv_blocks_total=total,
+            kv_blocks_used=max(total - free, 0),
+            prompt_tokens=c.prompt_tokens,
+            generation_tokens=c.generation_tokens,
+            decode_loops=c.decode_loops,
+            finished_requests=c.finished_requests,
+            aborted_requests=c.aborted_requests,
+        )
+
+    def unavailable(self) -> BaseException | None:
+        """Why no request can be served now (drives /health), or None."""
+        if self._shutting_down:
+            return EngineDeadError("the coordinator is shutting down")
+        reason = self.cluster.unavailable_reason()
+        return EngineDeadError(reason) if reason else None
+
+    async def submit(self, request: EngineRequest) -> None:
+        if self._shutting_down:
+            raise EngineDeadError("the coordinator is shutting down")
+        existing = self._flows.get(request.request_id)
+        if existing is not None and not existing.finished:
+            raise InvalidRequestError(
+                "request_id", f"request {request.request_id!r} is already in flight"
+            )
+        flow = _Flow(request, transfer_id=uuid.uuid4().hex)
+        self._flows[request.request_id] = flow
+        try:
+            await self._open_output(flow)
+        except BaseException:
+            await self._close(flow)
+            self._release(flow)
+            if self._flows.get(request.request_id) is flow:
+                del self._flows[request.request_id]
+            raise
+        self._counters.prompt_tokens += len(request.prompt_token_ids)
+        flow.task = asyncio.create_task(self._run(flow), name=f"rlt-pd-{request.request_id}")
+        if flow.cancelled:  # cancel() arrived while submitting
+            flow.task.cancel()
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        flow = self._flows.get(request_id)
+        if flow is None or flow.claimed:
+            raise InvalidRequestError(
+                "request_id", f"no submitted, unclaimed request {request_id!r} to stream"
+            )
+        flow.claimed = True
+        return self._deltas(flow)
+
+    async def cancel(self, request_id: str) -> None:
+        flow = self._flows.get(request_id)
+        if flow is None or flow.finished:
+            return
+        flow.cancelled = True
+        if flow.task is not None:
+            flow.task.cancel()
+            await asyncio.wait({flow.task}, timeout=CANCEL_WAIT_S)
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, abort the ones in flight (closing their connections), stop
+        polling and close the HTTP client. Idempotent."""
+        self._shutting_down = True
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        tasks = [f.task for f in self._flows.values() if f.task is not None and not f.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+        await self.cluster.close()
+
+    # -- submit: open the output instance's stream --------------------------------------------
+    async def _open_output(self, flow: _Flow) -> None:
+        """Take credits and open D's (or the replica's) generate stream, skipping instances
+        that cannot be reached; raises the engine's own error for an invalid request."""
+        tried: list[Instance] = []
+        while True:
+            output = await self.cluster.acquire(self.cluster.output_role, exclude=tried)
+            flow.decode = output
+            params = KVTransferParams(role=PDRole.NONE, transfer_id=flow.transfer_id)
+            if self.mode == "pd":
+                if flow.prefill is None:
+                    flow.prefill = await self.cluster.acquire(PDRole.PREFILL)
+                params = KVTransferParams(
+                    role=PDRole.DECODE,
+                    transfer_id=flow.transfer_id,
+                    prefill_agent=flow.prefill.info.agent if flow.prefill.info else None,
+                )
+            try:
+                response = await self._open(output, GenerateBody(flow.request, params))
+            except InstanceUnavailableError as exc:
+                logger.warning("request %s: %s; trying another instance", flow.request_id, exc)
+                self.cluster.release(output)
+                flow.decode = None
+                tried.append(output)
+                continue
+            flow.responses.append(response)
+            return
+
+    async def _open(self, instance: Instance, body: GenerateBody) -> httpx.Response:
+        """POST generate and wait for the answer's status (the stream stays open)."""
+        http = self.cluster.http
+        request = http.build_request(
+            "POST",
+            instance.url + GENERATE_PATH,
+            content=encode(body),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            async with asyncio.timeout(self.timeouts.admission):
+                response = await http.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self.cluster.mark_unreachable(instance, f"connect failed: {exc}")
+            raise InstanceUnavailableError(f"cannot connect to {instance}: {exc}") from None
+        except TimeoutError:
+            raise _FlowFailure(
+                f"{instance} did not answer within {self.timeouts.admission:g} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            self.cluster.mark_unreachable(instance, f"request failed: {exc!r}")
+            raise _FlowFailure(f"the request to {instance} failed: {exc!r}") from None
+        if response.status_code == 200:
+            return response
+        try:
+            content = await response.aread()
+        except httpx.HTTPError:
+            content = b""
+        finally:
+            await response.aclose()
+        error = error_from_response(response.status_code, content, str(instance))
+        if isinstance(error, InstanceUnavailableError):
+            self.cluster.mark_unreachable(instance, str(error))
+        raise error
+
+    # -- the request's task -------------------------------------------------------------------
+    async def _run(self, flow: _Flow) -> None:
+        lines = self._lines(flow.decode, flow.responses[0])
+        try:
+            if self.mode != "pd":
+                await self._pump(flow, lines)
+            else:
+                await self._handoff(flow, lines)
+        except asyncio.CancelledError:
+            reason = None if flow.cancelled else "the coordinator is shutting down"
+            self._finish(flow, error=reason, log=False)
+        except _FlowFailure as exc:
+            self._finish(flow, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug here must still end the stream
+            logger.exception("request %s failed in the coordinator", flow.request_id)
+            self._finish(flow, error=f"internal coordinator error: {exc!r}")
+        finally:
+            await self._close(flow)
+            try:
+                await lines.aclose()
+            except Exception:  # noqa: BLE001 - the stream failed already; nothing to add
+                pass
+            self._release(flow)
+            self._finish(flow, error=None, log=False)
+
+    async def _handoff(self, flow: _Flow, lines: AsyncIterator[StreamLine]) -> None:
+        d, p = flow.decode, flow.prefill
+        target = await self._first_line(flow, lines)
+        if target is None:
+            return  # D ended the request before any handoff (e.g. it aborted it)
+        prefill = asyncio.create_task(self._prefill(flow, p, target))
+        decode = asyncio.create_task(self._pump(flow, lines))
+        try:
+            await self._until_first_delta(d, p, prefill, decode, flow.first_delta)
+            await decode
+            if flow.tokens and not prefill.done():
+                # D can decode before P hears that its last write completed: let P finish
+                # normally rather than abort it (the caller has its final delta already)
+                await asyncio.wait({prefill}, timeout=self.timeouts.transfer)
+        finally:
+            for task in (prefill, decode):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(prefill, decode, return_exceptions=True)
+        if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+            logger.warning(
+                "request %s: %s after %s started decoding",
+                flow.request_id,
+                prefill.exception(),
+                d,
+            )
+
+    async def _first_line(self, flow: _Flow, lines) -> HandoffTarget | None:
+        d = flow.decode
+        try:
+            async with asyncio.timeout(self.timeouts.admission):
+                first = await anext(lines, None)
+        except TimeoutError:
+            raise _FlowFailure(
+                f"{d} did not admit the request within {self.timeouts.admission:g} s"
+            ) from None
+        if first is None:
+            raise _FlowFailure(f"{d} ended the stream before admitting the request")
+        if first.error is not None:
+            raise _FlowFailure(f"{d} failed to admit the request: {_error_text(first)}")
+        if first.delta is not None:
+            self._push(flow, first.delta)
+            if first.delta.finished:
+                return None
+            raise _FlowFailure(f"{d} sent tokens before its handoff target (protocol error)")
+        if first.target is None:
+            raise _FlowFailure(f"{d} sent no handoff target (protocol error)")
+        if first.target.transfer_id != flow.transfer_id:
+            raise _FlowFailure(
+                f"{d} answered for transfer {first.target.transfer_id!r}, "
+                f"not {flow.transfer_id!r} (protocol error)"
+            )
+        return first.target
+
+    async def _until_first_delta(
+        self,
+        d: Instance,
+        p: Instance,
+        prefill: asyncio.Task,
+        decode: asyncio.Task,
+        first_delta: asyncio.Event,
+    ) -> None:
+        """Wait for D's first delta; P failing first, D failing, or the transfer timeout
+        ending first fail the request."""
+        deadline = asyncio.get_running_loop().time() + self.timeouts.transfer
+        arrived = asyncio.create_task(first_delta.wait())
+        watched = {prefill, decode, arrived}
+        try:
+            while not arrived.done():
+                remaining = deadline - asyncio.get_running_loop().time()
+                done, _ = await asyncio.wait(
+                    watched, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    step = "P's transfer" if not prefill.done() else "D's first token"
+                    raise _FlowFailure(
+                        f"the KV handoff from {p} to {d} did not complete within "
+                        f"{self.timeouts.transfer:g} s (waiting for {step})"
+                    )
+                for task in done & {prefill, decode}:
+                    watched.discard(task)
+                    if task.exception() is not None:
+                        raise task.exception()
+                if decode.done():
+                    return  # D finished (e.g. aborted) without a token
+        finally:
+            arrived.cancel()
+
+    async def _prefill(self, flow: _Flow, p: Instance, target: HandoffTarget) -> None:
+        """P's side of the handoff: returns once P reported `done`."""
+        params = KVTransferParams(
+            role=PDRole.PREFILL,
+            transfer_id=flow.transfer_id,
+            prefill_agent=p.info.agent if p.info else None,
+            target=target,
+        )
+        response: httpx.Response | None = None
+        try:
+            try:
+                response = await self._open(p, GenerateBody(flow.request, params))
+            except (InstanceUnavailableError, _FlowFailure) as exc:
+                raise _FlowFailure(f"the KV handoff failed: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - P refused the request
+                raise _FlowFailure(f"{p} refused the prefill: {exc}") from None
+            async for line in self._lines(p, response):
+                if line.done is not None:
+                    return
+                if line.error is not None:
+                    raise _FlowFailure(f"{p} failed during the KV handoff: {_error_text(line)}")
+            raise _FlowFailure(f"{p} ended its stream before its KV transfer completed")
+        finally:
+            # done: P has finished; otherwise closing the connection aborts it on P
+            if response is not None:
+                await _close_quietly(response)
+            if flow.prefill is p:
+                flow.prefill = None
+                self.cluster.release(p)
+
+    async def _pump(self, flow: _Flow, lines: AsyncIterator[StreamLine]) -> None:
+        """D's (or the replica's) deltas into the request's queue, up to the final one."""
+        source = flow.decode
+        async for line in lines:
+            if line.delta is not None:
+                self._push(flow, line.delta)
+                if line.delta.finished:
+                    return
+            elif line.error is not None:
+                raise _FlowFailure(f"{source} failed: {_error_text(line)}")
+            elif line.target is not None:
+                raise _FlowFailure(f"{source} sent a second handoff target (protocol error)")
+        raise _FlowFailure(f"{source} ended the stream before the request finished")
+
+    async def _lines(self, instance: Instance, response: httpx.Response):
+        """The stream's lines, parsed; a broken connection or a bad line fails the request
+        (and marks the instance unreachable until a poll finds it again)."""
+        try:
+            async for text in response.aiter_lines():
+                if not text.strip():
+                    continue
+                try:
+                    yield line_decoder.decode(text)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise _FlowFailure(f"{instance} sent an invalid stream line: {exc}") from None
+        except httpx.HTTPError as exc:
+            self.cluster.mark_unreachable(instance, f"connection lost: {exc!r}")
+            raise _FlowFailure(
+                f"lost the connection to {instance} ({type(exc).__name__}: {exc})"
+            ) from None
+
+    # -- deltas -------------------------------------------------------------------------------
+    def _push(self, flow: _Flow, delta: RequestOutputDelta) -> None:
+        if flow.finished:
+            return
+        if delta.request_id != flow.request_id:
+            delta = msgspec.structs.replace(delta, request_id=flow.request_id)
+        flow.queue.put_nowait(delta)
+        if delta.token_ids:
+            flow.first_delta.set()
+            self._counters.generation_tokens += len(delta.token_ids)
+            # decode loops exclude token 0 (it comes from the prompt's full-depth pass)
+            self._counters.decode_loops += sum(delta.exit_depths[1 if flow.tokens == 0 else 0 :])
+            flow.tokens += len(delta.token_ids)
+        if delta.finished:
+            flow.first_delta.set()
+            flow.finished = True
+            if flow.decode is not None:  # D is done with it: its credit is free right away
+                self.cluster.release(flow.decode)
+                flow.decode = None
+            if delta.finish_reason is FinishReason.ABORT or delta.error:
+                self._counters.aborted_requests += 1
+            else:
+                self._counters.finished_requests += 1
+
+    def _finish(self, flow: _Flow, *, error: str | None, log: bool = True) -> None:
+        """End the stream with a final "abort" delta (carrying `error`) unless it ended."""
+        if flow.finished:
+            return
+        if error and log:
+            logger.warning("request %s failed: %s", flow.request_id, error)
+        self._push(
+            flow,
+            RequestOutputDelta(
+                request_id=flow.request_id,
+                token_ids=(),
+                exit_depths=(),
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=len(flow.request.prompt_token_ids),
+                error=error,
+            ),
+        )
+
+    async def _deltas(self, flow: _Flow) -> AsyncIterator[RequestOutputDelta]:
+        try:
+            while True:
+                delta = await flow.queue.get()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not flow.finished:
+                await self.cancel(flow.request_id)
+            if self._flows.get(flow.request_id) is flow:
+                del self._flows[flow.request_id]
+
+    # -- cleanup ------------------------------------------------------------------------------
+    async def _close(self, flow: _Flow) -> None:
+        """Close every connection of the request (the instances abort it)."""
+        responses, flow.responses = flow.responses, []
+        for response in responses:
+            await _close_quietly(response)
+
+    def _release(self, flow: _Flow) -> None:
+        for attr in ("decode", "prefill"):
+            instance = getattr(flow, attr)
+            if instance is not None:
+                setattr(flow, attr, None)
+                self.cluster.release(instance)
+
+
+def _error_text(line: StreamLine) -> str:
+    error = line.error
+    if error is None:
+        return "unknown error"
+    return f"{error.message} (code {error.code})" if error.code else error.message
+
+
+async def _close_quietly(response: httpx.Response) -> None:
+    try:
+        await asyncio.shield(response.aclose())
+    except (httpx.HTTPError, asyncio.CancelledError):
+        pass

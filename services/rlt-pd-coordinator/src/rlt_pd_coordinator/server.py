@@ -1,0 +1,500 @@
+"""The coordinator process: instances (started or connected), the OpenAI front, shutdown.
+
+`Coordinator.start()`: start the local instances (if any) while the tokenizer loads, admit
+every instance (roles, compatibility, connections), build rlt-serve's app over a
+`PDEngineClient`. `serve()` runs it under uvicorn. `close()` aborts what is in flight, stops
+the children and closes the connections.
+
+`run(options)` does all of it in the main thread with the signal handling of `rlt serve`:
+SIGINT / SIGTERM during startup stop the children and return 0; while serving, uvicorn drains
+the requests in flight for up to `shutdown_timeout` seconds, then aborts the rest, the
+children are stopped and `run` returns 0. A second signal while stopping kills the children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi.responses import JSONResponse
+from rlt_contracts import ConfigurationError, InvalidRequestError, ModelInfo, SamplingParams
+from rlt_contracts.pd import PDRole
+from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, build_app
+
+from rlt_pd_coordinator.client import PDEngineClient, Timeouts
+from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
+from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, Supervisor, SupervisorOptions
+
+logger = logging.getLogger("rlt_pd_coordinator")
+
+HARD_STOP_MARGIN_S = 5.0
+INSTANCES_PATH = "/v1/pd/instances"
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """Everything `rlt pd serve` takes (see cli.py for the flags)."""
+
+    model: str | None = None  # checkpoint directory (tokenizer, config); None: the bundled one
+    mode: str = "pd"  # "pd" or "router"
+    num_prefill: int = 0
+    num_decode: int = 0
+    replicas: int = 0
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    replica_urls: tuple[str, ...] = ()
+    prefill_credits: int = 32
+    decode_credits: int = 128
+    replica_credits: int = 128
+    # front
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_origins: tuple[str, ...] = ()
+    loop_defaults: LoopDefaults = field(default_factory=LoopDefaults)
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+    # instances
+    instance_api_key: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    connect_timeout: float = 5.0
+    poll_interval: float = 1.0
+    credit_wait: float = 30.0
+    # local children
+    command: tuple[str, ...] = DEFAULT_COMMAND
+    engine_args: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    instance_log_level: str = "warning"
+    startup_timeout: float = 600.0
+    stop_timeout: float = 15.0
+    restart_delay: float = 1.0
+
+    def instances(self) -> list[Instance]:
+        """The local instances (named by role and index) then the listed URLs."""
+        made: list[Instance] = []
+        groups = (
+            (PDRole.PREFILL, self.num_prefill, self.prefill_urls, self.prefill_credits),
+            (PDRole.DECODE, self.num_decode, self.decode_urls, self.decode_credits),
+            (PDRole.NONE, self.replicas, self.replica_urls, self.replica_credits),
+        )
+        for role, count, urls, credits in groups:
+            prefix = "replica" if role is PDRole.NONE else str(role)
+            for index in range(count):
+                made.append(Instance(f"{prefix}-{index}", role, "", credits, local=True))
+            for index, url in enumerate(urls, start=count):
+                made.append(Instance(f"{prefix}-{index}", role, url.rstrip("/"), credits))
+        return made
+
+    def check(self) -> None:
+        pd = self.num_prefill or self.num_decode or self.prefill_urls or self.decode_urls
+        router = self.replicas or self.replica_urls
+        if pd and router:
+            raise ConfigurationError(
+                ("num_prefill/num_decode/prefill_url/decode_url", "replicas/url"),
+                "run either prefill/decode instances or plain replicas, not both",
+            )
+        if self.mode == "pd":
+            if not (self.num_prefill or self.prefill_urls):
+                raise ConfigurationError(
+                    ("num_prefill", "prefill_url"), "PD needs at least one prefill instance"
+                )
+            if not (self.num_decode or self.decode_urls):
+                raise ConfigurationError(
+                    ("num_decode", "decode_url"), "PD needs at least one decode instance"
+                )
+        elif not router:
+            raise ConfigurationError(("replicas", "url"), "the router needs at least one replica")
+        for name in ("num_prefill", "num_decode", "replicas"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("prefill_credits", "decode_credits", "replica_credits", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("poll_interval", "connect_timeout", "startup_timeout", "restart_delay"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("admission", "transfer"):
+            if getattr(self.timeouts, name) <= 0:
+                raise ConfigurationError(
+                    f"{name}_timeout", f"must be > 0, got {getattr(self.timeouts, name)}"
+                )
+        if self.credit_wait < 0:
+            raise ConfigurationError("credit_wait", f"must be >= 0, got {self.credit_wait}")
+        local = self.num_prefill + self.num_decode + self.replicas
+        if (self.engine_args or self.devices) and not local:
+            raise ConfigurationError(
+                "engine flags",
+                "engine flags (" + " ".join(self.engine_args or ("--device",)) + ") only apply "
+                "to local instances, and none is started here",
+            )
+
+
+def bundled_model_dir() -> Path | None:
+    """The rlt engine's bundled model (rlt/default_model), located without importing rlt."""
+    spec = importlib.util.find_spec("rlt")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "default_model"
+        if (candidate / "config.json").exists():
+            return candidate
+    return None
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        found = bundled_model_dir()
+        if found is None:
+            raise ConfigurationError(
+                "model", "no model directory given and the rlt engine's bundled model is not here"
+            )
+        return found
+    path = Path(model).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigurationError(
+            "model", f"{model!r} is not a directory (give a local checkpoint directory)"
+        )
+    return path
+
+
+def model_facts(model_dir: Path) -> tuple[int, tuple[int, ...], int]:
+    """(vocab_size, eos_token_ids, num_loops) from the checkpoint's config.json."""
+    from rlt_models import OuroConfig
+
+    try:
+        config = OuroConfig.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - any unreadable config is a configuration error
+        raise ConfigurationError("model", f"cannot read {model_dir}/config.json: {exc}") from None
+    return config.vocab_size, tuple(config.eos_token_id), config.total_ut_steps
+
+
+def load_tokenizer(model_dir: Path):
+    from rlt_models import load_tokenizer as load
+
+    try:
+        return load(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError("model", f"the front needs the model's tokenizer: {exc}") from None
+
+
+def build_model_info(
+    model_dir: Path, served_name: str | None, instances: list[Instance]
+) -> ModelInfo:
+    vocab_size, eos, config_loops = model_facts(model_dir)
+    loops = {i.num_loops for i in instances if i.num_loops is not None}
+    if loops and loops != {config_loops}:
+        raise ConfigurationError(
+            "model",
+            f"the instances serve a model of {sorted(loops)} loops but {model_dir} has "
+            f"{config_loops}: give the coordinator the instances' model directory",
+        )
+    names = {i.model_id for i in instances if i.model_id is not None}
+    if names - {model_dir.name, served_name}:
+        logger.warning(
+            "the instances serve %s but the front tokenizes with %s: give the coordinator the "
+            "instances' model directory if they differ",
+            ", ".join(sorted(names)),
+            model_dir,
+        )
+    lengths = [i.max_model_len for i in instances if i.max_model_len is not None]
+    return ModelInfo(
+        name=served_name or model_dir.name,
+        path=str(model_dir),
+        max_model_len=min(lengths) if lengths else 0,
+        vocab_size=vocab_size,
+        num_loops=config_loops,
+        eos_token_ids=eos,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The front's listening socket, bound before any child starts (a taken port fails fast)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError("port", f"cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+class Coordinator:
+    """One coordinator: cluster, supervisor, client and app (see the module docstring).
+
+    tokenizer: use this tokenizer instead of loading the model directory's (tests).
+    model_info: use this instead of reading the model directory's config (tests).
+    """
+
+    def __init__(
+        self,
+        options: CoordinatorOptions,
+        *,
+        tokenizer: Any = None,
+        model_info: ModelInfo | None = None,
+    ) -> None:
+        options.check()
+        self.options = options
+        self._tokenizer = tokenizer
+        self._model_info = model_info
+        self.cluster = Cluster(
+            options.instances(),
+            ClusterOptions(
+                mode=options.mode,
+                api_key=options.instance_api_key,
+                connect_timeout=options.connect_timeout,
+                poll_interval=options.poll_interval,
+                credit_wait=options.credit_wait,
+            ),
+        )
+        self.supervisor: Supervisor | None = None
+        self.client: PDEngineClient | None = None
+        self.app = None
+        self.server: uvicorn.Server | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        options = self.options
+        model_dir = None
+        if self._model_info is None or self._tokenizer is None or self._has_children():
+            model_dir = resolve_model_dir(options.model)
+        if self._has_children():
+            self.supervisor = Supervisor(
+                self.cluster,
+                SupervisorOptions(
+                    model=str(model_dir),
+                    command=options.command,
+                    engine_args=options.engine_args,
+                    devices=options.devices,
+                    api_key=options.instance_api_key,
+                    log_level=options.instance_log_level,
+                    startup_timeout=options.startup_timeout,
+                    stop_timeout=options.stop_timeout,
+                    restart_delay=options.restart_delay,
+                ),
+            )
+        tokenizer = self._tokenizer
+        loading = None
+        if tokenizer is None:  # load it while the instances start
+            loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_dir))
+        try:
+            if self.supervisor is not None:
+                await self.supervisor.start()
+            await self.cluster.admit_all()
+            if loading is not None:
+                tokenizer = await loading
+        finally:
+            if loading is not None and not loading.done():
+                loading.cancel()
+        info = self._model_info or build_model_info(
+            model_dir, options.served_model_name, self.cluster.instances
+        )
+        _check_loop_defaults(options.loop_defaults, info.num_loops)
+        if self.supervisor is not None:
+            self.supervisor.watch()
+        self.cluster.start_polling()
+        self.client = PDEngineClient(self.cluster, info, timeouts=options.timeouts)
+        self.app = build_app(
+            self.client,
+            served_model_name=options.served_model_name or info.name,
+            tokenizer=tokenizer,
+            api_key=options.api_key,
+            max_body_bytes=options.max_body_bytes,
+            loop_defaults=options.loop_defaults,
+            allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+            allowed_origins=options.allowed_origins,
+            engine_error=self.client.unavailable,
+        )
+        self.app.add_api_route(
+            INSTANCES_PATH,
+            self._instances_view,
+            methods=["GET"],
+            tags=["pd"],
+            summary="The coordinator's engine instances: role, state, load, credits",
+        )
+        counts = {r: len(self.cluster.of_role(r)) for r in PDRole}
+        logger.info(
+            "coordinator ready (%s mode: %d prefill, %d decode, %d replicas)",
+            options.mode,
+            counts[PDRole.PREFILL],
+            counts[PDRole.DECODE],
+            counts[PDRole.NONE],
+        )
+
+    def _has_children(self) -> bool:
+        return any(i.local for i in self.cluster.instances)
+
+    async def _instances_view(self) -> JSONResponse:
+        return JSONResponse(
+            {
+                "mode": self.options.mode,
+                "instances": [i.snapshot() for i in self.cluster.instances],
+            }
+        )
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Run the front until uvicorn is told to exit (signals, or `server.should_exit`)."""
+        options = self.options
+        config = uvicorn.Config(
+            self.app,
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=options.shutdown_timeout + HARD_STOP_MARGIN_S,
+            server_header=False,
+        )
+        self.server = _DrainingServer(
+            config,
+            self.client,
+            grace_s=options.shutdown_timeout,
+            on_shutdown=self.supervisor.stop_watching if self.supervisor else None,
+        )
+        await self.server.serve(sockets=sockets)
+
+    async def close(self) -> None:
+        """Abort what is in flight, stop the children, close the connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.supervisor is not None:
+            self.supervisor.stop_watching()
+        if self.client is not None:
+            await self.client.shutdown()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        await self.cluster.close()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, plus: `grace_s` seconds into a shutdown, abort the requests still in
+    flight, so that they end with finish_reason "abort" instead of having their connections
+    cut (as `rlt serve` does)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        client: PDEngineClient,
+        *,
+        grace_s: float,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self._client = client
+        self._grace_s = grace_s
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        loop = asyncio.get_running_loop()
+        abort = loop.call_later(self._grace_s, lambda: loop.create_task(self._client.shutdown()))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
+
+
+def _check_loop_defaults(defaults: LoopDefaults, num_loops: int) -> None:
+    try:  # the loop defaults must suit this model, or every request would fail
+        SamplingParams(
+            min_loops=defaults.min_loops,
+            max_loops=defaults.max_loops,
+            exit_threshold=defaults.exit_threshold,
+        ).resolve_max_loops(num_loops)
+    except InvalidRequestError as exc:
+        raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
+
+
+# -- the process ------------------------------------------------------------------------------
+def run(options: CoordinatorOptions) -> int:
+    """Serve until SIGINT / SIGTERM; returns the exit code (0 after a clean stop)."""
+    if options.api_key is None and not is_loopback(options.host):
+        logger.warning(
+            "serving on %s without --api-key: anyone who can reach it can use it", options.host
+        )
+    return asyncio.run(_run(options))
+
+
+async def _run(options: CoordinatorOptions) -> int:
+    coordinator = Coordinator(options)
+    sock = bind_socket(options.host, options.port)
+    stop = asyncio.Event()
+    signals = _Signals(asyncio.get_running_loop())
+    signals.handle(stop.set)
+    try:
+        starting = asyncio.create_task(coordinator.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            logger.info("stopped during startup")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return 0
+        starting.result()
+        signals.hand_to_uvicorn()
+        await coordinator.serve(sockets=[sock])
+        logger.info("front stopped; stopping the instances")
+        return 0
+    finally:
+        if coordinator.supervisor is not None:
+            signals.handle(coordinator.supervisor.kill_all)
+        await coordinator.close()
+        signals.restore()
+        sock.close()
+
+
+class _Signals:
+    """SIGINT / SIGTERM routing: to a callback (startup, stopping), or to uvicorn while it
+    serves. uvicorn raises the signals it captured again when it returns, under the handlers
+    that were installed before it started: those are no-ops here, so a clean stop stays one
+    (exit 0)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+
+    def handle(self, callback: Callable[[], None]) -> None:
+        for sig in self.SIGNALS:
+            self._loop.add_signal_handler(sig, callback)
+
+    def hand_to_uvicorn(self) -> None:
+        for sig in self.SIGNALS:
+            self._loop.remove_signal_handler(sig)
+            signal.signal(sig, self._note)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            with contextlib.suppress(ValueError, RuntimeError):
+                self._loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def _note(signum, _frame) -> None:
+        logger.info("%s: stopping", signal.Signals(signum).name)

@@ -1,0 +1,254 @@
+"""PD disaggregation with real processes: `rlt pd serve` starts prefill and decode engine
+instances (`rlt serve --pd-role ...`) as children and fronts them; KV moves between the
+instances through NIXL (UCX over host memory on loopback).
+
+Checked over HTTP: PD output equals a single engine's (tokens and exit depths; greedy and
+seeded; both KV layouts; refill and no_refill; chunked prefill; prompts ending mid-block;
+prefix-cache hits on D); a client that goes away mid-transfer leaves both instances with
+every block free; a prefill instance killed mid-transfer fails its request with a clear error
+while D frees everything and the next requests use the surviving prefill instance.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from rlt import LLM, SamplingParams
+
+pytest.importorskip("nixl")
+
+ENGINE_FLAGS = dict(
+    dtype="float32",
+    block_size=4,
+    num_kv_blocks=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    prefill_chunk_size=5,
+)
+# Short transfer leases so that failure paths finish within a test (docs/pd.md, failures).
+PD_FLAGS = ["--pd-write-timeout-s", "2", "--pd-kv-lease-s", "3", "--pd-kv-timeout-s", "30"]
+
+PROMPTS = [
+    [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 12, 13],  # ends mid-block
+    [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 12, 14, 15, 16, 17],  # 3 pages shared with #0
+    [250, 11],
+    [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3, 7, 7, 7, 9, 12, 100, 101, 102, 103, 104],
+]
+
+
+def request_params(i: int) -> dict:
+    return dict(
+        max_tokens=6 + i,
+        exit_threshold=(0.55, 0.8, 1.0)[i % 3],
+        ignore_eos=True,
+        temperature=0.0 if i % 2 else 0.9,
+        seed=40 + i,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Group:
+    def __init__(self, process: subprocess.Popen, url: str, model: str) -> None:
+        self.process, self.url, self.model = process, url, model
+        self.http = httpx.Client(base_url=url, timeout=60, trust_env=False)
+
+    def instances(self) -> list[dict]:
+        return self.http.get("/v1/pd/instances").json()["instances"]
+
+    def complete(self, prompt: list[int], **params) -> dict:
+        body = {"model": self.model, "prompt": prompt, "return_token_ids": True, **params}
+        response = self.http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+
+    def instance_info(self, instance: dict) -> dict:
+        headers = {"Authorization": f"Bearer {os.environ['RLT_INSTANCE_API_KEY']}"}
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            return http.get(instance["url"] + "/internal/pd/info", headers=headers).json()
+
+    def wait_all_free(self, timeout: float = 20.0) -> None:
+        """Every live instance reports no request and every KV block free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = [
+                self.instance_info(i)["load"] for i in self.instances() if i["state"] == "ready"
+            ]
+            if loads and all(
+                load["kv_blocks_free"] == load["kv_blocks_total"]
+                and load["running"] == load["waiting"] == 0
+                for load in loads
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"instances still hold work or blocks: {loads}")
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def pd_group(
+    model: str, *, num_prefill: int = 1, num_decode: int = 1, flags: dict
+) -> Iterator[Group]:
+    port = free_port()
+    engine = [f"--{k.replace('_', '-')}={v}" for k, v in {**ENGINE_FLAGS, **flags}.items()]
+    engine = [e.removesuffix("=True") for e in engine]
+    command = [sys.executable, "-m", "rlt.cli", "pd", "serve", model]
+    command += [
+        "--num-prefill",
+        str(num_prefill),
+        "--num-decode",
+        str(num_decode),
+        "--port",
+        str(port),
+    ]
+    command += ["--device", "cpu", "--log-level", "warning", "--transfer-timeout", "20"]
+    command += engine + PD_FLAGS
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    group = Group(process, f"http://127.0.0.1:{port}", os.path.basename(model))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, f"rlt pd serve exited with {process.returncode}"
+            with contextlib.suppress(httpx.HTTPError):
+                if group.http.get("/health").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the PD group did not become healthy"
+            time.sleep(0.25)
+        yield group
+    finally:
+        group.http.close()
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from rlt_models import OuroConfig, RandomInit, write_random_checkpoint
+
+    config = OuroConfig(
+        vocab_size=256 + 8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        total_ut_steps=4,
+        max_position_embeddings=512,
+    )
+    out = tmp_path_factory.mktemp("pd_model")
+    return str(write_random_checkpoint(out, config, seed=3, init=RandomInit(gate_std=0.3)))
+
+
+@pytest.fixture(autouse=True)
+def instance_key(monkeypatch):
+    monkeypatch.setenv("RLT_INSTANCE_API_KEY", "pd-test-key")
+
+
+def reference(model: str, flags: dict) -> list[tuple[list[int], list[int]]]:
+    options = {**ENGINE_FLAGS, **flags, "device": "cpu"}
+    with LLM(model, **options) as llm:
+        params = [SamplingParams(**request_params(i)) for i in range(len(PROMPTS))]
+        return [(o.token_ids, o.exit_depths) for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(kv_layout="last_exited", enable_prefix_caching=True),
+        dict(kv_layout="shared", scheduling_mode="no_refill"),
+    ],
+    ids=["last_exited-prefix_cache", "shared-no_refill"],
+)
+def test_pd_over_processes_equals_a_single_engine(model, flags):
+    expected = reference(model, flags)
+    with pd_group(model, flags=flags) as group:
+        got = []
+        for i, prompt in enumerate(PROMPTS):
+            choice = group.complete(prompt, **request_params(i))
+            got.append((choice["token_ids"], choice["exit_depths"]))
+        assert got == expected
+        # again, all at once: batched on D, prefix hits on D for the repeated prompts
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [
+                pool.submit(group.complete, prompt, **request_params(i))
+                for i, prompt in enumerate(PROMPTS)
+            ]
+            again = [(f.result()["token_ids"], f.result()["exit_depths"]) for f in futures]
+        assert again == expected
+        group.wait_all_free()
+
+
+def test_client_gone_mid_transfer_frees_both_sides(model):
+    long_prompt = [(7 * i) % 250 + 1 for i in range(400)]
+    with pd_group(model, flags={}) as group:
+        for delay in (0.05, 0.3, 1.0):
+            body = {"model": group.model, "prompt": long_prompt, "max_tokens": 50, "stream": True}
+            with contextlib.suppress(httpx.ReadTimeout):
+                with httpx.Client(base_url=group.url, timeout=delay, trust_env=False) as http:
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        for _ in response.iter_lines():
+                            pass
+            group.wait_all_free()
+        # the instances serve on, with the same results as before
+        choice = group.complete(PROMPTS[0], **request_params(1))
+        assert len(choice["token_ids"]) == request_params(1)["max_tokens"]
+        group.wait_all_free()
+
+
+@pytest.mark.parametrize("victim_role", ["prefill", "decode"])
+def test_a_killed_instance_fails_its_request_and_the_survivors_serve(model, victim_role):
+    """SIGKILL the prefill (or decode) instance while P computes a long prompt and pushes its
+    KV: the request fails with a clear error; the other side frees everything (D after its
+    lease, P once its writes failed or their lease expired); the next requests go to the
+    surviving instances with correct output."""
+    long_prompt = [(11 * i) % 250 + 1 for i in range(480)]
+    counts = dict(num_prefill=2) if victim_role == "prefill" else dict(num_decode=2)
+    with pd_group(model, flags=dict(num_kv_blocks=1024), **counts) as group:
+        body = {"model": group.model, "prompt": long_prompt, "max_tokens": 4}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(group.http.post, "/v1/completions", json=body)
+            victim = busy = None
+            deadline = time.monotonic() + 30
+            while busy is None and time.monotonic() < deadline:
+                instances = group.instances()
+                for instance in instances:  # P is computing the prompt
+                    if (
+                        instance["role"] == "prefill"
+                        and instance["in_flight"]
+                        and group.instance_info(instance)["load"]["running"]
+                    ):
+                        busy = instance
+                time.sleep(0.005)
+            assert busy is not None, "the request never ran on a prefill instance"
+            if victim_role == "prefill":
+                victim = busy
+            else:
+                victim = next(i for i in instances if i["role"] == "decode" and i["in_flight"])
+            os.kill(victim["pid"], signal.SIGKILL)
+            response = pending.result(timeout=60)
+        assert response.status_code == 500, response.text
+        assert victim_role in response.json()["error"]["message"]
+        expected = reference(model, {})
+        for i in (0, 2):
+            choice = group.complete(PROMPTS[i], **request_params(i))
+            assert (choice["token_ids"], choice["exit_depths"]) == expected[i]
+        group.wait_all_free(timeout=30)

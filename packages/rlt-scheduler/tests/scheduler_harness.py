@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlt_contracts import (
+    NO_PREFIX,
     BlockTableUpdate,
     ExecutionIdentity,
     GeneratedTokens,
@@ -15,13 +16,6 @@ from rlt_contracts import (
     SchedulerOutput,
 )
 from rlt_scheduler import Scheduler, SchedulerConfig
-
-
-@dataclass(frozen=True)
-class NoPrefix:
-    num_tokens: int = 0
-    num_blocks: int = 0
-    cached_claim_blocks: int = 0
 
 
 class CountingKV:
@@ -45,7 +39,7 @@ class CountingKV:
         return self.pages.get(identity, 0) * self.block_size
 
     def match_prefix(self, prompt):
-        return NoPrefix()
+        return NO_PREFIX
 
     def allocate(self, identity, num_tokens, prefix, *, prompt_length=0):
         pages = -(-num_tokens // self.block_size)

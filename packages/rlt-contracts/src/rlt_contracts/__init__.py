@@ -27,7 +27,15 @@ from rlt_contracts.execution import (
     ModelRunnerOutput,
     PrefillProgress,
 )
-from rlt_contracts.kv import AdmissionPlan, BlockTableUpdate, KVCapacity, KVLayout
+from rlt_contracts.kv import (
+    NO_PREFIX,
+    AdmissionPlan,
+    BlockTableUpdate,
+    KVCapacity,
+    KVLayout,
+    KVPort,
+    PrefixMatch,
+)
 from rlt_contracts.model import (
     LayerAttention,
     LoopedLanguageModel,
@@ -65,6 +73,7 @@ from rlt_contracts.scheduling import (
 )
 
 __all__ = [
+    "NO_PREFIX",
     "AdmissionPlan",
     "AttentionBackend",
     "AttentionCapabilities",
@@ -89,6 +98,7 @@ __all__ = [
     "KVCacheTensors",
     "KVCapacity",
     "KVLayout",
+    "KVPort",
     "KVHandoffPort",
     "KVTransferParams",
     "LayerAttention",
@@ -107,6 +117,7 @@ __all__ = [
     "PagedAttentionBatch",
     "PrefillChunk",
     "PrefillProgress",
+    "PrefixMatch",
     "RequestBlocks",
     "RequestOutputDelta",
     "RequestTimings",

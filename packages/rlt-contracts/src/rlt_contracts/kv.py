@@ -1,10 +1,15 @@
-"""Logical KV-cache contracts: layouts, capacity views and admission plans (owned by rlt-kv)."""
+"""Logical KV-cache contracts: layouts, capacity views, admission plans, prefix matches and the
+`KVPort` the scheduler allocates through (all implemented by rlt-kv)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
+
+from rlt_contracts.requests import ExecutionIdentity
 
 
 class KVLayout(enum.StrEnum):
@@ -87,3 +92,88 @@ class BlockTableUpdate(msgspec.Struct, frozen=True, array_like=True):
     plane: int
     first_page: int
     block_ids: tuple[int, ...]
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """Leading full prompt pages whose KV the prefix cache can give a request (a pure lookup
+    result of `KVPort.match_prefix`; `NO_PREFIX` when nothing is reused).
+
+    keys: the matched pages' chained content keys (opaque outside rlt-kv; `allocate` touches
+      them in the cache's LRU order).
+    blocks: per matched page, its physical block at every plane (`allocate` references them).
+    num_tokens: reusable prompt positions, a multiple of the block size.
+    cached_claim_blocks: of those blocks, how many only the cache holds now (evictable, counted
+      as free), which admitting the request would pin.
+
+    The scheduler reads only the counts and hands the match back to `allocate` unchanged.
+    """
+
+    keys: tuple[bytes, ...] = ()
+    blocks: tuple[tuple[int, ...], ...] = ()
+    num_tokens: int = 0
+    cached_claim_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the matched pages over all planes."""
+        return sum(len(page) for page in self.blocks)
+
+
+NO_PREFIX = PrefixMatch()  # reuses nothing: a cache miss, no prefix cache, or a resumed request
+
+
+class KVPort(Protocol):
+    """The logical-KV operations the scheduler uses (implemented by rlt-kv's `KVCacheManager`).
+
+    The scheduler never reads reference counts or allocations (R11): it asks for costs,
+    allocations, growth, release and prefix publication here. Counts are in blocks (one block =
+    `block_size` positions of one plane) or in token positions, as named.
+    """
+
+    num_blocks: int  # blocks in the pool
+
+    def capacity(self) -> KVCapacity: ...
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks one request needs to hold positions [0, num_tokens) at every plane."""
+        ...
+
+    def held_blocks(self, identity: ExecutionIdentity) -> int: ...
+
+    def allocated_tokens(self, identity: ExecutionIdentity) -> int:
+        """Positions [0, n) the request's blocks can hold (0 if it holds none)."""
+        ...
+
+    def match_prefix(self, prompt_token_ids: Sequence[int]) -> PrefixMatch:
+        """Reusable leading pages of the prompt (pure: changes nothing)."""
+        ...
+
+    def allocate(
+        self,
+        identity: ExecutionIdentity,
+        num_tokens: int,
+        prefix: PrefixMatch = NO_PREFIX,
+        *,
+        prompt_length: int = 0,
+    ) -> tuple[BlockTableUpdate, ...] | None:
+        """Claim blocks for positions [0, num_tokens), reusing `prefix`'s pages; None (and no
+        change) when the pool cannot supply them."""
+        ...
+
+    def grow(
+        self, identity: ExecutionIdentity, num_tokens: int
+    ) -> tuple[BlockTableUpdate, ...] | None:
+        """Extend to positions [0, num_tokens): the appended blocks, () if none were needed,
+        None (and no change) when the pool cannot supply them."""
+        ...
+
+    def free(self, identity: ExecutionIdentity) -> None:
+        """Return the request's blocks (idempotent)."""
+        ...
+
+    def publish_prefix(
+        self, identity: ExecutionIdentity, prompt_token_ids: Sequence[int], computed_tokens: int
+    ) -> int:
+        """Publish prompt pages reported computed at every depth (completion evidence, R18);
+        returns the pages newly published."""
+        ...

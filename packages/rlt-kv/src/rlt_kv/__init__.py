@@ -1,15 +1,13 @@
 """rlt-kv: logical paged KV-cache management with per-depth block tables (module M4)."""
 
 from rlt_kv.block_pool import BlockPool
-from rlt_kv.manager import NO_PREFIX, KVCacheManager, PrefixMatch
+from rlt_kv.manager import KVCacheManager
 from rlt_kv.prefix_cache import PrefixCache, cacheable_pages, page_keys
 
 __all__ = [
-    "NO_PREFIX",
     "BlockPool",
     "KVCacheManager",
     "PrefixCache",
-    "PrefixMatch",
     "cacheable_pages",
     "page_keys",
 ]

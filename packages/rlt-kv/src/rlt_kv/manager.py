@@ -14,32 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlt_contracts import BlockTableUpdate, ExecutionIdentity, KVCapacity
+from rlt_contracts import NO_PREFIX, BlockTableUpdate, ExecutionIdentity, KVCapacity, PrefixMatch
 
 from rlt_kv.block_pool import BlockPool
-from rlt_kv.prefix_cache import PageKey, PrefixCache, cacheable_pages, page_keys
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Result of a prefix lookup (no side effects): reusable leading prompt pages.
-
-    num_tokens: prompt positions whose KV can be reused (a multiple of the block size).
-    cached_claim_blocks: of those pages' blocks, how many are currently evictable (counted as
-      free), which the request would pin.
-    """
-
-    keys: tuple[PageKey, ...]
-    blocks: tuple[tuple[int, ...], ...]  # per page: one block per plane
-    num_tokens: int
-    cached_claim_blocks: int
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(page) for page in self.blocks)
-
-
-NO_PREFIX = PrefixMatch(keys=(), blocks=(), num_tokens=0, cached_claim_blocks=0)
+from rlt_kv.prefix_cache import PrefixCache, cacheable_pages, page_keys
 
 
 @dataclass
@@ -49,6 +27,9 @@ class _Allocation:
 
 
 class KVCacheManager:
+    """Implements `rlt_contracts.KVPort` (the scheduler's view) plus the runner-side and PD
+    views below (`block_tables`, `has_allocation`, `clear_prefix_cache`)."""
+
     def __init__(
         self,
         *,

@@ -10,7 +10,6 @@ from rlt_scheduler.exit_policy import (
     TraceExitPolicy,
     make_exit_policy,
 )
-from rlt_scheduler.kv_port import KVPort
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.scheduler import Scheduler
 from rlt_scheduler.stats import SchedulerStats
@@ -22,7 +21,6 @@ __all__ = [
     "TraceExitPolicy",
     "make_exit_policy",
     "SchedulingPolicy",
-    "KVPort",
     "LoopBounds",
     "OuroExitPolicy",
     "ScheduledRequest",

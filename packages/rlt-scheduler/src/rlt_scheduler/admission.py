@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from rlt_contracts import AdmissionPlan, RequestStage
+from rlt_contracts import AdmissionPlan, KVPort, PrefixMatch, RequestStage
 
 from rlt_scheduler.config import SchedulerConfig
-from rlt_scheduler.kv_port import KVPort, PrefixLookup
 from rlt_scheduler.request_state import ScheduledRequest
-
-
-@dataclass(frozen=True)
-class NoPrefix:
-    """A prefix lookup that reuses nothing (resumed requests restore all their blocks)."""
-
-    num_tokens: int = 0
-    num_blocks: int = 0
-    cached_claim_blocks: int = 0
-    blocks: tuple = ()
-    keys: tuple = ()
-
-
-NO_PREFIX = NoPrefix()
 
 
 def plan_admission(
     config: SchedulerConfig,
     kv: KVPort,
     request: ScheduledRequest,
-    prefix: PrefixLookup,
+    prefix: PrefixMatch,
     running: Iterable[ScheduledRequest],
 ) -> AdmissionPlan:
     """The block budget of admitting `request` next to `running`. Pure: nothing is allocated.
@@ -69,7 +53,7 @@ def plan_admission(
 
 
 def initial_allocation_tokens(
-    config: SchedulerConfig, request: ScheduledRequest, prefix: PrefixLookup
+    config: SchedulerConfig, request: ScheduledRequest, prefix: PrefixMatch
 ) -> int:
     """Positions claimed at admission: the lifetime, or with incremental KV the first chunk."""
     if config.incremental_kv:

@@ -32,17 +32,20 @@ from dataclasses import dataclass
 
 from msgspec import structs
 from rlt_contracts import (
+    NO_PREFIX,
     AdmissionPlan,
     DecodeRule,
     ExecutionIdentity,
     FinishReason,
     GeneratedTokens,
     InvalidRequestError,
+    KVPort,
     KVTransferParams,
     ModelRunnerOutput,
     NewRequestData,
     OverloadedError,
     PrefillChunk,
+    PrefixMatch,
     RequestBlocks,
     RequestOutputDelta,
     RequestStage,
@@ -51,10 +54,9 @@ from rlt_contracts import (
 )
 from rlt_contracts.kv import KVCapacity
 
-from rlt_scheduler.admission import NO_PREFIX, initial_allocation_tokens, plan_admission
+from rlt_scheduler.admission import initial_allocation_tokens, plan_admission
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy
-from rlt_scheduler.kv_port import KVPort, PrefixLookup
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
@@ -445,7 +447,7 @@ class Scheduler:
             else:
                 deferred.append(request)
 
-    def plan_admission(self, request: ScheduledRequest, prefix: PrefixLookup) -> AdmissionPlan:
+    def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
         """The block budget of admitting `request` now (see admission.plan_admission)."""
         return plan_admission(self.config, self.kv, request, prefix, self._running)
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from rlt_contracts import (
     CapacityError,
     InvalidRequestError,
+    KVPort,
     KVTransferParams,
     PDRole,
     SamplingParams,
 )
 
 from rlt_scheduler.exit_policy import LoopBounds
-from rlt_scheduler.kv_port import KVPort
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from rlt_contracts.attention import (
     AttentionRequirements,
     KVCacheTensors,
     PagedAttentionBatch,
+    UnmetRequirement,
     unmet_requirements,
 )
 from rlt_contracts.client import EngineClient
@@ -130,4 +131,5 @@ __all__ = [
     "SchedulerOutput",
     "TokenSampler",
     "unmet_requirements",
+    "UnmetRequirement",
 ]

@@ -35,6 +35,7 @@ from rlt_contracts import (
     NO_PREFIX,
     AdmissionPlan,
     DecodeRule,
+    EngineRequest,
     ExecutionIdentity,
     FinishReason,
     GeneratedTokens,
@@ -56,7 +57,7 @@ from rlt_contracts.kv import KVCapacity
 
 from rlt_scheduler.admission import initial_allocation_tokens, plan_admission
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
-from rlt_scheduler.exit_policy import ExitPolicy, OuroExitPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
@@ -119,19 +120,58 @@ class Scheduler:
         OverloadedError without changing any state. `kv_transfer` (PD): role DECODE admits the
         request to wait for its prompt's KV from a prefill instance; role PREFILL computes the
         prompt only, for transfer to `kv_transfer.target`."""
-        prompt, bounds = validate_request(
-            request_id, prompt_token_ids, sampling, self.limits, self.kv
+        [request] = self.add_requests(
+            [EngineRequest(request_id, tuple(prompt_token_ids), sampling, kv_transfer=kv_transfer)]
         )
-        check_kv_transfer(kv_transfer, len(prompt))
-        existing = self._requests.get(request_id)
+        return request
+
+    def add_requests(self, requests: Sequence[EngineRequest]) -> list[ScheduledRequest]:
+        """Validate and enqueue several requests, all or none: every one is checked (as in
+        `add_request`) and the waiting queue must have room for all of them before any is
+        queued; otherwise the first error is raised and nothing changed."""
+        checked = [self._check_new_request(r) for r in requests]
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            duplicate = next(i for i in ids if ids.count(i) > 1)
+            raise InvalidRequestError("request_id", f"{duplicate!r} is given more than once")
+        self._check_waiting_room(len(requests))
+        return [self._enqueue(request, *c) for request, c in zip(requests, checked, strict=True)]
+
+    def _check_new_request(self, request: EngineRequest) -> tuple[tuple[int, ...], LoopBounds]:
+        prompt, bounds = validate_request(
+            request.request_id, request.prompt_token_ids, request.sampling, self.limits, self.kv
+        )
+        check_kv_transfer(request.kv_transfer, len(prompt))
+        existing = self._requests.get(request.request_id)
         if existing is not None and not existing.finished:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        if len(self._waiting) >= self.config.max_waiting_requests:
-            raise OverloadedError(
-                f"{len(self._waiting)} requests are waiting (limit "
-                f"{self.config.max_waiting_requests}); retry later"
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        self.exit_policy.check_request(request.request_id, bounds, request.sampling.max_tokens)
+        return prompt, bounds
+
+    def _check_waiting_room(self, count: int) -> None:
+        """`max_waiting_requests` bounds the requests that would wait: those queued beyond the
+        runner slots free now (a request that a free slot can take at the next step is not
+        really waiting). A batch larger than the limit plus every slot can never be queued."""
+        config = self.config
+        if count > config.max_waiting_requests + config.max_num_seqs:
+            raise InvalidRequestError(
+                "prompt",
+                f"{count} prompts at once exceed what the engine can queue "
+                f"({config.max_waiting_requests} waiting + {config.max_num_seqs} running)",
             )
-        self.exit_policy.check_request(request_id, bounds, sampling.max_tokens)
+        free_slots = max(config.max_num_seqs - len(self._running) - len(self._held), 0)
+        waiting = len(self._waiting) + count - free_slots
+        if waiting > config.max_waiting_requests:
+            raise OverloadedError(
+                f"{len(self._waiting)} requests are queued and {free_slots} runner slots are "
+                f"free: {count} more would leave {waiting} waiting (limit "
+                f"{config.max_waiting_requests}); retry later"
+            )
+
+    def _enqueue(
+        self, new: EngineRequest, prompt: tuple[int, ...], bounds: LoopBounds
+    ) -> ScheduledRequest:
+        request_id, sampling = new.request_id, new.sampling
         if sampling.seed is None:
             sampling = structs.replace(sampling, seed=secrets.randbits(63))
         stop_ids = tuple(sampling.stop_token_ids)
@@ -149,7 +189,7 @@ class Scheduler:
             ),
             arrival_index=self._next_generation,
             queued_time=time.monotonic(),
-            kv_transfer=kv_transfer,
+            kv_transfer=new.kv_transfer,
         )
         self._next_generation += 1
         self._requests[request_id] = request

@@ -259,3 +259,6 @@ class EngineCore:
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
         )
+            attention_backend=self.runner.attention.capabilities.name,
+            decode_cuda_graphs=self.runner.graphs is not None,
+            decode_eager_reason=self.runner.graphs_disabled_reason,

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 from rlt_attention import (
     BACKENDS,
+    FLASH_ATTN_CAPABILITIES,
+    TORCH_CAPABILITIES,
+    TRITON_CAPABILITIES,
+    BackendEntry,
     FlashAttnBackend,
     TorchPagedAttention,
     TritonPagedAttention,
@@ -49,10 +53,51 @@ def test_auto_on_cuda_prefers_triton():
     assert selection.rejected["torch"] == ["compatible, but 'triton' comes first in the auto order"]
 
 
-def test_auto_with_cuda_graphs_rejects_torch():
+def test_capture_capability_is_declared_per_backend():
+    assert TRITON_CAPABILITIES.supports_cuda_graphs
+    assert not TORCH_CAPABILITIES.supports_cuda_graphs
+    assert not FLASH_ATTN_CAPABILITIES.supports_cuda_graphs
+
+
+def test_auto_with_cuda_graphs_prefers_a_capturable_backend():
     selection = select_attention_backend(requirements(device_type="cuda", cuda_graphs=True))
-    assert selection.name == "triton"
-    assert selection.rejected["torch"] == ["CUDA graphs unsupported"]
+    assert selection.name == "triton" and selection.cuda_graphs and selection.warning is None
+    assert "can be captured" in selection.reason
+    assert selection.rejected["torch"] == [
+        "compatible, but cannot be captured as CUDA graphs and 'triton' can"
+    ]
+
+
+def test_auto_without_graphs_reports_no_capture_and_no_warning():
+    selection = select_attention_backend(requirements(device_type="cuda"))
+    assert selection.name == "triton" and not selection.cuda_graphs and selection.warning is None
+
+
+def test_auto_with_graphs_but_no_capturable_backend_runs_eagerly_and_says_so(monkeypatch):
+    absent = BackendEntry(
+        "triton", TRITON_CAPABILITIES, lambda: "triton not importable (test)", TritonPagedAttention
+    )
+    monkeypatch.setitem(BACKENDS, "triton", absent)
+    selection = select_attention_backend(requirements(device_type="cuda", cuda_graphs=True))
+    assert selection.name == "torch" and not selection.cuda_graphs
+    assert "decode ticks run eagerly" in selection.warning
+    assert "triton not importable (test)" in selection.warning
+
+
+def test_explicit_non_capturable_choice_is_honoured_with_a_warning():
+    selection = select_attention_backend(
+        requirements(device_type="cuda", dtype="bfloat16", cuda_graphs=True), "torch"
+    )
+    assert selection.name == "torch" and not selection.cuda_graphs
+    assert "requested by name" in selection.warning and "run eagerly" in selection.warning
+    assert "'auto' or 'triton' would be captured" in selection.warning
+
+
+def test_explicit_capturable_choice_with_graphs_has_no_warning():
+    selection = select_attention_backend(
+        requirements(device_type="cuda", cuda_graphs=True), "triton"
+    )
+    assert selection.cuda_graphs and selection.warning is None
 
 
 def test_auto_without_any_compatible_backend_raises_with_every_reason():
@@ -69,15 +114,15 @@ def test_explicit_triton_on_cpu_names_the_device():
     assert "device 'cpu'" in message and "Known backends: torch, triton, flash_attn" in message
 
 
-def test_explicit_incompatible_choice_lists_every_unmet_requirement():
+def test_explicit_incompatible_choice_lists_every_unmet_requirement_and_option():
     with pytest.raises(ConfigurationError) as info:
         select_attention_backend(
-            requirements(device_type="cuda", head_dim=512, cuda_graphs=True), "torch"
+            requirements(device_type="cuda", head_dim=512, block_size=16, cuda_graphs=True),
+            "torch",
         )
-    assert (
-        "head_dim 512 > 256" in info.value.message
-        and "CUDA graphs unsupported" in info.value.message
-    )
+    assert "head_dim 512 > 256" in info.value.message
+    assert "CUDA graphs" not in info.value.message  # a preference, never a refusal
+    assert info.value.options == ("attention_backend", "model")
 
 
 def test_explicit_compatible_choice_is_honoured():
@@ -96,11 +141,25 @@ def test_unknown_backend_lists_known_ones():
 def test_flash_attn_not_importable_is_rejected_with_reason():
     reqs = requirements(device_type="cuda", dtype="bfloat16", block_size=256)
     selection = select_attention_backend(reqs)
-    assert any("flash_attn not importable" in r for r in selection.rejected["flash_attn"])
-    with pytest.raises(ConfigurationError, match="flash_attn not importable"):
+    assert any("flash-attn is not importable here" in r for r in selection.rejected["flash_attn"])
+    with pytest.raises(ConfigurationError, match="flash-attn is not importable here") as info:
         select_attention_backend(reqs, "flash_attn")
+    assert info.value.options == ("attention_backend",)
     with pytest.raises(RuntimeError, match="not importable"):
         FlashAttnBackend()
+
+
+def test_flash_attn_by_name_with_the_default_block_size_names_both_options():
+    reqs = requirements(device_type="cuda", dtype="bfloat16", block_size=16)
+    with pytest.raises(ConfigurationError) as info:
+        select_attention_backend(reqs, "flash_attn")
+    assert info.value.options[:1] == ("attention_backend",)
+    assert "block_size" in info.value.options
+    assert "block_size 16 is not a multiple of 256" in info.value.message
+    assert "block_size=256" in info.value.message
+    if not flash_attn_importable():
+        assert "flash-attn is not importable here" in info.value.message
+        assert info.value.options == ("attention_backend", "block_size")
 
 
 def test_flash_attn_is_never_auto_selected():

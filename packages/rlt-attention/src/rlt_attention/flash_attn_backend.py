@@ -9,7 +9,10 @@ succeeds and its `flash_attn_varlen_func` accepts `block_table` (a capability pr
 version check, R13).
 
 Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256, and a paged
-block size divisible by 256.
+block size divisible by 256. The engine's default block size is 16, so asking for this backend
+by name also needs `block_size=256` (or another multiple); otherwise selection raises a
+`ConfigurationError` naming `attention_backend` + `block_size`. It declares no CUDA-graph
+capture (not established), so with graphs requested its decode runs eagerly, with a warning.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ def _probe_flash_attn() -> tuple[object | None, str | None]:
     try:
         module = importlib.import_module("flash_attn")  # optional extra `rlt-attention[flash-attn]`
     except (ImportError, OSError) as exc:
-        return None, f"flash_attn not importable ({type(exc).__name__}: {exc})"
+        return None, (
+            f"flash-attn is not importable here ({type(exc).__name__}: {exc}); it is the "
+            "optional extra rlt-attention[flash-attn] (no wheels: built from source on CUDA)"
+        )
     varlen = getattr(module, "flash_attn_varlen_func", None)
     if varlen is None:
         return None, "flash_attn has no flash_attn_varlen_func"

@@ -1,10 +1,16 @@
 """Backend registry and selection against an engine's actual attention requirements (R13, R14).
 
 Every backend declares `AttentionCapabilities`; selection compares them with the
-`AttentionRequirements` (device, dtype, head dim, block size, KV layout, CUDA graphs) plus
-whether the backend can run in this process at all (its optional dependency imports). "auto"
-walks a fixed preference order and reports why each other backend was passed over; an explicit
-name is honoured or refused with a `ConfigurationError` -- never silently replaced.
+`AttentionRequirements` (device, dtype, head dim, block size, KV layout) plus whether the
+backend can run in this process at all (its optional dependency imports). "auto" walks a fixed
+preference order and reports why each other backend was passed over; an explicit name is
+honoured or refused with a `ConfigurationError` naming every option involved -- never silently
+replaced.
+
+CUDA graphs (`requirements.cuda_graphs`) are a preference: "auto" puts the backends that can be
+captured first; a backend that cannot be captured still serves, but its decode runs eagerly, so
+the selection then carries a `warning` saying what runs (the engine logs it and reports
+`decode_cuda_graphs` / `decode_eager_reason` in its stats).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from rlt_contracts import (
     AttentionCapabilities,
     AttentionRequirements,
     ConfigurationError,
+    UnmetRequirement,
     unmet_requirements,
 )
 
@@ -69,24 +76,40 @@ class BackendSelection:
 
     rejected maps every other known backend to the reasons it was not chosen (a fresh dict per
     selection, for reporting only).
+    cuda_graphs: decode ticks with this backend can be captured as CUDA graphs (requested and
+      declared by the backend); False when they were not requested.
+    warning: None, or (graphs requested, backend cannot be captured) what runs instead: decode
+      ticks run eagerly, and why this backend was chosen anyway.
     """
 
     backend: AttentionBackend
     name: str
     reason: str
     rejected: dict[str, list[str]]
+    cuda_graphs: bool = False
+    warning: str | None = None
 
 
 def known_backends() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-def incompatibilities(name: str, requirements: AttentionRequirements) -> list[str]:
-    """Every reason backend `name` cannot serve `requirements` here (empty list: it can)."""
+def unmet(name: str, requirements: AttentionRequirements) -> list[UnmetRequirement]:
+    """Every reason backend `name` cannot serve `requirements` here, each naming the engine
+    option to change (empty list: it can)."""
     entry = BACKENDS[name]
     unavailable = entry.unavailable_reason()
-    reasons = [unavailable] if unavailable else []
+    reasons = [UnmetRequirement(OPTION, unavailable)] if unavailable else []
     return reasons + unmet_requirements(entry.capabilities, requirements)
+
+
+def incompatibilities(name: str, requirements: AttentionRequirements) -> list[str]:
+    """`unmet` in plain words."""
+    return [str(reason) for reason in unmet(name, requirements)]
+
+
+def capturable(name: str) -> bool:
+    return BACKENDS[name].capabilities.supports_cuda_graphs
 
 
 def select_attention_backend(
@@ -94,30 +117,13 @@ def select_attention_backend(
 ) -> BackendSelection:
     """Pick the backend for `requirements`: "auto" or one of `known_backends()`.
 
-    Raises ConfigurationError("attention_backend", ...) for an unknown name, an explicit choice
-    that cannot serve the requirements, or "auto" when no backend can.
+    Raises ConfigurationError for an unknown name, an explicit choice that cannot serve the
+    requirements (options: "attention_backend" plus every option an unmet requirement names,
+    e.g. "block_size"), or "auto" when no backend can.
     """
-    summary = _describe(requirements)
     if choice != "auto":
-        if choice not in BACKENDS:
-            raise ConfigurationError(
-                OPTION, f"unknown backend {choice!r}; known backends: {_known_list()} (or 'auto')"
-            )
-        reasons = incompatibilities(choice, requirements)
-        if reasons:
-            raise ConfigurationError(
-                OPTION,
-                f"{choice!r} cannot serve {summary}: {'; '.join(reasons)}. "
-                f"Known backends: {_known_list()}",
-            )
-        rejected = {name: ["not requested"] for name in BACKENDS if name != choice}
-        return BackendSelection(
-            BACKENDS[choice].create(),
-            choice,
-            f"explicitly requested; compatible with {summary}",
-            rejected,
-        )
-
+        return _select_named(requirements, choice)
+    summary = _describe(requirements)
     reasons_by_name = {name: incompatibilities(name, requirements) for name in BACKENDS}
     compatible = [name for name in AUTO_PREFERENCE if not reasons_by_name[name]]
     if not compatible:
@@ -126,6 +132,8 @@ def select_attention_backend(
             for name, reasons in reasons_by_name.items()
         )
         raise ConfigurationError(OPTION, f"no backend can serve {summary} ({details})")
+    if requirements.cuda_graphs:  # capturable backends first, each group in preference order
+        compatible.sort(key=lambda name: not capturable(name))
     chosen = compatible[0]
     rejected: dict[str, list[str]] = {}
     for name, reasons in reasons_by_name.items():
@@ -133,16 +141,75 @@ def select_attention_backend(
             continue
         if name not in AUTO_PREFERENCE:
             reasons = reasons + ["unverified adapter: never auto-selected, request it by name"]
+        elif not reasons and requirements.cuda_graphs and not capturable(name):
+            reasons = [f"compatible, but cannot be captured as CUDA graphs and {chosen!r} can"]
         elif not reasons:
             reasons = [f"compatible, but {chosen!r} comes first in the auto order"]
         rejected[name] = reasons
+    graphs = requirements.cuda_graphs and capturable(chosen)
     passed_over = AUTO_PREFERENCE[: AUTO_PREFERENCE.index(chosen)]
     because = "".join(f"; {name} rejected: {', '.join(rejected[name])}" for name in passed_over)
+    kind = "compatible backend that can be captured" if graphs else "compatible backend"
     reason = (
-        f"auto: {chosen!r} is the first compatible backend of {' > '.join(AUTO_PREFERENCE)} "
+        f"auto: {chosen!r} is the first {kind} of {' > '.join(AUTO_PREFERENCE)} "
         f"for {summary}{because}"
     )
-    return BackendSelection(BACKENDS[chosen].create(), chosen, reason, rejected)
+    warning = None
+    if requirements.cuda_graphs and not graphs:
+        others = "; ".join(
+            f"{name}: {', '.join(reasons_by_name[name])}"
+            for name in AUTO_PREFERENCE
+            if capturable(name)
+        )
+        warning = (
+            f"CUDA graphs were requested but no backend that can be captured serves {summary} "
+            f"({others}): {chosen!r} runs and decode ticks run eagerly (slower)"
+        )
+    return BackendSelection(BACKENDS[chosen].create(), chosen, reason, rejected, graphs, warning)
+
+
+def _select_named(requirements: AttentionRequirements, choice: str) -> BackendSelection:
+    """An explicit choice: honoured, or refused with every unmet requirement; never replaced."""
+    summary = _describe(requirements)
+    if choice not in BACKENDS:
+        raise ConfigurationError(
+            OPTION, f"unknown backend {choice!r}; known backends: {_known_list()} (or 'auto')"
+        )
+    reasons = unmet(choice, requirements)
+    if reasons:
+        options = (OPTION,) + tuple(dict.fromkeys(r.option for r in reasons if r.option != OPTION))
+        raise ConfigurationError(
+            options,
+            f"{choice!r} cannot serve {summary}: {'; '.join(map(str, reasons))}. "
+            f"Known backends: {_known_list()}",
+        )
+    rejected = {name: ["not requested"] for name in BACKENDS if name != choice}
+    graphs = requirements.cuda_graphs and capturable(choice)
+    warning = None
+    if requirements.cuda_graphs and not graphs:
+        alternatives = [
+            name
+            for name in AUTO_PREFERENCE
+            if capturable(name) and not incompatibilities(name, requirements)
+        ]
+        hint = (
+            f"'auto' or {alternatives[0]!r} would be captured"
+            if alternatives
+            else "no backend that can be captured serves this configuration"
+        )
+        warning = (
+            f"attention_backend {choice!r} was requested by name and cannot be captured as CUDA "
+            f"graphs: decode ticks run eagerly (slower); {hint}; cuda_graphs=False states "
+            "eager decoding explicitly"
+        )
+    return BackendSelection(
+        BACKENDS[choice].create(),
+        choice,
+        f"explicitly requested; compatible with {summary}",
+        rejected,
+        graphs,
+        warning,
+    )
 
 
 def _known_list() -> str:

@@ -19,7 +19,12 @@ Tensor = Any
 
 
 class AttentionCapabilities(msgspec.Struct, frozen=True):
-    """What a backend supports. Empty `block_size_multiple_of` constraints are written as 1."""
+    """What a backend supports. Empty `block_size_multiple_of` constraints are written as 1.
+
+    supports_cuda_graphs: a decode call can be captured in a CUDA graph and replayed after the
+      runner rewrites the batch metadata in place (fixed launch shapes, no host allocation that
+      depends on the call's values). Declared per backend, never inferred from a version (R13).
+    """
 
     name: str
     device_types: tuple[str, ...]  # torch device types, e.g. ("cpu", "cuda")
@@ -32,7 +37,13 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
 
 
 class AttentionRequirements(msgspec.Struct, frozen=True):
-    """What one engine configuration needs from its attention backend."""
+    """What one engine configuration needs from its attention backend.
+
+    cuda_graphs: the engine will capture its decode ticks as CUDA graphs (requested and on a
+      CUDA device). A preference, not a hard requirement: a backend that cannot be captured
+      still serves, but decode then runs eagerly, so selection prefers a capturable backend and
+      reports loudly when the one it returns cannot be captured (rlt-attention's selection).
+    """
 
     device_type: str
     dtype: str
@@ -44,26 +55,56 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
     cuda_graphs: bool = False
 
 
-def unmet_requirements(caps: AttentionCapabilities, req: AttentionRequirements) -> list[str]:
-    """Every reason `caps` cannot serve `req`, in plain words (empty list: compatible)."""
-    reasons = []
+class UnmetRequirement(msgspec.Struct, frozen=True):
+    """One reason a backend cannot serve a configuration.
+
+    option: the engine option (EngineConfig field) to change: "device", "dtype", "block_size",
+      "kv_layout", "attention_backend" (the backend cannot run in this process at all), or
+      "model" (head dim / head counts come from the checkpoint).
+    reason: plain words, including what would work (e.g. the block sizes a backend needs).
+    """
+
+    option: str
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def unmet_requirements(
+    caps: AttentionCapabilities, req: AttentionRequirements
+) -> list[UnmetRequirement]:
+    """Every hard reason `caps` cannot serve `req` (empty list: compatible). CUDA-graph capture
+    is not among them: it changes how fast decode runs, not whether the backend serves."""
+    unmet = []
     if req.device_type not in caps.device_types:
-        reasons.append(f"device {req.device_type!r} not in {list(caps.device_types)}")
+        unmet.append(
+            UnmetRequirement(
+                "device", f"device {req.device_type!r} not in {list(caps.device_types)}"
+            )
+        )
     if req.dtype not in caps.dtypes:
-        reasons.append(f"dtype {req.dtype} not in {list(caps.dtypes)}")
+        unmet.append(UnmetRequirement("dtype", f"dtype {req.dtype} not in {list(caps.dtypes)}"))
     if req.head_dim > caps.max_head_dim:
-        reasons.append(f"head_dim {req.head_dim} > {caps.max_head_dim}")
+        unmet.append(UnmetRequirement("model", f"head_dim {req.head_dim} > {caps.max_head_dim}"))
     if req.block_size % caps.block_size_multiple_of:
-        reasons.append(
-            f"block_size {req.block_size} not a multiple of {caps.block_size_multiple_of}"
+        multiple = caps.block_size_multiple_of
+        unmet.append(
+            UnmetRequirement(
+                "block_size",
+                f"block_size {req.block_size} is not a multiple of {multiple}: {caps.name} needs "
+                f"block_size {multiple}, {2 * multiple}, ... (e.g. block_size={multiple})",
+            )
         )
     if req.kv_layout not in caps.kv_layouts:
-        reasons.append(f"kv layout {req.kv_layout.value} unsupported")
+        unmet.append(UnmetRequirement("kv_layout", f"kv layout {req.kv_layout.value} unsupported"))
     if req.num_heads % req.num_kv_heads:
-        reasons.append(f"{req.num_heads} heads not a multiple of {req.num_kv_heads} kv heads")
-    if req.cuda_graphs and not caps.supports_cuda_graphs:
-        reasons.append("CUDA graphs unsupported")
-    return reasons
+        unmet.append(
+            UnmetRequirement(
+                "model", f"{req.num_heads} heads not a multiple of {req.num_kv_heads} kv heads"
+            )
+        )
+    return unmet
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,14 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
 
 
 class EngineStats(msgspec.Struct, frozen=True):
-    """Counters and gauges of one engine (monotonic counters unless noted as gauges)."""
+    """Counters and gauges of one engine (monotonic counters unless noted as gauges), and how
+    it executes (fixed at construction).
+
+    attention_backend: the selected attention backend ("" from engines that do not say).
+    decode_cuda_graphs: decode ticks replay captured CUDA graphs.
+    decode_eager_reason: why they run eagerly instead ("" while graphs run), e.g. "not
+      requested", no CUDA device, or an attention backend that cannot be captured.
+    """
 
     running_requests: int = 0  # gauge
     waiting_requests: int = 0  # gauge
@@ -121,6 +128,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     resumptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_queried_tokens: int = 0
+    attention_backend: str = ""
+    decode_cuda_graphs: bool = False
+    decode_eager_reason: str = ""
 
     @property
     def kv_blocks_free(self) -> int:

@@ -48,6 +48,7 @@ class EngineParts:
     memory_plan: KVMemoryPlan
     max_model_len: int
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
+    attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -98,9 +99,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_kv_heads=shape.num_kv_heads,
         block_size=config.block_size,
         kv_layout=layout,
+        cuda_graphs=config.cuda_graphs and device.type == "cuda",
     )
     selection = select_attention_backend(requirements, config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)
+    if selection.warning:
+        logger.warning("attention backend %s: %s", selection.name, selection.warning)
     num_planes = layout.storage_planes(shape.num_loops)
     pages_per_request = -(-max_model_len // config.block_size)
     bytes_per_block = KVStorage.bytes_per_block(
@@ -156,7 +160,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":
-        logger.info("decode runs eagerly: %s", runner.graphs_disabled_reason)
+        log = logger.warning if config.cuda_graphs else logger.info
+        log("decode runs eagerly: %s", runner.graphs_disabled_reason)
     core = EngineCore(scheduler, runner, kv, async_scheduling=config.async_scheduling)
     pd = None
     if config.role is not PDRole.NONE:
@@ -178,6 +183,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         memory_plan=memory_plan,
         max_model_len=max_model_len,
         pd=pd,
+        attention_warning=selection.warning,
     )
 
 

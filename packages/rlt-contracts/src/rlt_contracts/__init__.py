@@ -13,7 +13,7 @@ from rlt_contracts.attention import (
     UnmetRequirement,
     unmet_requirements,
 )
-from rlt_contracts.client import EngineClient
+from rlt_contracts.client import BatchSubmitter, EngineClient
 from rlt_contracts.errors import (
     CapacityError,
     ConfigurationError,
@@ -79,6 +79,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionCapabilities",
     "AttentionRequirements",
+    "BatchSubmitter",
     "BlockTableUpdate",
     "CapacityError",
     "ConfigurationError",
@@ -130,6 +131,6 @@ __all__ = [
     "SamplingRow",
     "SchedulerOutput",
     "TokenSampler",
-    "unmet_requirements",
     "UnmetRequirement",
+    "unmet_requirements",
 ]

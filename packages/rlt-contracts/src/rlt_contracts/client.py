@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from rlt_contracts.outputs import EngineRequest, EngineStats, ModelInfo, RequestOutputDelta
@@ -33,3 +33,18 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class BatchSubmitter(Protocol):
+    """Optional `EngineClient` capability: submit several requests at once (one HTTP request
+    with a list of prompts), all or none.
+
+    submit_many: validate and enqueue every request in one engine operation; on any error
+      (`InvalidRequestError` for one of them, `OverloadedError` when the waiting queue cannot
+      take them all) none was queued. Each accepted request is then streamed and cancelled by
+      its id, as after `submit`. Frontends fall back to one `submit` per request for clients
+      without it.
+    """
+
+    async def submit_many(self, requests: Sequence[EngineRequest]) -> None: ...

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlt_contracts import (
+    EngineRequest,
     EngineStats,
     FinishReason,
     InvalidRequestError,
@@ -116,13 +117,22 @@ class EngineCore:
         sampling: SamplingParams,
         kv_transfer: KVTransferParams | None = None,
     ) -> ScheduledRequest:
+        self._check_pd_role(kv_transfer)
+        return self.scheduler.add_request(request_id, prompt_token_ids, sampling, kv_transfer)
+
+    def add_requests(self, requests: Sequence[EngineRequest]) -> list[ScheduledRequest]:
+        """Queue several requests, all or none (Scheduler.add_requests)."""
+        for request in requests:
+            self._check_pd_role(request.kv_transfer)
+        return self.scheduler.add_requests(requests)
+
+    def _check_pd_role(self, kv_transfer: KVTransferParams | None) -> None:
         if kv_transfer is not None and (self.pd is None or kv_transfer.role is not self.pd.role):
             role = self.pd.role.value if self.pd is not None else "none"
             raise InvalidRequestError(
                 "kv_transfer_params.role",
                 f"this instance's PD role is {role}, not {kv_transfer.role.value}",
             )
-        return self.scheduler.add_request(request_id, prompt_token_ids, sampling, kv_transfer)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.get_request(request_id)
@@ -258,7 +268,7 @@ class EngineCore:
             resumptions=counters.resumptions,
             prefix_cache_hit_tokens=self.kv.prefix_hit_tokens,
             prefix_cache_queried_tokens=self.kv.prefix_queried_tokens,
-        )
             attention_backend=self.runner.attention.capabilities.name,
             decode_cuda_graphs=self.runner.graphs is not None,
             decode_eager_reason=self.runner.graphs_disabled_reason,
+        )

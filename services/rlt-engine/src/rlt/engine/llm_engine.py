@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 from rlt_contracts import (
     EngineDeadError,
+    EngineRequest,
     EngineStats,
     FinishReason,
     InvalidRequestError,
@@ -114,23 +115,31 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         token_ids = self.tokenize(prompt)
-        request = self.core.add_request(request_id, token_ids, params, kv_transfer)
-        self._outputs[request_id] = RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            logprobs=[] if params.logprobs is not None else None,
-            top_logprobs=[] if params.logprobs is not None else None,
-            seed=request.sampling.seed,
-        )
+        self.add_requests([EngineRequest(request_id, tuple(token_ids), params, 0.0, kv_transfer)])
+
+    def add_requests(self, requests: Sequence[EngineRequest]) -> None:
+        """Validate and queue several tokenized requests, all or none: on any error (bad input,
+        a full waiting queue) nothing was queued."""
+        self._check_open()
+        for request in requests:
+            if not isinstance(request.sampling, SamplingParams):
+                raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         tokenizer = self._tokenizer_or_none()
-        if tokenizer is None and params.stop:
-            self.core.abort_request(request_id)
-            self.core.take_outputs()
-            del self._outputs[request_id]
+        if tokenizer is None and any(r.sampling.stop for r in requests):
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
-        self._detokenizers[request_id] = (
-            IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
-        )
+        for request in self.core.add_requests(requests):
+            params = request.sampling
+            request_id = request.identity.request_id
+            self._outputs[request_id] = RequestOutput(
+                request_id=request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                logprobs=[] if params.logprobs is not None else None,
+                top_logprobs=[] if params.logprobs is not None else None,
+                seed=params.seed,
+            )
+            self._detokenizers[request_id] = (
+                IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+            )
 
     def _tokenizer_or_none(self):
         try:

@@ -6,7 +6,8 @@ per-request streams:
 
     event loop                               engine thread
     ----------                               -------------
-    submit(req) --_Submit(req, future)-->    engine.add_request  -> future result / exception
+    submit_many --_Submit(reqs, future)->    engine.add_requests -> future result / exception
+    (submit(req) is submit_many([req]))
     cancel(id)  --_Cancel(stream)------->    engine.abort_request -> final "abort" delta
     shutdown()  --_Shutdown------------->    abort everything, publish, exit
                 <--call_soon_threadsafe--    engine.step() -> deltas -> _Stream.push
@@ -38,7 +39,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from rlt_contracts import (
@@ -116,8 +117,10 @@ class _Stream:
 
 @dataclass(frozen=True)
 class _Submit:
-    request: EngineRequest
-    stream: _Stream
+    """Several requests queued at once, all or none (one future for the batch)."""
+
+    requests: tuple[EngineRequest, ...]
+    streams: tuple[_Stream, ...]
     accepted: concurrent.futures.Future
 
 
@@ -183,26 +186,32 @@ class AsyncEngine:
         return not self._thread.is_alive()
 
     async def submit(self, request: EngineRequest) -> None:
+        await self.submit_many((request,))
+
+    async def submit_many(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue every request in one engine-thread command, all or none
+        (`rlt_contracts.BatchSubmitter`)."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(request.request_id, loop, self._forget)
+        requests = tuple(requests)
+        streams = tuple(_Stream(r.request_id, loop, self._forget) for r in requests)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Submit(request, stream, accepted))
+        self._send(_Submit(requests, streams, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
             # The caller went away while the engine thread was deciding: if it accepted the
-            # request, nobody will ever consume it, so abort it.
-            accepted.add_done_callback(
-                lambda f: (
-                    f.cancelled()
-                    or f.exception() is not None
-                    or self._send_quietly(_Cancel(stream))
-                )
-            )
+            # requests, nobody will ever consume them, so abort them.
+            def abort_if_accepted(future: concurrent.futures.Future) -> None:
+                if not future.cancelled() and future.exception() is None:
+                    for stream in streams:
+                        self._send_quietly(_Cancel(stream))
+
+            accepted.add_done_callback(abort_if_accepted)
             raise
-        self._unclaimed[request.request_id] = stream
-        if not stream.finished:  # (a very short request may be over already)
-            self._active[request.request_id] = stream
+        for stream in streams:
+            self._unclaimed[stream.request_id] = stream
+            if not stream.finished:  # (a very short request may be over already)
+                self._active[stream.request_id] = stream
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
         """Claim the deltas of the latest accepted submit of `request_id` (once)."""
@@ -293,19 +302,14 @@ class AsyncEngine:
         if isinstance(command, _Submit):
             if not command.accepted.set_running_or_notify_cancel():
                 return
-            request = command.request
             try:
-                self._engine.add_request(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    request.sampling,
-                    request.kv_transfer,
-                )
+                self._engine.add_requests(command.requests)
             except BaseException as exc:  # noqa: BLE001 - reported to the submitter
                 command.accepted.set_exception(exc)
                 return
-            self._live[request.request_id] = command.stream
-            self._cursors[request.request_id] = OutputCursor(request.sampling.stop)
+            for request, stream in zip(command.requests, command.streams, strict=True):
+                self._live[request.request_id] = stream
+                self._cursors[request.request_id] = OutputCursor(request.sampling.stop)
             command.accepted.set_result(None)
         elif isinstance(command, _Call):
             if command.done.set_running_or_notify_cancel():

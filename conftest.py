@@ -1,5 +1,11 @@
 """Test configuration shared by every test tree (packages/*/tests, services/*/tests, tests/).
 
+Each member's tests also run alone, in an environment holding only that member, its declared
+dependencies and its `dev` group (scripts/check_members.py). So this module imports only the
+standard library and pytest at its top level: torch is imported only where it is installed, and
+the fixtures below import the rlt packages they need inside their bodies (a member whose tests
+use one declares what it imports).
+
 - Hugging Face libraries run offline.
 - Tests marked `cuda` are skipped, with the reason, where no CUDA device is present; Triton
   kernels then run in Triton's interpreter.
@@ -8,30 +14,38 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+
+import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
-if not torch.cuda.is_available():
+def cuda_available() -> bool:
+    """Whether torch is installed and sees a CUDA device (False in torch-free environments)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if importlib.util.find_spec("torch") is not None and not cuda_available():
     # Triton kernels are defined at import: without CUDA, define them for the interpreter so
     # CPU tests can run them (slowly) against their torch references.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
+    cuda_items = [item for item in items if "cuda" in item.keywords]
+    if not cuda_items or cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is available on this machine")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    for item in cuda_items:
+        item.add_marker(skip)
 
 
 TINY_SHAPES = {

@@ -4,6 +4,7 @@ messages, the command line, child command lines and startup failures (no HTTP fr
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import sys
 
@@ -218,6 +219,10 @@ def test_command_line_refusals(argv, message):
         Coordinator(parse(argv))
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("rlt") is None,
+    reason="the rlt engine (which bundles the model) is not installed alongside the coordinator",
+)
 def test_bundled_model_is_found_without_importing_rlt():
     found = bundled_model_dir()
     assert found is not None and (found / "tokenizer.json").exists()

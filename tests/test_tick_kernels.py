@@ -1,7 +1,8 @@
 """The Triton tick kernels (prepare / commit / copy) equal the torch tick they replace: whole
 generations through the engine with either implementation give identical tokens, depths and
 logprobs, for every exit rule kind, both layouts, cohort decoding, stops and logprobs. Without
-CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest)."""
+CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest).
+Engine-level (it drives `rlt.LLM`), so it lives with the workspace tests, not in rlt-runner's."""
 
 from __future__ import annotations
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
-from dependency_rules import find_members, find_violations
+from dependency_rules import TORCH_FREE, find_members, find_violations, locked_closure
 
 REPO = Path(__file__).resolve().parents[1]
+CONTRACTS_RANGE = ["rlt-contracts>=0.1,<0.2"]
 
 
 def test_repository_follows_the_dependency_rule():
@@ -26,6 +29,8 @@ def test_repository_follows_the_dependency_rule():
         "rlt",
     } <= members
     assert [str(v) for v in find_violations(REPO)] == []
+    # members are not bare: each workspace member declares a dev group for its own tests
+    assert all("pytest" in " ".join(m.dev) for m in find_members(REPO))
 
 
 def write_member(repo: Path, group: str, name: str, deps: list[str], source: str) -> None:
@@ -44,19 +49,19 @@ def clean_tree(tmp_path):
     write_member(
         tmp_path, "packages", "rlt-contracts", ["msgspec>=0.19"], "import msgspec\nimport enum\n"
     )
-    write_member(tmp_path, "packages", "rlt-kv", ["rlt-contracts"], "from rlt_contracts import x\n")
+    write_member(tmp_path, "packages", "rlt-kv", CONTRACTS_RANGE, "from rlt_contracts import x\n")
     write_member(
         tmp_path,
         "packages",
         "rlt-scheduler",
-        ["rlt-contracts", "torch>=2.11"],
+        [CONTRACTS_RANGE[0], "torch>=2.11"],
         "import torch\nfrom rlt_scheduler import policy\n",
     )
     write_member(
         tmp_path,
         "services",
         "rlt",
-        ["rlt-kv", "rlt-scheduler", "rlt-contracts"],
+        ["rlt-kv", "rlt-scheduler", *CONTRACTS_RANGE],
         "import rlt_kv, rlt_scheduler\n",
     )
     return tmp_path
@@ -75,7 +80,7 @@ def test_package_importing_another_package_fails(clean_tree):
 
 def test_package_declaring_another_package_fails(tmp_path):
     write_member(tmp_path, "packages", "rlt-contracts", ["msgspec"], "import msgspec\n")
-    write_member(tmp_path, "packages", "rlt-runner", ["rlt-contracts", "rlt-kv"], "")
+    write_member(tmp_path, "packages", "rlt-runner", [CONTRACTS_RANGE[0], "rlt-kv"], "")
     [violation] = find_violations(tmp_path)
     assert "only on rlt-contracts" in violation.message and "rlt-kv" in violation.message
 
@@ -95,3 +100,109 @@ def test_contracts_importing_torch_fails(clean_tree):
         pyproject.read_text().replace('"msgspec>=0.19"', '"msgspec>=0.19", "torch"')
     )
     assert any("msgspec only" in v.message for v in find_violations(clean_tree))
+
+
+def write_tests(repo: Path, group: str, name: str, files: dict[str, str]) -> None:
+    tests = repo / group / name / "tests"
+    tests.mkdir(parents=True, exist_ok=True)
+    for filename, source in files.items():
+        (tests / filename).write_text(textwrap.dedent(source))
+
+
+def add_dev_group(repo: Path, group: str, name: str, requirements: list[str]) -> None:
+    pyproject = repo / group / name / "pyproject.toml"
+    lines = ", ".join(f'"{r}"' for r in requirements)
+    pyproject.write_text(pyproject.read_text() + f"\n[dependency-groups]\ndev = [{lines}]\n")
+
+
+def test_tests_importing_an_undeclared_distribution_fail(clean_tree):
+    write_tests(
+        clean_tree,
+        "packages",
+        "rlt-kv",
+        {"helper.py": "X = 1\n", "test_a.py": "import pytest\nimport helper\nimport rlt_kv\n"},
+    )
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt-kv" and "'pytest'" in violation.message
+    add_dev_group(clean_tree, "packages", "rlt-kv", ["pytest>=8"])
+    assert find_violations(clean_tree) == []
+    # a package's tests that drive the engine service need what the package may not declare
+    (clean_tree / "packages/rlt-kv/tests/test_b.py").write_text("from rlt import LLM\n")
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt-kv" and "'rlt'" in violation.message
+
+
+def set_contracts(repo: Path, member: str, requirement: str, version: str = "0.1.0") -> None:
+    contracts = repo / "packages/rlt-contracts/pyproject.toml"
+    contracts.write_text(
+        re.sub(r'version = "[^"]*"', f'version = "{version}"', contracts.read_text())
+    )
+    pyproject = repo / "packages" / member / "pyproject.toml"
+    pyproject.write_text(re.sub(r'"rlt-contracts[^"]*"', f'"{requirement}"', pyproject.read_text()))
+
+
+@pytest.mark.parametrize("requirement", ["rlt-contracts", "rlt-contracts>=0.1"])
+def test_contracts_without_a_compatible_range_fails(clean_tree, requirement):
+    set_contracts(clean_tree, "rlt-kv", requirement)
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt-kv" and "upper bound" in violation.message
+
+
+def test_contracts_range_admitting_the_workspace_version_passes(clean_tree):
+    set_contracts(clean_tree, "rlt-kv", "rlt-contracts>=0.1,<0.2", version="0.1.3")
+    assert [str(v) for v in find_violations(clean_tree)] == []
+
+
+def test_contracts_range_excluding_the_workspace_version_fails(clean_tree):
+    # a breaking change bumps rlt-contracts to 0.2.0; every dependent still says <0.2
+    set_contracts(clean_tree, "rlt-kv", "rlt-contracts>=0.1,<0.2", version="0.2.0")
+    violations = find_violations(clean_tree)
+    assert {v.member for v in violations} == {"rlt-kv", "rlt-scheduler", "rlt"}
+    assert all("excludes the workspace's rlt-contracts 0.2.0" in v.message for v in violations)
+    for member in ("rlt-kv", "rlt-scheduler"):
+        set_contracts(clean_tree, member, "rlt-contracts>=0.2,<0.3", version="0.2.0")
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt"
+
+
+def test_workspace_dev_group_must_cover_members_dev_groups(clean_tree):
+    (clean_tree / "pyproject.toml").write_text('[dependency-groups]\ndev = ["pytest>=8"]\n')
+    add_dev_group(clean_tree, "packages", "rlt-kv", ["pytest>=8", "numpy"])
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt-kv" and "numpy" in violation.message
+
+
+def test_torch_free_member_whose_lock_pulls_torch_fails(clean_tree):
+    lock = """
+        version = 1
+        [[package]]
+        name = "rlt-kv"
+        version = "0.1.0"
+        dependencies = [{ name = "rlt-contracts" }, { name = "helper", extra = ["gpu"] }]
+        [[package]]
+        name = "rlt-contracts"
+        version = "0.1.0"
+        dependencies = [{ name = "msgspec" }]
+        [[package]]
+        name = "msgspec"
+        version = "0.19.0"
+        [[package]]
+        name = "helper"
+        version = "1.0"
+        [package.optional-dependencies]
+        gpu = [{ name = "torch" }]
+        [[package]]
+        name = "torch"
+        version = "2.11.0"
+    """
+    (clean_tree / "uv.lock").write_text(textwrap.dedent(lock))
+    [violation] = find_violations(clean_tree)
+    assert violation.member == "rlt-kv" and "torch" in violation.message
+
+
+def test_workspace_torch_free_members_have_no_torch_in_the_lock():
+    lock = tomllib.loads((REPO / "uv.lock").read_text())
+    for name in sorted(TORCH_FREE):
+        closure = locked_closure(lock, name)
+        assert "pytest" in closure and "torch" not in closure, name
+    assert "torch" in locked_closure(lock, "rlt-attention")

@@ -28,6 +28,7 @@ from rlt_serve.errors import (
     handle_validation_error,
 )
 from rlt_serve.guards import RequestGuard
+from rlt_serve.info_routes import add_info_routes, package_version
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
 from rlt_serve.params import LoopDefaults
 from rlt_serve.pd_routes import add_pd_routes
@@ -40,9 +41,9 @@ from rlt_serve.schemas import (
     CompletionResponse,
     ErrorResponse,
     Health,
-    ModelCard,
-    ModelList,
 )
+from rlt_serve.tokenize_routes import add_tokenize_routes
+from rlt_serve.unexpected_errors import UnexpectedErrorsAnswered
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -52,7 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         400: "Invalid request (`error.param` names the field).",
         401: "Missing or wrong API key.",
         403: "Foreign Host or Origin header.",
-        404: "Unknown model.",
+        404: "Unknown model (or path).",
         413: "Body too large.",
         415: "Body is not JSON.",
         429: "Waiting queue full; retry later (Retry-After).",
@@ -93,6 +94,7 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     engine_error: Callable[[], BaseException | None] | None = None,
     pd: PDControl | None = None,
+    version: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `client` (docs/serving.md describes the API).
 
@@ -105,6 +107,7 @@ def build_app(
     engine_error: returns why the engine stopped, or None while it runs (drives /health).
     pd: an engine instance's PD control: adds the /internal/pd/* endpoints a PD coordinator
       uses (pd_routes.py).
+    version: what GET /version reports (default: rlt-serve's package version).
     Shutting the app down (lifespan end) shuts the client down.
     """
     info = client.model_info()
@@ -137,10 +140,11 @@ def build_app(
         ctx.shutting_down = True
         await client.shutdown()
 
+    version = version or package_version()
     app = FastAPI(
         title="rlt OpenAI-compatible server",
         summary="Completions and chat completions from a recurrent looped transformer.",
-        version="0.1.0",
+        version=version,
         lifespan=lifespan,
     )
     app.state.rlt = ctx
@@ -165,21 +169,8 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chat.create_chat_completion(body, request, ctx)
 
-    @app.get(
-        "/v1/models",
-        response_model=ModelList,
-        responses=_ERRORS,
-        tags=["openai"],
-        summary="List the served model",
-    )
-    async def list_models() -> ModelList:
-        card = ModelCard(
-            id=served_model_name,
-            created=ctx.created,
-            max_model_len=info.max_model_len,
-            num_loops=info.num_loops,
-        )
-        return ModelList(data=[card])
+    add_info_routes(app, ctx, version=version, errors=_ERRORS)
+    add_tokenize_routes(app, ctx, errors=_ERRORS)
 
     @app.get(
         "/health",
@@ -236,6 +227,8 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, handle_http_exception)
     app.add_exception_handler(RltError, _counting(handle_engine_error, metrics))
     app.add_exception_handler(Exception, _counting(handle_unexpected, metrics))
+    # Innermost middleware: a bug answers a JSON 500 and the connection stays usable.
+    app.add_middleware(UnexpectedErrorsAnswered, on_error=lambda path: metrics.count(path, "error"))
     app.add_middleware(
         RequestGuard,
         api_key=api_key,

@@ -9,10 +9,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from rlt_contracts import RequestOutputDelta
 
+from rlt_serve.chat_template import chat_prompt, chat_stop_token_ids, message_text
 from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
-from rlt_serve.prompts import chat_prompt, chat_stop_token_ids, check_max_tokens, check_prompt
+from rlt_serve.prompts import check_max_tokens, check_prompt
 from rlt_serve.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -26,15 +27,24 @@ from rlt_serve.schemas import (
     TopLogprob,
 )
 from rlt_serve.streaming import stream_generation
+from rlt_serve.unicode_input import check_valid_unicode
 
 PATH = "/v1/chat/completions"
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
+    check_valid_unicode(body)
     check_model(body.model, ctx.served_model_name)
     check_supported(body)
     info = ctx.model_info
-    prompt = chat_prompt(body.messages, ctx.tokenizer)
+    prompt = chat_prompt(
+        body.messages,
+        ctx.tokenizer,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    echoed = _echoed_text(body)
     check_prompt(prompt, info, param="messages")
     max_tokens_field = (
         "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -63,14 +73,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         sampling=params,
         metrics=ctx.metrics,
         path=PATH,
+        request=request,
         field_names=field_names,
     )
     want_ids = body.return_token_ids
 
     if not body.stream:
         async with generation:
-            async with generation.cancel_on_disconnect(request):
-                await generation.collect()
+            await generation.collect()
         failure = generation.failure()
         if failure is not None:
             return failure.response()
@@ -82,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             choices=[
                 ChatChoice(
                     index=0,
-                    message=AssistantMessage(content=choice.text),
+                    message=AssistantMessage(content=(echoed or "") + choice.text),
                     logprobs=(
                         _logprobs(ctx, choice.token_ids, choice.logprobs, choice.top_logprobs)
                         if body.logprobs
@@ -109,18 +119,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             usage=usage,
         )
 
-    opening = [
-        make_chunk(
-            [
-                ChatChunkChoice(
-                    index=0,
-                    delta=ChatDelta(role="assistant", content=""),
-                    finish_reason=None,
-                    exit_depths=[],
-                )
-            ]
+    def opening_chunk(delta: ChatDelta) -> ChatCompletionChunk:
+        return make_chunk(
+            [ChatChunkChoice(index=0, delta=delta, finish_reason=None, exit_depths=[])]
         )
-    ]
+
+    opening = [opening_chunk(ChatDelta(role="assistant", content=""))]
+    if echoed:  # the echoed assistant content, before any generated token
+        opening.append(opening_chunk(ChatDelta(content=echoed)))
 
     def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[ChatCompletionChunk]:
         logprobs = None
@@ -143,7 +149,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         if include_usage:
             yield make_chunk([], usage=generation.usage(info.num_loops))
 
-    return stream_generation(request, generation, opening=opening, chunks=chunk, closing=closing)
+    return stream_generation(generation, opening=opening, chunks=chunk, closing=closing)
+
+
+def _echoed_text(body: ChatCompletionRequest) -> str | None:
+    """With echo=true and an assistant message last: its content, which the reply begins with
+    (as vLLM does); None otherwise."""
+    if not body.echo or not body.messages or body.messages[-1].role != "assistant":
+        return None
+    return message_text(body.messages[-1]) or ""
 
 
 def _logprobs(
@@ -152,20 +166,24 @@ def _logprobs(
     logprobs: Sequence[float],
     top_logprobs: Sequence[Sequence[tuple[int, float]]],
 ) -> ChatLogprobs:
+    """Each token's `top_logprobs` holds the requested alternatives (most likely first) and,
+    when they were asked for (top_logprobs >= 1), the sampled token after them if it is not
+    among them, as OpenAI and vLLM do."""
+
     def entry(token_id: int, logprob: float) -> TopLogprob:
         text = ctx.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     content = []
     for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
-        first = entry(token_id, logprob)
+        sampled = entry(token_id, logprob)
         alternatives = top_logprobs[i] if i < len(top_logprobs) else ()
+        top = [entry(t, lp) for t, lp in alternatives]
+        if alternatives and all(t != token_id for t, _ in alternatives):
+            top.append(sampled)
         content.append(
             TokenLogprob(
-                token=first.token,
-                logprob=first.logprob,
-                bytes=first.bytes,
-                top_logprobs=[entry(t, lp) for t, lp in alternatives],
+                token=sampled.token, logprob=sampled.logprob, bytes=sampled.bytes, top_logprobs=top
             )
         )
     return ChatLogprobs(content=content)

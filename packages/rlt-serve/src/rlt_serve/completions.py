@@ -12,7 +12,7 @@ from rlt_contracts import RequestOutputDelta
 from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
-from rlt_serve.prompts import check_max_tokens, check_prompt, completion_prompts
+from rlt_serve.prompts import check_max_tokens, check_prompt, completion_prompts, prompt_texts
 from rlt_serve.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -20,11 +20,13 @@ from rlt_serve.schemas import (
     CompletionResponse,
 )
 from rlt_serve.streaming import stream_generation
+from rlt_serve.unicode_input import check_valid_unicode
 
 PATH = "/v1/completions"
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
+    check_valid_unicode(body)
     check_model(body.model, ctx.served_model_name)
     check_supported(body)
     info = ctx.model_info
@@ -36,6 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     params = sampling_params(
         body, max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=ctx.loop_defaults
     )
+    echoed = prompt_texts(body.prompt, prompts, ctx.tokenizer) if body.echo else None
     response_id = new_id("cmpl")
     created = int(time.time())
     generation = Generation(
@@ -45,30 +48,38 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         sampling=params,
         metrics=ctx.metrics,
         path=PATH,
+        request=request,
     )
     want_ids = body.return_token_ids
     want_logprobs = body.logprobs is not None
 
+    def prompt_logprobs(index: int) -> CompletionLogprobs | None:
+        return _prompt_logprobs(ctx, prompts[index]) if want_logprobs else None
+
     if not body.stream:
         async with generation:
-            async with generation.cancel_on_disconnect(request):
-                await generation.collect()
+            await generation.collect()
         failure = generation.failure()
         if failure is not None:
             return failure.response()
-        choices = [
-            CompletionChoice(
-                index=c.index,
-                text=c.text,
-                logprobs=_logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs, 0)
-                if want_logprobs
-                else None,
-                finish_reason=c.finish_reason,
-                exit_depths=c.exit_depths,
-                token_ids=c.token_ids if want_ids else None,
+        choices = []
+        for c in generation.choices:
+            prefix = echoed[c.index] if echoed is not None else ""
+            logprobs = None
+            if want_logprobs:
+                logprobs = _logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs, len(prefix))
+                if echoed is not None:
+                    logprobs = _joined(prompt_logprobs(c.index), logprobs)
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=prefix + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    exit_depths=c.exit_depths,
+                    token_ids=c.token_ids if want_ids else None,
+                )
             )
-            for c in generation.choices
-        ]
         response = CompletionResponse(
             id=response_id,
             created=created,
@@ -79,8 +90,27 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         return JSONResponse(response.model_dump(mode="json"))
 
     await generation.__aenter__()
-    text_offsets = [0] * len(prompts)
+    text_offsets = [len(echoed[i]) if echoed is not None else 0 for i in range(len(prompts))]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def response_of(choice: CompletionChoice) -> CompletionResponse:
+        return CompletionResponse(
+            id=response_id, created=created, model=ctx.served_model_name, choices=[choice]
+        )
+
+    opening = [
+        response_of(
+            CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=prompt_logprobs(i),
+                finish_reason=None,
+                exit_depths=[],
+                token_ids=[] if want_ids else None,
+            )
+        )
+        for i, text in enumerate(echoed or ())
+    ]
 
     def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[CompletionResponse]:
         logprobs = None
@@ -93,20 +123,15 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 text_offsets[choice.index],
             )
             text_offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
-        yield CompletionResponse(
-            id=response_id,
-            created=created,
-            model=ctx.served_model_name,
-            choices=[
-                CompletionChoice(
-                    index=choice.index,
-                    text=delta.text,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason if delta.finished else None,
-                    exit_depths=list(delta.exit_depths),
-                    token_ids=list(delta.token_ids) if want_ids else None,
-                )
-            ],
+        yield response_of(
+            CompletionChoice(
+                index=choice.index,
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=choice.finish_reason if delta.finished else None,
+                exit_depths=list(delta.exit_depths),
+                token_ids=list(delta.token_ids) if want_ids else None,
+            )
         )
 
     def closing() -> Iterable[CompletionResponse]:
@@ -119,7 +144,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 usage=generation.usage(info.num_loops),
             )
 
-    return stream_generation(request, generation, opening=(), chunks=chunk, closing=closing)
+    return stream_generation(generation, opening=opening, chunks=chunk, closing=closing)
 
 
 def _logprobs(
@@ -129,14 +154,51 @@ def _logprobs(
     top_logprobs: Sequence[Sequence[tuple[int, float]]],
     first_offset: int,
 ) -> CompletionLogprobs:
+    """Logprobs of generated tokens; each `top_logprobs` entry holds the requested
+    alternatives plus the sampled token (as OpenAI and vLLM do), so logprobs=0 gives just the
+    sampled token."""
     tokens = [ctx.token_text(t) for t in token_ids]
-    offsets = []
-    offset = first_offset
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    top = [{ctx.token_text(t): lp for t, lp in alternatives} for alternatives in top_logprobs]
-    top += [{} for _ in range(len(tokens) - len(top))]
+    top = []
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        alternatives = top_logprobs[i] if i < len(top_logprobs) else ()
+        entry = {ctx.token_text(t): lp for t, lp in alternatives}
+        if all(t != token_id for t, _ in alternatives):
+            entry.setdefault(tokens[i], logprob)
+        top.append(entry)
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=list(logprobs), top_logprobs=top, text_offset=offsets
+        tokens=tokens,
+        token_logprobs=list(logprobs),
+        top_logprobs=top,
+        text_offset=_offsets(tokens, first_offset),
     )
+
+
+def _prompt_logprobs(ctx: ServerContext, prompt: Sequence[int]) -> CompletionLogprobs:
+    """Echoed prompt tokens: their text and offsets, with null log-probabilities (prompt
+    log-probabilities are not computed)."""
+    tokens = [ctx.token_text(t) for t in prompt]
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None] * len(tokens),
+        top_logprobs=[None] * len(tokens),
+        text_offset=_offsets(tokens, 0),
+    )
+
+
+def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
+    if first is None:
+        return second
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
+
+
+def _offsets(tokens: Sequence[str], first: int) -> list[int]:
+    offsets = []
+    for token in tokens:
+        offsets.append(first)
+        first += len(token)
+    return offsets

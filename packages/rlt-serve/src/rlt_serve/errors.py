@@ -62,6 +62,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message, param = printable(message), printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -84,8 +85,19 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def invalid(param: str | None, message: str) -> APIError:
-    return APIError(400, message, param=param)
+def printable(text: str | None) -> str | None:
+    """`text` with lone UTF-16 surrogates escaped ("\\ud800"): such strings come from JSON
+    escapes in a request, and the error body that quotes them must still encode as UTF-8."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def invalid(param: str | None, message: str, *, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 def from_engine_error(exc: BaseException, *, field_names: dict[str, str] | None = None) -> APIError:
@@ -93,7 +105,7 @@ def from_engine_error(exc: BaseException, *, field_names: dict[str, str] | None 
     this endpoint's request fields (e.g. chat's "logprobs" is "top_logprobs")."""
     if isinstance(exc, InvalidRequestError):
         param = (field_names or {}).get(exc.field, exc.field)
-        code = "context_length_exceeded" if isinstance(exc, CapacityError) else None
+        code = CONTEXT_LENGTH_EXCEEDED if isinstance(exc, CapacityError) else None
         return APIError(400, f"{param}: {exc.message}", param=param, code=code)
     if isinstance(exc, OverloadedError):
         return APIError(

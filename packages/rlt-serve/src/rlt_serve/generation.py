@@ -1,23 +1,34 @@
 """Running the engine requests of one HTTP request (shared by both endpoints).
 
 One HTTP request becomes one engine request per prompt (choice). `Generation` submits them
-together, merges their delta streams, keeps per-choice totals for the final response and the
-metrics, and guarantees cleanup: whatever way the HTTP request ends (normal end, client
-disconnect, task cancellation, error), every engine request that has not finished is cancelled
-so its KV blocks are freed.
+together (one `submit_many` when the client is a `BatchSubmitter`: all are queued or none),
+merges their delta streams, keeps per-choice totals for the final response and the metrics,
+and guarantees cleanup: whatever way the HTTP request ends (normal end, client disconnect,
+task cancellation, error), every engine request that has not finished is cancelled so its KV
+blocks are freed.
+
+Client disconnects are watched from before the submission to the end of the generation: a
+client that leaves while its prompts are being submitted has every accepted one cancelled as
+soon as the submission returns (a client without `submit_many` stops being fed its remaining
+prompts at once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
-from rlt_contracts import EngineClient, EngineRequest, RequestOutputDelta, SamplingParams
+from rlt_contracts import (
+    BatchSubmitter,
+    EngineClient,
+    EngineRequest,
+    RequestOutputDelta,
+    SamplingParams,
+)
 
 from rlt_serve.errors import APIError, from_engine_error
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
@@ -50,7 +61,10 @@ class Choice:
 
 
 class Generation:
-    """The engine requests of one HTTP request; use as `async with Generation(...) as g`."""
+    """The engine requests of one HTTP request; use as `async with Generation(...) as g`.
+
+    request: the HTTP request, whose client disconnect cancels everything (None: not watched).
+    """
 
     def __init__(
         self,
@@ -61,9 +75,12 @@ class Generation:
         sampling: SamplingParams,
         metrics: ServingMetrics,
         path: str,
+        request: Request | None = None,
         field_names: dict[str, str] | None = None,
     ) -> None:
         self._client = client
+        self._request = request
+        self._watcher: asyncio.Task | None = None
         self._metrics = metrics
         self._path = path
         self._field_names = field_names
@@ -82,23 +99,42 @@ class Generation:
         self._outcome_recorded = False
 
     async def __aenter__(self) -> Generation:
-        """Submit every prompt; on failure cancel what was submitted and raise an APIError
-        (the app's error handler answers it and counts the outcome)."""
+        """Watch for a client disconnect, then submit every prompt; on failure cancel what was
+        submitted and raise an APIError (the app's error handler answers it and counts the
+        outcome)."""
+        if self._request is not None:
+            self._watcher = asyncio.create_task(self._watch_disconnect(self._request))
         try:
-            for choice, prompt in zip(self.choices, self._prompts, strict=True):
-                await self._client.submit(
-                    EngineRequest(choice.request_id, tuple(prompt), self.sampling, self.arrival)
-                )
-                self._submitted.append(choice)
+            await self._submit()
+            for choice in self._submitted:
                 self._streams.append(self._client.stream(choice.request_id))
+            if self.client_disconnected:  # it left during the submission
+                await self._cancel_unfinished()
         except BaseException as exc:
+            self._stop_watching()
             await self._cancel_unfinished()
             if isinstance(exc, Exception) and not isinstance(exc, APIError):
                 raise from_engine_error(exc, field_names=self._field_names) from exc
             raise
         return self
 
+    async def _submit(self) -> None:
+        requests = [
+            EngineRequest(choice.request_id, tuple(prompt), self.sampling, self.arrival)
+            for choice, prompt in zip(self.choices, self._prompts, strict=True)
+        ]
+        if isinstance(self._client, BatchSubmitter):
+            await self._client.submit_many(requests)
+            self._submitted.extend(self.choices)
+            return
+        for choice, request in zip(self.choices, requests, strict=True):
+            if self.client_disconnected:
+                return
+            await self._client.submit(request)
+            self._submitted.append(choice)
+
     async def __aexit__(self, exc_type, exc, _traceback) -> None:
+        self._stop_watching()
         await self._cancel_unfinished()
         if self._outcome_recorded:
             return
@@ -203,23 +239,19 @@ class Generation:
                     await self._client.cancel(choice.request_id)
 
     # -- client disconnects --------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def cancel_on_disconnect(self, request: Request):
-        """While inside, a client disconnect cancels the engine requests at once (their streams
-        then end with finish_reason "abort"), even before any token was sent."""
+    async def _watch_disconnect(self, request: Request) -> None:
+        """A client disconnect cancels the engine requests at once (their streams then end
+        with finish_reason "abort"), even before any token was sent."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.client_disconnected = True
+                await self._cancel_unfinished()
+                return
 
-        async def watch() -> None:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    self.client_disconnected = True
-                    await self._cancel_unfinished()
-                    return
-
-        watcher = asyncio.create_task(watch())
-        try:
-            yield
-        finally:
+    def _stop_watching(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
             watcher.cancel()
 
 

@@ -3,9 +3,9 @@
 1. Host header (DNS-rebinding defence): when the server is bound to loopback, only
    localhost / 127.0.0.1 / [::1] Host names are accepted; otherwise 403.
 2. Origin header (drive-by requests from web pages): any Origin not explicitly allowed -> 403.
-3. API key: with an api_key set, every /v1/* and /internal/* request needs
-   `Authorization: Bearer KEY` -> 401.
-   /health, /metrics and the docs stay open.
+3. API key: with an api_key set, every /v1/*, /internal/*, /tokenize and /detokenize request
+   needs `Authorization: Bearer KEY` -> 401.
+   /health, /metrics, /version and the docs stay open.
 4. Body: a POST body must be JSON (`Content-Type: application/json`; a missing header counts
    as JSON) -> 415, and at most `max_body_bytes` long -> 413. The body is read here (up to the
    limit) and replayed to the app, so the limit also holds for chunked uploads without a
@@ -24,6 +24,7 @@ from rlt_serve.errors import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _KEYED_PREFIXES = ("/v1/", "/internal/")  # paths that need the API key when one is set
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 class RequestGuard:
@@ -84,7 +85,7 @@ class RequestGuard:
             )
 
     def _check_api_key(self, headers: Headers, path: str) -> None:
-        if self.api_key is None or not (path == "/v1" or path.startswith(_KEYED_PREFIXES)):
+        if self.api_key is None or not (path in _KEYED_PATHS or path.startswith(_KEYED_PREFIXES)):
             return
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(

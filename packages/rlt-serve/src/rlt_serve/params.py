@@ -43,8 +43,6 @@ def check_supported(request: _CommonOpenAIFields) -> None:
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "stream_options: only allowed with stream=true")
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise invalid("echo", "echo: only echo=false is supported")
         if request.best_of not in (None, 1):
             raise invalid("best_of", f"best_of: only best_of=1 is supported, got {request.best_of}")
         if request.suffix is not None:

@@ -1,4 +1,4 @@
-"""Prompt input processing: tokenization, chat-template rendering and prompt validation.
+"""Prompt input processing: tokenization and prompt validation (chat_template.py renders chats).
 
 rlt-serve loads nothing: the tokenizer object comes from the service that built the engine.
 Only the few methods below are used (a Hugging Face tokenizer has them all).
@@ -11,10 +11,7 @@ from typing import Any, Protocol
 
 from rlt_contracts import ModelInfo
 
-from rlt_serve.errors import invalid
-from rlt_serve.schemas import ChatMessage
-
-CHAT_TURN_END = "<|im_end|>"
+from rlt_serve.errors import CONTEXT_LENGTH_EXCEEDED, invalid
 
 
 class Tokenizer(Protocol):
@@ -24,64 +21,44 @@ class Tokenizer(Protocol):
 
     def convert_tokens_to_ids(self, tokens: str) -> Any: ...
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
 
 def completion_prompts(prompt: str | list, tokenizer: Tokenizer) -> list[list[int]]:
     """The token ids of every prompt of a /v1/completions request (see schemas.Prompt)."""
     if isinstance(prompt, str):
-        return [_encode_text(prompt, tokenizer, "prompt")]
+        return [_encode_prompt(prompt, tokenizer, "prompt")]
     if not prompt:
         raise invalid("prompt", "prompt: the prompt list is empty")
     if all(isinstance(item, int) for item in prompt):
         return [list(prompt)]
     if all(isinstance(item, str) for item in prompt):
-        return [_encode_text(text, tokenizer, f"prompt[{i}]") for i, text in enumerate(prompt)]
+        return [_encode_prompt(text, tokenizer, f"prompt[{i}]") for i, text in enumerate(prompt)]
     return [list(ids) for ids in prompt]
 
 
-def _encode_text(text: str, tokenizer: Tokenizer, param: str) -> list[int]:
+def prompt_texts(prompt: str | list, token_ids: list[list[int]], tokenizer: Tokenizer) -> list[str]:
+    """The text of every prompt (echo): as given, or decoded from its token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in token_ids]
+
+
+def _encode_prompt(text: str, tokenizer: Tokenizer, param: str) -> list[int]:
     if not text:
         raise invalid(param, f"{param}: the prompt is empty")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(text, tokenizer, param)
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize the result."""
-    if not messages:
-        raise invalid("messages", "messages: at least one message is required")
-    conversation = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        if content is None:
-            raise invalid(f"messages[{i}].content", f"messages[{i}].content: content is required")
-        role = "system" if message.role == "developer" else message.role
-        conversation.append({"role": role, "content": content})
+def encode_text(text: str, tokenizer: Tokenizer, param: str) -> list[int]:
+    """Tokenize without adding special tokens; a text the tokenizer refuses is a 400 naming
+    `param`, never a 500."""
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
-        )
-    except Exception as exc:  # jinja2 errors, or a tokenizer without a chat template
-        raise invalid("messages", f"messages: cannot render the chat template: {exc}") from exc
-    if not isinstance(text, str) or not text:
-        raise invalid("messages", "messages: the chat template rendered an empty prompt")
-    # The rendered text already holds the template's special tokens; add no more.
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def chat_stop_token_ids(tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...]:
-    """The chat turn end (ChatML `<|im_end|>`) as a stop token, when the tokenizer has it."""
-    try:
-        token_id = tokenizer.convert_tokens_to_ids(CHAT_TURN_END)
-    except Exception:  # noqa: BLE001 - a tokenizer without that token
-        return ()
-    if isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id < vocab_size:
-        unk = getattr(tokenizer, "unk_token_id", None)
-        if token_id != unk:
-            return (token_id,)
-    return ()
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # noqa: BLE001 - e.g. TypeError for text that is not valid Unicode
+        raise invalid(param, f"{param}: the tokenizer cannot encode this text: {exc}") from exc
 
 
 def check_prompt(token_ids: list[int], info: ModelInfo, *, param: str) -> None:
@@ -99,6 +76,7 @@ def check_prompt(token_ids: list[int], info: ModelInfo, *, param: str) -> None:
             param,
             f"{param}: the prompt is {len(token_ids)} tokens but the context length is "
             f"{info.max_model_len}",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 
@@ -112,4 +90,5 @@ def check_max_tokens(prompt_len: int, max_tokens: int, info: ModelInfo, *, param
             param,
             f"{param}: {max_tokens} tokens after a {prompt_len}-token prompt exceed the context "
             f"length {info.max_model_len} (at most {room})",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )

@@ -10,31 +10,45 @@ Validation policy (see docs/serving.md):
   logit_bias, penalties, tools, ...) are accepted only at their neutral value; anything else
   answers 400 naming the field.
 - Fields nobody defines answer 400 "Unrecognized request argument supplied: NAME".
+- An explicit `null` means "unset": the field takes its default (many clients send null for
+  options they do not set).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 FinishReasonName = Literal["stop", "length", "abort"]
 
 _REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body (or part of one): strict types, unknown fields refused, and an explicit
+    null for a field with a default means that default."""
+
     model_config = _REQUEST_CONFIG
 
-    include_usage: bool = Field(
+    @model_validator(mode="after")
+    def _null_means_default(self):
+        for name, field in type(self).model_fields.items():
+            if getattr(self, name) is None and not field.is_required():
+                default = field.get_default(call_default_factory=True)
+                if default is not None:
+                    object.__setattr__(self, name, default)
+        return self
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = Field(
         False, description="Send a last chunk (with empty `choices`) carrying `usage`."
     )
 
 
-class LoopFields(BaseModel):
+class LoopFields(RequestModel):
     """rlt extensions shared by both endpoints (OpenAI clients pass them via `extra_body`)."""
-
-    model_config = _REQUEST_CONFIG
 
     min_loops: int | None = Field(
         None,
@@ -51,17 +65,21 @@ class LoopFields(BaseModel):
         description="rlt: exit once the gate's cumulative exit probability reaches this, "
         "in [0, 1]; 1.0 runs every token to max_loops. Default: the server's --exit-threshold.",
     )
-    priority: int = Field(
+    priority: int | None = Field(
         0,
         description="rlt: admission priority under the 'priority' scheduling policy "
         "(lower runs first); ignored by FCFS.",
     )
-    top_k: int = Field(-1, description="rlt: keep the k most likely tokens; -1 or 0 disables.")
-    ignore_eos: bool = Field(False, description="rlt: keep generating past end-of-sequence.")
-    stop_token_ids: list[int] | None = Field(
-        None, description="rlt: token ids that end generation (finish_reason 'stop')."
+    top_k: int | None = Field(
+        -1, description="rlt: keep the k most likely tokens; -1 or 0 disables."
     )
-    return_token_ids: bool = Field(
+    ignore_eos: bool | None = Field(False, description="rlt: keep generating past end-of-sequence.")
+    stop_token_ids: list[int] | None = Field(
+        None,
+        description="rlt: token ids that end generation (finish_reason 'stop'); each must be "
+        "in the vocabulary.",
+    )
+    return_token_ids: bool | None = Field(
         False, description="rlt: add the generated token ids to each choice (`token_ids`)."
     )
 
@@ -72,8 +90,8 @@ class _CommonOpenAIFields(LoopFields):
     model: str | None = Field(
         None, description="The served model name (GET /v1/models); omitted means that model."
     )
-    temperature: float = Field(1.0, description=">= 0; 0 is greedy (argmax).")
-    top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
+    temperature: float | None = Field(1.0, description=">= 0; 0 is greedy (argmax).")
+    top_p: float | None = Field(1.0, description="Nucleus mass in (0, 1].")
     seed: int | None = Field(
         None,
         description="Seed of this request's private random stream, in [0, 2**63); "
@@ -82,11 +100,11 @@ class _CommonOpenAIFields(LoopFields):
     stop: str | list[str] | None = Field(
         None, description="Strings that end generation; the match is not returned."
     )
-    n: int = Field(1, description="Only 1 is supported.")
-    stream: bool = Field(False, description="Stream the answer as server-sent events.")
+    n: int | None = Field(1, description="Only 1 is supported.")
+    stream: bool | None = Field(False, description="Stream the answer as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
-    presence_penalty: float = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(0.0, description="Only 0 is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Only null/{} is supported.")
     user: str | None = Field(None, description="Accepted and ignored.")
 
@@ -104,7 +122,7 @@ class CompletionRequest(_CommonOpenAIFields):
     """POST /v1/completions."""
 
     prompt: Prompt
-    max_tokens: int = Field(
+    max_tokens: int | None = Field(
         16, description="Tokens to generate (>= 1); prompt + max_tokens - 1 must fit the context."
     )
     logprobs: int | None = Field(
@@ -112,43 +130,79 @@ class CompletionRequest(_CommonOpenAIFields):
         description="Return the sampled token's log-probability and this many most "
         "likely alternatives (0..20).",
     )
-    echo: bool = Field(False, description="Only false is supported.")
+    echo: bool | None = Field(
+        False,
+        description="Prepend the prompt's text to the choice's text (with logprobs: its tokens "
+        "come first, with null log-probabilities).",
+    )
     best_of: int | None = Field(None, description="Only 1 (or null) is supported.")
     suffix: str | None = Field(None, description="Only null is supported.")
 
 
-class TextContentPart(BaseModel):
-    model_config = _REQUEST_CONFIG
-
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON object, encoded as a string.")
 
+
+class ToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = Field(None, description="Accepted and ignored.")
+    content: str | list[TextContentPart] | None = Field(
+        None, description="Required, except on an assistant message with tool_calls."
+    )
+    name: str | None = Field(None, description="Passed to the chat template.")
+    tool_calls: list[ToolCall] | None = Field(
+        None,
+        description="Assistant messages: earlier tool calls, rendered only by a chat template "
+        "that knows tool calls (400 otherwise).",
+    )
+    tool_call_id: str | None = Field(
+        None, description="Tool messages: the call this result answers (passed to the template)."
+    )
 
 
-class ResponseFormat(BaseModel):
-    model_config = _REQUEST_CONFIG
-
-    type: Literal["text"] = Field("text", description="Only 'text' is supported.")
+class ResponseFormat(RequestModel):
+    type: Literal["text"] | None = Field("text", description="Only 'text' is supported.")
 
 
 class ChatCompletionRequest(_CommonOpenAIFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(
-        description="Rendered with the model's chat template (add_generation_prompt=true)."
+    messages: list[ChatMessage] = Field(description="Rendered with the model's chat template.")
+    add_generation_prompt: bool | None = Field(
+        True, description="End the prompt with the template's assistant-turn opening."
+    )
+    continue_final_message: bool | None = Field(
+        False,
+        description="Continue the final message (usually the assistant's) instead of starting "
+        "a new turn: rendered open, without its closing tokens; needs "
+        "add_generation_prompt=false.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template."
+    )
+    echo: bool | None = Field(
+        False,
+        description="When the last message is the assistant's, the reply's content begins "
+        "with that message's content.",
     )
     max_tokens: int | None = Field(
         None, description="Tokens to generate (>= 1); default: what is left of the context."
     )
     max_completion_tokens: int | None = Field(None, description="Alias of max_tokens.")
-    logprobs: bool = Field(False, description="Return log-probabilities of the sampled tokens.")
+    logprobs: bool | None = Field(
+        False, description="Return log-probabilities of the sampled tokens."
+    )
     top_logprobs: int | None = Field(
         None, description="With logprobs=true: this many most likely alternatives (0..20)."
     )
@@ -183,9 +237,13 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token of the choice's text. With echo=true the prompt's tokens come first, with
+    null `token_logprobs` and `top_logprobs` entries (prompt log-probabilities are not
+    computed)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -10,7 +10,6 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from rlt_contracts import RequestOutputDelta
@@ -55,29 +54,28 @@ class GenerationStreamResponse(StreamingResponse):
 
 
 def stream_generation(
-    request: Request,
     generation: Generation,
     *,
     opening: Iterable[BaseModel],
     chunks: ChunkBuilder,
     closing: Callable[[], Iterable[BaseModel]],
 ) -> GenerationStreamResponse:
-    """SSE response: `opening` chunks, one or more chunks per delta, `closing` chunks, [DONE]."""
+    """SSE response: `opening` chunks, one or more chunks per delta, `closing` chunks, [DONE].
+    `generation` was entered (submitted, and watching its client's disconnect)."""
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            async with generation.cancel_on_disconnect(request):
-                for chunk in opening:
+            for chunk in opening:
+                yield sse(chunk)
+            async for choice, delta in generation.deltas():
+                for chunk in chunks(choice, delta):
                     yield sse(chunk)
-                async for choice, delta in generation.deltas():
-                    for chunk in chunks(choice, delta):
-                        yield sse(chunk)
-                failure = generation.failure()
-                if failure is not None:
-                    yield sse_error_event(failure)
-                else:
-                    for chunk in closing():
-                        yield sse(chunk)
+            failure = generation.failure()
+            if failure is not None:
+                yield sse_error_event(failure)
+            else:
+                for chunk in closing():
+                    yield sse(chunk)
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             error = exc if isinstance(exc, APIError) else from_engine_error(exc)
             generation.record_error(error)

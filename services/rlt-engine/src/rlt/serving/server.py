@@ -7,7 +7,12 @@ requests still ends properly (a stream sends its last chunk with finish_reason "
 `[DONE]`, a plain request answers with what it has). Should a handler hang anyway, uvicorn
 cancels it after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan shutdown runs
 (the client shutdown again: a no-op that joins the engine thread), and `serve()` returns 0.
-A second signal skips the waiting.
+
+A second SIGINT or SIGTERM during the drain skips the rest of the grace period: the engine
+aborts what still runs at once, and every request still ends properly (JSON bodies, streams
+with their last chunk and `[DONE]`); `serve()` then returns 128 + that signal's number (130
+for SIGINT, 143 for SIGTERM) to say the drain was cut short. A third signal stops at once
+(uvicorn's forced exit: connections are dropped).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from rlt_contracts import ConfigurationError, InvalidRequestError, SamplingParams
 from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, build_app
+from rlt_serve.info_routes import package_version
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
@@ -82,6 +88,7 @@ def build_server(engine: LLMEngine, options: ServeOptions):
         allowed_origins=options.allowed_origins,
         engine_error=lambda: client.dead,
         pd=EnginePDControl(client, engine.parts.pd),
+        version=package_version("rlt"),
     )
     return app, client
 
@@ -101,27 +108,62 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
     )
 
 
+FORCED_EXIT_BASE = 128  # exit code after a second signal: 128 + its number
+
+
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, plus: `grace_s` seconds into a shutdown, abort the requests still in
-    flight through the engine client, so they end with finish_reason "abort" instead of having
-    their connections cut."""
+    """uvicorn's server, plus: `grace_s` seconds into a shutdown, or at once on a second
+    signal, abort the requests still in flight through the engine client, so they end with
+    finish_reason "abort" instead of having their connections cut. `forced_by` is the signal
+    that cut the drain short (None after a full drain)."""
 
     def __init__(self, config: uvicorn.Config, client: AsyncEngine, *, grace_s: float) -> None:
         super().__init__(config)
         self._client = client
         self._grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._abort_task: asyncio.Task | None = None
+        self.forced_by: int | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """Signal handler (main thread): first signal drains, second aborts, third forces."""
+        if not self.should_exit:
+            super().handle_exit(sig, frame)
+        elif self.forced_by is None:
+            self.forced_by = sig
+            logger.warning(
+                "%s during shutdown: aborting the requests still running",
+                signal.Signals(sig).name,
+            )
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._abort_in_flight)
+        else:
+            self.force_exit = True
+
+    def _abort_in_flight(self) -> None:
+        if self._abort_task is None:
+            self._abort_task = asyncio.get_running_loop().create_task(self._client.shutdown())
 
     async def shutdown(self, sockets=None) -> None:
         loop = asyncio.get_running_loop()
-        abort = loop.call_later(self._grace_s, lambda: loop.create_task(self._client.shutdown()))
+        abort = loop.call_later(self._grace_s, self._abort_in_flight)
         try:
             await super().shutdown(sockets)
         finally:
             abort.cancel()
 
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.forced_by is None else FORCED_EXIT_BASE + self.forced_by
+
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down; returns the exit code (0)."""
+    """Load the engine, serve until SIGINT/SIGTERM, shut down; returns the exit code: 0
+    after a full drain, 128 + the signal's number when a second signal cut it short."""
     if options.api_key is None and not is_loopback(options.host):
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", options.host
@@ -136,7 +178,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         client.close(timeout=options.shutdown_timeout)
         if client.stopped:
             engine.shutdown()  # (a PD instance deregisters its memory from NIXL here)
-    return 0
+    return server.exit_code
 
 
 class _signals_end_cleanly:

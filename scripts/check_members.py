@@ -102,27 +102,28 @@ def rlt_closure(member: Member, members: dict[str, Member]) -> set[str]:
 
 
 def locked_closure(member: str, groups: tuple[str, ...] = ("dev",)) -> set[str]:
-    """Every package uv.lock installs for `member` with `groups` (markers ignored: a superset)."""
-    packages = {
-        normalize(p["name"]): p for p in tomllib.loads((REPO / "uv.lock").read_text())["package"]
-    }
+    """Every package uv.lock installs for `member` with `groups` (markers ignored, extras
+    followed: a superset). The same walk as tests/dependency_rules.py's."""
+    lock = tomllib.loads((REPO / "uv.lock").read_text())
+    packages = {normalize(p["name"]): p for p in lock["package"]}
+
+    def edges(entries):
+        return [(d["name"], d.get("extra", [])) for d in entries]
+
     first = packages[member]
-    todo = [d["name"] for d in first.get("dependencies", [])]
+    todo = edges(first.get("dependencies", []))
     for group in groups:
-        todo += [d["name"] for d in first.get("dev-dependencies", {}).get(group, [])]
+        todo += edges(first.get("dev-dependencies", {}).get(group, []))
     seen = {member}
     while todo:
-        name = normalize(todo.pop())
-        if name in seen:
+        name, extras = todo.pop()
+        package = packages[normalize(name)]
+        for extra in extras:
+            todo += edges(package.get("optional-dependencies", {}).get(extra, []))
+        if normalize(name) in seen:
             continue
-        seen.add(name)
-        todo += [d["name"] for d in packages[name].get("dependencies", [])]
-        for dep in packages[name].get("dependencies", []):
-            for extra in dep.get("extra", []):
-                todo += [
-                    d["name"]
-                    for d in packages[name].get("optional-dependencies", {}).get(extra, [])
-                ]
+        seen.add(normalize(name))
+        todo += edges(package.get("dependencies", []))
     return seen
 
 

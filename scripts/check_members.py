@@ -203,7 +203,7 @@ def importorskip_skips(junit: Path) -> list[str]:
     found = []
     for case in ET.parse(junit).iter("testcase"):
         for skipped in case.iter("skipped"):
-            message = skipped.get("message", "")
+            message = f"{skipped.get('message', '')} {skipped.text or ''}".strip()
             if "could not import" in message:
                 found.append(f"{case.get('classname')}::{case.get('name')}: {message}")
     return found

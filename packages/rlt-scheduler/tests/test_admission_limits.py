@@ -1,5 +1,6 @@
-"""The waiting-queue limit counts what really waits (requests beyond the free runner slots),
-batches are queued all or none, and stop token ids are checked against the vocabulary."""
+"""The waiting-queue limit counts what really waits: requests a step left waiting, plus those
+queued since beyond the free runner slots. Batches are queued all or none, and stop token ids
+are checked against the vocabulary."""
 
 from __future__ import annotations
 
@@ -21,14 +22,28 @@ def test_requests_that_free_slots_will_take_do_not_count_as_waiting():
         scheduler.add_request("one-too-many", (1, 2), SamplingParams())
     assert scheduler.num_waiting == 10
 
-    scheduler.schedule()  # admits 8: every slot is taken, 2 wait
+    scheduler.schedule()  # admits 8: every slot is taken, 2 really wait
     assert (scheduler.num_running, scheduler.num_waiting) == (8, 2)
     with pytest.raises(OverloadedError):
         scheduler.add_request("late", (1, 2), SamplingParams())
-    scheduler.abort_request("r0")  # frees a slot: one more may be queued
+    scheduler.abort_request("r0")
+    scheduler.schedule()  # the freed slot takes r8: one request waits now
+    assert (scheduler.num_running, scheduler.num_waiting) == (8, 1)
     scheduler.add_request("late", (1, 2), SamplingParams())
     with pytest.raises(OverloadedError):
         scheduler.add_request("later", (1, 2), SamplingParams())
+
+
+def test_requests_a_step_left_waiting_for_kv_count_although_slots_are_free():
+    # 40 blocks of 4 tokens x 4 planes: one request of 3 + 32 - 1 positions fits at a time
+    scheduler = make_scheduler(num_blocks=40, max_num_seqs=8, max_waiting_requests=2)
+    long = SamplingParams(max_tokens=32)
+    for i in range(3):
+        scheduler.add_request(f"r{i}", (1, 2, 3), long)
+    scheduler.schedule()
+    assert (scheduler.num_running, scheduler.num_waiting) == (1, 2)
+    with pytest.raises(OverloadedError):  # 7 slots are free, but 2 requests could not start
+        scheduler.add_request("late", (1, 2, 3), long)
 
 
 def test_a_batch_is_queued_all_or_none():

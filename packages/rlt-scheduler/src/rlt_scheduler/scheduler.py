@@ -107,6 +107,9 @@ class Scheduler:
         self._reserved: list[ScheduledRequest] = []  # PD decode: admitted, target not reported
         self._next_generation = 0
         self._next_step = 0
+        # requests queued since step `_fresh_step` was scheduled (no admission saw them yet)
+        self._fresh: list[ScheduledRequest] = []
+        self._fresh_step = 0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -149,9 +152,12 @@ class Scheduler:
         return prompt, bounds
 
     def _check_waiting_room(self, count: int) -> None:
-        """`max_waiting_requests` bounds the requests that would wait: those queued beyond the
-        runner slots free now (a request that a free slot can take at the next step is not
-        really waiting). A batch larger than the limit plus every slot can never be queued."""
+        """`max_waiting_requests` bounds the requests that really wait: those a step already
+        left waiting (no slot, KV or budget for them), plus the ones queued since the last
+        step beyond the runner slots free now (a free slot takes such a request at the next
+        step; none is free for them while older requests were left waiting, since what holds
+        those back holds them too). A batch larger than the limit plus every slot can never
+        be queued."""
         config = self.config
         if count > config.max_waiting_requests + config.max_num_seqs:
             raise InvalidRequestError(
@@ -159,12 +165,18 @@ class Scheduler:
                 f"{count} prompts at once exceed what the engine can queue "
                 f"({config.max_waiting_requests} waiting + {config.max_num_seqs} running)",
             )
-        free_slots = max(config.max_num_seqs - len(self._running) - len(self._held), 0)
-        waiting = len(self._waiting) + count - free_slots
+        if self._fresh_step != self._next_step:  # a step ran: every queued request was seen
+            self._fresh, self._fresh_step = [], self._next_step
+        fresh = sum(1 for r in self._fresh if r.stage is RequestStage.WAITING)
+        left_waiting = len(self._waiting) - fresh
+        free_slots = 0
+        if not left_waiting:
+            free_slots = max(config.max_num_seqs - len(self._running) - len(self._held), 0)
+        waiting = left_waiting + max(fresh + count - free_slots, 0)
         if waiting > config.max_waiting_requests:
             raise OverloadedError(
                 f"{len(self._waiting)} requests are queued and {free_slots} runner slots are "
-                f"free: {count} more would leave {waiting} waiting (limit "
+                f"free for them: {count} more would leave {waiting} waiting (limit "
                 f"{config.max_waiting_requests}); retry later"
             )
 
@@ -194,6 +206,7 @@ class Scheduler:
         self._next_generation += 1
         self._requests[request_id] = request
         self._waiting.add(request)
+        self._fresh.append(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:

@@ -150,9 +150,20 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return invalid(None, f"malformed JSON body: {detail}".rstrip(": "))
+    if kind == "string_unicode":  # pydantic cannot even read a key holding a lone surrogate
+        from rlt_serve.unicode_input import first_invalid_text
+
+        param = first_invalid_text(getattr(exc, "body", None))
+        return invalid(
+            param or None,
+            f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, which is not "
+            "valid Unicode",
+        )
     location = tuple(first.get("loc", ()))
     param = param_of(location)
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden":  # the last segment is the unknown name itself, whatever it is
+        parent, name = param_of(location[:-1]), str(location[-1])
+        param = f"{parent}.{name}" if parent else name
         return invalid(param, f"Unrecognized request argument supplied: {param}")
     if param is None:
         return invalid(None, "the request body must be a JSON object")

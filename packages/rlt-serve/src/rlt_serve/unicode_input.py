@@ -17,13 +17,19 @@ from rlt_serve.errors import invalid
 
 def check_valid_unicode(body: BaseModel) -> None:
     """400 naming the first field of `body` whose text holds a lone UTF-16 surrogate."""
-    param = _first_invalid(body, "")
+    param = first_invalid_text(body)
     if param is not None:
         raise invalid(
             param or None,
             f"{param or 'the body'}: the text holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
             "escape without its pair), which is not valid Unicode",
         )
+
+
+def first_invalid_text(value: Any) -> str | None:
+    """The path of the first string (or dictionary key) in `value` (a model, or parsed JSON)
+    that holds a lone surrogate: "" for `value` itself, None when there is none."""
+    return _first_invalid(value, "")
 
 
 def has_lone_surrogate(text: str) -> bool:

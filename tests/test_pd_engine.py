@@ -186,3 +186,49 @@ def test_abort_over_nixl_then_reuse_the_request_id_at_once(llm_factory, side):
     for llm in (prefill, decode):
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
+
+
+def test_a_failed_admission_step_on_the_decode_side_aborts_and_frees_it(llm_factory):
+    """D's block-table upload fails in the step that admits r0 (R04): the runner drops r0's
+    row, so its target is never published; r0 ends with an error, no engine holds a block or
+    row (llm_factory's leak check), and the next request runs as on a single engine."""
+    all_params = [params(0), params(1)]
+    expected = reference(llm_factory, PROMPTS[1:2], all_params[1:])
+    prefill, decode = llm_factory(), llm_factory()
+    connect(prefill, decode)
+    rows = decode.engine.core.runner.rows
+    original = rows.apply_block_updates
+
+    def fail_for_r0(updates):
+        if any(identity.request_id == "r0" for identity, _ in updates):
+            raise RuntimeError("simulated upload fault")
+        return original(updates)
+
+    rows.apply_block_updates = fail_for_r0
+    failed = run_pd(prefill, decode, PROMPTS[:1], all_params[:1])
+    assert failed["r0"].finish_reason == "abort" and "admitted" in failed["r0"].error
+    assert not prefill.engine.has_unfinished_requests()
+    rows.apply_block_updates = original
+    ok = run_pd(prefill, decode, PROMPTS[1:2], all_params[1:], transfer="u")
+    assert (ok["r0"].token_ids, ok["r0"].exit_depths) == expected[0]
+
+
+def test_a_failed_step_on_the_prefill_side_leaks_nothing(llm_factory):
+    """P's block-table upload fails in the step that admits r0: P aborts it (R04) and, as for
+    an abort, its PD link releases what the request held (no transfer had started); D's
+    request is then cancelled (the coordinator's part) and frees its blocks too."""
+    prefill, decode = llm_factory(), llm_factory()
+    connect(prefill, decode)
+    rows = prefill.engine.core.runner.rows
+    original = rows.apply_block_updates
+
+    def fail_for_r0(updates):
+        if any(identity.request_id == "r0" for identity, _ in updates):
+            raise RuntimeError("simulated upload fault")
+        return original(updates)
+
+    rows.apply_block_updates = fail_for_r0
+    finals = run_pd(prefill, decode, PROMPTS[:1], [params(0)], abort=("D", "r0", 2))
+    assert finals["r0"].finish_reason == "abort"
+    assert prefill.get_stats().aborted_requests == 1
+    assert prefill.get_stats().kv_blocks_used == 0

@@ -24,6 +24,7 @@ from rlt_contracts.errors import (
 )
 from rlt_contracts.execution import (
     ExecutionFailure,
+    FailedOperation,
     GeneratedTokens,
     ModelRunnerOutput,
     PrefillProgress,
@@ -92,6 +93,7 @@ __all__ = [
     "ExecutionIdentity",
     "ExitRule",
     "ExitRuleKind",
+    "FailedOperation",
     "FinishReason",
     "GeneratedTokens",
     "HandoffEvents",

@@ -6,6 +6,8 @@ belongs to, so the scheduler drops results of requests that were cancelled meanw
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from rlt_contracts.requests import ExecutionIdentity
@@ -31,17 +33,42 @@ class GeneratedTokens(msgspec.Struct, frozen=True):
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, array_like=True):
-    """Prompt positions [0, end_position) of the request now hold KV at every depth."""
+    """Prompt positions [0, end_position) of the request now hold KV at every depth.
+
+    Completion evidence, not submission (R18): the runner reports it only once the device work
+    that wrote those positions is known to be finished (the step's event completed, or the
+    device ran it synchronously), and only for a chunk of that step.
+    """
 
     identity: ExecutionIdentity
     end_position: int
 
 
+class FailedOperation(enum.StrEnum):
+    """What failed, and so what the named requests lost (R04, R06).
+
+    SNAPSHOT  a preemption victim's state could not be saved. Its blocks were already handed to
+              other requests, so it cannot resume: the scheduler aborts it with the error.
+    RESTORE   a resumed request's saved state could not be written back: aborted.
+    STEP      the step's shared bookkeeping or its model work raised: every request the step
+              touched (chunks, decoding rows, new, restored, growing, remote starts) is aborted
+              and the step reports no tokens and no progress.
+
+    In every case the runner has already dropped the named requests' rows and snapshots and
+    ignores later work for them until the scheduler releases them; other requests run on.
+    """
+
+    SNAPSHOT = "snapshot"
+    RESTORE = "restore"
+    STEP = "step"
+
+
 class ExecutionFailure(msgspec.Struct, frozen=True):
-    """The step failed for these requests (they are aborted); `message` says why."""
+    """The operation failed for these requests (they are aborted); `message` says why."""
 
     identities: tuple[ExecutionIdentity, ...]
     message: str
+    operation: FailedOperation = FailedOperation.STEP
 
 
 class ModelRunnerOutput(msgspec.Struct, frozen=True):
@@ -50,11 +77,18 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
 
     decode_ticks: the ticks the step ran; loop_slots: rows x ticks of the decode batch the device
       ran (padding rows included), for utilisation statistics.
+    failures: what failed in the step, each naming the requests it aborts (FailedOperation);
+      a SNAPSHOT or RESTORE failure leaves the other requests' results valid.
     """
 
     step_id: int
     generated: tuple[GeneratedTokens, ...] = ()
     prefill_progress: tuple[PrefillProgress, ...] = ()
-    failure: ExecutionFailure | None = None
+    failures: tuple[ExecutionFailure, ...] = ()
     decode_ticks: int = 0
     loop_slots: int = 0
+
+    @property
+    def step_failed(self) -> bool:
+        """The whole step failed (a STEP failure): it carries no tokens and no progress."""
+        return any(f.operation is FailedOperation.STEP for f in self.failures)

@@ -113,8 +113,9 @@ def profile_activation_peak(
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         output = runner.collect(runner.submit(step))
-        if output.failure is not None:
-            raise RuntimeError(f"memory profiling step failed: {output.failure.message}")
+        if output.failures:
+            messages = "; ".join(f.message for f in output.failures)
+            raise RuntimeError(f"memory profiling step failed: {messages}")
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
 

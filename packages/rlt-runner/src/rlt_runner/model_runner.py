@@ -9,6 +9,12 @@ the device computes. On the CPU both are synchronous, with identical results.
 Inside a step nothing waits for the device: uploads are pinned and non-blocking, block tables
 and per-row parameters are written by small index copies, decode ticks are CUDA-graph replays
 (or eager calls of the same code), and snapshot copies are queued in stream order.
+
+Failures (R04): the step's bookkeeping runs inside the step's failure handling
+(`bookkeeping.StepBookkeeping`). A failed snapshot or restore loses only its request; anything
+else that raises fails the step for every request it touched. Either way the named requests'
+rows and snapshots are dropped at once, the `ModelRunnerOutput` names them (`failures`), the
+scheduler aborts them, and later steps skip work for them until their release arrives.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import torch
 from rlt_contracts import (
     AttentionBackend,
     ExecutionFailure,
+    ExecutionIdentity,
+    FailedOperation,
     KVLayout,
     LoopedLanguageModel,
     ModelRunnerOutput,
+    PrefillChunk,
     PrefillProgress,
     SamplingMode,
     SamplingParams,
@@ -30,6 +39,7 @@ from rlt_contracts import (
 )
 from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 
+from rlt_runner.bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
 from rlt_runner.kv_storage import KVStorage
@@ -111,6 +121,7 @@ class ModelRunner:
             max_context=max_pages * block_size,
         )
         self.snapshots = SnapshotStore()
+        self.bookkeeping = StepBookkeeping(self.rows, self.kv, self.snapshots)
         self.readback_wait_s = 0.0  # cumulative host time blocked on device results
         self.graphs: DecodeGraphs | None = None
         self.graphs_disabled_reason = "not requested"
@@ -147,7 +158,7 @@ class ModelRunner:
         self.model = None
         self.snapshots = SnapshotStore()
 
-    def held_identities(self) -> frozenset:
+    def held_identities(self) -> frozenset[ExecutionIdentity]:
         """Requests with device state here: a row or a preemption snapshot."""
         return frozenset(self.rows.identities()) | frozenset(self.snapshots.identities())
 
@@ -161,25 +172,33 @@ class ModelRunner:
         pending = PendingStep(step.step_id)
         try:
             with torch.inference_mode():
-                self._apply_bookkeeping(step)
+                pending.failures.extend(self.bookkeeping.apply(step))
+                live = self.bookkeeping.is_live
+                chunks = [c for c in step.prefill if live(c.identity)]
+                remote_starts = [i for i in step.remote_starts if live(i)]
                 started = [
                     record
                     for record in (
-                        self.rows.record(c.identity) for c in step.prefill if c.completes_prompt
+                        self.rows.record(c.identity) for c in chunks if c.completes_prompt
                     )
                     if not record.prefill_only
-                ] + [self.rows.record(identity) for identity in step.remote_starts]
+                ] + [self.rows.record(identity) for identity in remote_starts]
                 running = self.rows.decoding_records() if step.decode_ticks > 0 else []
                 pending.mode = sampling_mode([r.sampling for r in running + started])
-                started_record = self._run_prefill(step, started, pending)
+                started_record = self._run_prefill(chunks, remote_starts, started, pending)
                 self._run_ticks(step.decode_ticks, pending)
                 start_readback(pending, started_record, self.program.ring, self.device)
-        except (RuntimeError, ValueError, torch.cuda.OutOfMemoryError) as exc:
+        except RECOVERABLE_ERRORS as exc:
             logger.exception("step %d failed; aborting its requests", step.step_id)
-            identities = {c.identity for c in step.prefill}
-            identities |= {r.identity for r in self.rows.decoding_records()}
-            pending.failure = ExecutionFailure(tuple(identities), f"{type(exc).__name__}: {exc}")
+            self._fail_step(step, pending, f"{type(exc).__name__}: {exc}")
         return pending
+
+    def _fail_step(self, step: SchedulerOutput, pending: PendingStep, message: str) -> None:
+        """Name every request the step touched (still live here) and drop its device state."""
+        named = [i for i in step_identities(step, self.rows) if self.bookkeeping.is_live(i)]
+        self.bookkeeping.lose(named)
+        pending.failures.append(ExecutionFailure(tuple(named), message, FailedOperation.STEP))
+        pending.step_failed = True
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a submitted step's read-back and return its results."""
@@ -188,36 +207,22 @@ class ModelRunner:
         return output
 
     # -- step parts ----------------------------------------------------------------------------
-    def _apply_bookkeeping(self, step: SchedulerOutput) -> None:
-        """State changes that precede the step's model work, in the contract's order."""
-        for identity in step.snapshots:
-            self.snapshots.save(identity, self.rows, self.kv)
-        self.rows.release(list(step.released))
-        for identity in step.released:
-            self.snapshots.discard(identity)
-        new = [
-            RowRecord(
-                n.identity, -1, n.sampling, n.rule, n.prompt_length, prefill_only=n.prefill_only
-            )
-            for n in step.new_requests
-        ]
-        self.rows.assign(new + [self.snapshots.record_of(i) for i in step.restores])
-        self.rows.apply_block_updates([(b.identity, b.updates) for b in step.block_updates])
-        for identity in step.restores:
-            self.snapshots.restore(identity, self.rows, self.kv)
-
     def _run_prefill(
-        self, step: SchedulerOutput, started: list[RowRecord], pending: PendingStep
+        self,
+        chunks: list[PrefillChunk],
+        remote_starts: list[ExecutionIdentity],
+        started: list[RowRecord],
+        pending: PendingStep,
     ) -> torch.Tensor | None:
         """Prompt chunks, then token 0 of the prompts they complete and of the PD requests whose
         prompt state was written here by a prefill instance (returns token 0's records)."""
-        if step.prefill:
-            self._run_chunks(step, pending)
+        if chunks:
+            self._run_chunks(chunks, pending)
         if not started:
             return None
-        if step.remote_starts:  # PD decode: the prompt state a prefill instance wrote
+        if remote_starts:  # PD decode: the prompt state a prefill instance wrote
             landed = upload(
-                [self.rows.record(i).row for i in step.remote_starts], torch.int64, self.device
+                [self.rows.record(i).row for i in remote_starts], torch.int64, self.device
             )
             self.rows.hidden.index_copy_(0, landed, self.rows.landing[landed])
         index, lengths = upload(
@@ -231,7 +236,7 @@ class ModelRunner:
             r.decoding = True
         return record
 
-    def _run_chunks(self, step: SchedulerOutput, pending: PendingStep) -> None:
+    def _run_chunks(self, chunks: list[PrefillChunk], pending: PendingStep) -> None:
         run_prefill(
             self.model,
             self.attention,
@@ -245,10 +250,11 @@ class ModelRunner:
                     c.token_ids,
                     c.completes_prompt,
                 )
-                for c in step.prefill
+                for c in chunks
             ],
         )
-        pending.progress = tuple(PrefillProgress(c.identity, c.end_position) for c in step.prefill)
+        # Submission only: collect reports these once the step's completion is established.
+        pending.queued_progress = tuple(PrefillProgress(c.identity, c.end_position) for c in chunks)
 
     def _run_ticks(self, ticks: int, pending: PendingStep) -> None:
         decoding = self.rows.decoding_records()

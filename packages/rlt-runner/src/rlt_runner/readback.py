@@ -6,10 +6,19 @@ it. `collect` waits on that event only: the one point where the host waits for t
 Rows are attributed to the request that owned them when the step was submitted (its `RowRecord`,
 whose identity carries the generation), so a late result never reaches a request that reuses
 the id or the row (R17).
+
+Progress points (R18) are kept apart: `submit` queues prompt chunks (`queued_progress`:
+submission, no evidence of anything); the step's `StepCompletion` says what establishes that its
+device work finished (an event recorded after all of it, on CUDA, whether or not anything is
+read back; or a device that ran it synchronously, the CPU); `finish_readback` reports
+`PrefillProgress` only once that evidence holds (device completion), and handing the output to
+the scheduler is delivery. A step with queued chunks and no evidence is an error, never a
+report.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -27,12 +36,23 @@ from rlt_runner.row_state import RowRecord
 from rlt_runner.transfers import download
 
 
+class StepCompletion(enum.Enum):
+    """What establishes that a submitted step's device work has finished."""
+
+    UNKNOWN = "unknown"  # nothing yet (not submitted to the end, or failed)
+    EVENT = "event"  # `PendingStep.event`, recorded after all of the step's work (CUDA)
+    SYNCHRONOUS = "synchronous"  # the device ran the work inside submit (CPU)
+
+
 @dataclass
 class PendingStep:
     """A submitted step: what it recorded is on its way to `host` (valid once `event` is done).
 
     started: rows whose prompt completed (their token-0 record comes first in `host`);
-    owners: the record of every decode row [0, rows) at submission (None: free row).
+    owners: the record of every decode row [0, rows) at submission (None: free row);
+    queued_progress: prompt chunks submitted (reported only with completion evidence);
+    failures: operations that failed (their requests are named); step_failed: the whole step
+      failed, so it reports nothing else.
     """
 
     step_id: int
@@ -41,10 +61,12 @@ class PendingStep:
     owners: list[RowRecord | None] = field(default_factory=list)
     ticks: int = 0
     rows: int = 0
-    progress: tuple[PrefillProgress, ...] = ()
+    queued_progress: tuple[PrefillProgress, ...] = ()
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
-    failure: ExecutionFailure | None = None
+    completion: StepCompletion = StepCompletion.UNKNOWN
+    failures: list[ExecutionFailure] = field(default_factory=list)
+    step_failed: bool = False
 
 
 def start_readback(
@@ -54,25 +76,25 @@ def start_readback(
     device: torch.device,
 ) -> None:
     """Queue the one copy of this step's records: [started rows, columns] then the ring's
-    [ticks, rows, columns] block, flattened into one fp64 tensor. A CUDA step with nothing to
-    read back (prefill only) still records its event: collecting it is the evidence that its
-    device work (e.g. a chunk's KV, before a transfer reads it) is complete (R18)."""
+    [ticks, rows, columns] block, flattened into one fp64 tensor, and establish how completion
+    will be known. On CUDA every step records its event after all its work, also one with
+    nothing to read back (prefill only): collecting it is the evidence that its device work
+    (e.g. a chunk's KV, before its progress is reported or a transfer reads it) is complete."""
     parts = []
     if started_record is not None:
         parts.append(started_record.reshape(-1))
     if pending.ticks:
         columns = record_columns(pending.mode)
         parts.append(ring[: pending.ticks, : pending.rows, :columns].reshape(-1))
-    if not parts:
-        if device.type == "cuda":
-            pending.event = torch.cuda.Event(enable_timing=True)
-            pending.event.record()
-        return
-    pending.host = download(torch.cat(parts) if len(parts) > 1 else parts[0])
-    if pending.host.is_pinned():
+    if parts:
+        pending.host = download(torch.cat(parts) if len(parts) > 1 else parts[0])
+    if device.type == "cuda":
         # Timing-enabled: consecutive steps' events give their spacing on the device clock.
         pending.event = torch.cuda.Event(enable_timing=True)
         pending.event.record()
+        pending.completion = StepCompletion.EVENT
+    elif device.type == "cpu":
+        pending.completion = StepCompletion.SYNCHRONOUS
 
 
 def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
@@ -82,8 +104,17 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
     if pending.event is not None:
         pending.event.synchronize()
     waited = time.perf_counter() - start
-    if pending.failure is not None:
-        return ModelRunnerOutput(step_id=pending.step_id, failure=pending.failure), waited
+    failures = tuple(pending.failures)
+    if pending.step_failed:
+        return ModelRunnerOutput(step_id=pending.step_id, failures=failures), waited
+    completed = pending.completion is StepCompletion.SYNCHRONOUS or (
+        pending.completion is StepCompletion.EVENT and pending.event is not None
+    )
+    if not completed:
+        raise RuntimeError(
+            f"step {pending.step_id} has no completion evidence ({pending.completion.value}); "
+            "its prompt progress and records cannot be reported"
+        )
     tokens: dict[int, _Collected] = {}
     if pending.host is not None:
         columns = record_columns(pending.mode)
@@ -102,7 +133,8 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
     output = ModelRunnerOutput(
         step_id=pending.step_id,
         generated=tuple(c.build() for c in tokens.values()),
-        prefill_progress=pending.progress,
+        prefill_progress=pending.queued_progress,  # device completion established above
+        failures=failures,
         decode_ticks=pending.ticks,
         loop_slots=pending.ticks * pending.rows,
     )

@@ -233,12 +233,12 @@ class DecodeRows:
         """Free the rows of `identities` (unknown ones are skipped) and deactivate them on the
         device, in stream order after the work already submitted."""
         released = [self._records.pop(i) for i in identities if i in self._records]
+        for record in released:  # host bookkeeping first: it stays consistent if the device fails
+            heapq.heappush(self._free, record.row)
         if released:
             index = upload([r.row for r in released], torch.int64, self.device)
             self.active.index_fill_(0, index, False)
             self.parked.index_fill_(0, index, False)
-            for record in released:
-                heapq.heappush(self._free, record.row)
         return released
 
     def apply_block_updates(

@@ -65,7 +65,10 @@ class SnapshotStore:
         rows.release([identity])
 
     def record_of(self, identity: ExecutionIdentity) -> RowRecord:
-        return self._snapshots[identity].record
+        snapshot = self._snapshots.get(identity)
+        if snapshot is None:
+            raise RuntimeError(f"no preemption snapshot of {identity} to restore")
+        return snapshot.record
 
     def restore(self, identity: ExecutionIdentity, rows: DecodeRows, kv: KVStorage) -> None:
         """Write the saved state into the request's new row and blocks. The row must be

@@ -591,11 +591,15 @@ class Scheduler:
                 self._unconfirmed_ticks[identity] = left
             else:
                 self._unconfirmed_ticks.pop(identity, None)
-        if result.failure is not None:
-            for identity in result.failure.identities:
+        # Failure protocol (R04): the runner already dropped the named requests' device state;
+        # each is aborted with the error (a preempted victim whose snapshot failed included: its
+        # blocks were handed out, so it cannot resume). Release is queued by _finish.
+        for failure in result.failures:
+            for identity in failure.identities:
                 request = self._current(identity)
                 if request is not None:
-                    self._finish(request, FinishReason.ABORT, error=result.failure.message)
+                    self._finish(request, FinishReason.ABORT, error=failure.message)
+        self._check_progress_evidence(submitted.output, result)
         for progress in result.prefill_progress:
             request = self._current(progress.identity)
             if request is not None:
@@ -610,6 +614,18 @@ class Scheduler:
             request = self._current(generated.identity)
             if request is not None:
                 self._record_tokens(request, generated, now)
+
+    @staticmethod
+    def _check_progress_evidence(step: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Prompt progress is completion evidence for a chunk of that very step (R18): progress
+        for any other range, or from a step that failed as a whole, is a runner bug."""
+        chunks = {(c.identity, c.end_position) for c in step.prefill}
+        for progress in result.prefill_progress:
+            if result.step_failed or (progress.identity, progress.end_position) not in chunks:
+                raise RuntimeError(
+                    f"step {result.step_id} reports prompt progress {progress} that none of its "
+                    "completed chunks establishes"
+                )
 
     def _record_tokens(
         self, request: ScheduledRequest, generated: GeneratedTokens, now: float

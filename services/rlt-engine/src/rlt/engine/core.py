@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from rlt_contracts import (
     EngineRequest,
     EngineStats,
+    ExecutionIdentity,
     FinishReason,
     InvalidRequestError,
     KVTransferParams,
+    ModelRunnerOutput,
     RequestOutputDelta,
     SamplingParams,
     SchedulerOutput,
@@ -193,9 +195,13 @@ class EngineCore:
         wait_before = self.runner.readback_wait_s
         result = self.runner.collect(pending)
         t1 = time.perf_counter()
+        failed = self._live_failed(result)
         self.scheduler.update_from_output(result)
-        if self.pd is not None and result.failure is None:
-            self.pd.after_collect(scheduled)
+        if self.pd is not None:
+            for identity in failed:  # like abort_request: stop or release its transfer
+                self.pd.aborted(identity)
+            if not result.step_failed:
+                self.pd.after_collect(scheduled)  # skips requests a failure aborted
         t2 = time.perf_counter()
         timings = self.timings
         timings.collect_s += t1 - t0
@@ -217,6 +223,18 @@ class EngineCore:
                     device_s,
                 )
             )
+
+    def _live_failed(self, result: ModelRunnerOutput) -> list[ExecutionIdentity]:
+        """Requests a result's failures will abort (named and still live); PD only."""
+        if self.pd is None:
+            return []
+        named = [i for failure in result.failures for i in failure.identities]
+        requests = [self.scheduler.get_request(i.request_id) for i in named]
+        return [
+            i
+            for i, request in zip(named, requests, strict=True)
+            if request is not None and request.identity == i and not request.finished
+        ]
 
     def close(self) -> None:
         """Abort every request, collect the steps in flight and drop the runner's device

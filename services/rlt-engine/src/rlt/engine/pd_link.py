@@ -79,6 +79,13 @@ class PDLink:
         assigned now), registered with the port and returned as first deltas."""
         deltas = []
         for request in self._scheduler.newly_reserved():
+            if request.identity not in self._runner.rows:
+                # The step that admitted it failed and the runner dropped its row (R04): no
+                # prefill instance ever learns this target, so nothing can write its blocks.
+                message = "the step that admitted the request failed (see the engine log)"
+                self._scheduler.kv_transfer_failed(request.identity, message)
+                self._scheduler.release_held(request.identity)
+                continue
             params = request.kv_transfer
             target = HandoffTarget(
                 transfer_id=params.transfer_id,

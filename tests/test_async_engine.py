@@ -4,7 +4,8 @@ Covered: streamed deltas add up to LLM.generate's outputs (tokens, exit depths, 
 for concurrent requests; stop strings never leak into streamed text; cancel mid-stream frees
 KV; cancel of unknown/finished ids is a no-op; request-id reuse after abort does not mix
 results; submit errors (invalid, capacity, overload, duplicate id) leave the engine serving;
-engine-thread failure ends streams with EngineDeadError; shutdown aborts in-flight requests.
+engine-thread failure ends streams with EngineDeadError; shutdown aborts in-flight requests;
+submit_many queues a batch all or none.
 """
 
 from __future__ import annotations
@@ -270,4 +271,32 @@ def test_shutdown_aborts_in_flight_requests(checkpoint):
     rest = asyncio.run(main())
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
     assert not client._thread.is_alive()
+    assert_engine_clean(client._engine)
+
+
+def test_submit_many_queues_all_or_none(checkpoint):
+    client = make_engine(checkpoint, max_num_seqs=2, max_waiting_requests=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def main():
+        # one bad request: nothing of the batch is queued
+        bad = [EngineRequest("x0", (5, 6), params), EngineRequest("x1", (5, 999), params)]
+        with pytest.raises(InvalidRequestError) as err:
+            await client.submit_many(bad)
+        assert err.value.field == "prompt"
+        # 2 runner slots + 1 waiting: a batch of 4 can never be queued
+        many = [EngineRequest(f"m{i}", (5, 6), params) for i in range(4)]
+        with pytest.raises(InvalidRequestError):
+            await client.submit_many(many)
+        stats = client.stats()
+        assert (stats.waiting_requests, stats.running_requests, stats.aborted_requests) == (0, 0, 0)
+        await client.submit_many(many[:3])
+        return [await collect(client, f"m{i}") for i in range(3)]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        client.close()
+    assert [len(r["tokens"]) for r in results] == [4, 4, 4]
+    assert all(r["deltas"][-1].finish_reason == "length" for r in results)
     assert_engine_clean(client._engine)

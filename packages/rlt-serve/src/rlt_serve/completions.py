@@ -156,14 +156,15 @@ def _logprobs(
 ) -> CompletionLogprobs:
     """Logprobs of generated tokens; each `top_logprobs` entry holds the requested
     alternatives plus the sampled token (as OpenAI and vLLM do), so logprobs=0 gives just the
-    sampled token."""
+    sampled token. Entries are keyed by token text: when two tokens share a text (e.g. the
+    halves of one UTF-8 character), the sampled token's log-probability is the one kept, so
+    `top_logprobs[i][tokens[i]] == token_logprobs[i]` always holds."""
     tokens = [ctx.token_text(t) for t in token_ids]
     top = []
-    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+    for i, logprob in enumerate(logprobs):
         alternatives = top_logprobs[i] if i < len(top_logprobs) else ()
         entry = {ctx.token_text(t): lp for t, lp in alternatives}
-        if all(t != token_id for t, _ in alternatives):
-            entry.setdefault(tokens[i], logprob)
+        entry[tokens[i]] = logprob
         top.append(entry)
     return CompletionLogprobs(
         tokens=tokens,

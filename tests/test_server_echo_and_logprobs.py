@@ -1,0 +1,168 @@
+"""Completions `echo` and the sampled token in `top_logprobs`, over real HTTP and the openai
+client.
+
+- echo=true prepends each prompt's text (a token prompt decoded) to its choice, streaming or
+  not; with logprobs the prompt's tokens come first with null log-probabilities.
+- top_logprobs hold the requested alternatives plus the sampled token when it is not among
+  them (completions: logprobs=0 gives the sampled token alone; chat: top_logprobs >= 1).
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serving_harness import run_server, sse_events
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+    with run_server(checkpoint, served_model_name="tiny") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(trust_env=False),
+    )
+
+
+GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("prompts", [["It is", "a truth"], [[5, 6, 7], [40, 41]]])
+def test_echo_prepends_each_prompt(http, server, prompts):
+    plain = http.post("/v1/completions", json={"prompt": prompts, **GREEDY}).json()
+    echoed = http.post("/v1/completions", json={"prompt": prompts, "echo": True, **GREEDY})
+    assert echoed.status_code == 200, echoed.text
+    decode = server.engine.tokenizer.decode
+    texts = [p if isinstance(p, str) else decode(p, skip_special_tokens=False) for p in prompts]
+    for prefix, want, got in zip(texts, plain["choices"], echoed.json()["choices"], strict=True):
+        assert got["text"] == prefix + want["text"]
+        assert got["exit_depths"] == want["exit_depths"]  # only generated tokens
+    assert echoed.json()["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+def test_echo_with_logprobs_gives_null_entries_for_the_prompt(http):
+    body = {"prompt": "It is a", "echo": True, "logprobs": 2, **GREEDY}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    prompt_tokens = len(http.post("/tokenize", json={"prompt": "It is a"}).json()["tokens"])
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == prompt_tokens + 5
+    assert logprobs["token_logprobs"][:prompt_tokens] == [None] * prompt_tokens
+    assert logprobs["top_logprobs"][:prompt_tokens] == [None] * prompt_tokens
+    assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"][prompt_tokens:])
+    assert "".join(logprobs["tokens"][:prompt_tokens]) == "It is a"
+    assert logprobs["text_offset"][prompt_tokens] == len("It is a")
+    assert choice["text"].startswith("It is a")
+
+
+def test_streamed_echo_sends_the_prompt_first(http):
+    body = {"prompt": "It is", "echo": True, "stream": True, **GREEDY}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        events = sse_events(response.iter_lines())
+    plain = http.post("/v1/completions", json={"prompt": "It is", **GREEDY}).json()
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"] == "It is" and chunks[0]["exit_depths"] == []
+    assert "".join(c["text"] for c in chunks) == "It is" + plain["choices"][0]["text"]
+
+
+def test_the_openai_client_reads_echo_with_logprobs(client):
+    greedy = dict(max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model="tiny", prompt="It is", **greedy)
+    echoed = client.completions.create(
+        model="tiny", prompt="It is", echo=True, logprobs=1, **greedy
+    )
+    assert echoed.choices[0].text == "It is" + plain.choices[0].text
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_completion_top_logprobs_include_the_sampled_token(http):
+    body = {"prompt": "It is", "max_tokens": 16, "temperature": 2.0, "seed": 7, "ignore_eos": True}
+    logprobs = http.post("/v1/completions", json={**body, "logprobs": 1}).json()["choices"][0][
+        "logprobs"
+    ]
+    outside = 0
+    for token, logprob, top in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        assert top[token] == pytest.approx(logprob)
+        assert len(top) in (1, 2)
+        outside += len(top) == 2
+    assert outside > 0  # at temperature 2 some sampled token was not the most likely one
+
+    zero = http.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    for token, logprob, top in zip(
+        zero["logprobs"]["tokens"],
+        zero["logprobs"]["token_logprobs"],
+        zero["logprobs"]["top_logprobs"],
+        strict=True,
+    ):
+        assert top == {token: pytest.approx(logprob)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_include_the_sampled_token(http, stream):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 16,
+        "temperature": 2.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stream": stream,
+    }
+    if stream:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = sse_events(response.iter_lines())
+        content = [
+            entry
+            for event in events[:-1]
+            for entry in ((event["choices"][0].get("logprobs") or {}).get("content") or [])
+        ]
+    else:
+        content = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"][
+            "content"
+        ]
+    assert len(content) == 16
+    outside = 0
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert 1 <= len(top) <= 2
+        assert any(
+            t["token"] == entry["token"] and t["logprob"] == pytest.approx(entry["logprob"])
+            for t in top
+        )
+        if len(top) == 2:
+            outside += 1
+            assert top[1]["token"] == entry["token"]  # after the requested alternative
+            assert top[0]["logprob"] >= top[1]["logprob"]
+    assert outside > 0
+
+
+def test_the_openai_client_reads_chat_top_logprobs(client):
+    reply = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=2.0,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    for entry in reply.choices[0].logprobs.content:
+        assert entry.token in [t.token for t in entry.top_logprobs]

@@ -50,7 +50,8 @@ class SchedulerConfig:
     decode_ticks_per_step: most loop ticks one step runs for its decoding rows without a host
       round trip (the device applies exits, sampling and stops itself); steps that carry prompt
       work run one tick.
-    max_waiting_requests: waiting-queue bound; add_request beyond it raises OverloadedError.
+    max_waiting_requests: bound on the requests that really wait (left waiting by a step, or
+      queued since beyond the free runner slots); add_request beyond it raises OverloadedError.
     """
 
     max_num_seqs: int = 8

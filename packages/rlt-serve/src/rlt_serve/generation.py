@@ -50,6 +50,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     last_token_time: float | None = None
+    cancel_sent: bool = False
 
     @property
     def text(self) -> str:
@@ -231,11 +232,14 @@ class Generation:
             self._metrics.count(self._path, outcome)
 
     async def _cancel_unfinished(self) -> None:
+        """Cancel every submitted, unfinished engine request, each at most once (the
+        disconnect watcher and the end of the response may both get here)."""
         # Shielded: this also runs while the surrounding task is being cancelled (a client
         # disconnect cancels the streaming task), and the cancels must still go out.
         with anyio.CancelScope(shield=True):
             for choice in self._submitted:
-                if not choice.finished:
+                if not choice.finished and not choice.cancel_sent:
+                    choice.cancel_sent = True
                     await self._client.cancel(choice.request_id)
 
     # -- client disconnects --------------------------------------------------------------------
@@ -251,8 +255,8 @@ class Generation:
 
     def _stop_watching(self) -> None:
         watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.cancel()
+        if watcher is not None and not self.client_disconnected:
+            watcher.cancel()  # (once the client left, it is sending the cancels: let it finish)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutputDelta]]):

@@ -197,9 +197,11 @@ class PDEngineClient:
         flow = self._flows.get(request_id)
         if flow is None or flow.finished:
             return
+        first = not flow.cancelled
         flow.cancelled = True
         if flow.task is not None:
-            flow.task.cancel()
+            if first:  # a second cancel must not interrupt the task's closing of connections
+                flow.task.cancel()
             await asyncio.wait({flow.task}, timeout=CANCEL_WAIT_S)
 
     async def shutdown(self) -> None:

@@ -16,6 +16,11 @@ class EngineRequest(msgspec.Struct, frozen=True):
     arrival_time: seconds since the epoch (time.time()) when the frontend received it.
     kv_transfer: PD only (see rlt_contracts.pd): on a decode instance, wait for the prompt's KV
       from a prefill instance; on a prefill instance, compute the prompt and push its KV.
+    sibling_group: a hint that requests carrying the same group name share their prompt (the
+      n choices of one prompt). With prefix caching, the scheduler admits one of them and
+      holds the others until that one's prompt pages are published, so they reuse its KV
+      instead of computing the same prompt at the same time. A member whose prompt differs
+      from the computing one's is not held. None: no group.
     """
 
     request_id: str
@@ -23,6 +28,7 @@ class EngineRequest(msgspec.Struct, frozen=True):
     sampling: SamplingParams
     arrival_time: float = 0.0
     kv_transfer: KVTransferParams | None = None
+    sibling_group: str | None = None
 
 
 class RequestTimings(msgspec.Struct, frozen=True):

@@ -23,12 +23,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       seed: seed of this request's private random stream; None draws one from OS entropy at
         admission (the resolved seed is reported back). The stream never depends on other
         requests in the batch.
-      stop: strings that end generation; the matched string is not included in the text.
+      stop: strings that end generation; the matched string is not included in the text
+        (unless `include_stop_str_in_output`).
       stop_token_ids: token ids that end generation with finish reason "stop", even if
         `ignore_eos` is set.
       ignore_eos: keep generating past the model's end-of-sequence token.
       logprobs: None for no log-probabilities; n >= 0 returns the chosen token's log-probability
         plus the n most likely alternatives (at most 20).
+
+    Text fields (how the engine detokenizes; vLLM's names and defaults):
+      include_stop_str_in_output: False: the text ends before a matched stop string, and the
+        text of a stop token (EOS or a `stop_token_ids` id) is left out; True: both are kept
+        (the text ends right after the stop string; later text is cut).
+      skip_special_tokens: leave the tokenizer's special tokens (e.g. `<|im_end|>`) out of
+        the text.
+      spaces_between_special_tokens: with `skip_special_tokens=False`, False writes an added
+        token that follows another added token as its bare content, without the separator the
+        tokenizer's decoder may put before it (vLLM's fast-tokenizer rule); True (default)
+        keeps the decoder's text. No effect while special tokens are skipped.
 
     Loop fields (recurrent looped transformers):
       min_loops: a token never exits before this many loops (>= 1).
@@ -47,6 +59,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     min_loops: int = 2
     max_loops: int | None = None
     exit_threshold: float = 1.0
@@ -80,6 +95,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise InvalidRequestError(
                     "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}"
                 )
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, "must be a boolean")
         _check_int("min_loops", self.min_loops, low=1)
         if self.max_loops is not None:
             _check_int("max_loops", self.max_loops, low=1)

@@ -59,6 +59,8 @@ class ScheduledRequest:
     delivered_tokens: int = 0  # outputs already reported in a delta
     kv_transfer: KVTransferParams | None = None  # PD role of this request, if any
     kv_landed: bool = False  # PD decode: the handoff completed; starts at the next step
+    sibling_group: str | None = None  # requests sharing this prompt (EngineRequest.sibling_group)
+    computes_group_prompt: bool = False  # admitted while no sibling ran: its pages are the group's
     # lifecycle timestamps (host time.monotonic(); see rlt_contracts.RequestTimings)
     queued_time: float = 0.0  # accepted by add_request
     scheduled_time: float | None = None  # first admitted

@@ -17,6 +17,13 @@ decoding request. While prompts are waiting to be computed a step runs one tick,
 never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
 more than the longest request can still use) run per host round trip.
 
+Siblings (requests with the same `EngineRequest.sibling_group` and the same prompt, e.g. the
+n choices of one HTTP request) compute their prompt once when the KV manager has a prefix
+cache (`prefix_caching`): while one of them is admitted and its prompt is not fully computed,
+the others stay waiting (they neither take a slot nor count as passed over), and once its
+prompt pages are published they are admitted and reuse every full page. Without a prefix
+cache there is nothing to reuse, and siblings are scheduled as independent requests.
+
 Each request records when it was queued (add_request), first admitted (schedule) and when the
 results holding its first and latest tokens were applied (update_from_output), on the host's
 time.monotonic() clock; its final delta reports them (`RequestTimings`).
@@ -87,8 +94,12 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Sequence[int],
         exit_policy: ExitPolicy | None = None,
+        prefix_caching: bool = False,
     ) -> None:
+        """`prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
+        its KV manager's setting); only then do siblings wait for one another's prompt."""
         self.config = config
+        self.prefix_caching = prefix_caching
         self.kv = kv
         self.model_depth = model_depth
         self.limits = ModelLimits(vocab_size, model_depth, max_model_len)
@@ -202,6 +213,7 @@ class Scheduler:
             arrival_index=self._next_generation,
             queued_time=time.monotonic(),
             kv_transfer=new.kv_transfer,
+            sibling_group=new.sibling_group,
         )
         self._next_generation += 1
         self._requests[request_id] = request
@@ -459,7 +471,7 @@ class Scheduler:
         one arrival."""
         if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
             return
-        head = next(iter(self._waiting), None)
+        head = next((r for r in self._waiting if not self._waits_for_sibling(r)), None)
         if head is None:
             return
         prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
@@ -490,6 +502,8 @@ class Scheduler:
                 return
             if len(self._running) + len(self._held) >= self.config.max_num_seqs:
                 return
+            if self._waits_for_sibling(request):
+                continue  # not passed over: it waits for its sibling's prompt, not for room
             if self._try_admit(request, ticks, step):
                 for waiting in deferred:
                     waiting.bypass_count += 1
@@ -499,6 +513,30 @@ class Scheduler:
                 return  # protected: it is next, whatever fits behind it
             else:
                 deferred.append(request)
+
+    def _running_siblings(self, request: ScheduledRequest) -> list[ScheduledRequest]:
+        """Admitted requests of `request`'s group with the same prompt."""
+        if request.sibling_group is None:
+            return []
+        return [
+            other
+            for other in self._running
+            if other.sibling_group == request.sibling_group
+            and other is not request
+            and other.prompt_token_ids == request.prompt_token_ids
+        ]
+
+    def _waits_for_sibling(self, request: ScheduledRequest) -> bool:
+        """The sibling that computes the group's prompt has not read it back yet: admitting
+        `request` now would compute it a second time, since those pages are published only once
+        the results are read back (completion evidence, R18). Never with no prefix cache to
+        publish into, and never for a preempted request (it restores its own snapshot)."""
+        if not self.prefix_caching or request.preempted:
+            return False
+        return any(
+            other.computes_group_prompt and other.computed_prompt_tokens < other.prompt_length
+            for other in self._running_siblings(request)
+        )
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
         """The block budget of admitting `request` now (see admission.plan_admission)."""
@@ -518,6 +556,11 @@ class Scheduler:
         )
         if updates is None:
             return False
+        # The first of its group to run computes the prompt for all (no sibling runs: none
+        # computed it, or the one that did is gone and only its published pages remain).
+        request.computes_group_prompt = (
+            request.sibling_group is not None and not self._running_siblings(request)
+        )
         self._waiting.remove(request)
         self._running.append(request)
         request.stage = RequestStage.PREFILL

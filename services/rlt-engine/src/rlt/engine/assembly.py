@@ -157,6 +157,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         exit_policy=make_exit_policy(
             config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops
         ),
+        prefix_caching=kv.prefix_caching,
     )
     runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":

@@ -1,0 +1,157 @@
+"""Siblings (`EngineRequest.sibling_group`, e.g. the n choices of one prompt) compute their
+prompt once with a prefix cache: one is admitted, the others wait until its prompt pages are
+published (read back, R18), then start after the reused pages. Without a prefix cache they run
+as independent requests."""
+
+from __future__ import annotations
+
+from rlt_contracts import EngineRequest, PrefixMatch, RequestStage, SamplingParams
+from rlt_scheduler import Scheduler, SchedulerConfig
+from scheduler_harness import CountingKV, FakeDevice, run_until_idle
+
+BLOCK = 4
+
+
+class PublishingKV(CountingKV):
+    """CountingKV plus a prefix cache of published prompt extents (whole pages of prompt[:-1],
+    as rlt-kv publishes them)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.published: dict[tuple[int, ...], int] = {}
+        self.hits: list[int] = []
+
+    def match_prefix(self, prompt):
+        tokens = self.published.get(tuple(prompt), 0)
+        pages = tokens // self.block_size
+        return PrefixMatch(
+            keys=tuple(b"k" for _ in range(pages)),
+            blocks=tuple((0,) * self.num_planes for _ in range(pages)),
+            num_tokens=tokens,
+        )
+
+    def allocate(self, identity, num_tokens, prefix, *, prompt_length=0):
+        updates = super().allocate(identity, num_tokens, prefix, prompt_length=prompt_length)
+        if updates is not None:
+            self.hits.append(prefix.num_tokens)
+        return updates
+
+    def publish_prefix(self, identity, prompt, computed):
+        pages = min(computed, len(prompt) - 1) // self.block_size
+        key = tuple(prompt)
+        self.published[key] = max(self.published.get(key, 0), pages * self.block_size)
+        return pages
+
+
+def make(prefix_caching: bool, **config) -> tuple[Scheduler, PublishingKV]:
+    kv = PublishingKV(1000, BLOCK, 4)
+    defaults = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=16)
+    scheduler = Scheduler(
+        SchedulerConfig(**{**defaults, **config}),
+        kv,
+        model_depth=4,
+        vocab_size=1000,
+        max_model_len=4096,
+        eos_token_ids=(0,),
+        prefix_caching=prefix_caching,
+    )
+    return scheduler, kv
+
+
+def siblings(prompt, count, group="g", max_tokens=3):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [
+        EngineRequest(f"{group}-{i}", tuple(prompt), params, sibling_group=group)
+        for i in range(count)
+    ]
+
+
+def prefilled_tokens(steps):
+    return sum(len(c.token_ids) for step in steps for c in step.prefill)
+
+
+PROMPT = tuple(range(10, 74))  # 64 tokens: 15 full pages of prompt[:-1] (60 tokens)
+
+
+def test_siblings_compute_the_prompt_once_and_reuse_every_full_page():
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(siblings(PROMPT, 4))
+    steps, finals = run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    assert [n.identity.request_id for n in steps[0].new_requests] == ["g-0"]
+    assert sorted(finals) == ["g-0", "g-1", "g-2", "g-3"]
+    assert all(len([t for d in finals[r] for t in d.token_ids]) == 3 for r in finals)
+    assert kv.hits == [0, 60, 60, 60]
+    # the prompt once, then per sibling only what follows the last full page of prompt[:-1]
+    assert prefilled_tokens(steps) == 64 + 3 * (64 - 60)
+
+
+def test_siblings_wait_until_the_prompt_is_read_back_not_only_scheduled():
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(siblings(PROMPT, 3))
+    device = FakeDevice(kv, depth=lambda rid, i: 2)
+    pending = []
+    admitted_at = {}
+    for step_index in range(40):
+        if not scheduler.has_unfinished_requests() and not pending:
+            break
+        step = scheduler.schedule()
+        for new in step.new_requests:
+            admitted_at[new.identity.request_id] = step_index
+            # a sibling is admitted only once the prompt's pages are published
+            if new.identity.request_id != "g-0":
+                assert kv.published[PROMPT] == 60
+        pending.append(device.execute(step))
+        while len(pending) > (1 if step.has_work else 0):
+            scheduler.update_from_output(pending.pop(0))
+        scheduler.take_outputs()
+    # 64 tokens in chunks of 16: scheduled in steps 0..3, read back after step 4 is scheduled
+    assert admitted_at["g-0"] == 0
+    assert admitted_at["g-1"] == admitted_at["g-2"] == 5
+    assert kv.hits == [0, 60, 60]
+
+
+def test_without_a_prefix_cache_siblings_run_independently():
+    scheduler, kv = make(prefix_caching=False)
+    scheduler.add_requests(siblings(PROMPT, 4))
+    first = scheduler.schedule()
+    assert len(first.new_requests) == 4
+    assert scheduler.waiting_request_ids() == []
+
+
+def test_an_aborted_computing_sibling_hands_the_prompt_to_the_next():
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(siblings(PROMPT, 3))
+    scheduler.schedule()
+    assert scheduler.running_request_ids() == ["g-0"]
+    scheduler.abort_request("g-0")
+    step = scheduler.schedule()
+    assert [n.identity.request_id for n in step.new_requests] == ["g-1"]
+    assert scheduler.waiting_request_ids() == ["g-2"]
+    scheduler.abort_request("g-1")
+    scheduler.abort_request("g-2")
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_held_siblings_do_not_block_other_requests():
+    scheduler, kv = make(prefix_caching=True, max_admission_bypasses=1)
+    scheduler.add_requests(siblings(PROMPT, 4))
+    other = SamplingParams(max_tokens=2, ignore_eos=True)
+    scheduler.add_requests([EngineRequest(f"o{i}", (5, 6, 7), other) for i in range(3)])
+    step = scheduler.schedule()
+    assert [n.identity.request_id for n in step.new_requests] == ["g-0", "o0", "o1", "o2"]
+    for request_id in ("g-1", "g-2", "g-3"):
+        assert scheduler.get_request(request_id).bypass_count == 0
+        assert scheduler.get_request(request_id).stage is RequestStage.WAITING
+
+
+def test_a_sibling_with_another_prompt_is_not_held():
+    scheduler, kv = make(prefix_caching=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    scheduler.add_requests(
+        [
+            EngineRequest("a", PROMPT, params, sibling_group="g"),
+            EngineRequest("b", PROMPT[:-1] + (3,), params, sibling_group="g"),
+        ]
+    )
+    step = scheduler.schedule()
+    assert [n.identity.request_id for n in step.new_requests] == ["a", "b"]

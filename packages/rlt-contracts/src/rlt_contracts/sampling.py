@@ -10,6 +10,9 @@ from rlt_contracts.errors import InvalidRequestError
 
 MAX_SEED = 2**63
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (the OpenAI API's cap)
+LOGIT_BIAS_LIMIT = 100.0  # |bias| bound, as in the OpenAI API
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| bound (OpenAI, vLLM)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,7 +32,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         `ignore_eos` is set.
       ignore_eos: keep generating past the model's end-of-sequence token.
       logprobs: None for no log-probabilities; n >= 0 returns the chosen token's log-probability
-        plus the n most likely alternatives (at most 20).
+        plus the n most likely alternatives (at most 20). Always of the RAW model distribution:
+        before penalties, logit_bias, min_tokens, temperature and every filter.
+
+    Logits adjustments and filters (vLLM's names, ranges and semantics; greedy rows get the
+    adjustments too, before their argmax). Order, as in vLLM's V1 sampler: min_tokens mask,
+    logit_bias, repetition, frequency and presence penalties on the raw logits (fp32), then
+    temperature, then min_p, then top-k / top-p.
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token that occurs in
+        the output so far (token 0 included; prompt tokens do not count).
+      frequency_penalty: in [-2, 2]; times the token's number of occurrences in the output so
+        far, subtracted from its logit.
+      repetition_penalty: > 0; the logit of every token that occurs in the prompt or the output
+        so far is divided by it if positive, multiplied by it otherwise (1 disables).
+      min_p: in [0, 1]; after temperature, tokens whose probability is below min_p times the
+        most likely token's are dropped (0 disables).
+      min_tokens: in [0, max_tokens]; while fewer than this many tokens were generated, the
+        stop token ids (`stop_token_ids` and, unless `ignore_eos`, EOS) cannot be sampled, and
+        stop strings are not checked in the text of those first tokens.
+      logit_bias: {token id: bias}, at most 300 entries, each bias in [-100, 100], added to the
+        token's logit; ids must be in the vocabulary (checked at admission). None or {} for
+        none. Stored as a private dict copy; treat it as read-only.
 
     Text fields (how the engine detokenizes; vLLM's names and defaults):
       include_stop_str_in_output: False: the text ends before a matched stop string, and the
@@ -59,6 +82,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -95,6 +124,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise InvalidRequestError(
                     "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}"
                 )
+        self._check_logits_adjustments()
         for name in (
             "include_stop_str_in_output",
             "skip_special_tokens",
@@ -116,6 +146,43 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 "exit_threshold", f"must be in [0, 1], got {self.exit_threshold}"
             )
         _check_int("priority", self.priority)
+
+    def _check_logits_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
+        if self.logit_bias is not None:
+            msgspec.structs.force_setattr(self, "logit_bias", _checked_logit_bias(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Some repetition, frequency or presence penalty is not neutral."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some step before temperature (penalties, logit_bias, min_tokens) changes logits."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -144,10 +211,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class SamplingRow(msgspec.Struct, frozen=True, array_like=True):
     """One logits row to sample: the request's parameters (seed resolved) and the index of the
-    output token being sampled, which is the position in the request's random stream."""
+    output token being sampled, which is the position in the request's random stream.
+
+    The token history the logits adjustments read (needed only when `params` uses them):
+      prompt_token_ids: the prompt (repetition_penalty).
+      output_token_ids: the outputs so far, exactly `output_index` of them (penalties).
+      stop_token_ids: the ids min_tokens keeps from being sampled: the request's stop ids plus
+        EOS unless ignore_eos (its `DecodeRule.stop_token_ids`); None means
+        `params.stop_token_ids`.
+    """
 
     params: SamplingParams
     output_index: int
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
 
 
 def _check_int(field: str, value: object, *, low: int | None = None) -> None:
@@ -155,6 +233,26 @@ def _check_int(field: str, value: object, *, low: int | None = None) -> None:
         raise InvalidRequestError(field, f"must be an integer, got {value!r}")
     if low is not None and value < low:
         raise InvalidRequestError(field, f"must be >= {low}, got {value}")
+
+
+def _checked_logit_bias(logit_bias: object) -> dict[int, float] | None:
+    """A private copy of a valid logit_bias ({} becomes None), or InvalidRequestError."""
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequestError("logit_bias", "must be a mapping of token id to bias")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(logit_bias)}"
+        )
+    checked = {}
+    for token_id, bias in logit_bias.items():
+        _check_int("logit_bias", token_id, low=0)
+        _check_float("logit_bias", bias)
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequestError(
+                "logit_bias", f"bias of token {token_id} must be in [-100, 100], got {bias}"
+            )
+        checked[token_id] = float(bias)
+    return checked or None
 
 
 def _check_float(field: str, value: object) -> None:

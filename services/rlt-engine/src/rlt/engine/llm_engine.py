@@ -138,7 +138,16 @@ class LLMEngine:
                 seed=params.seed,
             )
             self._detokenizers[request_id] = (
-                IncrementalDetokenizer(tokenizer, params.stop) if tokenizer is not None else None
+                IncrementalDetokenizer(
+                    tokenizer,
+                    params.stop,
+                    skip_special_tokens=params.skip_special_tokens,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop_token_ids=request.rule.stop_token_ids,
+                )
+                if tokenizer is not None
+                else None
             )
 
     def _tokenizer_or_none(self):
@@ -188,7 +197,12 @@ class LLMEngine:
             output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
         detokenizer = self._detokenizers[delta.request_id]
         if detokenizer is not None:
-            detokenizer.add_tokens(delta.token_ids)
+            # The scheduler ends a request on a stop token with that token last in the delta
+            # (a stop string ends it later, from here, with no new token).
+            detokenizer.add_tokens(
+                delta.token_ids,
+                ends_on_stop_token=delta.finished and delta.finish_reason is FinishReason.STOP,
+            )
             if detokenizer.stopped and not delta.finished:
                 self.core.finish_request(delta.request_id, FinishReason.STOP)
                 late = self.core.take_outputs()

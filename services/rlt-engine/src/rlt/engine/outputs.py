@@ -13,7 +13,8 @@ class RequestOutput:
 
     token_ids / exit_depths / logprobs are aligned: exit_depths[i] is the number of loops the
     hidden state that produced token i went through (token 0 comes from prefill at full depth).
-    text is detokenized with special tokens skipped; a matched stop string is not included.
+    text is detokenized as the request's text options say (SamplingParams: by default special
+    tokens are skipped, and a matched stop string or the stop token's text is not included).
     """
 
     request_id: str

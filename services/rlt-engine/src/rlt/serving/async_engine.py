@@ -309,7 +309,10 @@ class AsyncEngine:
                 return
             for request, stream in zip(command.requests, command.streams, strict=True):
                 self._live[request.request_id] = stream
-                self._cursors[request.request_id] = OutputCursor(request.sampling.stop)
+                self._cursors[request.request_id] = OutputCursor(
+                    request.sampling.stop,
+                    include_stop_str_in_output=request.sampling.include_stop_str_in_output,
+                )
             command.accepted.set_result(None)
         elif isinstance(command, _Call):
             if command.done.set_running_or_notify_cancel():

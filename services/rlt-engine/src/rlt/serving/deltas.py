@@ -9,7 +9,9 @@ and then cuts everything from a matched stop string on. A delta must never conta
 later cut removes, so while a request runs the cursor holds back the last
 `len(longest stop string) - 1` characters. That is enough: when no complete stop string is in
 the text, a match can only start inside that tail (it has to reach past the current end).
-The held-back text is released when the request finishes.
+The held-back text is released when the request finishes. A request that keeps its stop
+string (`include_stop_str_in_output`) needs no hold-back: its text is cut right after the
+match, which lies in text added by the same step, never before text already delivered.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ class OutputCursor:
     """How much of one request's cumulative output has been delivered (owned by the engine
     thread; never shared)."""
 
-    def __init__(self, stop: tuple[str, ...] = ()) -> None:
-        self._text_holdback = max((len(s) for s in stop), default=1) - 1
+    def __init__(
+        self, stop: tuple[str, ...] = (), *, include_stop_str_in_output: bool = False
+    ) -> None:
+        longest = 1 if include_stop_str_in_output else max((len(s) for s in stop), default=1)
+        self._text_holdback = longest - 1
         self.tokens = 0  # token_ids / exit_depths / logprobs entries delivered
         self.text = 0  # characters of text delivered
         self.target_sent = False  # PD decode: the handoff target went out

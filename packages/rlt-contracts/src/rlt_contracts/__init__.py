@@ -40,6 +40,7 @@ from rlt_contracts.kv import (
 )
 from rlt_contracts.model import (
     LayerAttention,
+    LogitsAdjustments,
     LoopedLanguageModel,
     LoopedModelShape,
     SampledRows,
@@ -106,6 +107,7 @@ __all__ = [
     "KVHandoffPort",
     "KVTransferParams",
     "LayerAttention",
+    "LogitsAdjustments",
     "LoopedLanguageModel",
     "LoopedModelShape",
     "ModelInfo",

@@ -7,6 +7,7 @@ D = head dim, V = vocabulary size. Rows are packed ("varlen"): there is no batch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -69,15 +70,66 @@ class LoopedLanguageModel(Protocol):
 class SamplingMode(msgspec.Struct, frozen=True):
     """Which sampling work a batch of rows needs (host flags, fixed per captured graph).
 
+    A flag only selects work; the per-row values live in device tensors. A batch whose rows
+    leave a feature at its neutral value launches none of its kernels.
+
     random: some row has temperature > 0 (Gumbel noise is drawn; greedy rows still take argmax).
     filtered: some random row uses top-k or top-p (one sort per batch).
     top_logprobs: None when no row wants logprobs; otherwise the number of alternatives
       computed for every row (each request keeps its own count of them).
+    penalized: some row has a repetition, frequency or presence penalty (reads the rows'
+      output counts and prompt mask, see `LogitsAdjustments`).
+    biased: some row has a logit_bias.
+    min_tokens: some row has min_tokens > 0 (its stop ids are masked while counter < min_tokens).
+    min_p: some random row has min_p > 0 (one softmax per batch after temperature).
     """
 
     random: bool = False
     filtered: bool = False
     top_logprobs: int | None = None
+    penalized: bool = False
+    biased: bool = False
+    min_tokens: bool = False
+    min_p: bool = False
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some step before temperature runs (the logits are then copied to fp32 first)."""
+        return self.penalized or self.biased or self.min_tokens
+
+
+@dataclass(frozen=True)
+class LogitsAdjustments:
+    """Per-row device state read by the logits adjustments that precede temperature.
+
+    Rows match the logits rows [N]; V = vocabulary size. Borrowed read-only by the sampler
+    (views of the runner's persistent row buffers, or tensors `SamplingBatch.build` made).
+    Each group is read only when its `SamplingMode` flag is set and may be None otherwise.
+
+    penalized:
+      output_counts [N, V] int32: occurrences of each token in the row's outputs so far.
+      prompt_mask [N, V] bool: the token occurs in the row's prompt.
+      repetition_penalty, frequency_penalty, presence_penalty [N] fp32 (1, 0, 0 neutral).
+    biased:
+      bias_token_ids [N, K] int64 and bias_values [N, K] fp32: added with a scatter-add;
+        unused entries are (token 0, bias 0.0), which changes nothing. Ids are distinct
+        within a row.
+    min_tokens:
+      min_tokens [N] int64: the stop mask applies while the sampled output index (the
+        sampler's `counter`) is below it.
+      stop_mask [N, V] bool: the row's stop token ids (request stop ids plus EOS unless
+        ignore_eos).
+    """
+
+    output_counts: Tensor = None
+    prompt_mask: Tensor = None
+    repetition_penalty: Tensor = None
+    frequency_penalty: Tensor = None
+    presence_penalty: Tensor = None
+    bias_token_ids: Tensor = None
+    bias_values: Tensor = None
+    min_tokens: Tensor = None
+    stop_mask: Tensor = None
 
 
 class SampledRows(Protocol):
@@ -98,8 +150,10 @@ class TokenSampler(Protocol):
 
     Per-row parameters are device tensors [N]: temperature fp32 (0 = greedy), top_k int64
     (<= 0 disabled), top_p fp32, seed int64, counter int64 (the output index being sampled: the
-    row's position in its request's random stream). Launches device work only (capturable in a
-    CUDA graph for a fixed `mode`).
+    row's position in its request's random stream; also what min_tokens compares with),
+    min_p fp32 (needed when `mode.min_p`), and `adjustments` (needed when
+    `mode.adjusts_logits`). Launches device work only (capturable in a CUDA graph for a fixed
+    `mode`). Logprobs, when asked, are those of the raw logits.
     """
 
     def sample_rows(
@@ -112,4 +166,6 @@ class TokenSampler(Protocol):
         seed: Tensor,
         counter: Tensor,
         mode: SamplingMode,
+        min_p: Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
     ) -> SampledRows: ...

@@ -108,6 +108,8 @@ class NewRequestData(msgspec.Struct, frozen=True):
     rule: the decode rule the device applies once the prompt is done.
     prefill_only: PD prefill instance: the completed prompt keeps its final hidden state in the
       row for transfer; token 0 is not sampled here.
+    prompt_token_ids: the whole prompt (P ids), also the prefix-cached part no chunk carries;
+      the runner reads it only for a request with a repetition_penalty (its row's prompt mask).
     """
 
     identity: ExecutionIdentity
@@ -115,6 +117,7 @@ class NewRequestData(msgspec.Struct, frozen=True):
     prompt_length: int
     rule: DecodeRule
     prefill_only: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 class PrefillChunk(msgspec.Struct, frozen=True):

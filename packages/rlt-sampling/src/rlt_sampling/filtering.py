@@ -1,4 +1,7 @@
-"""Per-row top-k and top-p (nucleus) masking of temperature-scaled logits, with one sort per batch.
+"""Per-row filters of temperature-scaled logits: min_p, then top-k and top-p (one sort per batch).
+
+min_p (`mask_min_p`, vLLM's rule) drops tokens whose probability is below min_p times the row's
+largest one; it runs before top-k / top-p, which then see only the survivors.
 
 Both filters act on ranks of one stable descending sort, so ties are broken the same way
 everywhere: among equal logits the LOWER token id ranks first. Consequences (tested):
@@ -45,3 +48,14 @@ def mask_top_k_top_p(
 
     removed = torch.empty_like(removed_sorted).scatter_(1, sorted_token_ids, removed_sorted)
     return scaled_logits.masked_fill(removed, float("-inf"))
+
+
+def mask_min_p(scaled_logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Copy of `scaled_logits` (fp32 [N, V], temperature applied; not modified) with -inf where
+    a token's probability is below min_p times the row's largest probability (vLLM's min_p).
+
+    min_p: fp32 [N] in [0, 1]; 0 keeps every token. The most likely token always stays.
+    """
+    probs = torch.softmax(scaled_logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
+    return scaled_logits.masked_fill(probs < threshold, float("-inf"))

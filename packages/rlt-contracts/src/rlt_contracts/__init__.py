@@ -74,8 +74,20 @@ from rlt_contracts.scheduling import (
     RequestBlocks,
     SchedulerOutput,
 )
+from rlt_contracts.structured import (
+    ConstraintCompiler,
+    StructuredOutput,
+    StructuredOutputKind,
+    TokenConstraint,
+    TokenMask,
+)
 
 __all__ = [
+    "TokenMask",
+    "TokenConstraint",
+    "StructuredOutputKind",
+    "StructuredOutput",
+    "ConstraintCompiler",
     "NO_PREFIX",
     "AdmissionPlan",
     "AttentionBackend",

@@ -82,6 +82,8 @@ class SamplingMode(msgspec.Struct, frozen=True):
     biased: some row has a logit_bias.
     min_tokens: some row has min_tokens > 0 (its stop ids are masked while counter < min_tokens).
     min_p: some random row has min_p > 0 (one softmax per batch after temperature).
+    constrained: some row has structured output: every row's allowed-token bitmask is applied
+      to the raw logits first (rows without a grammar allow every token).
     """
 
     random: bool = False
@@ -91,11 +93,12 @@ class SamplingMode(msgspec.Struct, frozen=True):
     biased: bool = False
     min_tokens: bool = False
     min_p: bool = False
+    constrained: bool = False
 
     @property
     def adjusts_logits(self) -> bool:
         """Some step before temperature runs (the logits are then copied to fp32 first)."""
-        return self.penalized or self.biased or self.min_tokens
+        return self.penalized or self.biased or self.min_tokens or self.constrained
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class LogitsAdjustments:
         sampler's `counter`) is below it.
       stop_mask [N, V] bool: the row's stop token ids (request stop ids plus EOS unless
         ignore_eos).
+    constrained:
+      token_bitmask [N, ceil(V / 32)] int32: structured output's allowed tokens (bit t % 32 of
+        word t // 32); -1 words for rows without a grammar.
     """
 
     output_counts: Tensor = None
@@ -130,6 +136,7 @@ class LogitsAdjustments:
     bias_values: Tensor = None
     min_tokens: Tensor = None
     stop_mask: Tensor = None
+    token_bitmask: Tensor = None
 
 
 class SampledRows(Protocol):

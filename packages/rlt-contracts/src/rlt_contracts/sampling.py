@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from rlt_contracts.errors import InvalidRequestError
+from rlt_contracts.structured import StructuredOutput
 
 MAX_SEED = 2**63
 MAX_TOP_LOGPROBS = 20
@@ -71,6 +72,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       exit_threshold: exit after loop k once 1 - prod_{j<=k}(1 - sigmoid(gate_j)) >= threshold,
         in [0, 1]; 1.0 means a fixed depth of `max_loops` (adaptive exit disabled).
       priority: admission priority for the "priority" scheduling policy; lower runs first.
+
+    Structured output:
+      structured_output: None, or the grammar the output must follow (JSON schema, any JSON
+        object, regex or choice; `rlt_contracts.structured`). Such a request makes at most one
+        token per engine step; it finishes with "stop" when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -95,6 +101,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_loops: int | None = None
     exit_threshold: float = 1.0
     priority: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -146,6 +153,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 "exit_threshold", f"must be in [0, 1], got {self.exit_threshold}"
             )
         _check_int("priority", self.priority)
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise InvalidRequestError("structured_output", "must be a StructuredOutput")
 
     def _check_logits_adjustments(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

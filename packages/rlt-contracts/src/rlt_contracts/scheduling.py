@@ -40,6 +40,7 @@ import msgspec
 from rlt_contracts.kv import BlockTableUpdate
 from rlt_contracts.requests import ExecutionIdentity
 from rlt_contracts.sampling import SamplingParams
+from rlt_contracts.structured import TokenMask
 
 
 class ExitRuleKind(enum.StrEnum):
@@ -93,11 +94,14 @@ class DecodeRule(msgspec.Struct, frozen=True):
       ids unless ignore_eos, plus the request's stop_token_ids). The scheduler applies the same
       conditions to the reported tokens and stays authoritative: a device may check only a
       prefix of a long list and keep decoding; the extra tokens are then discarded.
+    one_output_per_step: structured output: after each output the row holds (no loops, no
+      samples) until a step brings its next `TokenMask`; token 0 needs one too.
     """
 
     exit: ExitRule
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
+    one_output_per_step: bool = False
 
 
 class NewRequestData(msgspec.Struct, frozen=True):
@@ -149,6 +153,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     remote_starts: PD decode instance: requests whose prompt KV and final hidden state were
       written into their blocks and row by a prefill instance; they get token 0 (coda at full
       depth) right after the bookkeeping, as if their prompt had completed here.
+    token_masks: structured output: the allowed-token bitmask of the next output of
+      constrained requests (after the bookkeeping, before token 0 and the ticks); each lets its
+      row sample one token (`DecodeRule.one_output_per_step`).
     """
 
     step_id: int
@@ -160,6 +167,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     prefill: tuple[PrefillChunk, ...] = ()
     remote_starts: tuple[ExecutionIdentity, ...] = ()
     decode_ticks: int = 0
+    token_masks: tuple[TokenMask, ...] = ()
 
     @property
     def has_work(self) -> bool:

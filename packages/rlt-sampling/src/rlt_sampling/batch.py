@@ -62,6 +62,7 @@ class SamplingBatch:
     penalized: bool = False
     biased: bool = False
     min_tokens: bool = False
+    constrained: bool = False
 
     @property
     def adjustment_mode(self) -> SamplingMode:
@@ -70,6 +71,7 @@ class SamplingBatch:
             penalized=self.penalized,
             biased=self.biased,
             min_tokens=self.min_tokens,
+            constrained=self.constrained,
         )
 
     @property

@@ -3,8 +3,9 @@
 Order (vLLM's V1 sampler, so the same parameters give the same distribution), all on the RAW
 logits converted to fp32, for every row at once:
 
-    0  (reserved) allowed-token bitmask of structured output: disallowed ids -> -inf. It slots
-       in here, first, as vLLM applies the grammar bitmask before its sampler.
+    0  constrained  structured output's allowed-token bitmask: disallowed ids -> -inf
+                    (`token_mask.py`; first, as vLLM applies the grammar bitmask before its
+                    sampler)
     1  min_tokens   rows whose sampled output index (`counter`) is below their min_tokens get
                     -inf at their stop token ids (request stop ids plus EOS unless ignore_eos)
     2  logit_bias   logits[v] += bias[v] for the row's (token id, bias) entries
@@ -17,8 +18,9 @@ then, in `Sampler`: greedy rows take the argmax of the adjusted logits; random r
 temperature, drop tokens under min_p (`filtering.mask_min_p`), apply top-k / top-p and draw.
 Logprobs stay log_softmax of the raw logits (before all of the above).
 
-Steps 1-5 are selected by the `SamplingMode` flags (`min_tokens`, `biased`, `penalized`); a
-row whose values are neutral (min_tokens 0, no bias entries, penalties 1 / 0 / 0) comes out
+Steps 0-5 are selected by the `SamplingMode` flags (`constrained`, `min_tokens`, `biased`,
+`penalized`); a row whose values are neutral (all-ones bitmask, min_tokens 0, no bias entries,
+penalties 1 / 0 / 0) comes out
 bitwise unchanged, so rows with and without a feature share one batch. -inf stays -inf through
 every later step (a bias or a penalty cannot bring back a masked stop id).
 
@@ -31,6 +33,8 @@ from __future__ import annotations
 import torch
 from rlt_contracts import LogitsAdjustments, SamplingMode
 
+from rlt_sampling.token_mask import apply_token_bitmask_
+
 
 def adjust_logits(
     logits: torch.Tensor,
@@ -42,6 +46,8 @@ def adjust_logits(
     """fp32 [N, V] copy of `logits` (any float dtype; not modified) with the steps of `mode`
     applied in the documented order. counter: int64 [N], the output index being sampled."""
     adjusted = logits.to(torch.float32, copy=True)
+    if mode.constrained:
+        apply_token_bitmask_(adjusted, adjustments.token_bitmask)
     if mode.min_tokens:
         before_min = counter < adjustments.min_tokens
         adjusted.masked_fill_(adjustments.stop_mask & before_min[:, None], float("-inf"))

@@ -92,6 +92,7 @@ class Sampler:
             penalized=mode.penalized,
             biased=mode.biased,
             min_tokens=mode.min_tokens,
+            constrained=mode.constrained,
         )
         return self.sample(logits, batch)
 

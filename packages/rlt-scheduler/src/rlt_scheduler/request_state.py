@@ -22,6 +22,7 @@ from rlt_contracts import (
     RequestStage,
     RequestTimings,
     SamplingParams,
+    TokenConstraint,
 )
 
 from rlt_scheduler.exit_policy import LoopBounds
@@ -60,6 +61,13 @@ class ScheduledRequest:
     kv_transfer: KVTransferParams | None = None  # PD role of this request, if any
     kv_landed: bool = False  # PD decode: the handoff completed; starts at the next step
     sibling_group: str | None = None  # requests sharing this prompt (EngineRequest.sibling_group)
+    # structured output: the grammar matcher, which has consumed exactly the outputs recorded
+    # so far; `mask_sent`: the mask of the next output is on the device (its token may come in
+    # a step in flight), so the next mask waits until that token is read back; `mask_ticks`:
+    # ticks scheduled since that mask (its token has come once they reach max_loops)
+    constraint: TokenConstraint | None = None
+    mask_sent: bool = False
+    mask_ticks: int = 0
     computes_group_prompt: bool = False  # admitted while no sibling ran: its pages are the group's
     # lifecycle timestamps (host time.monotonic(); see rlt_contracts.RequestTimings)
     queued_time: float = 0.0  # accepted by add_request

@@ -52,6 +52,7 @@ from rlt_contracts import (
     ModelRunnerOutput,
     NewRequestData,
     OverloadedError,
+    PDRole,
     PrefillChunk,
     PrefixMatch,
     RequestBlocks,
@@ -59,8 +60,11 @@ from rlt_contracts import (
     RequestStage,
     SamplingParams,
     SchedulerOutput,
+    TokenConstraint,
+    TokenMask,
 )
 from rlt_contracts.kv import KVCapacity
+from rlt_contracts.structured import ConstraintCompiler
 
 from rlt_scheduler.admission import initial_allocation_tokens, plan_admission
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
@@ -95,10 +99,14 @@ class Scheduler:
         eos_token_ids: Sequence[int],
         exit_policy: ExitPolicy | None = None,
         prefix_caching: bool = False,
+        constraint_compiler: ConstraintCompiler | None = None,
     ) -> None:
         """`prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
-        its KV manager's setting); only then do siblings wait for one another's prompt."""
+        its KV manager's setting); only then do siblings wait for one another's prompt.
+        `constraint_compiler`: builds the matchers of structured-output requests (None: such
+        requests are rejected)."""
         self.config = config
+        self.constraint_compiler = constraint_compiler
         self.prefix_caching = prefix_caching
         self.kv = kv
         self.model_depth = model_depth
@@ -151,7 +159,9 @@ class Scheduler:
         self._check_waiting_room(len(requests))
         return [self._enqueue(request, *c) for request, c in zip(requests, checked, strict=True)]
 
-    def _check_new_request(self, request: EngineRequest) -> tuple[tuple[int, ...], LoopBounds]:
+    def _check_new_request(
+        self, request: EngineRequest
+    ) -> tuple[tuple[int, ...], LoopBounds, TokenConstraint | None]:
         prompt, bounds = validate_request(
             request.request_id, request.prompt_token_ids, request.sampling, self.limits, self.kv
         )
@@ -160,7 +170,19 @@ class Scheduler:
         if existing is not None and not existing.finished:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self.exit_policy.check_request(request.request_id, bounds, request.sampling.max_tokens)
-        return prompt, bounds
+        return prompt, bounds, self._constraint(request)
+
+    def _constraint(self, request: EngineRequest) -> TokenConstraint | None:
+        """A fresh matcher for a structured-output request (none on a PD prefill instance,
+        which samples nothing). Compile errors are InvalidRequestErrors naming the field."""
+        spec = request.sampling.structured_output
+        if spec is None or (
+            request.kv_transfer is not None and request.kv_transfer.role is PDRole.PREFILL
+        ):
+            return None
+        if self.constraint_compiler is None:
+            raise InvalidRequestError(spec.field, "structured output is not available here")
+        return self.constraint_compiler.compile(spec)
 
     def _check_waiting_room(self, count: int) -> None:
         """`max_waiting_requests` bounds the requests that really wait: those a step already
@@ -192,7 +214,11 @@ class Scheduler:
             )
 
     def _enqueue(
-        self, new: EngineRequest, prompt: tuple[int, ...], bounds: LoopBounds
+        self,
+        new: EngineRequest,
+        prompt: tuple[int, ...],
+        bounds: LoopBounds,
+        constraint: TokenConstraint | None,
     ) -> ScheduledRequest:
         request_id, sampling = new.request_id, new.sampling
         if sampling.seed is None:
@@ -209,11 +235,13 @@ class Scheduler:
                 exit=self.exit_policy.rule(request_id, bounds, sampling.max_tokens),
                 max_tokens=sampling.max_tokens,
                 stop_token_ids=stop_ids,
+                one_output_per_step=constraint is not None,
             ),
             arrival_index=self._next_generation,
             queued_time=time.monotonic(),
             kv_transfer=new.kv_transfer,
             sibling_group=new.sibling_group,
+            constraint=constraint,
         )
         self._next_generation += 1
         self._requests[request_id] = request
@@ -316,15 +344,44 @@ class Scheduler:
         self._submitted.append(_SubmittedStep(output, step.output_bounds, decoding))
         for identity in decoding:
             self._unconfirmed_ticks[identity] = self._unconfirmed_ticks.get(identity, 0) + ticks
+            request = self._requests[identity.request_id]
+            if request.constraint is not None:
+                request.mask_ticks += ticks
         for identity, bound in step.output_bounds.items():
             self._requests[identity.request_id].unconfirmed_tokens += bound
         return output
 
     def _schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
-        bound = tick_output_bound(request, ticks, fresh=False)
+        bound = self._decode_output_bound(request, ticks)
         outputs = request.num_outputs + request.unconfirmed_tokens + bound
         if self._ensure_kv(request, request.kv_tokens_needed(outputs), step, may_suspend=True):
             step.add_decode(request.identity, bound)
+            self._send_mask_if_due(request, step)
+
+    @staticmethod
+    def _decode_output_bound(request: ScheduledRequest, ticks: int) -> int:
+        """Most outputs a decoding request can make in a step of `ticks` ticks. A constrained
+        request (structured output) makes one per token mask: one if this step brings the
+        next mask; else one if its current mask's token may still come (no step in flight
+        counts it), otherwise none (it is held on the device until its next mask)."""
+        bound = tick_output_bound(request, ticks, fresh=False)
+        if request.constraint is None:
+            return bound
+        if not request.mask_sent:
+            return min(bound, 1)
+        return min(bound, max(1 - request.unconfirmed_tokens, 0))
+
+    def _send_mask_if_due(self, request: ScheduledRequest, step: StepBuilder) -> None:
+        """Structured output: once the previous output was read back and accepted (so no step
+        in flight can sample for the request), send the next output's allowed-token bitmask.
+        The device holds the row after each output until its next mask arrives."""
+        if request.constraint is None or request.mask_sent:
+            return
+        step.token_masks.append(
+            TokenMask(request.identity, request.constraint.allowed_token_bitmask())
+        )
+        request.mask_sent = True
+        request.mask_ticks = 0
 
     def _schedule_prefill_chunk(
         self, request: ScheduledRequest, ticks: int, step: StepBuilder
@@ -339,7 +396,7 @@ class Scheduler:
         # A completing chunk samples token 0, and its successor may loop in this step's ticks
         # (not on a PD prefill instance: the state is sent for the decode instance's coda).
         starts = completes and not request.prefill_only
-        bound = 1 + tick_output_bound(request, ticks, fresh=True) if starts else 0
+        bound = self._start_output_bound(request, ticks) if starts else 0
         needed = max(start + count, request.kv_tokens_needed(bound)) if starts else start + count
         if not self._ensure_kv(request, needed, step, may_suspend=False):
             return
@@ -357,13 +414,30 @@ class Scheduler:
             request.stage = (
                 RequestStage.SENDING_KV if request.prefill_only else RequestStage.DECODING
             )
+        if starts:
+            self._send_token0_mask(request, step)
+
+    @staticmethod
+    def _start_output_bound(request: ScheduledRequest, ticks: int) -> int:
+        """Outputs of the step that samples token 0: token 0 plus what the ticks can make
+        (nothing more for a constrained request: it holds until its next mask)."""
+        if request.constraint is not None:
+            return 1
+        return 1 + tick_output_bound(request, ticks, fresh=True)
+
+    def _send_token0_mask(self, request: ScheduledRequest, step: StepBuilder) -> None:
+        """Structured output: token 0 is sampled in this step under the grammar's first mask
+        (it is certain to come, so no loops are left to wait for: `mask_ticks` = max)."""
+        if request.constraint is not None:
+            self._send_mask_if_due(request, step)
+            request.mask_ticks = request.bounds.max_loops
 
     def _schedule_remote_start(
         self, request: ScheduledRequest, ticks: int, step: StepBuilder
     ) -> None:
         """PD decode: the prompt's KV and final state landed; token 0 is sampled in this step
         and the row decodes in its ticks, as after a prompt completed here."""
-        bound = 1 + tick_output_bound(request, ticks, fresh=True)
+        bound = self._start_output_bound(request, ticks)
         if not self._ensure_kv(request, request.kv_tokens_needed(bound), step, may_suspend=False):
             return
         request.stage = RequestStage.DECODING
@@ -371,6 +445,7 @@ class Scheduler:
         request.scheduled_prompt_tokens = request.computed_prompt_tokens = request.prompt_length
         self.kv.publish_prefix(request.identity, request.prompt_token_ids, request.prompt_length)
         step.add_remote_start(request.identity, bound)
+        self._send_token0_mask(request, step)
 
     # -- PD transfer events (from the engine's connector) ---------------------------------------
     def kv_landed(self, identity: ExecutionIdentity) -> bool:
@@ -575,6 +650,7 @@ class Scheduler:
                 request.prompt_length,
                 request.rule,
                 prefill_only=request.prefill_only,
+                prompt_token_ids=request.prompt_token_ids,
             )
         )
         step.block_updates.append(RequestBlocks(request.identity, updates))
@@ -592,7 +668,7 @@ class Scheduler:
         prefilling one continues with its next chunk from the next step on."""
         tokens, bound = request.snapshot_tokens, 0
         if request.resume_stage is RequestStage.DECODING:
-            bound = tick_output_bound(request, ticks, fresh=False)
+            bound = self._decode_output_bound(request, ticks)
             outputs = request.num_outputs + request.unconfirmed_tokens + bound
             tokens = max(tokens, request.kv_tokens_needed(outputs))
         updates = self.kv.allocate(request.identity, tokens, NO_PREFIX)
@@ -607,6 +683,7 @@ class Scheduler:
         self.stats.resumptions += 1
         if request.stage is RequestStage.DECODING:
             step.add_decode(request.identity, bound)
+            self._send_mask_if_due(request, step)  # after the restore (runner order)
         else:
             step.selected.add(request.identity)
         return True
@@ -693,14 +770,32 @@ class Scheduler:
             self.stats.generation_tokens += 1
             if request.num_outputs > 1:
                 self.stats.decode_loops += depth
+            if request.constraint is not None and not self._advance_constraint(request, token):
+                return
             reason = self._finish_reason(request, token)
             if reason is not None:
                 self._finish(request, reason)
                 return
 
+    def _advance_constraint(self, request: ScheduledRequest, token_id: int) -> bool:
+        """Structured output: the matcher consumes the output (its mask was used up, so the
+        next one is due). A token the grammar rejects cannot come from a masked row: the
+        request is aborted with the error rather than continued off the grammar."""
+        request.mask_sent = False
+        if request.constraint.accept_token(token_id):
+            return True
+        self._finish(
+            request,
+            FinishReason.ABORT,
+            error=f"token {token_id} (output {request.num_outputs - 1}) violates the grammar",
+        )
+        return False
+
     def _finish_reason(self, request: ScheduledRequest, token_id: int) -> FinishReason | None:
         if token_id in request.rule.stop_token_ids:
             return FinishReason.STOP
+        if request.constraint is not None and request.constraint.is_terminated():
+            return FinishReason.STOP  # the grammar is complete (vLLM's rule)
         if request.num_outputs >= request.sampling.max_tokens:
             return FinishReason.LENGTH
         return None
@@ -730,6 +825,7 @@ class Scheduler:
             and reason is FinishReason.ABORT
         )
         request.stage = RequestStage.FINISHED
+        request.constraint = None  # the matcher (host state) goes with the request
         request.finish_reason = reason
         request.error = error
         if awaiting_writes:  # a prefill instance may still write its blocks and row

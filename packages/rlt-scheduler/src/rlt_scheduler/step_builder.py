@@ -8,6 +8,7 @@ from rlt_contracts import (
     PrefillChunk,
     RequestBlocks,
     SchedulerOutput,
+    TokenMask,
 )
 
 
@@ -31,6 +32,7 @@ class StepBuilder:
         self.decoding: list[ExecutionIdentity] = []
         self.remote_starts: list[ExecutionIdentity] = []
         self.output_bounds: dict[ExecutionIdentity, int] = {}
+        self.token_masks: list[TokenMask] = []
         self.selected: set[ExecutionIdentity] = set()
 
     def prefill_room(self) -> int:
@@ -79,4 +81,5 @@ class StepBuilder:
             prefill=tuple(self.prefill),
             remote_starts=tuple(self.remote_starts),
             decode_ticks=decode_ticks,
+            token_masks=tuple(self.token_masks),
         )

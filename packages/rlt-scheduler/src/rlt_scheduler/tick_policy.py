@@ -36,9 +36,7 @@ def decode_ticks(
     if config.mode is SchedulingMode.REFILL:
         needed = max(
             (
-                (r.sampling.max_tokens - r.num_outputs) * r.bounds.max_loops
-                - r.loops_into_token
-                - unconfirmed_ticks.get(r.identity, 0)
+                _loops_needed(r, unconfirmed_ticks)
                 for r in running
                 if r.stage is RequestStage.DECODING
             ),
@@ -46,6 +44,24 @@ def decode_ticks(
         )
         ticks = min(ticks, max(needed, 1))
     return ticks
+
+
+def _loops_needed(
+    request: ScheduledRequest, unconfirmed_ticks: Mapping[ExecutionIdentity, int]
+) -> int:
+    """Loops the request may still run beyond the submitted steps. A constrained request
+    (structured output) makes one token per mask and holds in between, starting each token at
+    loop 0: it needs max_loops when its next mask goes out now, else what its current mask's
+    token may still need."""
+    if request.constraint is not None:
+        if not request.mask_sent:
+            return request.bounds.max_loops
+        return max(request.bounds.max_loops - request.mask_ticks, 0)
+    return (
+        (request.sampling.max_tokens - request.num_outputs) * request.bounds.max_loops
+        - request.loops_into_token
+        - unconfirmed_ticks.get(request.identity, 0)
+    )
 
 
 def tick_output_bound(request: ScheduledRequest, ticks: int, *, fresh: bool) -> int:

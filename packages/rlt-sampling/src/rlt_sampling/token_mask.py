@@ -1,0 +1,28 @@
+"""Structured output on the device: an allowed-token bitmask applied to logits.
+
+The bitmask of N rows is int32 [N, ceil(V / 32)]: bit t % 32 of word t // 32 is set when token
+t may be sampled (the layout xgrammar and llguidance fill, and `TokenMask.words` carries). A row
+without a grammar has every bit set (-1 words) and comes out unchanged, so constrained and free
+rows share a batch. Cost over [N, V]: one shift-and-and, one masked fill; no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALL_ALLOWED = -1  # an int32 word with every bit set
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a bitmask over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set logits [N, V] (modified in place, returned) to -inf where the bit of int32 `bitmask`
+    [N, >= ceil(V / 32)] is clear."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, : bitmask_words(vocab), None] >> shifts) & 1
+    allowed = bits.view(rows, -1)[:, :vocab].to(torch.bool)
+    return logits.masked_fill_(~allowed, float("-inf"))

@@ -75,6 +75,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         path=PATH,
         request=request,
         field_names=field_names,
+        n=body.n,
+        best_of=body.best_of,
     )
     want_ids = body.return_token_ids
 
@@ -84,14 +86,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         failure = generation.failure()
         if failure is not None:
             return failure.response()
-        [choice] = generation.choices
         response = ChatCompletionResponse(
             id=response_id,
             created=created,
             model=ctx.served_model_name,
             choices=[
                 ChatChoice(
-                    index=0,
+                    index=choice.index,
                     message=AssistantMessage(content=(echoed or "") + choice.text),
                     logprobs=(
                         _logprobs(ctx, choice.token_ids, choice.logprobs, choice.top_logprobs)
@@ -102,6 +103,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                     exit_depths=choice.exit_depths,
                     token_ids=choice.token_ids if want_ids else None,
                 )
+                for choice in generation.final_choices()
             ],
             usage=generation.usage(info.num_loops),
         )
@@ -119,14 +121,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             usage=usage,
         )
 
-    def opening_chunk(delta: ChatDelta) -> ChatCompletionChunk:
+    def opening_chunk(index: int, delta: ChatDelta) -> ChatCompletionChunk:
         return make_chunk(
-            [ChatChunkChoice(index=0, delta=delta, finish_reason=None, exit_depths=[])]
+            [ChatChunkChoice(index=index, delta=delta, finish_reason=None, exit_depths=[])]
         )
 
-    opening = [opening_chunk(ChatDelta(role="assistant", content=""))]
-    if echoed:  # the echoed assistant content, before any generated token
-        opening.append(opening_chunk(ChatDelta(content=echoed)))
+    # per choice (streamed: best_of == n), its role, then the echoed assistant content, before
+    # any generated token
+    opening = [opening_chunk(i, ChatDelta(role="assistant", content="")) for i in range(body.n)]
+    if echoed:
+        opening.extend(opening_chunk(i, ChatDelta(content=echoed)) for i in range(body.n))
 
     def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[ChatCompletionChunk]:
         logprobs = None

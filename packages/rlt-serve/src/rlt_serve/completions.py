@@ -49,7 +49,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         metrics=ctx.metrics,
         path=PATH,
         request=request,
+        n=body.n,
+        best_of=body.best_of,
     )
+    n = body.n
     want_ids = body.return_token_ids
     want_logprobs = body.logprobs is not None
 
@@ -63,13 +66,13 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         if failure is not None:
             return failure.response()
         choices = []
-        for c in generation.choices:
-            prefix = echoed[c.index] if echoed is not None else ""
+        for c in generation.final_choices():
+            prefix = echoed[c.prompt_index] if echoed is not None else ""
             logprobs = None
             if want_logprobs:
                 logprobs = _logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs, len(prefix))
                 if echoed is not None:
-                    logprobs = _joined(prompt_logprobs(c.index), logprobs)
+                    logprobs = _joined(prompt_logprobs(c.prompt_index), logprobs)
             choices.append(
                 CompletionChoice(
                     index=c.index,
@@ -90,7 +93,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         return JSONResponse(response.model_dump(mode="json"))
 
     await generation.__aenter__()
-    text_offsets = [len(echoed[i]) if echoed is not None else 0 for i in range(len(prompts))]
+    # streamed choices are every sequence (best_of == n): index = prompt_index * n + i
+    text_offsets = [
+        len(echoed[i // n]) if echoed is not None else 0 for i in range(len(prompts) * n)
+    ]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def response_of(choice: CompletionChoice) -> CompletionResponse:
@@ -101,15 +107,16 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     opening = [
         response_of(
             CompletionChoice(
-                index=i,
+                index=p * n + i,
                 text=text,
-                logprobs=prompt_logprobs(i),
+                logprobs=prompt_logprobs(p),
                 finish_reason=None,
                 exit_depths=[],
                 token_ids=[] if want_ids else None,
             )
         )
-        for i, text in enumerate(echoed or ())
+        for p, text in enumerate(echoed or ())
+        for i in range(n)
     ]
 
     def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[CompletionResponse]:

@@ -1,27 +1,41 @@
 """Running the engine requests of one HTTP request (shared by both endpoints).
 
-One HTTP request becomes one engine request per prompt (choice). `Generation` submits them
-together (one `submit_many` when the client is a `BatchSubmitter`: all are queued or none),
-merges their delta streams, keeps per-choice totals for the final response and the metrics,
-and guarantees cleanup: whatever way the HTTP request ends (normal end, client disconnect,
-task cancellation, error), every engine request that has not finished is cancelled so its KV
-blocks are freed.
+One HTTP request becomes one engine request per generated sequence: `best_of` (default `n`)
+per prompt. `Generation` submits them together (one `submit_many` when the client is a
+`BatchSubmitter`: all are queued or none), merges their delta streams, keeps per-choice totals
+for the final response and the metrics, and guarantees cleanup: whatever way the HTTP request
+ends (normal end, client disconnect, task cancellation, error), every engine request that has
+not finished is cancelled so its KV blocks are freed.
 
 Client disconnects are watched from before the submission to the end of the generation: a
 client that leaves while its prompts are being submitted has every accepted one cancelled as
 soon as the submission returns (a client without `submit_many` stops being fed its remaining
 prompts at once).
+
+Sequences of one prompt (n or best_of > 1):
+
+- Random streams: with a request `seed`, sequence j of every prompt samples with seed
+  `(seed + j) mod 2**63` (vLLM's derivation), so the same request with the same seed gives the
+  same sequences whatever else runs; without a seed each draws its own. Greedy sequences are
+  identical (as in vLLM).
+- Prompt KV: the sequences of one prompt carry one `sibling_group`, so with prefix caching the
+  engine computes the prompt once and the others reuse its pages (rlt-scheduler README).
+- best_of > n: every sequence asks the engine for the sampled token's log-probability
+  (`logprobs=0` unless the client asked for more; never returned unless asked) and the n with
+  the highest cumulative log-probability are returned, best first (`final_choices`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
+from msgspec import structs
 from rlt_contracts import (
     BatchSubmitter,
     EngineClient,
@@ -29,6 +43,7 @@ from rlt_contracts import (
     RequestOutputDelta,
     SamplingParams,
 )
+from rlt_contracts.sampling import MAX_SEED
 
 from rlt_serve.errors import APIError, from_engine_error
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
@@ -39,9 +54,10 @@ from rlt_serve.schemas import LoopUsage, Usage
 class Choice:
     """Everything one choice generated so far."""
 
-    index: int
+    index: int  # prompt_index * sequences per prompt + sequence
     request_id: str
     prompt_tokens: int
+    prompt_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -57,6 +73,10 @@ class Choice:
         return "".join(self.text_parts)
 
     @property
+    def cumulative_logprob(self) -> float:
+        return sum(self.logprobs)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -65,6 +85,7 @@ class Generation:
     """The engine requests of one HTTP request; use as `async with Generation(...) as g`.
 
     request: the HTTP request, whose client disconnect cancels everything (None: not watched).
+    n / best_of: sequences returned / generated per prompt (best_of None means n).
     """
 
     def __init__(
@@ -78,6 +99,8 @@ class Generation:
         path: str,
         request: Request | None = None,
         field_names: dict[str, str] | None = None,
+        n: int = 1,
+        best_of: int | None = None,
     ) -> None:
         self._client = client
         self._request = request
@@ -87,10 +110,21 @@ class Generation:
         self._field_names = field_names
         self.arrival = time.time()
         self._start = time.monotonic()
+        self.n = n
+        self.per_prompt = best_of or n
+        if self.per_prompt > n and sampling.logprobs is None:
+            sampling = structs.replace(sampling, logprobs=0)  # to rank by cumulative logprob
         self.sampling = sampling
+        self._response_id = response_id
         self.choices = [
-            Choice(index=i, request_id=f"{response_id}-{i}", prompt_tokens=len(ids))
-            for i, ids in enumerate(prompts)
+            Choice(
+                index=p * self.per_prompt + j,
+                request_id=f"{response_id}-{p * self.per_prompt + j}",
+                prompt_tokens=len(ids),
+                prompt_index=p,
+            )
+            for p, ids in enumerate(prompts)
+            for j in range(self.per_prompt)
         ]
         self._prompts = prompts
         self._submitted: list[Choice] = []
@@ -119,11 +153,22 @@ class Generation:
             raise
         return self
 
+    def _engine_request(self, choice: Choice) -> EngineRequest:
+        sequence = choice.index - choice.prompt_index * self.per_prompt
+        sampling = self.sampling
+        if sequence and sampling.seed is not None:
+            sampling = structs.replace(sampling, seed=(sampling.seed + sequence) % MAX_SEED)
+        group = f"{self._response_id}-p{choice.prompt_index}" if self.per_prompt > 1 else None
+        return EngineRequest(
+            choice.request_id,
+            tuple(self._prompts[choice.prompt_index]),
+            sampling,
+            self.arrival,
+            sibling_group=group,
+        )
+
     async def _submit(self) -> None:
-        requests = [
-            EngineRequest(choice.request_id, tuple(prompt), self.sampling, self.arrival)
-            for choice, prompt in zip(self.choices, self._prompts, strict=True)
-        ]
+        requests = [self._engine_request(choice) for choice in self.choices]
         if isinstance(self._client, BatchSubmitter):
             await self._client.submit_many(requests)
             self._submitted.extend(self.choices)
@@ -190,6 +235,20 @@ class Generation:
         return choice
 
     # -- results -------------------------------------------------------------------------------
+    def final_choices(self) -> list[Choice]:
+        """The choices to return, numbered prompt_index * n + i: every sequence when
+        best_of is n, otherwise each prompt's n sequences of highest cumulative log-probability,
+        best first (ties keep generation order). Call once every sequence has finished."""
+        if self.per_prompt == self.n:
+            return list(self.choices)
+        chosen = []
+        for p in range(len(self._prompts)):
+            sequences = [c for c in self.choices if c.prompt_index == p]
+            ranked = sorted(sequences, key=lambda c: -c.cumulative_logprob)[: self.n]
+            for rank, choice in enumerate(ranked):
+                chosen.append(dataclasses.replace(choice, index=p * self.n + rank))
+        return chosen
+
     def failure(self) -> APIError | None:
         """The engine failed on one of the requests (not an abort the caller asked for)."""
         for choice in self.choices:
@@ -200,8 +259,10 @@ class Generation:
         return None
 
     def usage(self, model_depth: int) -> Usage:
+        """Prompt tokens once per prompt; completion tokens and loops of every generated
+        sequence (best_of's discarded ones included, as vLLM counts them)."""
         completion = sum(len(c.token_ids) for c in self.choices)
-        prompt = sum(c.prompt_tokens for c in self.choices)
+        prompt = sum(len(ids) for ids in self._prompts)
         decoded = [d for c in self.choices for d in c.exit_depths[1:]]
         return Usage(
             prompt_tokens=prompt,

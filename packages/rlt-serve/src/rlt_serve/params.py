@@ -30,10 +30,13 @@ def check_model(requested: str | None, served_model_name: str) -> None:
         )
 
 
+MAX_SEQUENCES_PER_PROMPT = 128  # bound on n and best_of
+
+
 def check_supported(request: _CommonOpenAIFields) -> None:
-    """400 for OpenAI features we accept only at their neutral value."""
-    if request.n != 1:
-        raise invalid("n", f"n: only n=1 is supported, got {request.n}")
+    """400 for OpenAI features we accept only at their neutral value, and out-of-range n and
+    best_of."""
+    check_sequences(request)
     if request.presence_penalty != 0:
         raise invalid("presence_penalty", "presence_penalty: only 0 is supported")
     if request.frequency_penalty != 0:
@@ -43,8 +46,6 @@ def check_supported(request: _CommonOpenAIFields) -> None:
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "stream_options: only allowed with stream=true")
     if isinstance(request, CompletionRequest):
-        if request.best_of not in (None, 1):
-            raise invalid("best_of", f"best_of: only best_of=1 is supported, got {request.best_of}")
         if request.suffix is not None:
             raise invalid("suffix", "suffix: not supported")
     if isinstance(request, ChatCompletionRequest):
@@ -57,6 +58,21 @@ def check_supported(request: _CommonOpenAIFields) -> None:
                 "max_completion_tokens",
                 "max_completion_tokens: give either max_tokens or max_completion_tokens",
             )
+
+
+def check_sequences(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """n in [1, 128]; best_of (None means n) in [n, 128], and equal to n when streaming (the
+    best sequences are known only at the end; vLLM refuses it too)."""
+    limit = MAX_SEQUENCES_PER_PROMPT
+    if not 1 <= request.n <= limit:
+        raise invalid("n", f"n: must be in [1, {limit}], got {request.n}")
+    best_of = request.best_of
+    if best_of is None:
+        return
+    if not request.n <= best_of <= limit:
+        raise invalid("best_of", f"best_of: must be in [n={request.n}, {limit}], got {best_of}")
+    if best_of > request.n and request.stream:
+        raise invalid("best_of", "best_of: best_of > n is not supported with stream=true")
 
 
 def sampling_params(
@@ -90,6 +106,9 @@ def sampling_params(
             stop_token_ids=tuple(request.stop_token_ids or ()) + extra_stop_token_ids,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
             min_loops=min_loops,
             max_loops=max_loops,
             exit_threshold=(

@@ -6,8 +6,8 @@ validates and returns.
 Validation policy (see docs/serving.md):
 - Types are strict: "5" is not an integer and true is not a number.
 - Fields the OpenAI API defines but that change nothing here (user, metadata, store, ...) are
-  accepted and ignored. Fields whose non-default value we cannot honour (n > 1, echo,
-  logit_bias, penalties, tools, ...) are accepted only at their neutral value; anything else
+  accepted and ignored. Fields whose non-default value we cannot honour (suffix, tools,
+  response formats other than text, ...) are accepted only at their neutral value; anything else
   answers 400 naming the field.
 - Fields nobody defines answer 400 "Unrecognized request argument supplied: NAME".
 - An explicit `null` means "unset": the field takes its default (many clients send null for
@@ -82,6 +82,20 @@ class LoopFields(RequestModel):
     return_token_ids: bool | None = Field(
         False, description="rlt: add the generated token ids to each choice (`token_ids`)."
     )
+    include_stop_str_in_output: bool | None = Field(
+        False,
+        description="vLLM: keep a matched stop string (the text ends right after it) and the "
+        "text of the stop token that ended generation.",
+    )
+    skip_special_tokens: bool | None = Field(
+        True, description="vLLM: leave special tokens' text out of the output."
+    )
+    spaces_between_special_tokens: bool | None = Field(
+        True,
+        description="vLLM: with skip_special_tokens=false, false writes an added token that "
+        "follows another added token without the separator the tokenizer's decoder puts "
+        "before it.",
+    )
 
 
 class _CommonOpenAIFields(LoopFields):
@@ -100,7 +114,11 @@ class _CommonOpenAIFields(LoopFields):
     stop: str | list[str] | None = Field(
         None, description="Strings that end generation; the match is not returned."
     )
-    n: int | None = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(
+        1,
+        description="Choices per prompt (1..128), each with its own random stream; with a seed, "
+        "choice i samples with seed + i.",
+    )
     stream: bool | None = Field(False, description="Stream the answer as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
     presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
@@ -135,7 +153,11 @@ class CompletionRequest(_CommonOpenAIFields):
         description="Prepend the prompt's text to the choice's text (with logprobs: its tokens "
         "come first, with null log-probabilities).",
     )
-    best_of: int | None = Field(None, description="Only 1 (or null) is supported.")
+    best_of: int | None = Field(
+        None,
+        description="Sequences generated per prompt (n..128, default n); the n of highest "
+        "cumulative log-probability are returned. best_of > n cannot stream.",
+    )
     suffix: str | None = Field(None, description="Only null is supported.")
 
 
@@ -205,6 +227,11 @@ class ChatCompletionRequest(_CommonOpenAIFields):
     )
     top_logprobs: int | None = Field(
         None, description="With logprobs=true: this many most likely alternatives (0..20)."
+    )
+    best_of: int | None = Field(
+        None,
+        description="vLLM extension: sequences generated (n..128, default n); the n of "
+        "highest cumulative log-probability are returned. best_of > n cannot stream.",
     )
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="Only null/[] is supported.")

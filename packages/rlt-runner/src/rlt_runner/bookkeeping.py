@@ -65,7 +65,13 @@ class StepBookkeeping:
         restores = [i for i in step.restores if self.is_live(i)]
         new = [
             RowRecord(
-                n.identity, -1, n.sampling, n.rule, n.prompt_length, prefill_only=n.prefill_only
+                n.identity,
+                -1,
+                n.sampling,
+                n.rule,
+                n.prompt_length,
+                prefill_only=n.prefill_only,
+                prompt_token_ids=n.prompt_token_ids,
             )
             for n in step.new_requests
         ]

@@ -9,9 +9,10 @@ A tick, for every active row at once (rows at different loop depths mix):
     coda      LM head + sampler for every row (rows that did not exit are discarded: a fixed
               shape keeps the tick capturable as one CUDA graph, and the head costs about as
               much as 1/20 of a loop at batch 1)
-    commit    exited rows record (token, depth[, logprobs]) in the ring at this tick's index; a
-              row stops when its token is a stop id or max_tokens is reached, else its token is
-              embedded (prelude) and starts loop 1 in the next tick; other rows keep their state
+    commit    exited rows record (token, depth[, logprobs]) in the ring at this tick's index
+              and, in a penalized mode, count their token in `output_counts`; a row stops when
+              its token is a stop id or max_tokens is reached, else its token is embedded
+              (prelude) and starts loop 1 in the next tick; other rows keep their state
 
 Nothing is read back and no host value depends on device data, so K ticks can be queued (or
 replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked)
@@ -134,6 +135,10 @@ class DecodeProgram:
         if rows.num_planes > 1:
             self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
         sampled = self._sample(hidden, slice(0, B), rows.outputs[:B], mode)
+        if mode.penalized:  # the counts the next token's penalties read
+            rows.output_counts[:B].scatter_add_(
+                1, sampled.token_ids[:, None], exits[:, None].to(torch.int32)
+            )
         outputs = rows.outputs[:B] + exits.to(torch.int64)
         stops = exits & self._stop_hit(sampled.token_ids, slice(0, B), outputs)
         self._record(B, exits, loop_index, sampled, mode)
@@ -205,6 +210,11 @@ class DecodeProgram:
 
     def _sample(self, hidden, index, counter, mode: SamplingMode) -> SampledRows:
         rows = self.rows
+        optional = {}  # passed only when the mode reads them
+        if mode.min_p:
+            optional["min_p"] = rows.min_p[index]
+        if mode.adjusts_logits:
+            optional["adjustments"] = rows.adjustments(index)
         return self.sampler.sample_rows(
             self.model.coda(hidden),
             temperature=rows.temperature[index],
@@ -213,6 +223,7 @@ class DecodeProgram:
             seed=rows.seed[index],
             counter=counter,
             mode=mode,
+            **optional,
         )
 
     def _stop_hit(self, token_ids, index, outputs) -> torch.Tensor:
@@ -242,6 +253,8 @@ class DecodeProgram:
         full_depth = torch.full_like(prompt_lengths, self.depth)
         everyone = torch.ones_like(stops)
         record = _record_values(everyone, full_depth, sampled, mode)
+        if mode.penalized:
+            rows.count_outputs(index, token, torch.ones_like(stops))
         rows.token.index_copy_(0, index, token)
         rows.position.index_copy_(0, index, prompt_lengths)
         rows.outputs.index_copy_(0, index, counter + 1)

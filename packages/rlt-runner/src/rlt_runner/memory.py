@@ -29,7 +29,7 @@ from rlt_contracts import (
     SamplingParams,
     SchedulerOutput,
 )
-from rlt_contracts.sampling import MAX_TOP_LOGPROBS
+from rlt_contracts.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -90,13 +90,28 @@ def profile_activation_peak(
     device = runner.device
     block_size = runner.block_size
     planes = runner.rows.num_planes
+    # Every sampling feature on: the decode peak includes the logits adjustments' [B, V]
+    # temporaries, and the runner's lazily allocated [S, V] state (output counts, prompt and
+    # stop masks, logit-bias table) exists before `persistent_bytes` is read.
     params = SamplingParams(
-        temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_TOP_LOGPROBS, seed=0, max_tokens=2
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        logprobs=MAX_TOP_LOGPROBS,
+        seed=0,
+        max_tokens=2,
+        min_tokens=1,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        frequency_penalty=0.1,
+        presence_penalty=0.1,
+        logit_bias={token: 0.5 for token in range(min(MAX_LOGIT_BIAS, vocab_size))},
     )
     rule = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 1, model_depth, 0.5), max_tokens=2)
     next_block = 0
 
     def request(index: int, length: int) -> tuple[NewRequestData, RequestBlocks]:
+        prompt = tuple((7 * i) % vocab_size for i in range(length))
         nonlocal next_block
         identity = ExecutionIdentity(f"memory-profile-{index}", -1 - index)
         pages = -(-(length + 1) // block_size)
@@ -104,9 +119,9 @@ def profile_activation_peak(
         for plane in range(planes):
             updates.append(BlockTableUpdate(plane, 0, tuple(range(next_block, next_block + pages))))
             next_block += pages
-        return NewRequestData(identity, params, length, rule), RequestBlocks(
-            identity, tuple(updates)
-        )
+        return NewRequestData(
+            identity, params, length, rule, prompt_token_ids=prompt
+        ), RequestBlocks(identity, tuple(updates))
 
     def peak_of(step: SchedulerOutput) -> int:
         torch.cuda.synchronize(device)

@@ -53,13 +53,18 @@ logger = logging.getLogger(__name__)
 
 
 def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
-    """The sampling work a batch of rows with these parameters needs."""
+    """The sampling work a batch of rows with these parameters needs (a feature at its
+    neutral value in every row adds no work)."""
     random = [p for p in params if not p.greedy]
     wants_logprobs = any(p.logprobs is not None for p in params)
     return SamplingMode(
         random=bool(random),
         filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in random),
         top_logprobs=MAX_TOP_LOGPROBS if wants_logprobs else None,
+        penalized=any(p.penalized for p in params),
+        biased=any(p.logit_bias for p in params),
+        min_tokens=any(p.min_tokens > 0 for p in params),
+        min_p=any(p.min_p > 0 for p in random),
     )
 
 
@@ -108,6 +113,7 @@ class ModelRunner:
             device=device,
             scratch_block=self.kv.scratch_block,
             trace_capacity=trace_capacity,
+            vocab_size=shape.vocab_size,
         )
         self.program = DecodeProgram(
             model,

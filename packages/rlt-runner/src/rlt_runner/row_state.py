@@ -19,6 +19,24 @@ every tick (nobody else writes them):
   rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C]: the
                        request's `DecodeRule` (stop_ids padded with -1)
   temperature, top_k, top_p, seed: its sampling parameters
+  repetition_penalty, frequency_penalty, presence_penalty, min_p [S] fp32, min_tokens [S]:
+                       the logits adjustments and min_p (neutral: 1, 0, 0, 0, 0)
+
+Lazily allocated, once, when the first request that needs them gets a row (then kept for the
+runner's life, so CUDA graphs that read them stay valid); until then None. Sizes at S = 256
+rows and Ouro's V = 151,936: counts 155.6 MB, prompt mask 38.9 MB, stop mask 38.9 MB, bias
+table 0.9 MB (the KV pool sizing counts them: the profiling run turns every feature on):
+  output_counts [S, V] int32   occurrences of each token in the row's outputs (penalties);
+                               zeroed at activation, +1 per output in the tick's commit and
+                               for token 0 in `start_rows`; saved and restored by snapshots
+  prompt_mask [S, V] bool      the token occurs in the prompt (repetition_penalty); written at
+                               activation from the whole prompt (`NewRequestData`)
+  bias_token_ids [S, K] int64, bias_values [S, K] fp32 (K = 300): the logit_bias entries,
+                               padded with (0, 0.0); every activated row's entries are rewritten
+  stop_mask [S, V] bool        the rule's stop ids (min_tokens masks them while outputs <
+                               min_tokens); written at activation
+Rows of requests that do not use a feature keep stale values there; their neutral scalars
+(penalties 1 / 0 / 0, min_tokens 0) make them inert.
   block_tables [S, planes, pages] int32: physical block of every page of every plane; pages not
                        allocated point at the scratch block, so a stray write never lands in a
                        block some other request holds.
@@ -35,12 +53,24 @@ from rlt_contracts import (
     DecodeRule,
     ExecutionIdentity,
     ExitRuleKind,
+    LogitsAdjustments,
     SamplingParams,
 )
+from rlt_contracts.sampling import MAX_LOGIT_BIAS
 
 from rlt_runner.transfers import upload
 
 HAZARD_CODE, DELAYED_CODE, TRACE_CODE = 0, 1, 2
+# Per-row int64 / fp32 parameters written at activation, in upload column order.
+INT_FIELDS = ("rule_kind", "min_loops", "max_loops", "max_tokens", "top_k", "seed", "min_tokens")
+FLOAT32_FIELDS = (
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_p",
+)
 RULE_CODES = {
     ExitRuleKind.HAZARD: HAZARD_CODE,
     ExitRuleKind.DELAYED_HAZARD: DELAYED_CODE,
@@ -65,7 +95,8 @@ PROGRESS_BUFFERS = (
 class RowRecord:
     """Host view of one request's row. `decoding`: its prompt is done, so the row may be active
     on the device; `reported`: outputs already parsed from read-backs (the next one's index);
-    `prefill_only` (PD prefill): the completed prompt's state stays in the row for transfer."""
+    `prefill_only` (PD prefill): the completed prompt's state stays in the row for transfer;
+    `prompt_token_ids`: the whole prompt (read for repetition penalties only)."""
 
     identity: ExecutionIdentity
     row: int
@@ -76,6 +107,7 @@ class RowRecord:
     decoding: bool = False
     reported: int = 0
     prefill_only: bool = False
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 class DecodeRows:
@@ -91,8 +123,10 @@ class DecodeRows:
         scratch_block: int,
         stop_capacity: int = 8,
         trace_capacity: int = 1,
+        vocab_size: int = 1,
     ) -> None:
         self.device = device
+        self.vocab_size = vocab_size
         self.num_planes = num_planes
         self.max_pages = max_pages
         self.scratch_block = scratch_block
@@ -126,6 +160,16 @@ class DecodeRows:
         self.top_k = zeros(S)
         self.top_p = torch.ones(S, dtype=torch.float32, device=device)
         self.seed = zeros(S)
+        self.repetition_penalty = torch.ones(S, dtype=torch.float32, device=device)
+        self.frequency_penalty = zeros(S, dtype=torch.float32)
+        self.presence_penalty = zeros(S, dtype=torch.float32)
+        self.min_p = zeros(S, dtype=torch.float32)
+        self.min_tokens = zeros(S)
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+        self.bias_token_ids: torch.Tensor | None = None
+        self.bias_values: torch.Tensor | None = None
+        self.stop_mask: torch.Tensor | None = None
         self.block_tables = torch.full(
             (S, num_planes, max_pages), scratch_block, dtype=torch.int32, device=device
         )
@@ -177,17 +221,14 @@ class DecodeRows:
         ints = [self._int_fields(r) for r in records]
         ints_dev = upload(ints, torch.int64, self.device)
         columns = iter(ints_dev.unbind(1))
-        for name in ("rule_kind", "min_loops", "max_loops", "max_tokens", "top_k", "seed"):
+        for name in INT_FIELDS:
             getattr(self, name).index_copy_(0, index, next(columns))
-        self.stop_ids.index_copy_(0, index, ints_dev[:, 6:])
-        floats = upload(
-            [[r.rule.exit.threshold, r.sampling.temperature, r.sampling.top_p] for r in records],
-            torch.float64,
-            self.device,
-        )
+        self.stop_ids.index_copy_(0, index, ints_dev[:, len(INT_FIELDS) :])
+        floats = upload([_float_fields(r) for r in records], torch.float64, self.device)
         self.threshold.index_copy_(0, index, floats[:, 0])
-        self.temperature.index_copy_(0, index, floats[:, 1].float())
-        self.top_p.index_copy_(0, index, floats[:, 2].float())
+        for column, name in enumerate(FLOAT32_FIELDS, start=1):
+            getattr(self, name).index_copy_(0, index, floats[:, column].float())
+        self._write_logits_state(records, index)
         if any(r.rule.exit.kind is ExitRuleKind.TRACE for r in records):
             self.trace.index_copy_(0, index, upload(self._traces(records), torch.int8, self.device))
         self.block_tables.index_fill_(0, index, self.scratch_block)
@@ -204,8 +245,94 @@ class DecodeRows:
             rule.max_tokens,
             record.sampling.top_k,
             record.sampling.seed,
+            record.sampling.min_tokens,
             *stops,
         ]
+
+    # -- logits adjustments --------------------------------------------------------------------
+    def _write_logits_state(self, records: list[RowRecord], index: torch.Tensor) -> None:
+        """The [S, V] / [S, K] state of the adjustments the new rows use (allocated on first
+        use): prompt mask and zero counts of penalized rows, logit_bias entries of every new row
+        once the table exists, stop mask of min_tokens rows. One upload per group."""
+        penalized = [r for r in records if r.sampling.penalized]
+        if penalized:
+            counts, prompt = self._penalty_tensors()
+            rows = upload([r.row for r in penalized], torch.int64, self.device)
+            counts.index_fill_(0, rows, 0)
+            prompt.index_fill_(0, rows, False)
+            self._set_tokens(prompt, [(r.row, r.prompt_token_ids) for r in penalized])
+        if self.bias_token_ids is not None or any(r.sampling.logit_bias for r in records):
+            ids, values = self._bias_tensors()
+            entries = [sorted((r.sampling.logit_bias or {}).items()) for r in records]
+            padded = [e + [(0, 0.0)] * (MAX_LOGIT_BIAS - len(e)) for e in entries]
+            ids.index_copy_(
+                0, index, upload([[t for t, _ in e] for e in padded], torch.int64, self.device)
+            )
+            values.index_copy_(
+                0,
+                index,
+                upload([[b for _, b in e] for e in padded], torch.float64, self.device).float(),
+            )
+        limited = [r for r in records if r.sampling.min_tokens > 0]
+        if limited:
+            stop_mask = self._stop_mask()
+            stop_mask.index_fill_(0, upload([r.row for r in limited], torch.int64, self.device), 0)
+            self._set_tokens(stop_mask, [(r.row, r.rule.stop_token_ids) for r in limited])
+
+    def _set_tokens(self, mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
+        pairs = [(row, token) for row, tokens in rows for token in tokens]
+        if pairs:
+            flat = upload(
+                [row * self.vocab_size + token for row, token in pairs], torch.int64, self.device
+            )
+            mask.view(-1).index_fill_(0, flat, True)
+
+    def _penalty_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.output_counts is None:
+            shape = (self.hidden.shape[0], self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        return self.output_counts, self.prompt_mask
+
+    def _bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bias_token_ids is None:
+            shape = (self.hidden.shape[0], MAX_LOGIT_BIAS)
+            self.bias_token_ids = torch.zeros(shape, dtype=torch.int64, device=self.device)
+            self.bias_values = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self.bias_token_ids, self.bias_values
+
+    def _stop_mask(self) -> torch.Tensor:
+        if self.stop_mask is None:
+            shape = (self.hidden.shape[0], self.vocab_size)
+            self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        return self.stop_mask
+
+    def adjustments(self, index: slice | torch.Tensor) -> LogitsAdjustments:
+        """Views (slice) or gathered copies (index tensor) of the rows' adjustment state; the
+        groups not allocated yet are None (their mode flags cannot be set then)."""
+
+        def rows_of(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[index]
+
+        return LogitsAdjustments(
+            output_counts=rows_of(self.output_counts),
+            prompt_mask=rows_of(self.prompt_mask),
+            repetition_penalty=self.repetition_penalty[index],
+            frequency_penalty=self.frequency_penalty[index],
+            presence_penalty=self.presence_penalty[index],
+            bias_token_ids=rows_of(self.bias_token_ids),
+            bias_values=rows_of(self.bias_values),
+            min_tokens=self.min_tokens[index],
+            stop_mask=rows_of(self.stop_mask),
+        )
+
+    def count_outputs(self, index: torch.Tensor, token_ids: torch.Tensor, counted) -> None:
+        """output_counts[index[n], token_ids[n]] += counted[n] (int or bool [n]); the rows are
+        distinct. A no-op until a penalized request allocated the counts."""
+        if self.output_counts is not None:
+            self.output_counts.index_put_(
+                (index, token_ids), counted.to(torch.int32), accumulate=True
+            )
 
     def _traces(self, records: list[RowRecord]) -> list[list[int]]:
         rows = []
@@ -262,3 +389,17 @@ class DecodeRows:
 
     def allocated_tokens(self, record: RowRecord, block_size: int) -> int:
         return len(record.host_tables[0]) * block_size
+
+
+def _float_fields(record: RowRecord) -> list[float]:
+    """threshold (fp64), then FLOAT32_FIELDS, as one upload row."""
+    sampling = record.sampling
+    return [
+        record.rule.exit.threshold,
+        sampling.temperature,
+        sampling.top_p,
+        sampling.repetition_penalty,
+        sampling.frequency_penalty,
+        sampling.presence_penalty,
+        sampling.min_p,
+    ]

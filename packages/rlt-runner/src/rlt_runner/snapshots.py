@@ -2,7 +2,9 @@
 
 A snapshot holds, for one execution identity: the K/V of every page the request held, at every
 plane, its row's progress (hidden state, looping token, position, loop count, exit state,
-outputs, active/parked flags) and its host record (sampling parameters, decode rule). Restoring
+outputs, active/parked flags; for a penalized request also its output counts, [V] int32) and
+its host record (sampling parameters, decode rule, prompt). Row activation on restore rewrites
+the rest of the logits state from the record (prompt mask, logit_bias, stop mask). Restoring
 writes the pages into the request's new blocks (page i of plane p into the new page i of plane
 p, so positions keep their meaning while physical blocks change) and the progress into its new
 row. The random stream needs no saving: it is a function of (seed, output index).
@@ -57,9 +59,11 @@ class SnapshotStore:
             k, v = kv.read_blocks(upload(table, torch.int64, kv.device))
             keys.append(download(k))
             values.append(download(v))
+        names = PROGRESS_BUFFERS
+        if record.sampling.penalized:
+            names += ("output_counts",)
         progress = {
-            name: download(getattr(rows, name)[record.row : record.row + 1])
-            for name in PROGRESS_BUFFERS
+            name: download(getattr(rows, name)[record.row : record.row + 1]) for name in names
         }
         self._snapshots[identity] = DeviceSnapshot(record, keys, values, progress)
         rows.release([identity])

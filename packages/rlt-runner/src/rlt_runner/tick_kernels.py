@@ -7,7 +7,8 @@ kernels do the same work:
   prepare   one program for all rows: cohort release, loop index, plane, page, own / write
             slot, context length (one pass over the row state)
   commit    one program per row: the exit rule (HAZARD / DELAYED_HAZARD / TRACE, hazard product
-            in fp64), stop rule, ring record (token, depth[, logprobs]), every progress field,
+            in fp64), stop rule, ring record (token, depth[, logprobs]), the exited token's
+            output count (penalized modes: `output_counts[row, token] += 1`), every progress field,
             the LAST_EXITED copy slots, and the row's next hidden state (the embedded new token,
             the loop's output, or unchanged)
   copy      one program per (row, target plane, layer): the LAST_EXITED finalization copies
@@ -121,6 +122,7 @@ if triton is not None:
         max_tokens_ptr,
         stop_ids_ptr,
         tables_ptr,
+        counts_ptr,  # [S, V] int32 output counts (PENALIZED)
         # outputs
         ring_ptr,  # [T, S, C] fp64
         tick_index_ptr,
@@ -130,6 +132,7 @@ if triton is not None:
         num_slots,
         ring_columns,
         trace_capacity,
+        vocab_size,
         DEPTH: tl.constexpr,
         NUM_PLANES: tl.constexpr,
         MAX_PAGES: tl.constexpr,
@@ -142,6 +145,7 @@ if triton is not None:
         TOP_K: tl.constexpr,
         TOP_BLOCK: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PENALIZED: tl.constexpr,
     ):
         row = tl.program_id(0)
         run = tl.load(run_ptr + row) != 0
@@ -198,6 +202,10 @@ if triton is not None:
             values = tl.load(top_logprobs_ptr + row * TOP_K + top, mask=in_top, other=0.0)
             tl.store(record + 3 + top, ids.to(tl.float64), mask=in_top)
             tl.store(record + 3 + TOP_K + top, values.to(tl.float64), mask=in_top)
+
+        if PENALIZED:
+            count_slot = counts_ptr + row.to(tl.int64) * vocab_size + token
+            tl.store(count_slot, tl.load(count_slot) + exits.to(tl.int32))
 
         old_token = tl.load(tokens_ptr + row)
         tl.store(tokens_ptr + row, tl.where(exits, token, old_token))
@@ -345,6 +353,7 @@ class TickKernels:
             rows.max_tokens,
             rows.stop_ids,
             rows.block_tables,
+            rows.output_counts if mode.penalized else self.context,
             program.ring,
             program.tick_index,
             self.copy_src,
@@ -353,6 +362,7 @@ class TickKernels:
             program.ring.shape[1],
             program.ring.shape[2],
             rows.trace_capacity,
+            rows.vocab_size,
             DEPTH=program.depth,
             NUM_PLANES=rows.num_planes,
             MAX_PAGES=rows.max_pages,
@@ -365,6 +375,7 @@ class TickKernels:
             TOP_K=top_k,
             TOP_BLOCK=max(triton.next_power_of_2(top_k), 2),
             BLOCK_D=min(triton.next_power_of_2(rows.hidden.shape[1]), 1024),
+            PENALIZED=mode.penalized,
         )
 
     def copy(self, num_rows: int) -> None:

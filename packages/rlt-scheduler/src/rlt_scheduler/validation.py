@@ -55,6 +55,12 @@ def validate_request(
                 "stop_token_ids",
                 f"token id {token} is not in the vocabulary [0, {limits.vocab_size})",
             )
+    for token in sampling.logit_bias or ():
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequestError(
+                "logit_bias",
+                f"token id {token} is not in the vocabulary [0, {limits.vocab_size})",
+            )
     max_loops = sampling.resolve_max_loops(limits.model_depth)
     positions = len(prompt) + sampling.max_tokens - 1  # the last output is never fed back
     if positions > limits.max_model_len:

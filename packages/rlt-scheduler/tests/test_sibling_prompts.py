@@ -155,3 +155,29 @@ def test_a_sibling_with_another_prompt_is_not_held():
     )
     step = scheduler.schedule()
     assert [n.identity.request_id for n in step.new_requests] == ["a", "b"]
+
+
+def test_a_preempted_computing_sibling_resumes_and_still_computes_the_prompt_once():
+    scheduler, kv = make(
+        prefix_caching=True,
+        policy="priority",
+        enable_preemption=True,
+        incremental_kv=True,
+        max_num_seqs=1,
+    )
+    low = SamplingParams(max_tokens=3, ignore_eos=True, priority=5)
+    scheduler.add_requests(
+        [EngineRequest(f"g-{i}", PROMPT, low, sibling_group="g") for i in range(3)]
+    )
+    device = FakeDevice(kv, depth=lambda rid, i: 2)
+    first = scheduler.schedule()  # g-0 starts computing the prompt (16 of 64 positions)
+    assert [n.identity.request_id for n in first.new_requests] == ["g-0"]
+    scheduler.update_from_output(device.execute(first))
+    vip = SamplingParams(max_tokens=2, ignore_eos=True, priority=0)
+    scheduler.add_requests([EngineRequest("vip", (5, 6, 7), vip)])
+    steps, finals = run_until_idle(scheduler, device)
+    steps = [first, *steps]
+    assert any(s.snapshots for s in steps) and any(s.restores for s in steps)
+    assert sorted(finals) == ["g-0", "g-1", "g-2", "vip"]
+    assert kv.hits == [0, 0, 0, 60, 60]  # g-0, vip, g-0 resumed (its snapshot), the siblings
+    assert prefilled_tokens(steps) == 64 + 3 + 2 * (64 - 60)

@@ -18,6 +18,11 @@ The request's text options (`SamplingParams`) follow vLLM's detokenizer for fast
   tokenizers; the "spaces between" of slow Hugging Face tokenizers is not modelled). Byte-level
   decoders (Ouro's, rlt's test tokenizers) put no separator there, so it changes nothing for
   them.
+
+`min_tokens` (vLLM's detokenizer rule, vllm#22014): stop strings are not looked for while at
+most `min_tokens` tokens were generated, and a later match must end in text that came after
+the `min_tokens`-th token (it may start up to len(stop) - 1 characters before it). The device
+keeps stop token ids from being sampled before then (rlt_sampling.logits_processing).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         spaces_between_special_tokens: bool = True,
         stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._backend = backend_tokenizer(tokenizer)
@@ -68,6 +74,10 @@ class IncrementalDetokenizer:
             }
         self._last_added = False
         self._held: list[int] = []  # tokens whose text the stream has not released yet
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # tokens added so far
+        # a stop match must end after this text offset (the end of the min_tokens-th token)
+        self._stop_floor = 0
         self.text = ""
         self.stopped = False
 
@@ -84,6 +94,7 @@ class IncrementalDetokenizer:
                 token_ids = token_ids[:-1]
         before = len(self.text)
         for token in token_ids:
+            self._num_tokens += 1
             piece = self._stream.step(self._backend, token)
             if self._bare_added:
                 content = self._bare_added.get(token)
@@ -92,9 +103,14 @@ class IncrementalDetokenizer:
                 self._last_added = content is not None
             if piece is None:
                 self._held.append(token)
+            else:
+                self._held.clear()
+                self.text += piece
+            if self._num_tokens <= self._min_tokens:
+                self._stop_floor = len(self.text)
                 continue
-            self._held.clear()
-            self.text += piece
+            if piece is None:
+                continue
             if self._stop and self._apply_stop(search_from=max(before - self._longest_stop(), 0)):
                 break
 
@@ -114,7 +130,8 @@ class IncrementalDetokenizer:
         matches = [
             (start, len(stop))
             for stop in self._stop
-            if (start := self.text.find(stop, search_from)) >= 0
+            if (start := self.text.find(stop, max(search_from, self._stop_floor - len(stop) + 1)))
+            >= 0
         ]
         if not matches:
             return False

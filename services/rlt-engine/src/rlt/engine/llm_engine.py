@@ -145,6 +145,7 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop_token_ids=request.rule.stop_token_ids,
+                    min_tokens=params.min_tokens,
                 )
                 if tokenizer is not None
                 else None

@@ -181,3 +181,13 @@ def test_a_preempted_computing_sibling_resumes_and_still_computes_the_prompt_onc
     assert sorted(finals) == ["g-0", "g-1", "g-2", "vip"]
     assert kv.hits == [0, 0, 0, 60, 60]  # g-0, vip, g-0 resumed (its snapshot), the siblings
     assert prefilled_tokens(steps) == 64 + 3 + 2 * (64 - 60)
+
+
+def test_waiting_siblings_do_not_count_toward_the_admission_scan_limit():
+    scheduler, kv = make(prefix_caching=True, admission_scan_limit=4)
+    scheduler.add_requests(siblings(PROMPT, 10))
+    scheduler.schedule()  # g-0 computes; g-1..g-9 wait for it
+    other = SamplingParams(max_tokens=2, ignore_eos=True)
+    scheduler.add_requests([EngineRequest("late", (5, 6, 7), other)])
+    step = scheduler.schedule()
+    assert [n.identity.request_id for n in step.new_requests] == ["late"]

@@ -572,13 +572,17 @@ class Scheduler:
         `max_admission_bypasses` times nobody passes it any more (no starvation).
         """
         deferred: list[ScheduledRequest] = []
-        for scanned, request in enumerate(self._waiting):
+        scanned = 0
+        for request in self._waiting:
             if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
                 return
             if len(self._running) + len(self._held) >= self.config.max_num_seqs:
                 return
             if self._waits_for_sibling(request):
-                continue  # not passed over: it waits for its sibling's prompt, not for room
+                # Neither passed over nor scanned: it waits for its sibling's prompt, not for
+                # room, so the n - 1 siblings of a large n never hide later requests.
+                continue
+            scanned += 1
             if self._try_admit(request, ticks, step):
                 for waiting in deferred:
                     waiting.bypass_count += 1

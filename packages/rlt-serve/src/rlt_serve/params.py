@@ -37,12 +37,6 @@ def check_supported(request: _CommonOpenAIFields) -> None:
     """400 for OpenAI features we accept only at their neutral value, and out-of-range n and
     best_of."""
     check_sequences(request)
-    if request.presence_penalty != 0:
-        raise invalid("presence_penalty", "presence_penalty: only 0 is supported")
-    if request.frequency_penalty != 0:
-        raise invalid("frequency_penalty", "frequency_penalty: only 0 is supported")
-    if request.logit_bias:
-        raise invalid("logit_bias", "logit_bias: not supported")
     if request.stream_options is not None and not request.stream:
         raise invalid("stream_options", "stream_options: only allowed with stream=true")
     if isinstance(request, CompletionRequest):
@@ -73,6 +67,19 @@ def check_sequences(request: CompletionRequest | ChatCompletionRequest) -> None:
         raise invalid("best_of", f"best_of: must be in [n={request.n}, {limit}], got {best_of}")
     if best_of > request.n and request.stream:
         raise invalid("best_of", "best_of: best_of > n is not supported with stream=true")
+
+
+def logit_bias_of(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys, i.e. strings) with int keys; a key
+    that is not a decimal token id is a 400 naming logit_bias. Ranges: SamplingParams."""
+    if not logit_bias:
+        return None
+    converted = {}
+    for key, bias in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid("logit_bias", f"logit_bias: {key!r} is not a token id")
+        converted[int(key)] = bias
+    return converted
 
 
 def sampling_params(
@@ -117,6 +124,12 @@ def sampling_params(
                 else defaults.exit_threshold
             ),
             priority=request.priority,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            min_p=request.min_p,
+            min_tokens=request.min_tokens,
+            logit_bias=logit_bias_of(request.logit_bias),
         )
     except InvalidRequestError as exc:
         param = (field_names or {}).get(exc.field, exc.field)

@@ -74,6 +74,21 @@ class LoopFields(RequestModel):
         -1, description="rlt: keep the k most likely tokens; -1 or 0 disables."
     )
     ignore_eos: bool | None = Field(False, description="rlt: keep generating past end-of-sequence.")
+    repetition_penalty: float | None = Field(
+        1.0,
+        description="vLLM: > 0; logits of tokens in the prompt or output are divided by it "
+        "(positive) or multiplied by it (negative); 1 disables.",
+    )
+    min_p: float | None = Field(
+        0.0,
+        description="vLLM: in [0, 1]; drop tokens less likely than min_p times the most likely "
+        "(after temperature); 0 disables.",
+    )
+    min_tokens: int | None = Field(
+        0,
+        description="vLLM: in [0, max_tokens]; EOS and stop_token_ids cannot end the output "
+        "(and stop strings are not checked) before this many tokens.",
+    )
     stop_token_ids: list[int] | None = Field(
         None,
         description="rlt: token ids that end generation (finish_reason 'stop'); each must be "
@@ -121,9 +136,19 @@ class _CommonOpenAIFields(LoopFields):
     )
     stream: bool | None = Field(False, description="Stream the answer as server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
-    presence_penalty: float | None = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(0.0, description="Only 0 is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Only null/{} is supported.")
+    presence_penalty: float | None = Field(
+        0.0,
+        description="In [-2, 2]; subtracted from the logit of every token already in the output.",
+    )
+    frequency_penalty: float | None = Field(
+        0.0,
+        description="In [-2, 2]; times a token's count in the output, subtracted from its logit.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (a string key) -> bias in [-100, 100] added to its logit; at most "
+        "300 entries, ids in the vocabulary.",
+    )
     user: str | None = Field(None, description="Accepted and ignored.")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from rlt.engine.detokenizer import IncrementalDetokenizer
+from rlt.engine.outputs import RequestOutput
 from rlt.serving.deltas import OutputCursor
 from rlt_models import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -124,5 +125,7 @@ def test_spaces_between_special_tokens_follows_vllm_fast_detokenizer(one_by_one)
 
 
 def test_streaming_cursor_holds_back_only_while_the_stop_string_would_be_cut():
-    assert OutputCursor(("abc",))._text_holdback == 2
-    assert OutputCursor(("abc",), include_stop_str_in_output=True)._text_holdback == 0
+    output = RequestOutput("r", [1], token_ids=[5, 6], text="hello ab", exit_depths=[4, 2])
+    cut = OutputCursor(("abc",)).advance(output)
+    kept = OutputCursor(("abc",), include_stop_str_in_output=True).advance(output)
+    assert cut.text == "hello " and kept.text == "hello ab"  # "ab" may start a cut "abc"

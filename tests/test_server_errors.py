@@ -96,7 +96,7 @@ BAD_CHATS = [
     ({**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ({**OK_CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ({**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({**OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format.type"),
+    ({**OK_CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     ({**OK_CHAT, "n": 200}, 400, "n"),
     ({**OK_CHAT, "n": 2, "best_of": 3, "stream": True}, 400, "best_of"),
     ({**OK_CHAT, "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),

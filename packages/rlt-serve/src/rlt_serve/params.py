@@ -8,6 +8,7 @@ from rlt_contracts import InvalidRequestError, SamplingParams
 
 from rlt_serve.errors import APIError, invalid
 from rlt_serve.schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
+from rlt_serve.structured_output import structured_output_of
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def sampling_params(
                 else defaults.exit_threshold
             ),
             priority=request.priority,
+            structured_output=structured_output_of(request),
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,

@@ -113,7 +113,57 @@ class LoopFields(RequestModel):
     )
 
 
-class _CommonOpenAIFields(LoopFields):
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str | None = Field(None, description="The schema's name (accepted, not used).")
+    description: str | None = Field(None, description="Accepted, not used.")
+    schema_: dict[str, Any] | bool | None = Field(
+        None,
+        alias="schema",
+        description="The JSON schema the output must satisfy; omitted allows any JSON object.",
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; the schema is always enforced (token masks)."
+    )
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"] | None = Field(
+        "text",
+        description="'text' (no constraint), 'json_object' (any JSON object) or 'json_schema'.",
+    )
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type 'json_schema'.")
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: exactly one of its fields."""
+
+    json_: dict[str, Any] | bool | str | None = Field(
+        None, alias="json", description="A JSON schema (object or JSON text)."
+    )
+    regex: str | None = Field(None, description="The whole output must match it.")
+    choice: list[str] | None = Field(None, description="The output is one of these.")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+
+
+class StructuredOutputFields(RequestModel):
+    """Structured output (docs/serving.md): at most one of these per request."""
+
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI: text, json_object or json_schema."
+    )
+    guided_json: dict[str, Any] | bool | str | None = Field(
+        None, description="vLLM: a JSON schema (object or JSON text) the output satisfies."
+    )
+    guided_regex: str | None = Field(None, description="vLLM: the output fully matches it.")
+    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM: json, regex, choice or json_object."
+    )
+
+
+class _CommonOpenAIFields(LoopFields, StructuredOutputFields):
     """OpenAI fields both endpoints share."""
 
     model: str | None = Field(
@@ -218,10 +268,6 @@ class ChatMessage(RequestModel):
     )
 
 
-class ResponseFormat(RequestModel):
-    type: Literal["text"] | None = Field("text", description="Only 'text' is supported.")
-
-
 class ChatCompletionRequest(_CommonOpenAIFields):
     """POST /v1/chat/completions."""
 
@@ -258,7 +304,6 @@ class ChatCompletionRequest(_CommonOpenAIFields):
         description="vLLM extension: sequences generated (n..128, default n); the n of "
         "highest cumulative log-probability are returned. best_of > n cannot stream.",
     )
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="Only null/[] is supported.")
     tool_choice: Literal["none", "auto"] | None = Field(
         None, description="Accepted without tools only."

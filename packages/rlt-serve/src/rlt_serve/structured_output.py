@@ -113,12 +113,12 @@ def _from_structured_outputs(fields: Any) -> list[StructuredOutput]:
     if fields is None:
         return []
     found = []
-    if fields.json is not None:
+    if fields.json_ is not None:
         field = "structured_outputs.json"
         found.append(
             StructuredOutput(
                 kind=StructuredOutputKind.JSON_SCHEMA,
-                json_schema=_schema_text(fields.json, field),
+                json_schema=_schema_text(fields.json_, field),
                 field=field,
             )
         )

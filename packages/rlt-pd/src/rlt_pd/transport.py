@@ -8,12 +8,11 @@ transport keeps references to them until `close()` deregistered them (a register
 not dangle), and refuses non-contiguous tensors (NIXL would return None and only log).
 
 How a partition is posted (one NIXL transfer, so its notification covers all of its bytes):
-- Prepared lists, reused across requests: one descriptor per (tensor, layer, block) for K and
-  V, then one per hidden row, prepared once locally (at construction) and once per peer (at
-  connect): index = tensor * L * A + layer * A + block (tensor 0 = K, 1 = V), then
-  2 * L * A + row. A partition whose every range is made of whole blocks on both sides becomes
-  `make_prepped_xfer` with index lists (a merged range of n blocks gives n consecutive indices);
-  this is the common case (every chunk of a prompt whose chunk boundaries are block-aligned).
+- Prepared lists, reused across requests (layout in descriptors.py): prepared once locally
+  (at construction) and once per peer (at connect). A partition whose every range is made of
+  whole blocks on both sides becomes `make_prepped_xfer` with index lists (a merged range of n
+  blocks gives n consecutive indices); this is the common case (every chunk of a prompt whose
+  chunk boundaries are block-aligned).
 - A partition with any token-exact range (a partial page at a chunk's or the prompt's end, a
   range the planner split) goes as explicit (address, length, device) descriptors through
   `initialize_xfer`, built as one numpy array. Whole-block descriptors cannot express a partial
@@ -33,11 +32,12 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from rlt_contracts.pd import PDCompatibility
 
-from rlt_pd.handoff import TransferDescriptor, TransferPartition
+from rlt_pd import descriptors
+from rlt_pd.descriptors import MemoryExtent
+from rlt_pd.handoff import TransferPartition
 from rlt_pd.messages import (
     PROTOCOL_VERSION,
     ControlMessage,
@@ -46,7 +46,7 @@ from rlt_pd.messages import (
     check_compatibility,
     encode_message,
 )
-from rlt_pd.region import KVRegion, KVTensor
+from rlt_pd.region import KVRegion
 from rlt_pd.transport_api import TransportPoll
 
 __all__ = ["KVTransport"]
@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Peer:
     meta: TransportMetadata
+    extent: MemoryExtent
     remote_dlist: object  # nixl_prepped_dlist_handle
-    key_bytes: int  # extent of each of the peer's K/V tensors
 
 
 @dataclass
@@ -102,27 +102,21 @@ class KVTransport:
         scratch_blocks: int = 1,
         backend_params: dict[str, str] | None = None,
     ) -> None:
-        self._check_tensors(key_cache, value_cache, hidden, compatibility, scratch_blocks)
+        descriptors.check_tensors(key_cache, value_cache, hidden, compatibility, scratch_blocks)
         num_layers, allocated, block_size, heads, head_dim = key_cache.shape
-        element = key_cache.element_size()
         self._name = name
         self._compatibility = compatibility
         self._tensors = (key_cache, value_cache, hidden)  # kept alive while registered
-        self._device_id = key_cache.get_device() if key_cache.is_cuda else 0
+        self._extent = MemoryExtent.of_tensors(key_cache, value_cache, hidden)
         self._memory = "VRAM" if key_cache.is_cuda else "DRAM"
         self._allocated = allocated
-        self._num_layers = num_layers
-        self._block_bytes = block_size * heads * head_dim * element
-        self._tensor_bytes = key_cache.numel() * element
-        self._hidden_rows = hidden.shape[0]
-        self._hidden_bytes = hidden.shape[1] * hidden.element_size()
         self._region = KVRegion.contiguous(
             num_layers=num_layers,
             num_blocks=allocated - scratch_blocks,
             block_size=block_size,
             num_kv_heads=heads,
             head_dim=head_dim,
-            dtype_bytes=element,
+            dtype_bytes=key_cache.element_size(),
             allocated_blocks=allocated,
         )
         self._peers: dict[str, _Peer] = {}
@@ -159,16 +153,7 @@ class KVTransport:
                 raise PDTransportError("NIXL refused to describe the tensors for registration")
             self._registration = registration
             self._local_dlist = agent.prep_xfer_dlist(
-                "",
-                self._block_table(
-                    (key_cache.data_ptr(), value_cache.data_ptr(), hidden.data_ptr()),
-                    num_layers * allocated,
-                    self._block_bytes,
-                    self._hidden_rows,
-                    self._hidden_bytes,
-                    self._device_id,
-                ),
-                self._memory,
+                "", descriptors.prepared_table(self._extent), self._memory
             )
         except Exception as error:
             self.close()
@@ -188,7 +173,7 @@ class KVTransport:
 
     @property
     def hidden_state_bytes(self) -> int:
-        return self._hidden_bytes
+        return self._extent.hidden_row_bytes
 
     @property
     def compatibility(self) -> PDCompatibility:
@@ -217,7 +202,9 @@ class KVTransport:
     ) -> tuple[list[int], list[int]] | None:
         """(local, remote) indices into the prepared lists that `write` would use for this
         partition, or None when it goes as explicit descriptors (a token-exact range)."""
-        return self._indices(partition, hidden_rows, self._peer(peer))
+        return descriptors.prepared_indices(
+            partition, hidden_rows, self._extent, self._peer(peer).extent
+        )
 
     def metadata(self) -> bytes:
         """msgpack `TransportMetadata`: NIXL agent metadata, compatibility and the registered
@@ -226,21 +213,21 @@ class KVTransport:
 
     def _describe(self) -> TransportMetadata:
         self._check_open()
-        key, value, hidden = self._tensors
+        extent = self._extent
         return TransportMetadata(
             version=PROTOCOL_VERSION,
             name=self._name,
             agent_metadata=self._agent.get_agent_metadata(),
             compatibility=self._compatibility,
             memory=self._memory,
-            device_id=self._device_id,
-            key_address=key.data_ptr(),
-            value_address=value.data_ptr(),
-            hidden_address=hidden.data_ptr(),
+            device_id=extent.device_id,
+            key_address=extent.key_address,
+            value_address=extent.value_address,
+            hidden_address=extent.hidden_address,
             region=self._region,
             allocated_blocks=self._allocated,
-            hidden_rows=self._hidden_rows,
-            hidden_row_stride_bytes=self._hidden_bytes,
+            hidden_rows=extent.hidden_rows,
+            hidden_row_stride_bytes=extent.hidden_row_bytes,
         )
 
     def peer_region(self, peer: str) -> KVRegion:
@@ -273,15 +260,10 @@ class KVTransport:
                     f"NIXL metadata names agent {name!r}, the handshake {peer.name!r}"
                 )
             agent.make_connection(name)
-            table = self._block_table(
-                (peer.key_address, peer.value_address, peer.hidden_address),
-                peer.region.num_layers * peer.allocated_blocks,
-                peer.region.block_bytes,
-                peer.hidden_rows,
-                peer.hidden_row_stride_bytes,
-                peer.device_id,
+            extent = MemoryExtent.of_peer(peer)
+            remote_dlist = agent.prep_xfer_dlist(
+                name, descriptors.prepared_table(extent), peer.memory
             )
-            remote_dlist = agent.prep_xfer_dlist(name, table, peer.memory)
         except Exception as error:
             if loaded:
                 try:
@@ -291,8 +273,7 @@ class KVTransport:
             if isinstance(error, PDTransportError):
                 raise
             raise PDTransportError(f"cannot connect to {peer.name!r}: {error!r}") from error
-        extent = peer.region.num_layers * peer.allocated_blocks * peer.region.block_bytes
-        self._peers[peer.name] = _Peer(peer, remote_dlist, extent)
+        self._peers[peer.name] = _Peer(peer, extent, remote_dlist)
         return peer.name
 
     def disconnect(self, peer: str) -> None:
@@ -359,12 +340,14 @@ class KVTransport:
         if state is None:
             self._failed.append((handle, f"peer {peer!r} is not connected"))
             return handle
-        self._validate(partition, hidden_rows, state)
+        descriptors.validate(partition, hidden_rows, self._extent, state.extent)
         notif = encode_message(notification)
         agent = self._agent
         xfer = None
         try:
-            indices = self._indices(partition, hidden_rows, state)
+            indices = descriptors.prepared_indices(
+                partition, hidden_rows, self._extent, state.extent
+            )
             if indices is not None:
                 xfer = agent.make_prepped_xfer(
                     "WRITE", self._local_dlist, indices[0], state.remote_dlist, indices[1], notif
@@ -372,7 +355,9 @@ class KVTransport:
                 path = "prepped"
             else:
                 path = "explicit"
-                local, remote = self._explicit(partition, hidden_rows, state)
+                local, remote = descriptors.explicit_descriptors(
+                    partition, hidden_rows, self._extent, state.extent
+                )
                 xfer = agent.initialize_xfer(
                     "WRITE",
                     agent.get_xfer_descs(local, self._memory),
@@ -440,161 +425,6 @@ class KVTransport:
         return [(_as_str(peer), msg) for peer, msgs in received.items() for msg in msgs]
 
     # -- internals -----------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_tensors(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        hidden: torch.Tensor,
-        compat: PDCompatibility,
-        scratch_blocks: int,
-    ) -> None:
-        for label, tensor in (("key_cache", key), ("value_cache", value), ("hidden", hidden)):
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
-            if not tensor.is_contiguous():
-                raise ValueError(
-                    f"{label} is not contiguous (shape {tuple(tensor.shape)}, strides "
-                    f"{tensor.stride()}): NIXL would describe it as None and transfers would "
-                    "address the wrong bytes; register the runner's own contiguous tensors"
-                )
-            if tensor.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{label} is on {tensor.device}; only cpu and cuda register")
-        if key.dim() != 5 or key.shape != value.shape or key.dtype != value.dtype:
-            raise ValueError(
-                "key_cache and value_cache must be [L, A, B, Hkv, D] of one shape and dtype, got "
-                f"{tuple(key.shape)} {key.dtype} and {tuple(value.shape)} {value.dtype}"
-            )
-        if hidden.dim() != 2:
-            raise ValueError(f"hidden must be [S, d], got shape {tuple(hidden.shape)}")
-        if not key.device == value.device == hidden.device:
-            raise ValueError(
-                f"tensors on different devices: {key.device}, {value.device}, {hidden.device}"
-            )
-        if not 0 <= scratch_blocks < key.shape[1]:
-            raise ValueError(f"scratch_blocks {scratch_blocks} not in [0, {key.shape[1]})")
-        num_layers, _, block_size, heads, head_dim = key.shape
-        actual = {
-            "num_layers": num_layers,
-            "block_size": block_size,
-            "num_kv_heads": heads,
-            "head_dim": head_dim,
-            "block_bytes": 2 * block_size * heads * head_dim * key.element_size(),
-            "hidden_bytes": hidden.shape[1] * hidden.element_size(),
-        }
-        wrong = [
-            f"{field}: {getattr(compat, field)} declared, {got} in the tensors"
-            for field, got in actual.items()
-            if getattr(compat, field) != got
-        ]
-        if wrong:
-            raise ValueError("PDCompatibility does not describe the tensors: " + "; ".join(wrong))
-
-    @staticmethod
-    def _block_table(
-        addresses: tuple[int, int, int],
-        blocks: int,
-        block_bytes: int,
-        rows: int,
-        row_bytes: int,
-        device: int,
-    ) -> np.ndarray:
-        """Rows (address, length, device) of the prepared list: `blocks` K blocks and `blocks`
-        V blocks (layer-major, so index = layer * A + block), then the hidden rows."""
-        key_address, value_address, hidden_address = (np.uint64(a) for a in addresses)
-        table = np.empty((2 * blocks + rows, 3), dtype=np.uint64)
-        steps = np.arange(blocks, dtype=np.uint64) * np.uint64(block_bytes)
-        table[:blocks, 0] = key_address + steps
-        table[blocks : 2 * blocks, 0] = value_address + steps
-        table[: 2 * blocks, 1] = block_bytes
-        table[2 * blocks :, 0] = hidden_address + np.arange(rows, dtype=np.uint64) * np.uint64(
-            row_bytes
-        )
-        table[2 * blocks :, 1] = row_bytes
-        table[:, 2] = device
-        return table
-
-    def _validate(
-        self, partition: TransferPartition, hidden_rows: tuple[int, int] | None, peer: _Peer
-    ) -> None:
-        if partition.num_writes == 0:
-            raise ValueError(f"partition {partition.sequence} writes nothing")
-        if bool(partition.hidden_state_bytes) != (hidden_rows is not None):
-            raise ValueError(
-                f"partition {partition.sequence}: hidden_rows must be given exactly when it "
-                f"carries the hidden state ({partition.hidden_state_bytes} bytes)"
-            )
-        if hidden_rows is not None:
-            if partition.hidden_state_bytes != self._hidden_bytes:
-                raise ValueError(
-                    f"hidden_state_bytes {partition.hidden_state_bytes} != a row's "
-                    f"{self._hidden_bytes} bytes"
-                )
-            source, target = hidden_rows
-            if not 0 <= source < self._hidden_rows or not 0 <= target < peer.meta.hidden_rows:
-                raise ValueError(
-                    f"hidden rows {hidden_rows} outside [0, {self._hidden_rows}) x "
-                    f"[0, {peer.meta.hidden_rows})"
-                )
-        for d in partition.descriptors:
-            if (
-                d.length_bytes <= 0
-                or d.source_offset_bytes < 0
-                or d.destination_offset_bytes < 0
-                or d.source_offset_bytes + d.length_bytes > self._tensor_bytes
-                or d.destination_offset_bytes + d.length_bytes > peer.key_bytes
-            ):
-                raise ValueError(f"{d} lies outside the registered {d.tensor} tensors")
-
-    def _indices(
-        self, partition: TransferPartition, hidden_rows: tuple[int, int] | None, peer: _Peer
-    ) -> tuple[list[int], list[int]] | None:
-        """Prepared-list indices (local, remote), or None when a range is not whole blocks."""
-        bb = self._block_bytes
-        local_v = self._num_layers * self._allocated
-        remote_v = peer.meta.region.num_layers * peer.meta.allocated_blocks
-        local: list[int] = []
-        remote: list[int] = []
-        for d in partition.descriptors:
-            if d.length_bytes % bb or d.source_offset_bytes % bb or d.destination_offset_bytes % bb:
-                return None
-            n = d.length_bytes // bb
-            value = d.tensor is KVTensor.VALUE
-            first_local = d.source_offset_bytes // bb + (local_v if value else 0)
-            first_remote = d.destination_offset_bytes // bb + (remote_v if value else 0)
-            local.extend(range(first_local, first_local + n))
-            remote.extend(range(first_remote, first_remote + n))
-        if hidden_rows is not None:
-            local.append(2 * local_v + hidden_rows[0])
-            remote.append(2 * remote_v + hidden_rows[1])
-        return local, remote
-
-    def _explicit(
-        self, partition: TransferPartition, hidden_rows: tuple[int, int] | None, peer: _Peer
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(address, length, device) arrays of the partition on both sides."""
-        key, value, hidden = self._tensors
-        meta = peer.meta
-        local_base = {KVTensor.KEY: key.data_ptr(), KVTensor.VALUE: value.data_ptr()}
-        remote_base = {KVTensor.KEY: meta.key_address, KVTensor.VALUE: meta.value_address}
-        rows = len(partition.descriptors) + (hidden_rows is not None)
-        local = np.empty((rows, 3), dtype=np.uint64)
-        remote = np.empty((rows, 3), dtype=np.uint64)
-        d: TransferDescriptor
-        for i, d in enumerate(partition.descriptors):
-            local[i] = (local_base[d.tensor] + d.source_offset_bytes, d.length_bytes, 0)
-            remote[i] = (remote_base[d.tensor] + d.destination_offset_bytes, d.length_bytes, 0)
-        if hidden_rows is not None:
-            source, target = hidden_rows
-            local[-1] = (hidden.data_ptr() + source * self._hidden_bytes, self._hidden_bytes, 0)
-            remote[-1] = (
-                meta.hidden_address + target * meta.hidden_row_stride_bytes,
-                self._hidden_bytes,
-                0,
-            )
-        local[:, 2] = self._device_id
-        remote[:, 2] = meta.device_id
-        return local, remote
 
     def _peer(self, peer: str) -> _Peer:
         self._check_open()

@@ -25,7 +25,8 @@ bitwise unchanged, so rows with and without a feature share one batch. -inf stay
 every later step (a bias or a penalty cannot bring back a masked stop id).
 
 Cost over [N, V] per step: min_tokens one masked fill; logit_bias one scatter-add over [N, K];
-penalties about six elementwise kernels (compare, where, two multiply-subtracts).
+penalties about eleven elementwise passes (two compares and an or for the masks, divide,
+multiply and two wheres for the repetition penalty, two multiply-subtracts).
 """
 
 from __future__ import annotations

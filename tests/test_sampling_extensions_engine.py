@@ -354,3 +354,22 @@ def test_fused_commit_counts_outputs_like_the_torch_tick(tiny_checkpoint):
 GREEDY_CASES_PARAMS = SamplingParams(
     max_tokens=9, repetition_penalty=1.3, presence_penalty=0.4, exit_threshold=0.55, ignore_eos=True
 )
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 2, 5])
+def test_min_tokens_defers_stop_strings_through_the_engine(llm_factory, min_tokens):
+    """Stop strings in the text of the first min_tokens tokens do not count (vLLM's rule); the
+    expectation is computed from the undisturbed text and its decoded prefixes."""
+    llm = llm_factory()
+    tokenizer = llm.engine.tokenizer
+    free = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop = free.text[:2]  # " s" here: tokens 0 and 1 both write it, so min_tokens 0 / 1 / 2
+    assert stop and stop in tokenizer.decode(free.token_ids[:1])  # stop at 0 / 2 / not at all
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,), min_tokens=min_tokens)
+    out = llm.generate(PROMPTS[:1], params)[0]
+    floor = len(tokenizer.decode(free.token_ids[:min_tokens])) if min_tokens else 0
+    start = free.text.find(stop, max(floor - len(stop) + 1, 0))
+    if start < 0:
+        assert (out.text, out.finish_reason) == (free.text, "length")
+    else:
+        assert (out.text, out.finish_reason) == (free.text[:start], "stop")

@@ -373,3 +373,22 @@ def test_min_tokens_defers_stop_strings_through_the_engine(llm_factory, min_toke
         assert (out.text, out.finish_reason) == (free.text, "length")
     else:
         assert (out.text, out.finish_reason) == (free.text[:start], "stop")
+
+
+def test_the_min_tokens_mask_leaves_the_mode_once_every_row_passed_it(llm_factory):
+    """Host knowledge only: once the reported outputs reach min_tokens (the device is never
+    behind them), steps run without the mask; the tokens are those of the masked rule."""
+    llm = llm_factory(decode_ticks_per_step=1, async_scheduling=False)
+    program = llm.engine.core.runner.program
+    masked = []
+    tick = program.tick
+
+    def spy(num_rows, mode, gate, max_context=None):
+        masked.append(mode.min_tokens)
+        return tick(num_rows, mode, gate, max_context)
+
+    program.tick = spy
+    params = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(77,), logit_bias={77: 5.0})
+    out = llm.generate(PROMPTS[:1], params)[0]
+    assert masked[0] and not masked[-1] and masked == sorted(masked, reverse=True)
+    assert 77 not in out.token_ids[:3] and out.token_ids[-1] == 77 and out.finish_reason == "stop"

@@ -106,6 +106,24 @@ def test_logit_bias_keys_are_token_id_strings(http):
     assert chat.json()["choices"][0]["token_ids"] == [33] * 3
 
 
+def test_several_choices_and_best_of_carry_the_extensions(http):
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "n": 2,
+        "best_of": 3,
+        "logit_bias": {"33": 100},
+        "repetition_penalty": 1.3,
+        "min_tokens": 1,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert [c["token_ids"] for c in response.json()["choices"]] == [[33] * 3] * 2
+
+
 def test_min_tokens_holds_back_eos(http):
     eager_stop = completion(http, logit_bias={str(EOS): 100})
     assert (eager_stop["token_ids"], eager_stop["finish_reason"]) == ([EOS], "stop")

@@ -52,9 +52,12 @@ from rlt_runner.transfers import upload
 logger = logging.getLogger(__name__)
 
 
-def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
+def sampling_mode(
+    params: list[SamplingParams], *, min_tokens_reached: bool = False
+) -> SamplingMode:
     """The sampling work a batch of rows with these parameters needs (a feature at its
-    neutral value in every row adds no work)."""
+    neutral value in every row adds no work). min_tokens_reached: every row is known to have
+    generated at least its min_tokens (the mask is then left out)."""
     random = [p for p in params if not p.greedy]
     wants_logprobs = any(p.logprobs is not None for p in params)
     return SamplingMode(
@@ -63,9 +66,17 @@ def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
         top_logprobs=MAX_TOP_LOGPROBS if wants_logprobs else None,
         penalized=any(p.penalized for p in params),
         biased=any(p.logit_bias for p in params),
-        min_tokens=any(p.min_tokens > 0 for p in params),
+        min_tokens=not min_tokens_reached and any(p.min_tokens > 0 for p in params),
         min_p=any(p.min_p > 0 for p in random),
     )
+
+
+def step_sampling_mode(records: list[RowRecord]) -> SamplingMode:
+    """`sampling_mode` of the rows that sample in a step, without the min_tokens mask once
+    every row's reported outputs reached its min_tokens: the device's output count is never
+    behind the reported one, so the mask could change nothing (host values only, no sync)."""
+    reached = all(r.reported >= r.sampling.min_tokens for r in records)
+    return sampling_mode([r.sampling for r in records], min_tokens_reached=reached)
 
 
 class ModelRunner:
@@ -190,7 +201,7 @@ class ModelRunner:
                     if not record.prefill_only
                 ] + [self.rows.record(identity) for identity in remote_starts]
                 running = self.rows.decoding_records() if step.decode_ticks > 0 else []
-                pending.mode = sampling_mode([r.sampling for r in running + started])
+                pending.mode = step_sampling_mode(running + started)
                 started_record = self._run_prefill(chunks, remote_starts, started, pending)
                 self._run_ticks(step.decode_ticks, pending)
                 start_readback(pending, started_record, self.program.ring, self.device)

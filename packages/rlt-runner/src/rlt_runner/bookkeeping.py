@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import logging
 
-from rlt_contracts import ExecutionFailure, ExecutionIdentity, FailedOperation, SchedulerOutput
+from rlt_contracts import (
+    ExecutionFailure,
+    ExecutionIdentity,
+    FailedOperation,
+    SchedulerOutput,
+    TokenMask,
+)
 
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows, RowRecord
@@ -55,7 +61,8 @@ class StepBookkeeping:
         return frozenset(self._lost)
 
     def apply(self, step: SchedulerOutput) -> list[ExecutionFailure]:
-        """Snapshots, releases, new and restored rows, block-table growth, restores. Returns the
+        """Snapshots, releases, new and restored rows, block-table growth, restores, token
+        masks (structured output). Returns the
         failures of single requests; a shared operation that fails raises (the step fails)."""
         failures = [self._save(identity) for identity in step.snapshots if self.is_live(identity)]
         self.rows.release(list(step.released))
@@ -80,7 +87,14 @@ class StepBookkeeping:
             [(b.identity, b.updates) for b in step.block_updates if self.is_live(b.identity)]
         )
         failures += [self._restore(identity) for identity in restores]
+        # structured output: next-token masks, after restores (a restore writes the saved mask)
+        self.rows.apply_token_masks(
+            [(self.rows.record(m.identity), m.words) for m in step.token_masks if self._has_row(m)]
+        )
         return [f for f in failures if f is not None]
+
+    def _has_row(self, mask: TokenMask) -> bool:
+        return self.is_live(mask.identity) and mask.identity in self.rows
 
     def lose(self, identities: list[ExecutionIdentity]) -> None:
         """Drop the device state (row, snapshot) of requests named in a failure."""

@@ -15,9 +15,9 @@ A tick, for every active row at once (rows at different loop depths mix):
               (prelude) and starts loop 1 in the next tick; other rows keep their state
 
 Nothing is read back and no host value depends on device data, so K ticks can be queued (or
-replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked)
-compute garbage that is never kept: their KV write goes to the scratch slot, their attention
-reads one key, and every state update is masked.
+replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked,
+held by structured output) compute garbage that is never kept: their KV write goes to the
+scratch slot, their attention reads one key, and every state update is masked.
 
 `start_rows` is the coda of rows whose prompt just completed (token 0, full depth).
 
@@ -104,9 +104,11 @@ class DecodeProgram:
             self._fused_tick(num_rows, mode, gate, max_context)
             return
         B, rows = num_rows, self.rows
-        if self.cohort:  # parked rows start together once no row is looping
-            rows.parked[:B] &= (rows.active[:B] & ~rows.parked[:B]).any()
-        run = rows.active[:B] & ~rows.parked[:B]
+        if self.cohort:  # parked rows start together once no row is looping (held rows,
+            # structured output's awaiting their next mask, do not loop either)
+            looping = rows.active[:B] & ~rows.parked[:B] & ~rows.held[:B]
+            rows.parked[:B] &= looping.any()
+        run = rows.active[:B] & ~rows.parked[:B] & ~rows.held[:B]
         loop_index = rows.loops[:B] + 1
         position = rows.position[:B]
         plane = torch.clamp(self._plane(loop_index), max=rows.num_planes - 1)
@@ -162,6 +164,7 @@ class DecodeProgram:
         rows.active[:B] &= ~stops
         if self.cohort:
             rows.parked[:B] |= carry_on
+        rows.held[:B] |= carry_on & rows.hold_after_output[:B]
 
     def _fused_tick(self, B: int, mode: SamplingMode, gate: bool, max_context: int | None) -> None:
         """The same tick with the bookkeeping in three Triton kernels (tick_kernels.py)."""
@@ -263,6 +266,7 @@ class DecodeProgram:
         rows.survival.index_fill_(0, index, 1.0)
         rows.active.index_copy_(0, index, ~stops)
         rows.parked.index_copy_(0, index, ~stops if self.cohort else torch.zeros_like(stops))
+        rows.held.index_copy_(0, index, ~stops & rows.hold_after_output[index])
         rows.hidden.index_copy_(0, index, self.model.embed(token))
         return record
 

@@ -30,6 +30,7 @@ from rlt_contracts import (
     SchedulerOutput,
 )
 from rlt_contracts.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from rlt_contracts.structured import StructuredOutput, StructuredOutputKind
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def profile_activation_peak(
         frequency_penalty=0.1,
         presence_penalty=0.1,
         logit_bias={token: 0.5 for token in range(min(MAX_LOGIT_BIAS, vocab_size))},
+        structured_output=StructuredOutput(kind=StructuredOutputKind.JSON_OBJECT),
     )
     rule = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 1, model_depth, 0.5), max_tokens=2)
     next_block = 0

@@ -68,6 +68,7 @@ def sampling_mode(
         biased=any(p.logit_bias for p in params),
         min_tokens=not min_tokens_reached and any(p.min_tokens > 0 for p in params),
         min_p=any(p.min_p > 0 for p in random),
+        constrained=any(p.structured_output is not None for p in params),
     )
 
 

@@ -62,6 +62,8 @@ class SnapshotStore:
         names = PROGRESS_BUFFERS
         if record.sampling.penalized:
             names += ("output_counts",)
+        if record.rule.one_output_per_step:  # structured output: the mask it may sample under
+            names += ("token_bitmask",)
         progress = {
             name: download(getattr(rows, name)[record.row : record.row + 1]) for name in names
         }

@@ -5,7 +5,8 @@ The torch code of `DecodeProgram` is the reference: written as whole-batch tenso
 kernels do the same work:
 
   prepare   one program for all rows: cohort release, loop index, plane, page, own / write
-            slot, context length (one pass over the row state)
+            slot, context length (one pass over the row state); held rows (structured output)
+            do not run
   commit    one program per row: the exit rule (HAZARD / DELAYED_HAZARD / TRACE, hazard product
             in fp64), stop rule, ring record (token, depth[, logprobs]), the exited token's
             output count (penalized modes: `output_counts[row, token] += 1`), every progress field,
@@ -41,6 +42,7 @@ if triton is not None:
     def _prepare_kernel(
         active_ptr,
         parked_ptr,
+        held_ptr,  # structured output: waiting for the next token mask
         loops_ptr,
         position_ptr,
         tables_ptr,  # [S, planes, pages] int32
@@ -64,12 +66,13 @@ if triton is not None:
         valid = rows < num_rows
         active = tl.load(active_ptr + rows, mask=valid, other=0) != 0
         parked = tl.load(parked_ptr + rows, mask=valid, other=0) != 0
+        held = tl.load(held_ptr + rows, mask=valid, other=0) != 0
         if COHORT:
-            looping = active & (~parked) & valid
+            looping = active & (~parked) & (~held) & valid
             any_looping = tl.max(looping.to(tl.int32), axis=0) > 0
             parked = parked & any_looping
             tl.store(parked_ptr + rows, parked.to(tl.uint8), mask=valid)
-        run = active & (~parked)
+        run = active & (~parked) & (~held)
         loop_index = tl.load(loops_ptr + rows, mask=valid, other=0) + 1
         if LAST_EXITED:
             plane = tl.minimum(loop_index - 1, NUM_PLANES - 1)
@@ -114,6 +117,8 @@ if triton is not None:
         outputs_ptr,
         active_ptr,
         parked_ptr,
+        held_ptr,
+        hold_ptr,  # hold_after_output (structured output)
         kind_ptr,
         min_loops_ptr,
         max_loops_ptr,
@@ -221,6 +226,9 @@ if triton is not None:
         if COHORT:
             parked = tl.load(parked_ptr + row) != 0
             tl.store(parked_ptr + row, (parked | carry).to(tl.uint8))
+        held = tl.load(held_ptr + row) != 0
+        hold = tl.load(hold_ptr + row) != 0
+        tl.store(held_ptr + row, (held | (carry & hold)).to(tl.uint8))
 
         if NUM_PLANES > 1:
             page = tl.load(page_ptr + row)
@@ -300,6 +308,7 @@ class TickKernels:
         _prepare_kernel[(1,)](
             _bool_bytes(rows.active),
             _bool_bytes(rows.parked),
+            _bool_bytes(rows.held),
             rows.loops,
             rows.position,
             rows.block_tables,
@@ -345,6 +354,8 @@ class TickKernels:
             rows.outputs,
             _bool_bytes(rows.active),
             _bool_bytes(rows.parked),
+            _bool_bytes(rows.held),
+            _bool_bytes(rows.hold_after_output),
             rows.rule_kind,
             rows.min_loops,
             rows.max_loops,

@@ -12,7 +12,7 @@ import torch
 from rlt_attention import select_attention_backend
 from rlt_contracts import AttentionRequirements, ConfigurationError, PDRole
 from rlt_kv import KVCacheManager
-from rlt_models import OuroModel, load_model
+from rlt_models import OuroModel, load_model, load_tokenizer
 from rlt_runner import (
     KVMemoryPlan,
     KVStorage,
@@ -26,6 +26,7 @@ from rlt_scheduler import Scheduler, make_exit_policy
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
+from rlt.engine.structured_output import XGrammarCompiler
 
 if TYPE_CHECKING:
     from rlt.engine.pd_assembly import PDParts
@@ -49,6 +50,7 @@ class EngineParts:
     max_model_len: int
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
+    constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -147,6 +149,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_planes=num_planes,
         enable_prefix_caching=config.enable_prefix_caching,
     )
+    # Structured output: grammars over the checkpoint's tokenizer (loaded on first use).
+    constraint_compiler = XGrammarCompiler(
+        lambda: load_tokenizer(model_dir),
+        vocab_size=shape.vocab_size,
+        stop_token_ids=shape.eos_token_ids,
+    )
     scheduler = Scheduler(
         config.scheduler_config(),
         kv,
@@ -158,6 +166,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops
         ),
         prefix_caching=kv.prefix_caching,
+        constraint_compiler=constraint_compiler,
     )
     runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":
@@ -185,6 +194,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_model_len=max_model_len,
         pd=pd,
         attention_warning=selection.warning,
+        constraint_compiler=constraint_compiler,
     )
 
 

@@ -151,6 +151,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, thread_name: str = "rlt-engine") -> None:
         self._engine = engine
+        self._grammars = engine.parts.constraint_compiler  # thread-safe; None: no grammars
         self._model_info = engine.model_info()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stats: EngineStats = engine.get_stats()
@@ -193,6 +194,7 @@ class AsyncEngine:
         (`rlt_contracts.BatchSubmitter`)."""
         loop = asyncio.get_running_loop()
         requests = tuple(requests)
+        await self._compile_grammars(requests)
         streams = tuple(_Stream(r.request_id, loop, self._forget) for r in requests)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Submit(requests, streams, accepted))
@@ -212,6 +214,16 @@ class AsyncEngine:
             self._unclaimed[stream.request_id] = stream
             if not stream.finished:  # (a very short request may be over already)
                 self._active[stream.request_id] = stream
+
+    async def _compile_grammars(self, requests: Sequence[EngineRequest]) -> None:
+        """Structured output: compile each distinct grammar on a worker thread (about 0.1 s
+        for a new JSON schema), so the engine thread finds it in the compiler's cache instead
+        of stalling every running request. An invalid grammar raises InvalidRequestError here,
+        before anything is queued."""
+        specs = {r.sampling.structured_output for r in requests} - {None}
+        if self._grammars is not None:
+            for spec in specs:
+                await asyncio.to_thread(self._grammars.compile_grammar, spec)
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
         """Claim the deltas of the latest accepted submit of `request_id` (once)."""

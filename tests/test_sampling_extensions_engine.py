@@ -264,6 +264,9 @@ def test_pd_decode_side_applies_the_whole_prompt_and_counts(llm_factory):
     finals = run_pd(prefill, decode, PROMPTS, params)
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected
+    prefill_rows = prefill.engine.core.runner.rows  # it never samples: no logits state there
+    assert prefill_rows.output_counts is None and prefill_rows.bias_token_ids is None
+    assert decode.engine.core.runner.rows.output_counts is not None
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids(llm_factory):

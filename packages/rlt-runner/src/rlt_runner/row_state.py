@@ -16,6 +16,10 @@ every tick (nobody else writes them):
   outputs [S]          outputs produced so far (token 0 included) = the next output's index
   active [S] bool      decoding on the device (cleared when a stop rule fires or on release)
   parked [S] bool      cohort decoding: sampled, waiting for the cohort to drain
+  held [S] bool        structured output: sampled its one token of the step, waiting for the
+                       next token mask (set on output if `hold_after_output`, cleared by
+                       `apply_token_masks`); a held row neither loops nor samples
+  hold_after_output [S] bool: the rule's `one_output_per_step`
   rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C]: the
                        request's `DecodeRule` (stop_ids padded with -1)
   temperature, top_k, top_p, seed: its sampling parameters
@@ -88,6 +92,7 @@ PROGRESS_BUFFERS = (
     "outputs",
     "active",
     "parked",
+    "held",
 )
 
 
@@ -149,6 +154,12 @@ class DecodeRows:
         self.outputs = zeros(S)
         self.active = zeros(S, dtype=torch.bool)
         self.parked = zeros(S, dtype=torch.bool)
+        self.held = zeros(S, dtype=torch.bool)
+        self.hold_after_output = zeros(S, dtype=torch.bool)
+        # structured output: allowed-token bitmask [S, ceil(V / 32)] int32 (-1 words: every
+        # token), allocated when the first constrained request gets a row (4.9 MB at S = 256,
+        # V = 151,936); every new row's words are reset to -1 once it exists
+        self.token_bitmask: torch.Tensor | None = None
         self.rule_kind = zeros(S)
         self.min_loops = torch.ones(S, dtype=torch.int64, device=device)
         self.max_loops = torch.ones(S, dtype=torch.int64, device=device)
@@ -229,6 +240,7 @@ class DecodeRows:
         for column, name in enumerate(FLOAT32_FIELDS, start=1):
             getattr(self, name).index_copy_(0, index, floats[:, column].float())
         self._write_logits_state(records, index)
+        self._write_constraint_state(records, index)
         if any(r.rule.exit.kind is ExitRuleKind.TRACE for r in records):
             self.trace.index_copy_(0, index, upload(self._traces(records), torch.int8, self.device))
         self.block_tables.index_fill_(0, index, self.scratch_block)
@@ -331,6 +343,7 @@ class DecodeRows:
             bias_values=rows_of(self.bias_values),
             min_tokens=self.min_tokens[index],
             stop_mask=rows_of(self.stop_mask),
+            token_bitmask=rows_of(self.token_bitmask),
         )
 
     def count_outputs(self, index: torch.Tensor, token_ids: torch.Tensor, counted) -> None:
@@ -355,6 +368,40 @@ class DecodeRows:
             rows.append(depths + [record.rule.exit.max_loops] * (self.trace_capacity - len(depths)))
         return rows
 
+    # -- structured output ---------------------------------------------------------------------
+    def _write_constraint_state(self, records: list[RowRecord], index: torch.Tensor) -> None:
+        """Hold flags from the rules; every new row allows every token until a mask comes."""
+        constrained = [r.rule.one_output_per_step for r in records]
+        self.hold_after_output.index_copy_(0, index, upload(constrained, torch.bool, self.device))
+        # a structured request without a grammar here (PD prefill) still selects the mode
+        if self.token_bitmask is not None or any(
+            r.sampling.structured_output is not None for r in records
+        ):
+            self._bitmask().index_fill_(0, index, -1)
+
+    def _bitmask(self) -> torch.Tensor:
+        if self.token_bitmask is None:
+            shape = (self.hidden.shape[0], -(-self.vocab_size // 32))
+            self.token_bitmask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        return self.token_bitmask
+
+    def apply_token_masks(self, masks: list[tuple[RowRecord, bytes]]) -> None:
+        """Write each record's next-token bitmask (little-endian int32 words) into its row and
+        release the row's hold: it may sample one more token. One pinned upload."""
+        if not masks:
+            return
+        bitmask = self._bitmask()
+        words = bitmask.shape[1]
+        host = torch.frombuffer(bytearray(b"".join(m for _, m in masks)), dtype=torch.int32)
+        if host.numel() != words * len(masks):
+            raise ValueError(f"token masks must have {words} int32 words per row")
+        host = host.view(len(masks), words)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        index = upload([r.row for r, _ in masks], torch.int64, self.device)
+        bitmask.index_copy_(0, index, host.to(self.device, non_blocking=True))
+        self.held.index_fill_(0, index, False)
+
     def reset_progress(self, index: torch.Tensor) -> None:
         """Rows `index` hold no token yet: inactive, no loops, no outputs."""
         for name in ("token", "position", "loops", "pending_exit", "outputs"):
@@ -362,6 +409,7 @@ class DecodeRows:
         self.survival.index_fill_(0, index, 1.0)
         self.active.index_fill_(0, index, False)
         self.parked.index_fill_(0, index, False)
+        self.held.index_fill_(0, index, False)
 
     def release(self, identities: list[ExecutionIdentity]) -> list[RowRecord]:
         """Free the rows of `identities` (unknown ones are skipped) and deactivate them on the

@@ -71,7 +71,9 @@ class FlashAttnBackend:
 
     capabilities = FLASH_ATTN_CAPABILITIES
 
-    def __init__(self) -> None:
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        if batch_invariant:
+            raise ValueError("flash_attn has no batch-invariant mode")
         varlen, reason = _probe_flash_attn()
         if varlen is None:
             raise RuntimeError(reason)

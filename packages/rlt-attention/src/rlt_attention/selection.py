@@ -47,12 +47,14 @@ class BackendEntry:
     """A registered backend: static capabilities, an availability probe, and a constructor.
 
     unavailable_reason() -> None when the backend can be constructed in this process.
+    create(batch_invariant=...) builds it (batch_invariant only where the capabilities declare
+    `supports_batch_invariance`).
     """
 
     name: str
     capabilities: AttentionCapabilities
     unavailable_reason: Callable[[], str | None]
-    create: Callable[[], AttentionBackend]
+    create: Callable[..., AttentionBackend]
 
 
 BACKENDS: dict[str, BackendEntry] = {
@@ -165,7 +167,9 @@ def select_attention_backend(
             f"CUDA graphs were requested but no backend that can be captured serves {summary} "
             f"({others}): {chosen!r} runs and decode ticks run eagerly (slower)"
         )
-    return BackendSelection(BACKENDS[chosen].create(), chosen, reason, rejected, graphs, warning)
+    return BackendSelection(
+        _create(chosen, requirements), chosen, reason, rejected, graphs, warning
+    )
 
 
 def _select_named(requirements: AttentionRequirements, choice: str) -> BackendSelection:
@@ -203,13 +207,17 @@ def _select_named(requirements: AttentionRequirements, choice: str) -> BackendSe
             "eager decoding explicitly"
         )
     return BackendSelection(
-        BACKENDS[choice].create(),
+        _create(choice, requirements),
         choice,
         f"explicitly requested; compatible with {summary}",
         rejected,
         graphs,
         warning,
     )
+
+
+def _create(name: str, requirements: AttentionRequirements) -> AttentionBackend:
+    return BACKENDS[name].create(batch_invariant=requirements.batch_invariant)
 
 
 def _known_list() -> str:
@@ -219,6 +227,7 @@ def _known_list() -> str:
 def _describe(requirements: AttentionRequirements) -> str:
     r = requirements
     graphs = ", cuda graphs" if r.cuda_graphs else ""
+    graphs += ", batch-invariant" if r.batch_invariant else ""
     return (
         f"{r.device_type}/{r.dtype}, head_dim {r.head_dim}, {r.num_heads}/{r.num_kv_heads} heads, "
         f"block_size {r.block_size}, {r.kv_layout.value} KV{graphs}"

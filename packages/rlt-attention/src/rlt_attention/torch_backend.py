@@ -5,6 +5,9 @@ then does a fixed sequence of device ops (store, gather, two matmuls, softmax, u
 host sync. Memory per layer is O(S * Cmax * Hkv * D) for the gathered keys/values plus
 O(S * H * Qmax * Cmax) fp32 scores (Cmax = max_context_len, Qmax = max_query_len): this is the
 reference and fallback backend, not the fast path.
+
+`TorchPagedAttention(batch_invariant=True)` computes every query row on its own: see
+`_BatchInvariantAttention`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ TORCH_CAPABILITIES = AttentionCapabilities(
     # Per-layer shapes depend on max_context_len, which grows every decode step, and bind's
     # index tensors are fresh allocations: a captured graph would replay stale indices.
     supports_cuda_graphs=False,
+    supports_batch_invariance=True,
 )
+
+# Batch-invariant mode: key positions per bmm step. A multiple of 64, so that the elementwise
+# exp over [rows, heads, keys] never has a SIMD tail whose position depends on the batch.
+KEY_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -82,13 +90,24 @@ def build_padded_group_index(batch: PagedAttentionBatch, shape: BatchShape) -> P
 
 
 class TorchPagedAttention:
-    """Stateless torch backend: `bind(kv_cache, batch)` -> `LayerAttention` (see module doc)."""
+    """Stateless torch backend: `bind(kv_cache, batch)` -> `LayerAttention` (see module doc).
+
+    batch_invariant: compute each query row alone (`_BatchInvariantAttention`), so its output
+      depends only on its query and its own context, never on the other rows of the call.
+    """
 
     capabilities = TORCH_CAPABILITIES
 
-    def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch) -> _TorchBoundAttention:
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
+
+    def bind(
+        self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch
+    ) -> _TorchBoundAttention | _BatchInvariantAttention:
         views = slot_views(kv_cache)
         shape = check_batch(views, kv_cache.block_size, batch)
+        if self.batch_invariant:
+            return _BatchInvariantAttention(views, batch, shape)
         return _TorchBoundAttention(
             views, batch.write_slots, shape, build_padded_group_index(batch, shape)
         )
@@ -152,3 +171,101 @@ class _TorchBoundAttention:
         out = torch.matmul(probs, values.unsqueeze(2))  # [S, Hkv, G, Qmax, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(num_groups * max_q, num_heads, head_dim)
         return out.index_select(0, index.padded_row_of_query).to(query.dtype)
+
+
+class _BatchInvariantAttention:
+    """Per-call attention in which every query row is computed on its own (batch-invariant).
+
+    The default path pads all groups to the call's (Qmax, Cmax) and lets `torch.matmul` /
+    `softmax` run over those padded shapes; on the CPU their roundings change with the shapes
+    and the number of groups (measured: a decode row's output changed in fp32 when another row
+    joined the call). Here every query row n gets its own causal context (its group's table,
+    keys at positions <= its own position), and the math runs in fixed-shape pieces:
+
+    1. scores: for each chunk of KEY_CHUNK key positions, a `bmm` whose every batch element is
+       [G, D] x [D, KEY_CHUNK] (one element per query row and kv head); positions outside the
+       row's context get -inf. One `bmm` shape for every call, so one kernel and reduction order.
+    2. max over the row's scores (exact), p = exp(score - max) (elementwise; zero outside).
+    3. for each chunk, a `bmm` [G, KEY_CHUNK] x [KEY_CHUNK, D + 1] of p with the values and a
+       column of ones (the softmax denominator in the same reduction), summed over the chunks in
+       chunk order. Chunks past a row's context contribute exact zeros, so how many chunks the
+       call needs (its longest context) cannot change a row's sum.
+    4. output = numerator / denominator, rounded to the query dtype.
+
+    Keys and values outside a row's context are zeroed before use (whatever their slots hold,
+    NaN included, cannot reach the output). Memory: O(N * KEY_CHUNK * Hkv * D) per chunk and
+    O(N * H * Cmax) fp32 scores (N query rows, Cmax rounded up to KEY_CHUNK).
+    """
+
+    def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
+        self._views = views
+        self._write_slots = batch.write_slots
+        self._shape = shape
+        device = batch.context_lengths.device
+        num_rows, block_size = shape.num_rows, shape.block_size
+        self._chunks = max(1, -(-shape.max_context_len // KEY_CHUNK))
+        padded_context = self._chunks * KEY_CHUNK
+        query_start = batch.query_start.to(torch.int64)
+        rows = torch.arange(num_rows, device=device)
+        group_of_row = torch.searchsorted(query_start[1:].contiguous(), rows, right=True)
+        query_lengths = query_start[1:] - query_start[:-1]
+        context_lengths = batch.context_lengths.to(torch.int64)
+        # position of row n = its group's context - q_len + its index in the group
+        row_position = (context_lengths - query_lengths)[group_of_row] + (
+            rows - query_start[group_of_row]
+        )
+        key_positions = torch.arange(padded_context, device=device)
+        visible = key_positions[None, :] <= row_position[:, None]  # [N, Cpad]
+        page = torch.clamp(key_positions // block_size, max=batch.block_tables.shape[1] - 1)
+        blocks = batch.block_tables.to(torch.int64)[group_of_row][:, page]  # [N, Cpad]
+        slots = blocks * block_size + key_positions % block_size
+        self._key_slots = torch.where(visible, slots, torch.zeros_like(slots))
+        self._hidden = ~visible
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
+        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        store_kv(self._views, layer_index, self._write_slots, key, value)
+        if self._shape.num_rows == 0:
+            return torch.empty_like(query)
+        return self._attend(layer_index, query)
+
+    def _gather(self, cache_slots: torch.Tensor, layer_index: int, chunk: int) -> torch.Tensor:
+        """[N, KEY_CHUNK, Hkv, D] fp32 of one chunk; zero outside each row's context."""
+        columns = slice(chunk * KEY_CHUNK, (chunk + 1) * KEY_CHUNK)
+        slots = self._key_slots[:, columns].reshape(-1)
+        num_rows = self._shape.num_rows
+        gathered = cache_slots[layer_index].index_select(0, slots).float()
+        gathered = gathered.view(num_rows, KEY_CHUNK, *cache_slots.shape[2:])
+        return gathered.masked_fill_(self._hidden[:, columns, None, None], 0.0)
+
+    def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
+        num_rows, num_heads, head_dim = query.shape
+        kv_heads = self._views.key_slots.shape[2]
+        group = num_heads // kv_heads
+        pairs = num_rows * kv_heads  # one bmm element per (query row, kv head)
+        # Every bmm operand is made contiguous: a reshape that can return a view (e.g. of one
+        # row) would hand the bmm other strides, and strides change its kernel (measured).
+        q = query.float().reshape(pairs, group, head_dim).contiguous()
+        scores = []
+        for chunk in range(self._chunks):
+            keys = self._gather(self._views.key_slots, layer_index, chunk)  # [N, C, Hkv, D]
+            keys = keys.permute(0, 2, 3, 1).reshape(pairs, head_dim, KEY_CHUNK).contiguous()
+            scores.append(torch.bmm(q, keys))  # [pairs, G, C]
+        score = torch.cat(scores, dim=-1).view(num_rows, kv_heads, group, -1) * head_dim**-0.5
+        score.masked_fill_(self._hidden[:, None, None, :], float("-inf"))
+        # Key 0 is in every row's context, so the max is finite.
+        probs = torch.exp(score - score.amax(dim=-1, keepdim=True)).view(pairs, group, -1)
+        total = None
+        for chunk in range(self._chunks):
+            values = self._gather(self._views.value_slots, layer_index, chunk)
+            values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
+            values = values.permute(0, 2, 1, 3).reshape(pairs, KEY_CHUNK, head_dim + 1)
+            values = values.contiguous()
+            weights = probs[:, :, chunk * KEY_CHUNK : (chunk + 1) * KEY_CHUNK].contiguous()
+            part = torch.bmm(weights, values)  # [pairs, G, D + 1]
+            total = part if total is None else total + part
+        out = total[..., :head_dim] / total[..., head_dim:]
+        return out.view(num_rows, num_heads, head_dim).to(query.dtype)

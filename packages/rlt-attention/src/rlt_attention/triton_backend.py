@@ -37,7 +37,12 @@ TRITON_CAPABILITIES = AttentionCapabilities(
     block_size_multiple_of=1,
     supports_multi_token_queries=True,
     supports_cuda_graphs=True,
+    supports_batch_invariance=True,  # argued (see TritonPagedAttention), not measured on a GPU
 )
+
+# Batch-invariant mode: the tiled kernel's tile for every call (decode and prefill alike).
+BATCH_INVARIANT_BLOCK_M = 64
+BATCH_INVARIANT_BLOCK_N = 64
 
 
 def triton_unavailable_reason() -> str | None:
@@ -67,6 +72,16 @@ class TritonPagedAttention:
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
+
+    `batch_invariant=True` serves every call (decode and prefill) with the tiled kernel at one
+    fixed tile (BATCH_INVARIANT_BLOCK_M x BATCH_INVARIANT_BLOCK_N), never the split-KV pair:
+    the split count there is chosen from the number of groups, and decode-only calls (which
+    pick the split kernel) would otherwise compute a 1-token prefill chunk differently from one
+    packed with longer chunks. In the tiled kernel a row's online softmax walks its keys from
+    position 0 in BLOCK_N steps, the same steps whatever else shares its tile; steps past its
+    causal limit (the tile's other queries see further) are fully masked and leave its running
+    max, sum and accumulator exactly unchanged. The argument is not measured: no GPU ran it, and
+    its cost (the split-KV speed-up at small batches is given up) is unmeasured.
     """
 
     capabilities = TRITON_CAPABILITIES
@@ -79,9 +94,16 @@ class TritonPagedAttention:
         split_kv: bool = True,
         num_splits: int | None = None,
         fused_decode: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         if triton_kernel is None:
             raise RuntimeError(_TRITON_IMPORT_ERROR)
+        if batch_invariant:
+            if num_splits is not None or fused_decode or block_m or block_n:
+                raise ValueError("batch_invariant fixes the tiles and uses no split-KV decode")
+            split_kv = False
+            block_m, block_n = BATCH_INVARIANT_BLOCK_M, BATCH_INVARIANT_BLOCK_N
+        self.batch_invariant = batch_invariant
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         self._block_m = block_m

@@ -24,6 +24,11 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     supports_cuda_graphs: a decode call can be captured in a CUDA graph and replayed after the
       runner rewrites the batch metadata in place (fixed launch shapes, no host allocation that
       depends on the call's values). Declared per backend, never inferred from a version (R13).
+    supports_batch_invariance: the backend can be built in a batch-invariant mode, in which a
+      query row's output depends only on its own query, its own context's keys/values and the
+      head layout, never on the other groups or rows of the call, the call's max_query_len /
+      max_context_len, or where the row sits in the batch (bitwise; docs/serving.md says where
+      this is tested and where it is only argued).
     """
 
     name: str
@@ -34,6 +39,7 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     kv_layouts: tuple[KVLayout, ...] = (KVLayout.LAST_EXITED, KVLayout.SHARED)
     supports_multi_token_queries: bool = True  # prefill chunks (several queries per sequence)
     supports_cuda_graphs: bool = False
+    supports_batch_invariance: bool = False
 
 
 class AttentionRequirements(msgspec.Struct, frozen=True):
@@ -43,6 +49,9 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
       CUDA device). A preference, not a hard requirement: a backend that cannot be captured
       still serves, but decode then runs eagerly, so selection prefers a capturable backend and
       reports loudly when the one it returns cannot be captured (rlt-attention's selection).
+    batch_invariant: the engine runs in batch-invariant mode (EngineConfig.batch_invariant): a
+      hard requirement, met only by a backend declaring `supports_batch_invariance`, which is
+      then built in that mode.
     """
 
     device_type: str
@@ -53,6 +62,7 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
     block_size: int
     kv_layout: KVLayout
     cuda_graphs: bool = False
+    batch_invariant: bool = False
 
 
 class UnmetRequirement(msgspec.Struct, frozen=True):
@@ -98,6 +108,13 @@ def unmet_requirements(
         )
     if req.kv_layout not in caps.kv_layouts:
         unmet.append(UnmetRequirement("kv_layout", f"kv layout {req.kv_layout.value} unsupported"))
+    if req.batch_invariant and not caps.supports_batch_invariance:
+        unmet.append(
+            UnmetRequirement(
+                "batch_invariant",
+                f"{caps.name} has no batch-invariant mode (batch_invariant=False allows it)",
+            )
+        )
     if req.num_heads % req.num_kv_heads:
         unmet.append(
             UnmetRequirement(

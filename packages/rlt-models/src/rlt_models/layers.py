@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,12 +47,14 @@ class RotaryEmbedding:
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, *, table: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, head_dim] in `dtype` for integer `positions` [N]."""
+        """cos, sin [N, head_dim] in `dtype` for integer `positions` [N]. `table`: look them up
+        in the per-position table on the CPU too (batch-invariant mode: a position's values
+        are then computed once, never in a call whose size depends on the batch)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        if positions.is_cuda and self.max_positions:
+        if (positions.is_cuda or table) and self.max_positions:
             table = self._tables.get((positions.device, dtype))
             if table is None:
                 every = torch.arange(self.max_positions, device=positions.device)
@@ -81,6 +86,19 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size)
         self.down_proj = empty_parameter(hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+    def forward(self, x: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+        ops = ops or DEFAULT_OPS
+        gate, up = ops.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return ops.linear(ops.silu(gate) * up, self.down_proj)
+
+
+class ModelOps(NamedTuple):
+    """The ops whose results can depend on the batch: the default torch ones, or the
+    batch-invariant ones of `rlt_models.batch_invariant` (`OuroModel.batch_invariant`)."""
+
+    linear: Callable[..., torch.Tensor]
+    silu: Callable[[torch.Tensor], torch.Tensor]
+    sigmoid: Callable[[torch.Tensor], torch.Tensor]
+
+
+DEFAULT_OPS = ModelOps(F.linear, F.silu, torch.sigmoid)

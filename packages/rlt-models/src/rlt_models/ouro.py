@@ -12,6 +12,10 @@ Two execution paths compute the same loop (`OuroModel.fused_path`):
   `add_rms_norm` -> gate_up GEMM -> `silu_mul` -> down GEMM -> `add_rms_norm` (whose second norm
   is the next layer's input norm, or the end-of-loop norm after the last layer), with the
   elementwise ops of `fused_ops` (Triton kernels on CUDA).
+
+`OuroModel.batch_invariant` swaps the ops whose results can depend on the batch (the GEMMs, the
+fp32 sigmoid/silu, RoPE's cos/sin) for those of `rlt_models.batch_invariant`, so that a row's
+values depend only on its own token, position and attention context.
 """
 
 from __future__ import annotations
@@ -21,9 +25,17 @@ import torch.nn.functional as F
 from rlt_contracts import LayerAttention, LoopedModelShape
 from torch import nn
 
-from rlt_models import fused_ops
+from rlt_models import batch_invariant, fused_ops
 from rlt_models.config import OuroConfig
-from rlt_models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.layers import (
+    DEFAULT_OPS,
+    ModelOps,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rotary,
+    empty_parameter,
+)
 from rlt_models.small_batch_linear import small_batch_linear
 
 
@@ -55,15 +67,17 @@ class OuroDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: LayerAttention,
+        ops: ModelOps = DEFAULT_OPS,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = F.linear(self.input_layernorm(x), self.qkv_proj).split(self.qkv_split, dim=-1)
+        qkv = ops.linear(self.input_layernorm(x), self.qkv_proj)
+        q, k, v = qkv.split(self.qkv_split, dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = attention(self.layer_index, q, k, v).reshape(n, -1)
-        x = x + self.input_layernorm_2(F.linear(attn, self.o_proj))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+        x = x + self.input_layernorm_2(ops.linear(attn, self.o_proj))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x), ops))
 
     def forward_fused(
         self,
@@ -75,13 +89,19 @@ class OuroDecoderLayer(nn.Module):
         next_norm_weight: torch.Tensor,
         *,
         impl: str,
+        invariant: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer on (x, input_layernorm(x)); returns (x', RMSNorm(x'; next_norm_weight))
         where next_norm_weight is the next layer's input norm (or the end-of-loop norm).
         `impl` ("triton" / "torch") picks the elementwise ops of `fused_ops`; with "triton"
-        the projections of few rows may use the measured small-batch kernel."""
+        the projections of few rows may use the measured small-batch kernel. `invariant`: the
+        projections use the batch-invariant GEMM instead (the fused elementwise Triton kernels
+        compute each element or row alone; the "torch" references keep F.silu)."""
         n = x.shape[0]
-        linear = small_batch_linear if impl == "triton" else F.linear
+        if invariant:
+            linear = batch_invariant.linear
+        else:
+            linear = small_batch_linear if impl == "triton" else F.linear
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size, _ = self.qkv_split
         qkv = linear(normed, self.qkv_proj)
@@ -112,6 +132,9 @@ class OuroDecoderLayer(nn.Module):
 
 
 FUSED_PATHS = ("auto", "triton", "torch", "off")
+BATCH_INVARIANT_OPS = ModelOps(
+    batch_invariant.linear, batch_invariant.silu, batch_invariant.sigmoid
+)
 
 
 class OuroModel(nn.Module):
@@ -123,6 +146,12 @@ class OuroModel(nn.Module):
     - "triton": always the fused path with Triton kernels (on CPU only under TRITON_INTERPRET=1).
     - "torch": the fused path with the torch reference ops (bit-identical to eager; for tests).
     - "off": always the eager path (e.g. to compare fused vs unfused on CUDA).
+
+    `batch_invariant` (a plain attribute, default False): every op whose result could depend on
+    the other rows of the call runs in its batch-invariant form (`rlt_models.batch_invariant`):
+    GEMMs (projections, LM head, exit gate), fp32 sigmoid/silu, and RoPE's cos/sin (looked up
+    in the per-position table). Attention is the bound `LayerAttention`'s business: the engine
+    builds it batch-invariant too.
     """
 
     def __init__(self, config: OuroConfig) -> None:
@@ -142,6 +171,14 @@ class OuroModel(nn.Module):
             config.head_dim, config.rope_theta, config.max_position_embeddings
         )
         self.fused_path = "auto"
+        self.batch_invariant = False
+
+    @property
+    def ops(self) -> ModelOps:
+        """The batch-sensitive ops of the eager path, LM head and gate (see `batch_invariant`)."""
+        if self.batch_invariant:
+            return BATCH_INVARIANT_OPS
+        return DEFAULT_OPS
 
     def fused_impl(self, hidden: torch.Tensor) -> str | None:
         """The `fused_ops` impl ("triton" / "torch") `recurrent_step` uses for `hidden`, or None
@@ -178,12 +215,13 @@ class OuroModel(nn.Module):
         compute_gate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One loop: all layers then the shared end-of-loop norm; gate probability in fp32."""
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, table=self.batch_invariant)
         impl = self.fused_impl(hidden)
         if impl is None:
             x = hidden
+            ops = self.ops
             for layer in self.layers:
-                x = layer(x, cos, sin, attention)
+                x = layer(x, cos, sin, attention, ops)
             x = self.norm(x)
         else:
             x = self._fused_layers(hidden, cos, sin, attention, impl)
@@ -207,7 +245,16 @@ class OuroModel(nn.Module):
         for index, layer in enumerate(layers):
             last = index + 1 == len(layers)
             next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
-            x, normed = layer.forward_fused(x, normed, cos, sin, attention, next_weight, impl=impl)
+            x, normed = layer.forward_fused(
+                x,
+                normed,
+                cos,
+                sin,
+                attention,
+                next_weight,
+                impl=impl,
+                invariant=self.batch_invariant,
+            )
         return normed
 
     def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -218,9 +265,12 @@ class OuroModel(nn.Module):
             if cached is None or cached[0].device != weight.device:
                 cached = self._gate_fp32 = (weight.float(), bias.float())
             weight, bias = cached
-        logits = F.linear(hidden.float(), weight, bias)
-        return torch.sigmoid(logits.squeeze(-1))
+        ops = self.ops
+        logits = ops.linear(hidden.float(), weight, bias)
+        return ops.sigmoid(logits.squeeze(-1))
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [N, d] -> logits [N, V] in the model dtype."""
+        if self.batch_invariant:
+            return batch_invariant.linear(hidden, self.lm_head)
         return small_batch_linear(hidden, self.lm_head)

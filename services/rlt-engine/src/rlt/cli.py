@@ -51,6 +51,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="fused Triton kernels in the recurrent step on CUDA (default: on)",
     )
     group.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=d.batch_invariant,
+        help="a request's output never depends on what else runs (default: on for the CPU, "
+        "off for CUDA; docs/serving.md, Reproducibility)",
+    )
+    group.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=d.async_scheduling,

@@ -84,6 +84,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
     )
     model.fused_path = "auto" if config.fused_kernels else "off"
+    model.batch_invariant = config.batch_invariant_on(device.type)
     shape = model.shape
     max_model_len = config.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
@@ -102,6 +103,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         block_size=config.block_size,
         kv_layout=layout,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
+        batch_invariant=model.batch_invariant,
     )
     selection = select_attention_backend(requirements, config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)

@@ -1,0 +1,212 @@
+"""Cost and effect of `EngineConfig.batch_invariant`: the same workloads with it on and off.
+
+For every (dtype, batch) cell, two engines on the same checkpoint (batch_invariant on / off)
+replay the same seeded workload: `batch` requests of --prompt-len random prompt tokens, each
+sampling --output-len tokens (temperature 0.9, top_p 0.8, its own seed, ignore_eos, logprobs),
+all submitted at once; one warm-up run, then --repeats measured runs (median). Reported:
+
+  output_tokens_per_s   end to end (first add_request to the last finish; device synchronized)
+  prefill_tokens_per_s  a separate prefill-heavy run: the same prompts with max_tokens 1
+  cost                  off / on time ratio - 1 of each (positive: the mode is slower)
+  invariant             request 0 of the batch equals request 0 run alone (tokens, exit depths
+                        and logprobs, bitwise); also measured with the mode off, where it shows
+                        the defect the mode removes
+  first_difference      with the mode off: the first token index whose logprob differs (None
+                        if none), and the largest |logprob difference| up to the first token
+                        that differs
+
+Examples:
+  uv run python benchmarks/batch_invariance.py                      # bundled model, CPU
+  uv run python benchmarks/batch_invariance.py --dtype float32 --dtype bfloat16 \\
+      --json-out benchmarks/results/batch_invariance_cpu.json
+  # H200 (benchmarks/h200_run.sh batch-invariance): Ouro-1.4B shape, random weights
+  python3 benchmarks/batch_invariance.py --device cuda --shape ouro-1.4b --dtype bfloat16 \\
+      --batch 1 --batch 8 --batch 32 --batch 128 --prompt-len 1024 --output-len 64 \\
+      --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024
+
+Numbers hold for the machine, revision and thread count they were measured with only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: bundled model)")
+    parser.add_argument("--shape", default=None, help="random checkpoint: tiny or ouro-1.4b")
+    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", action="append", default=None)
+    parser.add_argument("--batch", action="append", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--exit-threshold", type=float, default=0.7)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
+    parser.add_argument("--prefill-chunk-size", type=int, default=128)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or ["bfloat16"]
+    args.batch = args.batch or [1, 4, 8]
+    return args
+
+
+def checkpoint(args) -> str | None:
+    if args.model or not args.shape:
+        return args.model
+    sys.path.insert(0, str(Path(__file__).parent))
+    from offline_throughput import ensure_checkpoint  # the same random checkpoints
+
+    args.model = None
+    return str(ensure_checkpoint(args))
+
+
+def workload(batch: int, prompt_len: int, vocab: int):
+    rng = random.Random(1234)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def params(seed: int, max_tokens: int, threshold: float):
+    from rlt import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.9,
+        top_p=0.8,
+        seed=seed,
+        exit_threshold=threshold,
+        ignore_eos=True,
+        logprobs=0,
+    )
+
+
+def timed(llm, prompts, max_tokens: int, threshold: float):
+    import torch
+
+    sampling = [params(1000 + i, max_tokens, threshold) for i in range(len(prompts))]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    if llm.engine.parts.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
+
+
+def cell(args, model, dtype: str, batch: int, invariant: bool) -> dict:
+    from rlt import LLM
+
+    llm = LLM(
+        model,
+        device=args.device,
+        dtype=dtype,
+        batch_invariant=invariant,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+    try:
+        vocab = llm.engine.parts.model.shape.vocab_size
+        prompts = workload(batch, args.prompt_len, vocab)
+        out_len, thr = args.output_len, args.exit_threshold
+        timed(llm, prompts, out_len, thr)  # warm-up (and CUDA graph capture of new modes)
+        decode = [timed(llm, prompts, out_len, thr) for _ in range(args.repeats)]
+        prefill = [timed(llm, prompts, 1, thr)[0] for _ in range(args.repeats)]
+        batched = decode[-1][1][0]
+        solo = timed(llm, prompts[:1], out_len, thr)[1][0]
+    finally:
+        llm.shutdown()
+        gc.collect()
+    wall = statistics.median(t for t, _ in decode)
+    prefill_wall = statistics.median(prefill)
+    differs = [
+        i for i, (a, b) in enumerate(zip(solo.logprobs, batched.logprobs, strict=True)) if a != b
+    ]
+    token_diff = next(
+        (
+            i
+            for i, (a, b) in enumerate(zip(solo.token_ids, batched.token_ids, strict=True))
+            if a != b
+        ),
+        None,
+    )
+    upto = len(solo.logprobs) if token_diff is None else token_diff + 1
+    return {
+        "dtype": dtype,
+        "batch": batch,
+        "batch_invariant": invariant,
+        "output_tokens_per_s": batch * out_len / wall,
+        "prefill_tokens_per_s": batch * args.prompt_len / prefill_wall,
+        "wall_s": wall,
+        "prefill_wall_s": prefill_wall,
+        "invariant": (solo.token_ids, solo.exit_depths, solo.logprobs)
+        == (batched.token_ids, batched.exit_depths, batched.logprobs),
+        "first_logprob_difference": differs[0] if differs else None,
+        "first_token_difference": token_diff,
+        "max_abs_logprob_difference": max(
+            (
+                abs(a - b)
+                for a, b in zip(solo.logprobs[:upto], batched.logprobs[:upto], strict=True)
+            ),
+            default=0.0,
+        ),
+        "mean_loops": batched.mean_loops,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    model = checkpoint(args)
+    results = []
+    for dtype in args.dtype:
+        for batch in args.batch:
+            on, off = (cell(args, model, dtype, batch, flag) for flag in (True, False))
+            for row in (on, off):
+                results.append(row)
+            line = (
+                f"{dtype:9s} batch {batch:4d}: decode {off['output_tokens_per_s']:8.1f} -> "
+                f"{on['output_tokens_per_s']:8.1f} tok/s "
+                f"(cost {off['output_tokens_per_s'] / on['output_tokens_per_s'] - 1:+.1%}), "
+                f"prefill {off['prefill_tokens_per_s']:8.1f} -> {on['prefill_tokens_per_s']:8.1f}"
+                f" tok/s (cost {off['prefill_tokens_per_s'] / on['prefill_tokens_per_s'] - 1:+.1%})"
+                f"; solo == batched: on {on['invariant']}, off {off['invariant']}"
+            )
+            if not off["invariant"]:
+                line += (
+                    f" (off: logprob {off['first_logprob_difference']}, token "
+                    f"{off['first_token_difference']}, max "
+                    f"{off['max_abs_logprob_difference']:.3g} nats)"
+                )
+            print(line, flush=True)
+    report = {
+        "benchmark": "batch_invariance",
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": model or "bundled default model",
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "results": results,
+    }
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if all(r["invariant"] for r in results if r["batch_invariant"]) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

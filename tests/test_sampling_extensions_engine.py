@@ -395,3 +395,51 @@ def test_the_min_tokens_mask_leaves_the_mode_once_every_row_passed_it(llm_factor
     out = llm.generate(PROMPTS[:1], params)[0]
     assert masked[0] and not masked[-1] and masked == sorted(masked, reverse=True)
     assert 77 not in out.token_ids[:3] and out.token_ids[-1] == 77 and out.finish_reason == "stop"
+
+
+# -- CUDA (skipped without a GPU; not run in this change's session: unverified on CUDA) ---------
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fast", [True, False], ids=["fused+graphs", "eager"])
+def test_cuda_adjustments_match_the_serial_reference(llm_factory, tiny_checkpoint, no_tf32, fast):
+    path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+    llm = llm_factory(device="cuda", cuda_graphs=fast, fused_kernels=fast)
+    check_against_oracle(llm, path, "last_exited", "combined", 0.8)
+    if fast:
+        assert llm.engine.core.runner.graphs.replays > 0
+
+
+@pytest.mark.cuda
+def test_cuda_steps_with_every_extension_make_no_host_sync(llm_factory):
+    """Warm up (lazy allocation, graph capture of each mode), then the same traffic under
+    CUDA's sync debug mode: penalties, bias, min_tokens, min_p (and preemption snapshots of
+    counts when the small pool runs short)."""
+    llm = llm_factory(
+        device="cuda",
+        scheduling_policy="priority",
+        enable_preemption=True,
+        max_num_seqs=2,
+        num_kv_blocks=40,
+        incremental_kv=True,
+    )
+
+    def traffic():
+        return [o.token_ids for o in llm.generate(PROMPTS, RANDOM_PARAMS)]
+
+    first = traffic()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = traffic()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert again == first

@@ -348,11 +348,11 @@ class DecodeRows:
 
     def count_outputs(self, index: torch.Tensor, token_ids: torch.Tensor, counted) -> None:
         """output_counts[index[n], token_ids[n]] += counted[n] (int or bool [n]); the rows are
-        distinct. A no-op until a penalized request allocated the counts."""
+        distinct, so the flat slots are too (an index_add, no host sync). A no-op until a
+        penalized request allocated the counts."""
         if self.output_counts is not None:
-            self.output_counts.index_put_(
-                (index, token_ids), counted.to(torch.int32), accumulate=True
-            )
+            slots = index * self.vocab_size + token_ids
+            self.output_counts.view(-1).index_add_(0, slots, counted.to(torch.int32))
 
     def _traces(self, records: list[RowRecord]) -> list[list[int]]:
         rows = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import msgspec
 import pytest
 import torch
 from rlt_contracts import LogitsAdjustments, SamplingMode, SamplingParams, SamplingRow
@@ -128,11 +127,19 @@ def test_neutral_rows_are_bitwise_unchanged_and_sample_as_without_adjustments():
 
 
 def structs_replace(params: SamplingParams, **changes) -> SamplingParams:
-    return msgspec.structs.replace(params, **changes)
+    """A copy with `changes` (built again, so it is validated again)."""
+    fields = {name: getattr(params, name) for name in params.__struct_fields__}
+    return SamplingParams(**{**fields, **changes})
 
 
 def with_params(row: SamplingRow, **changes) -> SamplingRow:
-    return msgspec.structs.replace(row, params=structs_replace(row.params, **changes))
+    return SamplingRow(
+        structs_replace(row.params, **changes),
+        row.output_index,
+        row.prompt_token_ids,
+        row.output_token_ids,
+        row.stop_token_ids,
+    )
 
 
 def gumbel_reference_token(scores: list[float], seed: int, counter: int) -> tuple[int, float]:

@@ -43,7 +43,7 @@ class AdjustedOracle(GenerationOracle):
     def generate_with(self, request: OracleRequest, params: SamplingParams):
         self.params = params
         self.prompt = set(request.prompt)
-        self.stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else self.eos)
+        self.stop_ids = set(request.stop_token_ids) | self.eos  # EOS even under ignore_eos
         return self.generate(request)
 
     def _emit(self, result, logits, depth):
@@ -87,6 +87,7 @@ GREEDY_CASES = {
     "frequency_presence": dict(frequency_penalty=0.8, presence_penalty=0.5),
     "logit_bias": dict(logit_bias={7: 4.0, 130: -3.0, 80: 2.5}),
     "min_tokens": dict(min_tokens=6, logit_bias={EOS: 9.0}, ignore_eos=False),
+    "min_tokens_ignore_eos": dict(min_tokens=5, logit_bias={EOS: 9.0}),  # EOS masked anyway
     "combined": dict(
         repetition_penalty=1.3,
         frequency_penalty=0.4,
@@ -283,11 +284,13 @@ def test_min_tokens_holds_back_eos_and_stop_ids(llm_factory):
     assert [(len(o.token_ids), o.token_ids[-1], o.finish_reason) for o in out] == [
         (7, 77, "stop")
     ] * 2
-    # ignore_eos: EOS is neither masked nor a stop; min_tokens = max_tokens ends by length
+    # ignore_eos: EOS is no stop, but min_tokens still masks it (vLLM masks all_stop_token_ids,
+    # which always hold EOS); afterwards the forced EOS repeats until max_tokens
     out = llm.generate(
-        PROMPTS[:1], SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, **forced_eos)
+        PROMPTS[:1], SamplingParams(max_tokens=5, min_tokens=2, ignore_eos=True, **forced_eos)
     )
-    assert (out[0].token_ids, out[0].finish_reason) == ([EOS] * 4, "length")
+    assert EOS not in out[0].token_ids[:2]
+    assert (out[0].token_ids[2:], out[0].finish_reason) == ([EOS] * 3, "length")
 
 
 def test_logit_bias_of_100_forces_a_token(llm_factory):

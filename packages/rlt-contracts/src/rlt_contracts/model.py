@@ -120,8 +120,8 @@ class LogitsAdjustments:
     min_tokens:
       min_tokens [N] int64: the stop mask applies while the sampled output index (the
         sampler's `counter`) is below it.
-      stop_mask [N, V] bool: the row's stop token ids (request stop ids plus EOS unless
-        ignore_eos).
+      stop_mask [N, V] bool: the row's stop token ids: the request's stop ids and the model's
+        EOS ids, even under ignore_eos (vLLM's `all_stop_token_ids`).
     constrained:
       token_bitmask [N, ceil(V / 32)] int32: structured output's allowed tokens (bit t % 32 of
         word t // 32); -1 words for rows without a grammar.

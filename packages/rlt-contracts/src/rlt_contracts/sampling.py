@@ -49,7 +49,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       min_p: in [0, 1]; after temperature, tokens whose probability is below min_p times the
         most likely token's are dropped (0 disables).
       min_tokens: in [0, max_tokens]; while fewer than this many tokens were generated, the
-        stop token ids (`stop_token_ids` and, unless `ignore_eos`, EOS) cannot be sampled, and
+        stop token ids (`stop_token_ids` and EOS, even with `ignore_eos`: vLLM's
+        all_stop_token_ids) cannot be sampled, and
         stop strings are not checked in the text of those first tokens.
       logit_bias: {token id: bias}, at most 300 entries, each bias in [-100, 100], added to the
         token's logit; ids must be in the vocabulary (checked at admission). None or {} for
@@ -227,8 +228,8 @@ class SamplingRow(msgspec.Struct, frozen=True, array_like=True):
     The token history the logits adjustments read (needed only when `params` uses them):
       prompt_token_ids: the prompt (repetition_penalty).
       output_token_ids: the outputs so far, exactly `output_index` of them (penalties).
-      stop_token_ids: the ids min_tokens keeps from being sampled: the request's stop ids plus
-        EOS unless ignore_eos (its `DecodeRule.stop_token_ids`); None means
+      stop_token_ids: the ids min_tokens keeps from being sampled: the request's stop ids and
+        the model's EOS ids, even under ignore_eos (vLLM's all_stop_token_ids); None means
         `params.stop_token_ids`.
     """
 

@@ -126,6 +126,7 @@ class ModelRunner:
             scratch_block=self.kv.scratch_block,
             trace_capacity=trace_capacity,
             vocab_size=shape.vocab_size,
+            eos_token_ids=shape.eos_token_ids,
         )
         self.program = DecodeProgram(
             model,

@@ -37,8 +37,9 @@ table 0.9 MB (the KV pool sizing counts them: the profiling run turns every feat
                                activation from the whole prompt (`NewRequestData`)
   bias_token_ids [S, K] int64, bias_values [S, K] fp32 (K = 300): the logit_bias entries,
                                padded with (0, 0.0); every activated row's entries are rewritten
-  stop_mask [S, V] bool        the rule's stop ids (min_tokens masks them while outputs <
-                               min_tokens); written at activation
+  stop_mask [S, V] bool        the rule's stop ids and the model's EOS ids, also under
+                               ignore_eos (vLLM's all_stop_token_ids): min_tokens masks them
+                               while outputs < min_tokens; written at activation
 Rows of requests that do not use a feature keep stale values there; their neutral scalars
 (penalties 1 / 0 / 0, min_tokens 0) make them inert.
   block_tables [S, planes, pages] int32: physical block of every page of every plane; pages not
@@ -129,9 +130,12 @@ class DecodeRows:
         stop_capacity: int = 8,
         trace_capacity: int = 1,
         vocab_size: int = 1,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.device = device
         self.vocab_size = vocab_size
+        # min_tokens masks the model's EOS ids even under ignore_eos (vLLM's all_stop_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
         self.num_planes = num_planes
         self.max_pages = max_pages
         self.scratch_block = scratch_block
@@ -296,7 +300,10 @@ class DecodeRows:
         if limited:
             stop_mask = self._stop_mask()
             stop_mask.index_fill_(0, upload([r.row for r in limited], torch.int64, self.device), 0)
-            self._set_tokens(stop_mask, [(r.row, r.rule.stop_token_ids) for r in limited])
+            self._set_tokens(
+                stop_mask,
+                [(r.row, (*r.rule.stop_token_ids, *self.eos_token_ids)) for r in limited],
+            )
 
     def _set_tokens(self, mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
         pairs = [(row, token) for row, tokens in rows for token in tokens]

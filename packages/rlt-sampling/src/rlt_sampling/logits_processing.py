@@ -7,7 +7,8 @@ logits converted to fp32, for every row at once:
                     (`token_mask.py`; first, as vLLM applies the grammar bitmask before its
                     sampler)
     1  min_tokens   rows whose sampled output index (`counter`) is below their min_tokens get
-                    -inf at their stop token ids (request stop ids plus EOS unless ignore_eos)
+                    -inf at their stop token ids (request stop ids and EOS, even under
+                    ignore_eos: vLLM's all_stop_token_ids)
     2  logit_bias   logits[v] += bias[v] for the row's (token id, bias) entries
     3  repetition   tokens in the prompt or the outputs so far:
                         logit / r if logit > 0 else logit * r

@@ -353,7 +353,9 @@ class DecodeRows:
             token_bitmask=rows_of(self.token_bitmask),
         )
 
-    def count_outputs(self, index: torch.Tensor, token_ids: torch.Tensor, counted) -> None:
+    def count_outputs(
+        self, index: torch.Tensor, token_ids: torch.Tensor, counted: torch.Tensor
+    ) -> None:
         """output_counts[index[n], token_ids[n]] += counted[n] (int or bool [n]); the rows are
         distinct, so the flat slots are too (an index_add, no host sync). A no-op until a
         penalized request allocated the counts."""

@@ -122,6 +122,18 @@ def test_openai_client_json_schema_choice_regex_and_structured_outputs(client):
         assert picked.choices[0].text in CHOICES
         assert picked.choices[0].finish_reason == "stop"
 
+    several = client.completions.create(
+        model="tiny",
+        prompt="Shall we?",
+        max_tokens=16,
+        temperature=1.0,
+        seed=1,
+        n=3,
+        extra_body={"guided_choice": CHOICES},
+    )
+    assert len(several.choices) == 3
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in several.choices)
+
     matched = client.completions.create(
         model="tiny",
         prompt="Code:",

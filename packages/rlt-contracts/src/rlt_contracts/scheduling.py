@@ -12,7 +12,8 @@ The runner executes one step in this order, which every consumer may rely on:
    and their rows freed; their blocks may be reused by later work of this same step.
 2. `released`: rows (and any snapshot) of finished / aborted requests are dropped.
 3. `new_requests` and `restores` get rows, `block_updates` are applied, then restored requests
-   get their saved state back in their new blocks.
+   get their saved state back in their new blocks, then `token_masks` (structured output) are
+   written into their rows.
 4. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` sends its last
    position straight to coda: token 0 is sampled at full depth (output index 0) and, unless it
    ends the request, the row starts decoding (its successor's loop 1 may run in this step).

@@ -3,7 +3,8 @@
 For every (dtype, batch) cell, two engines on the same checkpoint (batch_invariant on / off)
 replay the same seeded workload: `batch` requests of --prompt-len random prompt tokens, each
 sampling --output-len tokens (temperature 0.9, top_p 0.8, its own seed, ignore_eos, logprobs),
-all submitted at once; one warm-up run, then --repeats measured runs (median). Reported:
+all submitted at once; one warm-up run each, then --repeats measured runs of the two engines
+interleaved, the fastest kept (robust to other load on a shared machine). Reported:
 
   output_tokens_per_s   end to end (first add_request to the last finish; device synchronized)
   prefill_tokens_per_s  a separate prefill-heavy run: the same prompts with max_tokens 1
@@ -34,7 +35,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -102,10 +102,10 @@ def timed(llm, prompts, max_tokens: int, threshold: float):
     return time.perf_counter() - start, outputs
 
 
-def cell(args, model, dtype: str, batch: int, invariant: bool) -> dict:
+def build(args, model, dtype: str, invariant: bool):
     from rlt import LLM
 
-    llm = LLM(
+    return LLM(
         model,
         device=args.device,
         dtype=dtype,
@@ -114,20 +114,41 @@ def cell(args, model, dtype: str, batch: int, invariant: bool) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
     )
+
+
+def cells(args, model, dtype: str, batch: int) -> tuple[dict, dict]:
+    """(on, off) for one (dtype, batch): both engines built first, their measured runs
+    interleaved (on, off, on, off, ...) and the fastest of each kept, so that load from other
+    processes on a shared machine biases neither side."""
+    engines = {flag: build(args, model, dtype, flag) for flag in (True, False)}
     try:
-        vocab = llm.engine.parts.model.shape.vocab_size
+        vocab = engines[True].engine.parts.model.shape.vocab_size
         prompts = workload(batch, args.prompt_len, vocab)
         out_len, thr = args.output_len, args.exit_threshold
-        timed(llm, prompts, out_len, thr)  # warm-up (and CUDA graph capture of new modes)
-        decode = [timed(llm, prompts, out_len, thr) for _ in range(args.repeats)]
-        prefill = [timed(llm, prompts, 1, thr)[0] for _ in range(args.repeats)]
-        batched = decode[-1][1][0]
-        solo = timed(llm, prompts[:1], out_len, thr)[1][0]
+        decode = {True: [], False: []}
+        prefill = {True: [], False: []}
+        last = {}
+        for llm in engines.values():
+            timed(llm, prompts, out_len, thr)  # warm-up (and CUDA graph capture of new modes)
+        for _ in range(args.repeats):
+            for flag, llm in engines.items():
+                seconds, last[flag] = timed(llm, prompts, out_len, thr)
+                decode[flag].append(seconds)
+                prefill[flag].append(timed(llm, prompts, 1, thr)[0])
+        solo = {flag: timed(llm, prompts[:1], out_len, thr)[1][0] for flag, llm in engines.items()}
     finally:
-        llm.shutdown()
+        for llm in engines.values():
+            llm.shutdown()
         gc.collect()
-    wall = statistics.median(t for t, _ in decode)
-    prefill_wall = statistics.median(prefill)
+    return tuple(
+        summary(args, dtype, batch, flag, decode[flag], prefill[flag], solo[flag], last[flag][0])
+        for flag in (True, False)
+    )
+
+
+def summary(args, dtype, batch, invariant, decode, prefill, solo, batched) -> dict:
+    wall, prefill_wall = min(decode), min(prefill)
+    out_len = args.output_len
     differs = [
         i for i, (a, b) in enumerate(zip(solo.logprobs, batched.logprobs, strict=True)) if a != b
     ]
@@ -171,7 +192,7 @@ def main(argv=None) -> int:
     results = []
     for dtype in args.dtype:
         for batch in args.batch:
-            on, off = (cell(args, model, dtype, batch, flag) for flag in (True, False))
+            on, off = cells(args, model, dtype, batch)
             for row in (on, off):
                 results.append(row)
             line = (

@@ -83,7 +83,8 @@ def test_seeded_top_p_request_is_bitwise_identical_whatever_else_runs(llm_factor
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_engine_shape_options_do_not_change_the_sample(llm_factory, layout):
-    """Runner rows, token budget and chunk size change the batch layout, not the result."""
+    """Runner rows, token budget, chunk size and block size change the batch layout, not the
+    result."""
     results = [
         run(
             llm_factory(kv_layout=layout, batch_invariant=True, **options),
@@ -92,10 +93,23 @@ def test_engine_shape_options_do_not_change_the_sample(llm_factory, layout):
         for options in (
             dict(max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=3),
             dict(max_num_seqs=4),
-            dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64),
+            dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64, block_size=8),
         )
     ]
     assert results[0] == results[1] == results[2]
+
+
+def test_prefix_cache_hit_gives_the_same_result(llm_factory):
+    """KV pages computed by another request's prefill (prefix caching) are the pages the
+    request would have computed itself: a position's KV depends only on the tokens up to it."""
+    llm = llm_factory(batch_invariant=True, enable_prefix_caching=True)
+    solo = run(llm, SCHEDULES["solo"])
+    llm.engine.add_request("warm", TARGET + [1, 2, 3], sampled(99, max_tokens=2))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    hits_before = llm.get_stats().prefix_cache_hit_tokens
+    assert run(llm, SCHEDULES["with one"]) == solo
+    assert llm.get_stats().prefix_cache_hit_tokens > hits_before
 
 
 def test_bundled_model_in_bf16(tmp_path):
@@ -120,20 +134,17 @@ def test_what_is_not_guaranteed(llm_factory):
 
 
 def test_config_default_validation_and_flag():
-    assert EngineConfig().batch_invariant is None
-    assert EngineConfig().batch_invariant_on("cpu")
-    assert not EngineConfig().batch_invariant_on("cuda")
-    assert EngineConfig(batch_invariant=True).batch_invariant_on("cuda")
-    assert not EngineConfig(batch_invariant=False).batch_invariant_on("cpu")
-    with pytest.raises(ConfigurationError) as error:
-        EngineConfig(batch_invariant="yes")
-    assert error.value.options == ("batch_invariant",)
+    assert EngineConfig().batch_invariant is False
+    for bad in ("yes", None, 1):
+        with pytest.raises(ConfigurationError) as error:
+            EngineConfig(batch_invariant=bad)
+        assert error.value.options == ("batch_invariant",)
 
     from rlt.cli import build_parser, engine_config_from_args
 
     parser = build_parser()
     for flags, expected in (
-        ([], None),
+        ([], False),
         (["--batch-invariant"], True),
         (["--no-batch-invariant"], False),
     ):
@@ -141,7 +152,22 @@ def test_config_default_validation_and_flag():
         assert engine_config_from_args(args).batch_invariant is expected
 
 
-def test_default_engine_on_cpu_is_batch_invariant(llm_factory):
-    llm = llm_factory()
+def test_engine_reports_the_mode(llm_factory):
+    assert not llm_factory().engine.parts.model.batch_invariant
+    llm = llm_factory(batch_invariant=True)
     assert llm.engine.parts.model.batch_invariant
     assert "batch-invariant" in llm.engine.parts.attention_reason
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_cuda_batch_invariant_mode(llm_factory, dtype, cuda_graphs):
+    """The H200 check (benchmarks/h200_run.sh batch-invariance): never run yet."""
+    llm = llm_factory(
+        device="cuda", dtype=dtype, batch_invariant=True, cuda_graphs=cuda_graphs, max_num_seqs=8
+    )
+    assert llm.engine.parts.model.batch_invariant
+    solo = run(llm, SCHEDULES["solo"])
+    for name, schedule in SCHEDULES.items():
+        assert run(llm, schedule) == solo, name

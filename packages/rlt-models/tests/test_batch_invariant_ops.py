@@ -127,3 +127,26 @@ class _SelfOnlyAttention:
     def __call__(self, layer_index, query, key, value):
         group = query.shape[1] // key.shape[1]
         return value.repeat_interleave(group, dim=1).to(query.dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 5632)])
+def test_cuda_linear_row_result_is_independent_of_the_batch(shape, dtype):
+    """On a GPU the Triton GEMM (never run yet): the same row property, for Ouro-1.4B shapes
+    and row counts up to a prefill chunk."""
+    torch.manual_seed(0)
+    n, k = shape
+    weight = torch.randn(n, k, device="cuda").to(dtype)
+    pool = torch.randn(300, k, device="cuda").to(dtype)
+    probe = torch.randn(k, device="cuda").to(dtype)
+    results = []
+    for count in (1, 2, 7, 16, 17, 64, 65, 128, 300):
+        for position in {0, count // 2, count - 1}:
+            rows = pool[:count].clone()
+            rows[position] = probe
+            results.append(batch_invariant.linear(rows, weight)[position])
+    assert all(torch.equal(r, results[0]) for r in results)
+    reference = F.linear(probe[None].double(), weight.double())[0]
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(results[0].double(), reference, rtol=tolerance, atol=tolerance)

@@ -36,6 +36,9 @@ TORCH_CAPABILITIES = AttentionCapabilities(
 # Batch-invariant mode: key positions per bmm step. A multiple of 64, so that the elementwise
 # exp over [rows, heads, keys] never has a SIMD tail whose position depends on the batch.
 KEY_CHUNK = 64
+# Batch-invariant mode: query rows of one group per GEMM block (padded): a group's keys are
+# gathered once per block instead of once per row.
+QUERY_BLOCK = 8
 
 
 @dataclass(frozen=True)
@@ -174,27 +177,33 @@ class _TorchBoundAttention:
 
 
 class _BatchInvariantAttention:
-    """Per-call attention in which every query row is computed on its own (batch-invariant).
+    """Per-call attention in which every query row is computed as it would be alone.
 
     The default path pads all groups to the call's (Qmax, Cmax) and lets `torch.matmul` /
-    `softmax` run over those padded shapes; on the CPU their roundings change with the shapes
-    and the number of groups (measured: a decode row's output changed in fp32 when another row
-    joined the call). Here every query row n gets its own causal context (its group's table,
-    keys at positions <= its own position), and the math runs in fixed-shape pieces:
+    `softmax` run over those padded shapes; on the CPU their roundings change with the shapes,
+    the number of groups and even operand strides (measured: a decode row's fp32 output changed
+    when another row joined the call). Here every piece of math has one shape for every call:
 
-    1. scores: for each chunk of KEY_CHUNK key positions, a `bmm` whose every batch element is
-       [G, D] x [D, KEY_CHUNK] (one element per query row and kv head); positions outside the
-       row's context get -inf. One `bmm` shape for every call, so one kernel and reduction order.
-    2. max over the row's scores (exact), p = exp(score - max) (elementwise; zero outside).
-    3. for each chunk, a `bmm` [G, KEY_CHUNK] x [KEY_CHUNK, D + 1] of p with the values and a
-       column of ones (the softmax denominator in the same reduction), summed over the chunks in
-       chunk order. Chunks past a row's context contribute exact zeros, so how many chunks the
-       call needs (its longest context) cannot change a row's sum.
-    4. output = numerator / denominator, rounded to the query dtype.
+    1. Query blocks: each group's query rows are cut into blocks of QUERY_BLOCK consecutive rows
+       (the last one padded); a block reads its group's keys and values, each of its rows sees
+       the positions up to its own (causal limit; padding rows see position 0 only).
+    2. Scores: for each chunk of KEY_CHUNK key positions (by absolute position), a `bmm` whose
+       every batch element is [QUERY_BLOCK * G, D] x [D, KEY_CHUNK] (one per block and kv head).
+       A GEMM of one fixed shape rounds a row the same way whatever the other rows hold, so a
+       row's scores do not depend on its block's neighbours. Invisible positions get -inf.
+    3. The max over a row's scores is exact; p = exp(score - max) runs over a tensor whose size
+       is a multiple of 64 (no SIMD tail whose position would depend on the call).
+    4. For each chunk, a `bmm` [QUERY_BLOCK * G, KEY_CHUNK] x [KEY_CHUNK, D + 1] of p with the
+       values and a column of ones (the softmax denominator comes out of the same reduction),
+       summed over the chunks in chunk order. Positions a row does not see have p = 0 and finite
+       values (keys/values outside the group's context are zeroed, so NaN in unread slots cannot
+       reach the output), so they add exact zeros: neither the other rows of its chunk nor the
+       number of chunks the call needs (its longest context) change a row's sums.
+    5. output = numerator / denominator, rounded to the query dtype.
 
-    Keys and values outside a row's context are zeroed before use (whatever their slots hold,
-    NaN included, cannot reach the output). Memory: O(N * KEY_CHUNK * Hkv * D) per chunk and
-    O(N * H * Cmax) fp32 scores (N query rows, Cmax rounded up to KEY_CHUNK).
+    Every bmm operand is made contiguous (a view's strides change the kernel; measured).
+    Memory: O(blocks * KEY_CHUNK * Hkv * D) per chunk plus O(blocks * QUERY_BLOCK * H * Cmax)
+    fp32 scores; blocks <= groups + N / QUERY_BLOCK (a host bound: no sync in bind).
     """
 
     def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
@@ -205,22 +214,35 @@ class _BatchInvariantAttention:
         num_rows, block_size = shape.num_rows, shape.block_size
         self._chunks = max(1, -(-shape.max_context_len // KEY_CHUNK))
         padded_context = self._chunks * KEY_CHUNK
+        self._blocks = blocks = shape.num_groups + num_rows // QUERY_BLOCK
         query_start = batch.query_start.to(torch.int64)
-        rows = torch.arange(num_rows, device=device)
-        group_of_row = torch.searchsorted(query_start[1:].contiguous(), rows, right=True)
         query_lengths = query_start[1:] - query_start[:-1]
         context_lengths = batch.context_lengths.to(torch.int64)
-        # position of row n = its group's context - q_len + its index in the group
-        row_position = (context_lengths - query_lengths)[group_of_row] + (
-            rows - query_start[group_of_row]
+        first_block = torch.cumsum(-(-query_lengths // QUERY_BLOCK), 0) - (
+            -(-query_lengths // QUERY_BLOCK)
         )
+        rows = torch.arange(num_rows, device=device)
+        group_of_row = torch.searchsorted(query_start[1:].contiguous(), rows, right=True)
+        index_in_group = rows - query_start[group_of_row]
+        block_of_row = first_block[group_of_row] + index_in_group // QUERY_BLOCK
+        self._padded_row = block_of_row * QUERY_BLOCK + index_in_group % QUERY_BLOCK
+        # Blocks no row uses read group 0's context and are never read back.
+        group_of_block = torch.zeros(blocks, dtype=torch.int64, device=device)
+        group_of_block.index_copy_(0, block_of_row, group_of_row)
         key_positions = torch.arange(padded_context, device=device)
-        visible = key_positions[None, :] <= row_position[:, None]  # [N, Cpad]
+        in_context = key_positions[None, :] < context_lengths[group_of_block][:, None]
         page = torch.clamp(key_positions // block_size, max=batch.block_tables.shape[1] - 1)
-        blocks = batch.block_tables.to(torch.int64)[group_of_row][:, page]  # [N, Cpad]
-        slots = blocks * block_size + key_positions % block_size
-        self._key_slots = torch.where(visible, slots, torch.zeros_like(slots))
-        self._hidden = ~visible
+        table = batch.block_tables.to(torch.int64)[group_of_block][:, page]  # [blocks, Cpad]
+        slots = table * block_size + key_positions % block_size
+        self._key_slots = torch.where(in_context, slots, torch.zeros_like(slots))
+        self._outside = ~in_context
+        # Causal limit of every (block, slot) row; padding rows see position 0 only.
+        limit = torch.zeros(blocks * QUERY_BLOCK, dtype=torch.int64, device=device)
+        row_position = (context_lengths - query_lengths)[group_of_row] + index_in_group
+        limit.index_copy_(0, self._padded_row, row_position)
+        self._hidden = (key_positions[None, :] > limit[:, None]).view(
+            blocks, 1, QUERY_BLOCK, 1, padded_context
+        )
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -233,39 +255,43 @@ class _BatchInvariantAttention:
         return self._attend(layer_index, query)
 
     def _gather(self, cache_slots: torch.Tensor, layer_index: int, chunk: int) -> torch.Tensor:
-        """[N, KEY_CHUNK, Hkv, D] fp32 of one chunk; zero outside each row's context."""
+        """[blocks, KEY_CHUNK, Hkv, D] fp32 of one chunk; zero outside each block's context."""
         columns = slice(chunk * KEY_CHUNK, (chunk + 1) * KEY_CHUNK)
         slots = self._key_slots[:, columns].reshape(-1)
-        num_rows = self._shape.num_rows
         gathered = cache_slots[layer_index].index_select(0, slots).float()
-        gathered = gathered.view(num_rows, KEY_CHUNK, *cache_slots.shape[2:])
-        return gathered.masked_fill_(self._hidden[:, columns, None, None], 0.0)
+        gathered = gathered.view(self._blocks, KEY_CHUNK, *cache_slots.shape[2:])
+        return gathered.masked_fill_(self._outside[:, columns, None, None], 0.0)
 
     def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
         num_rows, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
         group = num_heads // kv_heads
-        pairs = num_rows * kv_heads  # one bmm element per (query row, kv head)
-        # Every bmm operand is made contiguous: a reshape that can return a view (e.g. of one
-        # row) would hand the bmm other strides, and strides change its kernel (measured).
-        q = query.float().reshape(pairs, group, head_dim).contiguous()
+        blocks, rows = self._blocks, QUERY_BLOCK * group
+        padded = query.new_zeros((blocks * QUERY_BLOCK, num_heads, head_dim), dtype=torch.float32)
+        padded.index_copy_(0, self._padded_row, query.float())
+        # [blocks, QB, Hkv, G, D] -> one [QB * G, D] matrix per (block, kv head)
+        q = padded.view(blocks, QUERY_BLOCK, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+        q = q.reshape(blocks * kv_heads, rows, head_dim).contiguous()
         scores = []
         for chunk in range(self._chunks):
-            keys = self._gather(self._views.key_slots, layer_index, chunk)  # [N, C, Hkv, D]
-            keys = keys.permute(0, 2, 3, 1).reshape(pairs, head_dim, KEY_CHUNK).contiguous()
-            scores.append(torch.bmm(q, keys))  # [pairs, G, C]
-        score = torch.cat(scores, dim=-1).view(num_rows, kv_heads, group, -1) * head_dim**-0.5
-        score.masked_fill_(self._hidden[:, None, None, :], float("-inf"))
-        # Key 0 is in every row's context, so the max is finite.
-        probs = torch.exp(score - score.amax(dim=-1, keepdim=True)).view(pairs, group, -1)
+            keys = self._gather(self._views.key_slots, layer_index, chunk)
+            keys = keys.permute(0, 2, 3, 1).reshape(blocks * kv_heads, head_dim, KEY_CHUNK)
+            scores.append(torch.bmm(q, keys.contiguous()))  # [blocks * Hkv, QB * G, C]
+        score = torch.cat(scores, dim=-1).view(blocks, kv_heads, QUERY_BLOCK, group, -1)
+        score = score * head_dim**-0.5
+        score.masked_fill_(self._hidden, float("-inf"))
+        # Every row sees position 0, so its max is finite.
+        probs = torch.exp(score - score.amax(dim=-1, keepdim=True))
+        probs = probs.view(blocks * kv_heads, rows, -1)
         total = None
         for chunk in range(self._chunks):
             values = self._gather(self._views.value_slots, layer_index, chunk)
             values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
-            values = values.permute(0, 2, 1, 3).reshape(pairs, KEY_CHUNK, head_dim + 1)
-            values = values.contiguous()
+            values = values.permute(0, 2, 1, 3).reshape(blocks * kv_heads, KEY_CHUNK, -1)
             weights = probs[:, :, chunk * KEY_CHUNK : (chunk + 1) * KEY_CHUNK].contiguous()
-            part = torch.bmm(weights, values)  # [pairs, G, D + 1]
+            part = torch.bmm(weights, values.contiguous())  # [blocks * Hkv, QB * G, D + 1]
             total = part if total is None else total + part
         out = total[..., :head_dim] / total[..., head_dim:]
-        return out.view(num_rows, num_heads, head_dim).to(query.dtype)
+        out = out.view(blocks, kv_heads, QUERY_BLOCK, group, head_dim).permute(0, 2, 1, 3, 4)
+        out = out.reshape(blocks * QUERY_BLOCK, num_heads, head_dim)
+        return out.index_select(0, self._padded_row).to(query.dtype)

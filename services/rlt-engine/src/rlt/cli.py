@@ -54,8 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=d.batch_invariant,
-        help="a request's output never depends on what else runs (default: on for the CPU, "
-        "off for CUDA; docs/serving.md, Reproducibility)",
+        help="a request's output never depends on what else runs (default: off; it costs "
+        "throughput; docs/serving.md, Reproducibility)",
     )
     group.add_argument(
         "--async-scheduling",

@@ -84,7 +84,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
     )
     model.fused_path = "auto" if config.fused_kernels else "off"
-    model.batch_invariant = config.batch_invariant_on(device.type)
+    model.batch_invariant = config.batch_invariant
     shape = model.shape
     max_model_len = config.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:

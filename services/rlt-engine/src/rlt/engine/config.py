@@ -41,8 +41,9 @@ class EngineConfig:
       device applies exits, sampling and stop rules itself); steps with prompt work run one.
     batch_invariant: every request's logits, exit decisions and samples depend only on its own
       tokens, never on what else runs (docs/serving.md, "Reproducibility"): batch-invariant
-      GEMMs, elementwise ops and attention. None (default) = on for the CPU, off for CUDA (on
-      CUDA it is implemented but neither verified nor measured). See `batch_invariant_on`.
+      GEMMs, elementwise ops and attention. Off by default: on the CPU it costs 40-90% of decode
+      and 50-170% of prefill throughput (docs/results.md); on CUDA it is implemented but
+      neither verified nor measured.
 
     Memory and scheduling features (see docs/configuration.md):
     enable_prefix_caching: share full prompt pages across requests (all depths).
@@ -83,7 +84,7 @@ class EngineConfig:
     fused_kernels: bool = True
     async_scheduling: bool = True
     decode_ticks_per_step: int = 8
-    batch_invariant: bool | None = None
+    batch_invariant: bool = False
     cpu_kv_cache_bytes: int = 2 << 30
     max_waiting_requests: int = 4096
     enable_prefix_caching: bool = False
@@ -123,10 +124,9 @@ class EngineConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigurationError(name, f"must be a positive integer, got {value!r}")
-        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+        if not isinstance(self.batch_invariant, bool):
             raise ConfigurationError(
-                "batch_invariant",
-                f"must be True, False or None (on for the CPU only), got {self.batch_invariant!r}",
+                "batch_invariant", f"must be True or False, got {self.batch_invariant!r}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigurationError(
@@ -175,13 +175,6 @@ class EngineConfig:
             raise ConfigurationError(
                 "pd_max_inflight_bytes", f"must be >= 1 MiB, got {self.pd_max_inflight_bytes}"
             )
-
-    def batch_invariant_on(self, device_type: str) -> bool:
-        """Whether the engine on `device_type` runs batch-invariant: the explicit setting, else
-        on for the CPU (measured cost: docs/results.md) and off for CUDA (cost unmeasured)."""
-        if self.batch_invariant is not None:
-            return self.batch_invariant
-        return device_type == "cpu"
 
     @property
     def role(self) -> PDRole:

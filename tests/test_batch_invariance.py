@@ -130,7 +130,13 @@ def test_what_is_not_guaranteed(llm_factory):
     bf16 = run(llm_factory(dtype="bfloat16", batch_invariant=True), SCHEDULES["solo"])
     assert fp32[2] != bf16[2]
     default = run(llm_factory(dtype="float32", batch_invariant=False), SCHEDULES["solo"])
-    assert max(abs(a - b) for a, b in zip(fp32[2], default[2], strict=False)) < 1e-3
+    # the same distribution up to rounding: compare while both modes sampled the same tokens
+    same = next(
+        (i for i, (a, b) in enumerate(zip(fp32[0], default[0], strict=True)) if a != b),
+        len(fp32[0]),
+    )
+    assert same >= 4
+    assert max(abs(a - b) for a, b in zip(fp32[2][:same], default[2][:same], strict=True)) < 1e-3
 
 
 def test_config_default_validation_and_flag():

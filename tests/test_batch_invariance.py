@@ -112,6 +112,21 @@ def test_prefix_cache_hit_gives_the_same_result(llm_factory):
     assert llm.get_stats().prefix_cache_hit_tokens > hits_before
 
 
+def test_preemption_and_resume_give_the_same_result(llm_factory):
+    """A tight KV pool with incremental KV and preemption: requests are suspended (row and KV
+    copied to the host) and resumed in other rows and batches (when it was written, the target
+    itself was suspended 5 times in the second schedule); it still equals its solo run in a
+    roomy engine."""
+    solo = run(llm_factory(batch_invariant=True), SCHEDULES["solo"])
+    tight = llm_factory(
+        batch_invariant=True, num_kv_blocks=56, incremental_kv=True, enable_preemption=True
+    )
+    assert run(tight, SCHEDULES["others join and finish mid-way"]) == solo
+    assert run(tight, SCHEDULES["added after the others"]) == solo
+    stats = tight.get_stats()
+    assert stats.preemptions > 0 and stats.resumptions == stats.preemptions
+
+
 def test_bundled_model_in_bf16(tmp_path):
     """The bundled model in its own dtype (bf16): solo and in a changing batch."""
     llm = LLM(device="cpu", dtype="bfloat16", batch_invariant=True, max_num_seqs=4)

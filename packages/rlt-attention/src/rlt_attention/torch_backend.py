@@ -187,23 +187,25 @@ class _BatchInvariantAttention:
     1. Query blocks: each group's query rows are cut into blocks of QUERY_BLOCK consecutive rows
        (the last one padded); a block reads its group's keys and values, each of its rows sees
        the positions up to its own (causal limit; padding rows see position 0 only).
-    2. Scores: for each chunk of KEY_CHUNK key positions (by absolute position), a `bmm` whose
-       every batch element is [QUERY_BLOCK * G, D] x [D, KEY_CHUNK] (one per block and kv head).
+    2. Scores: one `bmm` whose every batch element is [QUERY_BLOCK * G, D] x [D, KEY_CHUNK]:
+       one per (block, kv head, chunk of KEY_CHUNK key positions by absolute position).
        A GEMM of one fixed shape rounds a row the same way whatever the other rows hold, so a
        row's scores do not depend on its block's neighbours. Invisible positions get -inf.
     3. The max over a row's scores is exact; p = exp(score - max) runs over a tensor whose size
        is a multiple of 64 (no SIMD tail whose position would depend on the call).
-    4. For each chunk, a `bmm` [QUERY_BLOCK * G, KEY_CHUNK] x [KEY_CHUNK, D + 1] of p with the
+    4. One `bmm` of elements [QUERY_BLOCK * G, KEY_CHUNK] x [KEY_CHUNK, D + 1]: p with the
        values and a column of ones (the softmax denominator comes out of the same reduction),
-       summed over the chunks in chunk order. Positions a row does not see have p = 0 and finite
-       values (keys/values outside the group's context are zeroed, so NaN in unread slots cannot
-       reach the output), so they add exact zeros: neither the other rows of its chunk nor the
-       number of chunks the call needs (its longest context) change a row's sums.
+       per (block, kv head, chunk); the chunks' results are summed in chunk order. Positions
+       a row does not see have p = 0 and finite values (keys/values outside the group's
+       context are zeroed, so NaN in unread slots cannot reach the output), so they add exact
+       zeros: neither the other rows of its chunk nor the number of chunks the call needs (its
+       longest context) change a row's sums.
     5. output = numerator / denominator, rounded to the query dtype.
 
     Every bmm operand is made contiguous (a view's strides change the kernel; measured).
-    Memory: O(blocks * KEY_CHUNK * Hkv * D) per chunk plus O(blocks * QUERY_BLOCK * H * Cmax)
-    fp32 scores; blocks <= groups + N / QUERY_BLOCK (a host bound: no sync in bind).
+    Memory: O(blocks * Cmax * Hkv * D) gathered keys/values plus O(blocks * QUERY_BLOCK * H *
+    Cmax) fp32 scores (Cmax rounded up to KEY_CHUNK); blocks <= groups + N / QUERY_BLOCK (a
+    host bound: no sync in bind).
     """
 
     def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
@@ -240,9 +242,10 @@ class _BatchInvariantAttention:
         limit = torch.zeros(blocks * QUERY_BLOCK, dtype=torch.int64, device=device)
         row_position = (context_lengths - query_lengths)[group_of_row] + index_in_group
         limit.index_copy_(0, self._padded_row, row_position)
-        self._hidden = (key_positions[None, :] > limit[:, None]).view(
-            blocks, 1, QUERY_BLOCK, 1, padded_context
+        hidden = (key_positions[None, :] > limit[:, None]).view(
+            blocks, QUERY_BLOCK, self._chunks, KEY_CHUNK
         )
+        self._hidden = hidden.permute(0, 2, 1, 3)[:, None, :, :, None, :]
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -254,43 +257,43 @@ class _BatchInvariantAttention:
             return torch.empty_like(query)
         return self._attend(layer_index, query)
 
-    def _gather(self, cache_slots: torch.Tensor, layer_index: int, chunk: int) -> torch.Tensor:
-        """[blocks, KEY_CHUNK, Hkv, D] fp32 of one chunk; zero outside each block's context."""
-        columns = slice(chunk * KEY_CHUNK, (chunk + 1) * KEY_CHUNK)
-        slots = self._key_slots[:, columns].reshape(-1)
-        gathered = cache_slots[layer_index].index_select(0, slots).float()
-        gathered = gathered.view(self._blocks, KEY_CHUNK, *cache_slots.shape[2:])
-        return gathered.masked_fill_(self._outside[:, columns, None, None], 0.0)
+    def _gather(self, cache_slots: torch.Tensor, layer_index: int) -> torch.Tensor:
+        """[blocks, Cpad, Hkv, D] fp32 of every block's keys (or values); zero outside each
+        block's context."""
+        gathered = cache_slots[layer_index].index_select(0, self._key_slots.reshape(-1)).float()
+        gathered = gathered.view(self._blocks, -1, *cache_slots.shape[2:])
+        return gathered.masked_fill_(self._outside[:, :, None, None], 0.0)
 
     def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
         num_rows, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
         group = num_heads // kv_heads
-        blocks, rows = self._blocks, QUERY_BLOCK * group
+        blocks, chunks, rows = self._blocks, self._chunks, QUERY_BLOCK * group
+        pieces = blocks * kv_heads * chunks  # one bmm element per (block, kv head, key chunk)
         padded = query.new_zeros((blocks * QUERY_BLOCK, num_heads, head_dim), dtype=torch.float32)
         padded.index_copy_(0, self._padded_row, query.float())
-        # [blocks, QB, Hkv, G, D] -> one [QB * G, D] matrix per (block, kv head)
+        # [blocks, QB, Hkv, G, D] -> one [QB * G, D] matrix per (block, kv head), per chunk
         q = padded.view(blocks, QUERY_BLOCK, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-        q = q.reshape(blocks * kv_heads, rows, head_dim).contiguous()
-        scores = []
-        for chunk in range(self._chunks):
-            keys = self._gather(self._views.key_slots, layer_index, chunk)
-            keys = keys.permute(0, 2, 3, 1).reshape(blocks * kv_heads, head_dim, KEY_CHUNK)
-            scores.append(torch.bmm(q, keys.contiguous()))  # [blocks * Hkv, QB * G, C]
-        score = torch.cat(scores, dim=-1).view(blocks, kv_heads, QUERY_BLOCK, group, -1)
-        score = score * head_dim**-0.5
+        q = q.reshape(blocks * kv_heads, 1, rows, head_dim).expand(-1, chunks, -1, -1)
+        q = q.reshape(pieces, rows, head_dim).contiguous()
+        keys = self._gather(self._views.key_slots, layer_index)  # [blocks, Cpad, Hkv, D]
+        keys = keys.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
+        keys = keys.reshape(pieces, head_dim, KEY_CHUNK).contiguous()
+        score = torch.bmm(q, keys) * head_dim**-0.5  # [pieces, QB * G, C]
+        score = score.view(blocks, kv_heads, chunks, QUERY_BLOCK, group, KEY_CHUNK)
         score.masked_fill_(self._hidden, float("-inf"))
         # Every row sees position 0, so its max is finite.
-        probs = torch.exp(score - score.amax(dim=-1, keepdim=True))
-        probs = probs.view(blocks * kv_heads, rows, -1)
-        total = None
-        for chunk in range(self._chunks):
-            values = self._gather(self._views.value_slots, layer_index, chunk)
-            values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
-            values = values.permute(0, 2, 1, 3).reshape(blocks * kv_heads, KEY_CHUNK, -1)
-            weights = probs[:, :, chunk * KEY_CHUNK : (chunk + 1) * KEY_CHUNK].contiguous()
-            part = torch.bmm(weights, values.contiguous())  # [blocks * Hkv, QB * G, D + 1]
-            total = part if total is None else total + part
+        row_max = score.amax(dim=(2, 5), keepdim=True)
+        probs = torch.exp(score - row_max).view(pieces, rows, KEY_CHUNK)
+        values = self._gather(self._views.value_slots, layer_index)
+        values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
+        values = values.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim + 1)
+        values = values.permute(0, 3, 1, 2, 4).reshape(pieces, KEY_CHUNK, head_dim + 1)
+        parts = torch.bmm(probs, values.contiguous())  # [pieces, QB * G, D + 1]
+        parts = parts.view(blocks * kv_heads, chunks, rows, head_dim + 1)
+        total = parts[:, 0]
+        for chunk in range(1, chunks):  # in chunk order; chunks past a context add zeros
+            total = total + parts[:, chunk]
         out = total[..., :head_dim] / total[..., head_dim:]
         out = out.view(blocks, kv_heads, QUERY_BLOCK, group, head_dim).permute(0, 2, 1, 3, 4)
         out = out.reshape(blocks * QUERY_BLOCK, num_heads, head_dim)

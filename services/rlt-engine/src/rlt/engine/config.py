@@ -41,8 +41,8 @@ class EngineConfig:
       device applies exits, sampling and stop rules itself); steps with prompt work run one.
     batch_invariant: every request's logits, exit decisions and samples depend only on its own
       tokens, never on what else runs (docs/serving.md, "Reproducibility"): batch-invariant
-      GEMMs, elementwise ops and attention. Off by default: on the CPU it costs 40-90% of decode
-      and 50-170% of prefill throughput (docs/results.md); on CUDA it is implemented but
+      GEMMs, elementwise ops and attention. Off by default: on the CPU it costs 24-53% of end-to-end
+      output and 54-126% of prefill throughput (docs/results.md); on CUDA it is implemented but
       neither verified nor measured.
 
     Memory and scheduling features (see docs/configuration.md):

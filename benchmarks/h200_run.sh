@@ -24,7 +24,8 @@ case "$mode" in
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
   batch-invariance)
     python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
-      packages/rlt-models/tests/test_batch_invariant_ops.py 2>&1 | tee "$OUT/bi_tests.log" | tail -4
+      packages/rlt-models/tests/test_batch_invariant_ops.py \
+      packages/rlt-attention/tests/test_batch_invariant_attention.py 2>&1 | tee "$OUT/bi_tests.log" | tail -4
     python3 benchmarks/batch_invariance.py --device cuda --shape ouro-1.4b --dtype bfloat16 \
       --batch 1 --batch 8 --batch 32 --batch 128 --prompt-len 1024 --output-len 64 \
       --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \

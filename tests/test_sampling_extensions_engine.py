@@ -265,9 +265,9 @@ def test_pd_decode_side_applies_the_whole_prompt_and_counts(llm_factory):
     finals = run_pd(prefill, decode, PROMPTS, params)
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected
-    prefill_rows = prefill.engine.core.runner.rows  # it never samples: no logits state there
-    assert prefill_rows.output_counts is None and prefill_rows.bias_token_ids is None
-    assert decode.engine.core.runner.rows.output_counts is not None
+    prefill_logits = prefill.engine.core.runner.rows.logits_state  # it never samples: none
+    assert prefill_logits.output_counts is None and prefill_logits.bias_token_ids is None
+    assert decode.engine.core.runner.rows.logits_state.output_counts is not None
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids(llm_factory):
@@ -311,14 +311,14 @@ def test_out_of_vocabulary_logit_bias_is_rejected(llm_factory):
 
 def test_only_features_in_use_allocate_device_state(llm_factory):
     llm = llm_factory()
-    rows = llm.engine.core.runner.rows
+    state = llm.engine.core.runner.rows.logits_state
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, min_p=0.5, temperature=1.0))
-    assert rows.output_counts is None and rows.bias_token_ids is None and rows.stop_mask is None
+    assert state.output_counts is None and state.bias_token_ids is None and state.stop_mask is None
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, logit_bias={3: 1.0}))
-    assert rows.bias_token_ids is not None and rows.output_counts is None
+    assert state.bias_token_ids is not None and state.output_counts is None
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, presence_penalty=0.5))
-    assert tuple(rows.output_counts.shape) == (4, 320) and rows.output_counts.dtype == torch.int32
-    assert rows.stop_mask is None
+    assert tuple(state.output_counts.shape) == (4, 320) and state.output_counts.dtype == torch.int32
+    assert state.stop_mask is None
 
 
 @pytest.mark.skipif(not tick_kernels.available(), reason="triton is not installed")
@@ -341,7 +341,7 @@ def test_fused_commit_counts_outputs_like_the_torch_tick(tiny_checkpoint):
         program = llm.engine.core.runner.program
         program.kernels = tick_kernels.TickKernels(program) if fused else None
         outputs = llm.generate(PROMPTS, params)
-        counts = llm.engine.core.runner.rows.output_counts.clone()
+        counts = llm.engine.core.runner.rows.logits_state.output_counts.clone()
         assert llm.engine.core.leak_report() == []
         llm.shutdown()
         return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outputs], counts

@@ -10,9 +10,9 @@ A tick, for every active row at once (rows at different loop depths mix):
               shape keeps the tick capturable as one CUDA graph, and the head costs about as
               much as 1/20 of a loop at batch 1)
     commit    exited rows record (token, depth[, logprobs]) in the ring at this tick's index
-              and, in a penalized mode, count their token in `output_counts`; a row stops when
-              its token is a stop id or max_tokens is reached, else its token is embedded
-              (prelude) and starts loop 1 in the next tick; other rows keep their state
+              and, in a penalized mode, count their token in `logits_state.output_counts`; a
+              row stops when its token is a stop id or max_tokens is reached, else its token is
+              embedded (prelude) and starts loop 1 in the next tick; other rows keep their state
 
 Nothing is read back and no host value depends on device data, so K ticks can be queued (or
 replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked,
@@ -138,7 +138,7 @@ class DecodeProgram:
             self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
         sampled = self._sample(hidden, slice(0, B), rows.outputs[:B], mode)
         if mode.penalized:  # the counts the next token's penalties read
-            rows.output_counts[:B].scatter_add_(
+            rows.logits_state.output_counts[:B].scatter_add_(
                 1, sampled.token_ids[:, None], exits[:, None].to(torch.int32)
             )
         outputs = rows.outputs[:B] + exits.to(torch.int64)
@@ -257,7 +257,7 @@ class DecodeProgram:
         everyone = torch.ones_like(stops)
         record = _record_values(everyone, full_depth, sampled, mode)
         if mode.penalized:
-            rows.count_outputs(index, token, torch.ones_like(stops))
+            rows.logits_state.count_outputs(index, token, torch.ones_like(stops))
         rows.token.index_copy_(0, index, token)
         rows.position.index_copy_(0, index, prompt_lengths)
         rows.outputs.index_copy_(0, index, counter + 1)

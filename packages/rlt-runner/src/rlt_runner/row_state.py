@@ -25,26 +25,13 @@ every tick (nobody else writes them):
   temperature, top_k, top_p, seed: its sampling parameters
   repetition_penalty, frequency_penalty, presence_penalty, min_p [S] fp32, min_tokens [S]:
                        the logits adjustments and min_p (neutral: 1, 0, 0, 0, 0)
-
-Lazily allocated, once, when the first request that needs them gets a row (then kept for the
-runner's life, so CUDA graphs that read them stay valid); until then None. Sizes at S = 256
-rows and Ouro's V = 151,936: counts 155.6 MB, prompt mask 38.9 MB, stop mask 38.9 MB, bias
-table 0.9 MB (the KV pool sizing counts them: the profiling run turns every feature on):
-  output_counts [S, V] int32   occurrences of each token in the row's outputs (penalties);
-                               zeroed at activation, +1 per output in the tick's commit and
-                               for token 0 in `start_rows`; saved and restored by snapshots
-  prompt_mask [S, V] bool      the token occurs in the prompt (repetition_penalty); written at
-                               activation from the whole prompt (`NewRequestData`)
-  bias_token_ids [S, K] int64, bias_values [S, K] fp32 (K = 300): the logit_bias entries,
-                               padded with (0, 0.0); every activated row's entries are rewritten
-  stop_mask [S, V] bool        the rule's stop ids and the model's EOS ids, also under
-                               ignore_eos (vLLM's all_stop_token_ids): min_tokens masks them
-                               while outputs < min_tokens; written at activation
-Rows of requests that do not use a feature keep stale values there; their neutral scalars
-(penalties 1 / 0 / 0, min_tokens 0) make them inert.
   block_tables [S, planes, pages] int32: physical block of every page of every plane; pages not
                        allocated point at the scratch block, so a stray write never lands in a
                        block some other request holds.
+
+`logits_state` (logits_state.py) holds the lazily allocated [S, V]-sized state of the logits
+adjustments and structured output (output counts, prompt and stop masks, logit_bias table,
+token bitmask); `assign` activates it for the new rows.
 """
 
 from __future__ import annotations
@@ -61,8 +48,8 @@ from rlt_contracts import (
     LogitsAdjustments,
     SamplingParams,
 )
-from rlt_contracts.sampling import MAX_LOGIT_BIAS
 
+from rlt_runner.logits_state import LogitsState
 from rlt_runner.transfers import upload
 
 HAZARD_CODE, DELAYED_CODE, TRACE_CODE = 0, 1, 2
@@ -133,9 +120,6 @@ class DecodeRows:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.device = device
-        self.vocab_size = vocab_size
-        # min_tokens masks the model's EOS ids even under ignore_eos (vLLM's all_stop_token_ids)
-        self.eos_token_ids = tuple(eos_token_ids)
         self.num_planes = num_planes
         self.max_pages = max_pages
         self.scratch_block = scratch_block
@@ -160,10 +144,6 @@ class DecodeRows:
         self.parked = zeros(S, dtype=torch.bool)
         self.held = zeros(S, dtype=torch.bool)
         self.hold_after_output = zeros(S, dtype=torch.bool)
-        # structured output: allowed-token bitmask [S, ceil(V / 32)] int32 (-1 words: every
-        # token), allocated when the first constrained request gets a row (4.9 MB at S = 256,
-        # V = 151,936); every new row's words are reset to -1 once it exists
-        self.token_bitmask: torch.Tensor | None = None
         self.rule_kind = zeros(S)
         self.min_loops = torch.ones(S, dtype=torch.int64, device=device)
         self.max_loops = torch.ones(S, dtype=torch.int64, device=device)
@@ -180,11 +160,9 @@ class DecodeRows:
         self.presence_penalty = zeros(S, dtype=torch.float32)
         self.min_p = zeros(S, dtype=torch.float32)
         self.min_tokens = zeros(S)
-        self.output_counts: torch.Tensor | None = None
-        self.prompt_mask: torch.Tensor | None = None
-        self.bias_token_ids: torch.Tensor | None = None
-        self.bias_values: torch.Tensor | None = None
-        self.stop_mask: torch.Tensor | None = None
+        self.logits_state = LogitsState(
+            max_rows=S, vocab_size=vocab_size, eos_token_ids=eos_token_ids, device=device
+        )
         self.block_tables = torch.full(
             (S, num_planes, max_pages), scratch_block, dtype=torch.int32, device=device
         )
@@ -243,8 +221,9 @@ class DecodeRows:
         self.threshold.index_copy_(0, index, floats[:, 0])
         for column, name in enumerate(FLOAT32_FIELDS, start=1):
             getattr(self, name).index_copy_(0, index, floats[:, column].float())
-        self._write_logits_state(records, index)
-        self._write_constraint_state(records, index)
+        self.logits_state.write_adjustments(records, index)
+        self._write_hold_flags(records, index)
+        self.logits_state.reset_token_masks(records, index)
         if any(r.rule.exit.kind is ExitRuleKind.TRACE for r in records):
             self.trace.index_copy_(0, index, upload(self._traces(records), torch.int8, self.device))
         self.block_tables.index_fill_(0, index, self.scratch_block)
@@ -266,73 +245,6 @@ class DecodeRows:
         ]
 
     # -- logits adjustments --------------------------------------------------------------------
-    def _write_logits_state(self, records: list[RowRecord], index: torch.Tensor) -> None:
-        """The [S, V] / [S, K] state of the adjustments the new rows use (allocated on first
-        use): prompt mask and zero counts of penalized rows, logit_bias entries of every new row
-        once the table exists, stop mask of min_tokens rows. One upload per group. PD prefill
-        rows never sample here: they get none of it (their stale table rows are never read)."""
-        sampling = [r for r in records if not r.prefill_only]
-        if len(sampling) < len(records):
-            if not sampling:
-                return
-            records = sampling
-            index = upload([r.row for r in records], torch.int64, self.device)
-        penalized = [r for r in records if r.sampling.penalized]
-        if penalized:
-            counts, prompt = self._penalty_tensors()
-            rows = upload([r.row for r in penalized], torch.int64, self.device)
-            counts.index_fill_(0, rows, 0)
-            prompt.index_fill_(0, rows, False)
-            self._set_tokens(prompt, [(r.row, r.prompt_token_ids) for r in penalized])
-        if self.bias_token_ids is not None or any(r.sampling.logit_bias for r in records):
-            ids, values = self._bias_tensors()
-            entries = [sorted((r.sampling.logit_bias or {}).items()) for r in records]
-            padded = [e + [(0, 0.0)] * (MAX_LOGIT_BIAS - len(e)) for e in entries]
-            ids.index_copy_(
-                0, index, upload([[t for t, _ in e] for e in padded], torch.int64, self.device)
-            )
-            values.index_copy_(
-                0,
-                index,
-                upload([[b for _, b in e] for e in padded], torch.float64, self.device).float(),
-            )
-        limited = [r for r in records if r.sampling.min_tokens > 0]
-        if limited:
-            stop_mask = self._stop_mask()
-            stop_mask.index_fill_(0, upload([r.row for r in limited], torch.int64, self.device), 0)
-            self._set_tokens(
-                stop_mask,
-                [(r.row, (*r.rule.stop_token_ids, *self.eos_token_ids)) for r in limited],
-            )
-
-    def _set_tokens(self, mask: torch.Tensor, rows: list[tuple[int, tuple[int, ...]]]) -> None:
-        pairs = [(row, token) for row, tokens in rows for token in tokens]
-        if pairs:
-            flat = upload(
-                [row * self.vocab_size + token for row, token in pairs], torch.int64, self.device
-            )
-            mask.view(-1).index_fill_(0, flat, True)
-
-    def _penalty_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.output_counts is None:
-            shape = (self.hidden.shape[0], self.vocab_size)
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        return self.output_counts, self.prompt_mask
-
-    def _bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.bias_token_ids is None:
-            shape = (self.hidden.shape[0], MAX_LOGIT_BIAS)
-            self.bias_token_ids = torch.zeros(shape, dtype=torch.int64, device=self.device)
-            self.bias_values = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        return self.bias_token_ids, self.bias_values
-
-    def _stop_mask(self) -> torch.Tensor:
-        if self.stop_mask is None:
-            shape = (self.hidden.shape[0], self.vocab_size)
-            self.stop_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        return self.stop_mask
-
     def adjustments(self, index: slice | torch.Tensor) -> LogitsAdjustments:
         """Views (slice) or gathered copies (index tensor) of the rows' adjustment state; the
         groups not allocated yet are None (their mode flags cannot be set then)."""
@@ -340,28 +252,19 @@ class DecodeRows:
         def rows_of(tensor: torch.Tensor | None) -> torch.Tensor | None:
             return None if tensor is None else tensor[index]
 
+        state = self.logits_state
         return LogitsAdjustments(
-            output_counts=rows_of(self.output_counts),
-            prompt_mask=rows_of(self.prompt_mask),
+            output_counts=rows_of(state.output_counts),
+            prompt_mask=rows_of(state.prompt_mask),
             repetition_penalty=self.repetition_penalty[index],
             frequency_penalty=self.frequency_penalty[index],
             presence_penalty=self.presence_penalty[index],
-            bias_token_ids=rows_of(self.bias_token_ids),
-            bias_values=rows_of(self.bias_values),
+            bias_token_ids=rows_of(state.bias_token_ids),
+            bias_values=rows_of(state.bias_values),
             min_tokens=self.min_tokens[index],
-            stop_mask=rows_of(self.stop_mask),
-            token_bitmask=rows_of(self.token_bitmask),
+            stop_mask=rows_of(state.stop_mask),
+            token_bitmask=rows_of(state.token_bitmask),
         )
-
-    def count_outputs(
-        self, index: torch.Tensor, token_ids: torch.Tensor, counted: torch.Tensor
-    ) -> None:
-        """output_counts[index[n], token_ids[n]] += counted[n] (int or bool [n]); the rows are
-        distinct, so the flat slots are too (an index_add, no host sync). A no-op until a
-        penalized request allocated the counts."""
-        if self.output_counts is not None:
-            slots = index * self.vocab_size + token_ids
-            self.output_counts.view(-1).index_add_(0, slots, counted.to(torch.int32))
 
     def _traces(self, records: list[RowRecord]) -> list[list[int]]:
         rows = []
@@ -378,37 +281,17 @@ class DecodeRows:
         return rows
 
     # -- structured output ---------------------------------------------------------------------
-    def _write_constraint_state(self, records: list[RowRecord], index: torch.Tensor) -> None:
-        """Hold flags from the rules; every new row allows every token until a mask comes."""
+    def _write_hold_flags(self, records: list[RowRecord], index: torch.Tensor) -> None:
+        """Hold flags from the rules (`one_output_per_step`)."""
         constrained = [r.rule.one_output_per_step for r in records]
         self.hold_after_output.index_copy_(0, index, upload(constrained, torch.bool, self.device))
-        # a structured request without a grammar here (PD prefill) still selects the mode
-        if self.token_bitmask is not None or any(
-            r.sampling.structured_output is not None for r in records
-        ):
-            self._bitmask().index_fill_(0, index, -1)
-
-    def _bitmask(self) -> torch.Tensor:
-        if self.token_bitmask is None:
-            shape = (self.hidden.shape[0], -(-self.vocab_size // 32))
-            self.token_bitmask = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        return self.token_bitmask
 
     def apply_token_masks(self, masks: list[tuple[RowRecord, bytes]]) -> None:
         """Write each record's next-token bitmask (little-endian int32 words) into its row and
         release the row's hold: it may sample one more token. One pinned upload."""
         if not masks:
             return
-        bitmask = self._bitmask()
-        words = bitmask.shape[1]
-        host = torch.frombuffer(bytearray(b"".join(m for _, m in masks)), dtype=torch.int32)
-        if host.numel() != words * len(masks):
-            raise ValueError(f"token masks must have {words} int32 words per row")
-        host = host.view(len(masks), words)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        index = upload([r.row for r, _ in masks], torch.int64, self.device)
-        bitmask.index_copy_(0, index, host.to(self.device, non_blocking=True))
+        index = self.logits_state.write_token_masks([(r.row, m) for r, m in masks])
         self.held.index_fill_(0, index, False)
 
     def reset_progress(self, index: torch.Tensor) -> None:

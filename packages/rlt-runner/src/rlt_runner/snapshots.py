@@ -2,12 +2,14 @@
 
 A snapshot holds, for one execution identity: the K/V of every page the request held, at every
 plane, its row's progress (hidden state, looping token, position, loop count, exit state,
-outputs, active/parked flags; for a penalized request also its output counts, [V] int32) and
-its host record (sampling parameters, decode rule, prompt). Row activation on restore rewrites
-the rest of the logits state from the record (prompt mask, logit_bias, stop mask). Restoring
-writes the pages into the request's new blocks (page i of plane p into the new page i of plane
-p, so positions keep their meaning while physical blocks change) and the progress into its new
-row. The random stream needs no saving: it is a function of (seed, output index).
+outputs, active/parked/held flags), the part of its row's logits state that activation does not
+rewrite (`LogitsState.save_row`: a penalized request's output counts, [V] int32; a structured
+request's token bitmask) and its host record (sampling parameters, decode rule, prompt). Row
+activation on restore rewrites the rest of the logits state from the record (prompt mask,
+logit_bias, stop mask). Restoring writes the pages into the request's new blocks (page i of
+plane p into the new page i of plane p, so positions keep their meaning while physical blocks
+change) and the progress into its new row. The random stream needs no saving: it is a function
+of (seed, output index).
 
 On CUDA every copy is queued without blocking: the device-to-host copies land in pinned memory
 in stream order, and a restore's host-to-device copies are queued after them, so a snapshot is
@@ -32,6 +34,7 @@ class DeviceSnapshot:
     keys: list[torch.Tensor]  # per plane: [L, pages, B, Hkv, D] in host memory
     values: list[torch.Tensor]
     progress: dict[str, torch.Tensor]  # PROGRESS_BUFFERS name -> [1, ...] in host memory
+    logits: dict[str, torch.Tensor]  # LogitsState.save_row: its buffers' [1, ...] host copies
 
     @property
     def num_pages(self) -> int:
@@ -59,15 +62,12 @@ class SnapshotStore:
             k, v = kv.read_blocks(upload(table, torch.int64, kv.device))
             keys.append(download(k))
             values.append(download(v))
-        names = PROGRESS_BUFFERS
-        if record.sampling.penalized:
-            names += ("output_counts",)
-        if record.rule.one_output_per_step:  # structured output: the mask it may sample under
-            names += ("token_bitmask",)
         progress = {
-            name: download(getattr(rows, name)[record.row : record.row + 1]) for name in names
+            name: download(getattr(rows, name)[record.row : record.row + 1])
+            for name in PROGRESS_BUFFERS
         }
-        self._snapshots[identity] = DeviceSnapshot(record, keys, values, progress)
+        logits = rows.logits_state.save_row(record)
+        self._snapshots[identity] = DeviceSnapshot(record, keys, values, progress, logits)
         rows.release([identity])
 
     def record_of(self, identity: ExecutionIdentity) -> RowRecord:
@@ -92,6 +92,7 @@ class SnapshotStore:
             )
         for name, saved in snapshot.progress.items():
             getattr(rows, name)[record.row : record.row + 1].copy_(saved, non_blocking=True)
+        rows.logits_state.restore_row(record.row, snapshot.logits)
 
     def discard(self, identity: ExecutionIdentity) -> None:
         self._snapshots.pop(identity, None)

@@ -33,11 +33,10 @@ from rlt_serve.metrics import ServingMetrics, outcome_of_status
 from rlt_serve.params import LoopDefaults
 from rlt_serve.pd_routes import add_pd_routes
 from rlt_serve.prompts import Tokenizer
-from rlt_serve.schemas import (
+from rlt_serve.request_schemas import ChatCompletionRequest, CompletionRequest
+from rlt_serve.response_schemas import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Health,

@@ -14,12 +14,12 @@ from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
 from rlt_serve.prompts import check_max_tokens, check_prompt
-from rlt_serve.schemas import (
+from rlt_serve.request_schemas import ChatCompletionRequest
+from rlt_serve.response_schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,

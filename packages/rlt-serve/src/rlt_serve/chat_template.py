@@ -22,7 +22,7 @@ from typing import Any
 
 from rlt_serve.errors import invalid
 from rlt_serve.prompts import Tokenizer, encode_text
-from rlt_serve.schemas import ChatMessage
+from rlt_serve.request_schemas import ChatMessage
 
 CHAT_TURN_END = "<|im_end|>"
 

@@ -13,12 +13,8 @@ from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
 from rlt_serve.prompts import check_max_tokens, check_prompt, completion_prompts, prompt_texts
-from rlt_serve.schemas import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-)
+from rlt_serve.request_schemas import CompletionRequest
+from rlt_serve.response_schemas import CompletionChoice, CompletionLogprobs, CompletionResponse
 from rlt_serve.streaming import stream_generation
 from rlt_serve.unicode_input import check_valid_unicode
 

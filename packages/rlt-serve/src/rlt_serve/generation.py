@@ -47,7 +47,7 @@ from rlt_contracts.sampling import MAX_SEED
 
 from rlt_serve.errors import APIError, from_engine_error
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
-from rlt_serve.schemas import LoopUsage, Usage
+from rlt_serve.response_schemas import LoopUsage, Usage
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from rlt_serve.context import ServerContext
 from rlt_serve.params import check_model
-from rlt_serve.schemas import ModelCard, ModelList
+from rlt_serve.response_schemas import ModelCard, ModelList
 
 
 class Version(BaseModel):

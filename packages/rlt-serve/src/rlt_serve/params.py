@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from rlt_contracts import InvalidRequestError, SamplingParams
 
 from rlt_serve.errors import APIError, invalid
-from rlt_serve.schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
+from rlt_serve.request_schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
 from rlt_serve.structured_output import structured_output_of
 
 

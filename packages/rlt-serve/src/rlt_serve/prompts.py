@@ -25,7 +25,7 @@ class Tokenizer(Protocol):
 
 
 def completion_prompts(prompt: str | list, tokenizer: Tokenizer) -> list[list[int]]:
-    """The token ids of every prompt of a /v1/completions request (see schemas.Prompt)."""
+    """The token ids of every prompt of a /v1/completions request (see request_schemas.Prompt)."""
     if isinstance(prompt, str):
         return [_encode_prompt(prompt, tokenizer, "prompt")]
     if not prompt:

@@ -16,7 +16,7 @@ from rlt_serve.chat_template import chat_prompt
 from rlt_serve.context import ServerContext
 from rlt_serve.errors import invalid
 from rlt_serve.params import check_model
-from rlt_serve.schemas import ChatMessage, RequestModel
+from rlt_serve.request_schemas import ChatMessage, RequestModel
 from rlt_serve.unicode_input import check_valid_unicode
 
 

@@ -1,0 +1,161 @@
+"""Response bodies of the OpenAI-compatible API (and of /v1/models, /health and errors), as
+pydantic models (requests: request_schemas.py).
+
+FastAPI publishes these in its OpenAPI schema, so the schema is exactly what the server returns.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_serializer
+
+FinishReasonName = Literal["stop", "length", "abort"]
+
+
+class LoopUsage(BaseModel):
+    """rlt: recurrent-loop accounting of one response (all choices)."""
+
+    total_loops: int = Field(description="Sum of the exit depths of every generated token.")
+    mean_loops_per_token: float = Field(
+        description="Mean exit depth of the decoded tokens (token 0 comes from prefill at the "
+        "full depth and is excluded; 0 when there is none)."
+    )
+    model_depth: int = Field(description="Loops of the model (the most a token can take).")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    loops: LoopUsage | None = Field(None, description="rlt extension.")
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token of the choice's text. With echo=true the prompt's tokens come first, with
+    null `token_logprobs` and `top_logprobs` entries (prompt log-probabilities are not
+    computed)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonName | None
+    exit_depths: list[int] = Field(
+        description="rlt: loops each generated token's hidden state went through (token 0 "
+        "comes from prefill at the full depth). In a stream: those of this chunk's tokens."
+    )
+    token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonName | None
+    exit_depths: list[int] = Field(description="rlt: as in CompletionChoice.")
+    token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """Only the fields a chunk sets are sent (the role in the first chunk, then content)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReasonName | None
+    exit_depths: list[int] = Field(description="rlt: exit depths of this chunk's tokens.")
+    token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rlt"
+    max_model_len: int = Field(description="rlt: context length in tokens.")
+    num_loops: int = Field(description="rlt: model depth (loops per token at most).")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = Field(None, description="The offending request field, if any.")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "shutting_down", "dead"]
+    detail: str | None = None

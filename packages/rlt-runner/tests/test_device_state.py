@@ -197,3 +197,16 @@ def test_graph_buckets_are_powers_of_two_capped_by_max_rows():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(8) == [1, 2, 4, 8]
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+
+
+def test_a_pd_prefill_row_saves_no_logits_state():
+    """A PD prefill row never samples on its instance, whose penalty and bitmask tensors may
+    not exist: preempting it saves nothing of them (and does not fail)."""
+    from rlt_runner.logits_state import LogitsState
+
+    state = LogitsState(max_rows=2, vocab_size=8, eos_token_ids=(1,), device=torch.device("cpu"))
+    rule = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 2, 4, 1.0), max_tokens=4)
+    penalized = SamplingParams(max_tokens=4, frequency_penalty=1.0)
+    record = RowRecord(ExecutionIdentity("p", 0), 0, penalized, rule, 3, prefill_only=True)
+    assert state.output_counts is None
+    assert state.save_row(record) == {}

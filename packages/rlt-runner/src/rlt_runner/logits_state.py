@@ -179,7 +179,10 @@ class LogitsState:
     def save_row(self, record: RowRecord) -> dict[str, torch.Tensor]:
         """Host copies ([1, ...], queued like `download`) of the record's row state that
         activation does not rewrite: its output counts if penalized, its token bitmask if
-        structured (the mask it may sample under)."""
+        structured (the mask it may sample under). A PD prefill row never samples here, so it
+        has none (and the tensors may not even exist on a prefill instance)."""
+        if record.prefill_only:
+            return {}
         names: tuple[str, ...] = ()
         if record.sampling.penalized:
             names += ("output_counts",)

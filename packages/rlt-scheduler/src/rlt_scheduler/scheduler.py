@@ -10,19 +10,19 @@ The engine drives it with a feedback loop that may run one step ahead of the dev
 Steps are applied in submission order. Between schedule() of step n and update_from_output()
 of step n, later steps may be scheduled: prompt chunks advance optimistically (they are
 deterministic), decoding rows keep running on the device, and every decoding request's blocks
-cover the most outputs the submitted steps can produce (`unconfirmed_tokens`).
+cover the most outputs the submitted steps can produce (`unconfirmed_tokens`, `in_flight.py`).
 
 A step holds prefill chunks under the token budget and `decode_ticks` loop ticks for every
 decoding request. While prompts are waiting to be computed a step runs one tick, so prefill is
 never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
 more than the longest request can still use) run per host round trip.
 
-Siblings (requests with the same `EngineRequest.sibling_group` and the same prompt, e.g. the
-n choices of one HTTP request) compute their prompt once when the KV manager has a prefix
-cache (`prefix_caching`): while one of them is admitted and its prompt is not fully computed,
-the others stay waiting (they neither take a slot nor count as passed over), and once its
-prompt pages are published they are admitted and reuse every full page. Without a prefix
-cache there is nothing to reuse, and siblings are scheduled as independent requests.
+This module owns the queues and the request table, decides the step-building order and
+admission, and keeps the one cleanup path (`_finish`). It composes: `intake.py` (waiting room,
+request state), `admission.py` (budgets, first admission), `suspension.py` (KV growth,
+preemption and resumption), `constrained.py` (structured-output masks), `siblings.py` (a
+sibling group computes its prompt once), `pd_stages.py` (PD handoff stages and held blocks),
+`in_flight.py` (steps not yet applied) and `outputs.py` (applying prompt progress and tokens).
 
 Each request records when it was queued (add_request), first admitted (schedule) and when the
 results holding its first and latest tokens were applied (update_from_output), on the host's
@@ -31,17 +31,12 @@ time.monotonic() clock; its final delta reports them (`RequestTimings`).
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from msgspec import structs
 from rlt_contracts import (
     NO_PREFIX,
     AdmissionPlan,
-    DecodeRule,
     EngineRequest,
     ExecutionIdentity,
     FinishReason,
@@ -50,41 +45,30 @@ from rlt_contracts import (
     KVPort,
     KVTransferParams,
     ModelRunnerOutput,
-    NewRequestData,
-    OverloadedError,
-    PDRole,
     PrefillChunk,
     PrefixMatch,
-    RequestBlocks,
     RequestOutputDelta,
     RequestStage,
     SamplingParams,
     SchedulerOutput,
     TokenConstraint,
-    TokenMask,
 )
 from rlt_contracts.kv import KVCapacity
 from rlt_contracts.structured import ConstraintCompiler
 
-from rlt_scheduler.admission import initial_allocation_tokens, plan_admission
+from rlt_scheduler import constrained, outputs, pd_stages, siblings, suspension
+from rlt_scheduler.admission import initial_allocation_tokens, plan_admission, start_admitted
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
-from rlt_scheduler.preemption import choose_victim
+from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
+from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
+from rlt_scheduler.pd_stages import PDHandoffs
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
-from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
+from rlt_scheduler.tick_policy import decode_ticks
 from rlt_scheduler.validation import ModelLimits, check_kv_transfer, validate_request
 from rlt_scheduler.waiting_queue import WaitingQueue
-
-
-@dataclass(frozen=True)
-class _SubmittedStep:
-    """A scheduled step whose results have not been applied yet."""
-
-    output: SchedulerOutput
-    output_bounds: dict[ExecutionIdentity, int]
-    decoding: frozenset[ExecutionIdentity]
 
 
 class Scheduler:
@@ -120,10 +104,8 @@ class Scheduler:
         self._running: list[ScheduledRequest] = []
         self._releases: list[ExecutionIdentity] = []
         self._dirty: dict[str, ScheduledRequest] = {}
-        self._submitted: deque[_SubmittedStep] = deque()
-        self._unconfirmed_ticks: dict[ExecutionIdentity, int] = {}
-        self._held: dict[ExecutionIdentity, ScheduledRequest] = {}  # PD: blocks a writer may hit
-        self._reserved: list[ScheduledRequest] = []  # PD decode: admitted, target not reported
+        self._in_flight = StepsInFlight()
+        self._handoffs = PDHandoffs()  # PD: held blocks, decode requests awaiting their KV
         self._next_generation = 0
         self._next_step = 0
         # requests queued since step `_fresh_step` was scheduled (no admission saw them yet)
@@ -170,48 +152,21 @@ class Scheduler:
         if existing is not None and not existing.finished:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self.exit_policy.check_request(request.request_id, bounds, request.sampling.max_tokens)
-        return prompt, bounds, self._constraint(request)
-
-    def _constraint(self, request: EngineRequest) -> TokenConstraint | None:
-        """A fresh matcher for a structured-output request (none on a PD prefill instance,
-        which samples nothing). Compile errors are InvalidRequestErrors naming the field."""
-        spec = request.sampling.structured_output
-        if spec is None or (
-            request.kv_transfer is not None and request.kv_transfer.role is PDRole.PREFILL
-        ):
-            return None
-        if self.constraint_compiler is None:
-            raise InvalidRequestError(spec.field, "structured output is not available here")
-        return self.constraint_compiler.compile(spec)
+        return prompt, bounds, constrained.compile_constraint(request, self.constraint_compiler)
 
     def _check_waiting_room(self, count: int) -> None:
-        """`max_waiting_requests` bounds the requests that really wait: those a step already
-        left waiting (no slot, KV or budget for them), plus the ones queued since the last
-        step beyond the runner slots free now (a free slot takes such a request at the next
-        step; none is free for them while older requests were left waiting, since what holds
-        those back holds them too). A batch larger than the limit plus every slot can never
-        be queued."""
-        config = self.config
-        if count > config.max_waiting_requests + config.max_num_seqs:
-            raise InvalidRequestError(
-                "prompt",
-                f"{count} prompts at once exceed what the engine can queue "
-                f"({config.max_waiting_requests} waiting + {config.max_num_seqs} running)",
-            )
+        """Raise unless `count` more requests fit the waiting room (`intake.check_waiting_room`:
+        requests queued since the last step count only beyond the runner slots free now)."""
         if self._fresh_step != self._next_step:  # a step ran: every queued request was seen
             self._fresh, self._fresh_step = [], self._next_step
-        fresh = sum(1 for r in self._fresh if r.stage is RequestStage.WAITING)
-        left_waiting = len(self._waiting) - fresh
-        free_slots = 0
-        if not left_waiting:
-            free_slots = max(config.max_num_seqs - len(self._running) - len(self._held), 0)
-        waiting = left_waiting + max(fresh + count - free_slots, 0)
-        if waiting > config.max_waiting_requests:
-            raise OverloadedError(
-                f"{len(self._waiting)} requests are queued and {free_slots} runner slots are "
-                f"free for them: {count} more would leave {waiting} waiting (limit "
-                f"{config.max_waiting_requests}); retry later"
-            )
+        check_waiting_room(
+            self.config,
+            count=count,
+            queued=len(self._waiting),
+            fresh_waiting=sum(1 for r in self._fresh if r.stage is RequestStage.WAITING),
+            running=len(self._running),
+            held=self._handoffs.num_held,
+        )
 
     def _enqueue(
         self,
@@ -220,31 +175,18 @@ class Scheduler:
         bounds: LoopBounds,
         constraint: TokenConstraint | None,
     ) -> ScheduledRequest:
-        request_id, sampling = new.request_id, new.sampling
-        if sampling.seed is None:
-            sampling = structs.replace(sampling, seed=secrets.randbits(63))
-        stop_ids = tuple(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids += tuple(t for t in self.eos_token_ids if t not in stop_ids)
-        request = ScheduledRequest(
-            identity=ExecutionIdentity(request_id, self._next_generation),
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            bounds=bounds,
-            rule=DecodeRule(
-                exit=self.exit_policy.rule(request_id, bounds, sampling.max_tokens),
-                max_tokens=sampling.max_tokens,
-                stop_token_ids=stop_ids,
-                one_output_per_step=constraint is not None,
-            ),
-            arrival_index=self._next_generation,
+        request = build_scheduled_request(
+            new,
+            prompt,
+            bounds,
+            constraint,
+            generation=self._next_generation,
+            exit_policy=self.exit_policy,
+            eos_token_ids=self.eos_token_ids,
             queued_time=time.monotonic(),
-            kv_transfer=new.kv_transfer,
-            sibling_group=new.sibling_group,
-            constraint=constraint,
         )
         self._next_generation += 1
-        self._requests[request_id] = request
+        self._requests[new.request_id] = request
         self._waiting.add(request)
         self._fresh.append(request)
         return request
@@ -265,7 +207,7 @@ class Scheduler:
             self._finish(request, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running or self._held)
+        return bool(self._waiting or self._running or self._handoffs.num_held)
 
     @property
     def num_running(self) -> int:
@@ -278,7 +220,7 @@ class Scheduler:
     @property
     def num_submitted_steps(self) -> int:
         """Steps scheduled whose results were not applied yet."""
-        return len(self._submitted)
+        return len(self._in_flight)
 
     def running_request_ids(self) -> list[str]:
         """Ids of admitted (running) requests, in admission order."""
@@ -311,7 +253,11 @@ class Scheduler:
         )
         self._preempt_for_priority(step)
         ticks = decode_ticks(
-            config, self._running, len(self._running), len(self._waiting), self._unconfirmed_ticks
+            config,
+            self._running,
+            len(self._running),
+            len(self._waiting),
+            self._in_flight.unconfirmed_ticks,
         )
         for request in [r for r in self._running if r.stage is RequestStage.DECODING]:
             if request in self._running:  # not preempted while this step was being built
@@ -323,16 +269,23 @@ class Scheduler:
             if request.kv_landed:
                 self._schedule_remote_start(request, ticks, step)
         self._admit(ticks, step)
-        starts_decoding = bool(step.remote_starts) or any(
-            c.completes_prompt and not self._requests[c.identity.request_id].prefill_only
-            for c in step.prefill
-        )
-        if not (step.decoding or starts_decoding):
+        decoding = self._looping_rows(step)
+        if not decoding:  # no decoding row and no request starting to decode: no ticks
             ticks = 0
         output = step.build(self._next_step, released=tuple(self._releases), decode_ticks=ticks)
         self._releases.clear()
         self._next_step += 1
-        decoding = (
+        self._in_flight.submit(
+            SubmittedStep(output, step.output_bounds, decoding), self._request_of
+        )
+        for identity in decoding:
+            constrained.count_mask_ticks(self._request_of(identity), ticks)
+        return output
+
+    def _looping_rows(self, step: StepBuilder) -> frozenset[ExecutionIdentity]:
+        """Requests that loop in the step's ticks: decoding rows, PD remote starts and
+        completing chunks that sample token 0 (not on a PD prefill instance)."""
+        return (
             frozenset(step.decoding)
             | frozenset(step.remote_starts)
             | frozenset(
@@ -341,47 +294,17 @@ class Scheduler:
                 if c.completes_prompt and not self._requests[c.identity.request_id].prefill_only
             )
         )
-        self._submitted.append(_SubmittedStep(output, step.output_bounds, decoding))
-        for identity in decoding:
-            self._unconfirmed_ticks[identity] = self._unconfirmed_ticks.get(identity, 0) + ticks
-            request = self._requests[identity.request_id]
-            if request.constraint is not None:
-                request.mask_ticks += ticks
-        for identity, bound in step.output_bounds.items():
-            self._requests[identity.request_id].unconfirmed_tokens += bound
-        return output
+
+    def _request_of(self, identity: ExecutionIdentity) -> ScheduledRequest:
+        """The request a step being scheduled holds (it is in `_requests` by construction)."""
+        return self._requests[identity.request_id]
 
     def _schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
-        bound = self._decode_output_bound(request, ticks)
-        outputs = request.num_outputs + request.unconfirmed_tokens + bound
-        if self._ensure_kv(request, request.kv_tokens_needed(outputs), step, may_suspend=True):
+        bound = constrained.decode_output_bound(request, ticks)
+        most_outputs = request.num_outputs + request.unconfirmed_tokens + bound
+        if self._ensure_kv(request, request.kv_tokens_needed(most_outputs), step, may_suspend=True):
             step.add_decode(request.identity, bound)
-            self._send_mask_if_due(request, step)
-
-    @staticmethod
-    def _decode_output_bound(request: ScheduledRequest, ticks: int) -> int:
-        """Most outputs a decoding request can make in a step of `ticks` ticks. A constrained
-        request (structured output) makes one per token mask: one if this step brings the
-        next mask; else one if its current mask's token may still come (no step in flight
-        counts it), otherwise none (it is held on the device until its next mask)."""
-        bound = tick_output_bound(request, ticks, fresh=False)
-        if request.constraint is None:
-            return bound
-        if not request.mask_sent:
-            return min(bound, 1)
-        return min(bound, max(1 - request.unconfirmed_tokens, 0))
-
-    def _send_mask_if_due(self, request: ScheduledRequest, step: StepBuilder) -> None:
-        """Structured output: once the previous output was read back and accepted (so no step
-        in flight can sample for the request), send the next output's allowed-token bitmask.
-        The device holds the row after each output until its next mask arrives."""
-        if request.constraint is None or request.mask_sent:
-            return
-        step.token_masks.append(
-            TokenMask(request.identity, request.constraint.allowed_token_bitmask())
-        )
-        request.mask_sent = True
-        request.mask_ticks = 0
+            constrained.send_mask_if_due(request, step)
 
     def _schedule_prefill_chunk(
         self, request: ScheduledRequest, ticks: int, step: StepBuilder
@@ -396,7 +319,7 @@ class Scheduler:
         # A completing chunk samples token 0, and its successor may loop in this step's ticks
         # (not on a PD prefill instance: the state is sent for the decode instance's coda).
         starts = completes and not request.prefill_only
-        bound = self._start_output_bound(request, ticks) if starts else 0
+        bound = constrained.start_output_bound(request, ticks) if starts else 0
         needed = max(start + count, request.kv_tokens_needed(bound)) if starts else start + count
         if not self._ensure_kv(request, needed, step, may_suspend=False):
             return
@@ -415,37 +338,17 @@ class Scheduler:
                 RequestStage.SENDING_KV if request.prefill_only else RequestStage.DECODING
             )
         if starts:
-            self._send_token0_mask(request, step)
-
-    @staticmethod
-    def _start_output_bound(request: ScheduledRequest, ticks: int) -> int:
-        """Outputs of the step that samples token 0: token 0 plus what the ticks can make
-        (nothing more for a constrained request: it holds until its next mask)."""
-        if request.constraint is not None:
-            return 1
-        return 1 + tick_output_bound(request, ticks, fresh=True)
-
-    def _send_token0_mask(self, request: ScheduledRequest, step: StepBuilder) -> None:
-        """Structured output: token 0 is sampled in this step under the grammar's first mask
-        (it is certain to come, so no loops are left to wait for: `mask_ticks` = max)."""
-        if request.constraint is not None:
-            self._send_mask_if_due(request, step)
-            request.mask_ticks = request.bounds.max_loops
+            constrained.send_token0_mask(request, step)
 
     def _schedule_remote_start(
         self, request: ScheduledRequest, ticks: int, step: StepBuilder
     ) -> None:
-        """PD decode: the prompt's KV and final state landed; token 0 is sampled in this step
-        and the row decodes in its ticks, as after a prompt completed here."""
-        bound = self._start_output_bound(request, ticks)
+        """PD decode: the prompt's KV landed; start decoding if its blocks can cover the
+        step's outputs (`pd_stages.start_remote_decode`)."""
+        bound = constrained.start_output_bound(request, ticks)
         if not self._ensure_kv(request, request.kv_tokens_needed(bound), step, may_suspend=False):
             return
-        request.stage = RequestStage.DECODING
-        request.kv_landed = False
-        request.scheduled_prompt_tokens = request.computed_prompt_tokens = request.prompt_length
-        self.kv.publish_prefix(request.identity, request.prompt_token_ids, request.prompt_length)
-        step.add_remote_start(request.identity, bound)
-        self._send_token0_mask(request, step)
+        pd_stages.start_remote_decode(request, self.kv, step, bound)
 
     # -- PD transfer events (from the engine's connector) ---------------------------------------
     def kv_landed(self, identity: ExecutionIdentity) -> bool:
@@ -478,66 +381,35 @@ class Scheduler:
     def release_held(self, identity: ExecutionIdentity) -> None:
         """PD: a cancelled or failed handoff drained (or its lease expired): free the blocks
         and row it held."""
-        if self._held.pop(identity, None) is not None:
+        if self._handoffs.release(identity):
             self.kv.free(identity)
             self._releases.append(identity)
 
     def held_transfers(self) -> frozenset[ExecutionIdentity]:
         """Finished PD requests whose blocks wait for their handoff to drain."""
-        return frozenset(self._held)
+        return self._handoffs.held_identities()
 
     def newly_reserved(self) -> list[ScheduledRequest]:
         """PD decode requests admitted since the last call (their KV target is now known)."""
-        reserved, self._reserved = self._reserved, []
-        return reserved
+        return self._handoffs.take_reserved()
 
-    # -- KV growth and preemption ---------------------------------------------------------------
+    # -- KV growth and preemption (suspension.py) -----------------------------------------------
     def _ensure_kv(
         self, request: ScheduledRequest, num_tokens: int, step: StepBuilder, *, may_suspend: bool
     ) -> bool:
-        """Make the request's blocks cover positions [0, num_tokens), preempting another request
-        once if that is allowed and needed. A decoding request that still cannot grow is
-        suspended itself (`may_suspend`), since the device would otherwise run it. False: the
-        request does not run in this step."""
-        updates = self.kv.grow(request.identity, num_tokens)
-        if updates is None and self.config.enable_preemption:
-            victim = choose_victim(
-                self._running,
-                excluded=step.selected | {request.identity} | self._transfer_endpoints(),
-                held_blocks=self.kv.held_blocks,
-            )
-            if victim is not None:
-                self._preempt(victim, step)
-                updates = self.kv.grow(request.identity, num_tokens)
-        if updates is None:
-            if not may_suspend:
-                return False
-            if not self.config.enable_preemption:
-                raise RuntimeError(
-                    f"{request.identity}: KV growth failed although admission reserved it"
-                )
-            self._preempt(request, step)
-            return False
-        if updates:
-            step.block_updates.append(RequestBlocks(request.identity, updates))
-        return True
-
-    def _transfer_endpoints(self) -> set[ExecutionIdentity]:
-        """Requests whose blocks a KV transfer reads or writes: never preemption victims."""
-        busy = (RequestStage.AWAITING_KV, RequestStage.SENDING_KV)
-        return {r.identity for r in self._running if r.stage in busy}
-
-    def _preempt(self, victim: ScheduledRequest, step: StepBuilder) -> None:
-        """Suspend `victim`: the runner snapshots its device state first thing in this step; its
-        blocks are free for the rest of the step; it waits to be resumed exactly where it was."""
-        step.snapshots.append(victim.identity)
-        victim.snapshot_tokens = self.kv.allocated_tokens(victim.identity)
-        victim.resume_stage = victim.stage
-        self.kv.free(victim.identity)
-        self._running.remove(victim)
-        victim.stage = RequestStage.WAITING
-        self._waiting.add(victim)
-        self.stats.preemptions += 1
+        """Blocks for positions [0, num_tokens), preempting if needed and allowed
+        (`suspension.grow_or_preempt`). False: the request does not run in this step."""
+        return suspension.grow_or_preempt(
+            request,
+            num_tokens,
+            step,
+            may_suspend=may_suspend,
+            enable_preemption=self.config.enable_preemption,
+            running=self._running,
+            waiting=self._waiting,
+            kv=self.kv,
+            stats=self.stats,
+        )
 
     def _preempt_for_priority(self, step: StepBuilder) -> None:
         """Before any row is selected: if the best waiting request cannot be admitted (no slot
@@ -550,18 +422,16 @@ class Scheduler:
         if head is None:
             return
         prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
-        while len(self._running) >= self.config.max_num_seqs or not self.plan_admission(
-            head, prefix
-        ).fits(self.kv.capacity().free_blocks):
-            victim = choose_victim(
-                self._running,
-                excluded=step.selected | self._transfer_endpoints(),
-                held_blocks=self.kv.held_blocks,
-                worse_than_priority=head.sampling.priority,
-            )
-            if victim is None:
-                return
-            self._preempt(victim, step)
+        suspension.preempt_for_head(
+            head,
+            prefix,
+            step,
+            config=self.config,
+            running=self._running,
+            waiting=self._waiting,
+            kv=self.kv,
+            stats=self.stats,
+        )
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, ticks: int, step: StepBuilder) -> None:
@@ -576,7 +446,7 @@ class Scheduler:
         for request in self._waiting:
             if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
                 return
-            if len(self._running) + len(self._held) >= self.config.max_num_seqs:
+            if len(self._running) + self._handoffs.num_held >= self.config.max_num_seqs:
                 return
             if self._waits_for_sibling(request):
                 # Neither passed over nor scanned: it waits for its sibling's prompt, not for
@@ -593,28 +463,10 @@ class Scheduler:
             else:
                 deferred.append(request)
 
-    def _running_siblings(self, request: ScheduledRequest) -> list[ScheduledRequest]:
-        """Admitted requests of `request`'s group with the same prompt."""
-        if request.sibling_group is None:
-            return []
-        return [
-            other
-            for other in self._running
-            if other.sibling_group == request.sibling_group
-            and other is not request
-            and other.prompt_token_ids == request.prompt_token_ids
-        ]
-
     def _waits_for_sibling(self, request: ScheduledRequest) -> bool:
-        """The sibling that computes the group's prompt has not read it back yet: admitting
-        `request` now would compute it a second time, since those pages are published only once
-        the results are read back (completion evidence, R18). Never with no prefix cache to
-        publish into, and never for a preempted request (it restores its own snapshot)."""
-        if not self.prefix_caching or request.preempted:
-            return False
-        return any(
-            other.computes_group_prompt and other.computed_prompt_tokens < other.prompt_length
-            for other in self._running_siblings(request)
+        """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""
+        return siblings.waits_for_sibling(
+            request, self._running, prefix_caching=self.prefix_caching
         )
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
@@ -628,93 +480,41 @@ class Scheduler:
         if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
-            return self._resume(request, ticks, step)
+            return suspension.resume(
+                request,
+                ticks,
+                step,
+                running=self._running,
+                waiting=self._waiting,
+                kv=self.kv,
+                stats=self.stats,
+            )
         initial_tokens = initial_allocation_tokens(self.config, request, prefix)
         updates = self.kv.allocate(
             request.identity, initial_tokens, prefix, prompt_length=request.prompt_length
         )
         if updates is None:
             return False
-        # The first of its group to run computes the prompt for all (no sibling runs: none
-        # computed it, or the one that did is gone and only its published pages remain).
-        request.computes_group_prompt = (
-            request.sibling_group is not None and not self._running_siblings(request)
-        )
+        # The first of its group to run computes the prompt for all (siblings.py).
+        request.computes_group_prompt = siblings.computes_group_prompt(request, self._running)
         self._waiting.remove(request)
         self._running.append(request)
-        request.stage = RequestStage.PREFILL
-        request.scheduled_time = time.monotonic()
-        request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
-        request.known_to_runner = True
-        step.selected.add(request.identity)  # never a preemption victim of its own step
-        step.new_requests.append(
-            NewRequestData(
-                request.identity,
-                request.sampling,
-                request.prompt_length,
-                request.rule,
-                prefill_only=request.prefill_only,
-                prompt_token_ids=request.prompt_token_ids,
-            )
-        )
-        step.block_updates.append(RequestBlocks(request.identity, updates))
+        start_admitted(request, prefix, updates, step, scheduled_time=time.monotonic())
         if request.awaits_kv:  # PD decode: the prompt's KV comes from a prefill instance
-            request.stage = RequestStage.AWAITING_KV
-            self._reserved.append(request)
+            self._handoffs.await_kv(request)
         else:
             self._schedule_prefill_chunk(request, ticks, step)
-        return True
-
-    def _resume(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> bool:
-        """Give a preempted request blocks covering its snapshot; the runner restores it
-        before this step's work. It continues from the same stage, loop and exit state: a
-        decoding request also gets the blocks of this step's ticks and loops in them, a
-        prefilling one continues with its next chunk from the next step on."""
-        tokens, bound = request.snapshot_tokens, 0
-        if request.resume_stage is RequestStage.DECODING:
-            bound = self._decode_output_bound(request, ticks)
-            outputs = request.num_outputs + request.unconfirmed_tokens + bound
-            tokens = max(tokens, request.kv_tokens_needed(outputs))
-        updates = self.kv.allocate(request.identity, tokens, NO_PREFIX)
-        if updates is None:
-            return False
-        self._waiting.remove(request)
-        self._running.append(request)
-        request.stage = request.resume_stage
-        request.snapshot_tokens = request.resume_stage = None
-        step.block_updates.append(RequestBlocks(request.identity, updates))
-        step.restores.append(request.identity)
-        self.stats.resumptions += 1
-        if request.stage is RequestStage.DECODING:
-            step.add_decode(request.identity, bound)
-            self._send_mask_if_due(request, step)  # after the restore (runner order)
-        else:
-            step.selected.add(request.identity)
         return True
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, result: ModelRunnerOutput) -> None:
         """Apply the results of the oldest submitted step: prompt progress, then tokens."""
-        if not self._submitted or self._submitted[0].output.step_id != result.step_id:
-            expected = self._submitted[0].output.step_id if self._submitted else None
-            raise RuntimeError(f"result of step {result.step_id}, expected step {expected}")
-        submitted = self._submitted.popleft()
+        submitted = self._in_flight.confirm_oldest(
+            result.step_id, same_identity=self._same_identity, live=self._current
+        )
         self.stats.steps += 1
         self.stats.decode_ticks += result.decode_ticks
         self.stats.loop_slots += result.loop_slots
-        for identity, bound in submitted.output_bounds.items():
-            request = self._requests.get(identity.request_id)
-            if request is not None and request.identity == identity:
-                request.unconfirmed_tokens -= bound
-        for identity in submitted.decoding:
-            request = self._current(identity)
-            if request is not None:
-                request.confirmed_ticks += submitted.output.decode_ticks
-            left = self._unconfirmed_ticks.get(identity, 0) - submitted.output.decode_ticks
-            if left > 0:
-                self._unconfirmed_ticks[identity] = left
-            else:
-                self._unconfirmed_ticks.pop(identity, None)
         # Failure protocol (R04): the runner already dropped the named requests' device state;
         # each is aborted with the error (a preempted victim whose snapshot failed included: its
         # blocks were handed out, so it cannot resume). Release is queued by _finish.
@@ -723,88 +523,32 @@ class Scheduler:
                 request = self._current(identity)
                 if request is not None:
                     self._finish(request, FinishReason.ABORT, error=failure.message)
-        self._check_progress_evidence(submitted.output, result)
+        outputs.check_progress_evidence(submitted.output, result)
         for progress in result.prefill_progress:
             request = self._current(progress.identity)
             if request is not None:
-                self.stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
-                request.computed_prompt_tokens = progress.end_position
-                if request.stage is not RequestStage.WAITING:
-                    self.kv.publish_prefix(
-                        request.identity, request.prompt_token_ids, progress.end_position
-                    )
+                outputs.apply_prefill_progress(request, progress, self.kv, self.stats)
         now = time.monotonic() if result.generated else 0.0
         for generated in result.generated:
             request = self._current(generated.identity)
             if request is not None:
                 self._record_tokens(request, generated, now)
 
-    @staticmethod
-    def _check_progress_evidence(step: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Prompt progress is completion evidence for a chunk of that very step (R18): progress
-        for any other range, or from a step that failed as a whole, is a runner bug."""
-        chunks = {(c.identity, c.end_position) for c in step.prefill}
-        for progress in result.prefill_progress:
-            if result.step_failed or (progress.identity, progress.end_position) not in chunks:
-                raise RuntimeError(
-                    f"step {result.step_id} reports prompt progress {progress} that none of its "
-                    "completed chunks establishes"
-                )
-
     def _record_tokens(
         self, request: ScheduledRequest, generated: GeneratedTokens, now: float
     ) -> None:
-        if generated.first_output_index != request.num_outputs:
-            raise RuntimeError(
-                f"{request.identity}: output {generated.first_output_index} reported, "
-                f"{request.num_outputs} expected next"
-            )
+        outputs.check_output_index(request, generated)
         self._dirty[request.identity.request_id] = request
-        if generated.token_ids:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-        for i, token in enumerate(generated.token_ids):
-            depth = generated.exit_depths[i]
-            request.output_token_ids.append(token)
-            request.exit_depths.append(depth)
-            if generated.logprobs is not None and generated.top_logprobs is not None:
-                request.logprobs.append(generated.logprobs[i])
-                request.top_logprobs.append(generated.top_logprobs[i])
-            self.stats.generation_tokens += 1
-            if request.num_outputs > 1:
-                self.stats.decode_loops += depth
-            if request.constraint is not None and not self._advance_constraint(request, token):
-                return
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason)
-                return
-
-    def _advance_constraint(self, request: ScheduledRequest, token_id: int) -> bool:
-        """Structured output: the matcher consumes the output (its mask was used up, so the
-        next one is due). A token the grammar rejects cannot come from a masked row: the
-        request is aborted with the error rather than continued off the grammar."""
-        request.mask_sent = False
-        if request.constraint.accept_token(token_id):
-            return True
-        self._finish(
-            request,
-            FinishReason.ABORT,
-            error=f"token {token_id} (output {request.num_outputs - 1}) violates the grammar",
-        )
-        return False
-
-    def _finish_reason(self, request: ScheduledRequest, token_id: int) -> FinishReason | None:
-        if token_id in request.rule.stop_token_ids:
-            return FinishReason.STOP
-        if request.constraint is not None and request.constraint.is_terminated():
-            return FinishReason.STOP  # the grammar is complete (vLLM's rule)
-        if request.num_outputs >= request.sampling.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        finish = outputs.record_generated(request, generated, now, self.stats)
+        if finish is not None:
+            self._finish(request, finish.reason, error=finish.error)
 
     # -- completion and outputs ----------------------------------------------------------------
+    def _same_identity(self, identity: ExecutionIdentity) -> ScheduledRequest | None:
+        """The known request with this identity, finished or not (None if replaced)."""
+        request = self._requests.get(identity.request_id)
+        return request if request is not None and request.identity == identity else None
+
     def _current(self, identity: ExecutionIdentity) -> ScheduledRequest | None:
         """The live request with this identity; None for results of cancelled/replaced ones."""
         request = self._requests.get(identity.request_id)
@@ -823,17 +567,13 @@ class Scheduler:
         # PD: a transfer may still write this request's blocks and row (decode side), or read
         # them (prefill side, unless it ended because every write completed): hold them until
         # the transfer drained (`release_held`).
-        awaiting_writes = request.stage is RequestStage.AWAITING_KV or (
-            request.prefill_only
-            and request.stage in (RequestStage.PREFILL, RequestStage.SENDING_KV)
-            and reason is FinishReason.ABORT
-        )
+        awaiting_writes = pd_stages.holds_blocks_after(request, reason)
         request.stage = RequestStage.FINISHED
         request.constraint = None  # the matcher (host state) goes with the request
         request.finish_reason = reason
         request.error = error
         if awaiting_writes:  # a prefill instance may still write its blocks and row
-            self._held[request.identity] = request
+            self._handoffs.hold(request)
         else:
             self.kv.free(request.identity)
             if request.known_to_runner:

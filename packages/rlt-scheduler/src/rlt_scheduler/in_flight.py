@@ -1,0 +1,97 @@
+"""Steps in flight: scheduled steps whose results were not applied yet.
+
+The scheduler may run ahead of the device. For a decoding request the host does not know how
+many tokens the submitted steps made, so it keeps upper bounds: each submitted step adds its
+per-request output bound to `ScheduledRequest.unconfirmed_tokens` and its ticks to the
+request's unconfirmed ticks (which cap the ticks of later steps, `tick_policy.decode_ticks`).
+Applying the step's results (always the oldest first) subtracts them again and adds the ticks
+to `confirmed_ticks`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from rlt_contracts import ExecutionIdentity, SchedulerOutput
+
+from rlt_scheduler.request_state import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class SubmittedStep:
+    """A scheduled step whose results have not been applied yet.
+
+    output_bounds: per request, the most outputs the step can make (tokens).
+    decoding: requests that loop in the step's `decode_ticks` (decoding rows, remote starts and
+    completing chunks that sample token 0).
+    """
+
+    output: SchedulerOutput
+    output_bounds: dict[ExecutionIdentity, int]
+    decoding: frozenset[ExecutionIdentity]
+
+
+class StepsInFlight:
+    """Owns the submitted steps (oldest first) and each request's unconfirmed ticks.
+
+    The per-request counters it updates (`unconfirmed_tokens`, `confirmed_ticks`) belong to the
+    requests the scheduler's lookups return; nothing here touches queues.
+    """
+
+    def __init__(self) -> None:
+        self._submitted: deque[SubmittedStep] = deque()
+        self._unconfirmed_ticks: dict[ExecutionIdentity, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._submitted)
+
+    @property
+    def unconfirmed_ticks(self) -> Mapping[ExecutionIdentity, int]:
+        """Ticks of submitted steps per decoding request (read-only view)."""
+        return self._unconfirmed_ticks
+
+    def submit(
+        self, step: SubmittedStep, lookup: Callable[[ExecutionIdentity], ScheduledRequest]
+    ) -> None:
+        """Record a just-scheduled step: its ticks count as unconfirmed for every request that
+        loops in it, its output bounds as the requests' unconfirmed tokens."""
+        self._submitted.append(step)
+        for identity in step.decoding:
+            self._unconfirmed_ticks[identity] = (
+                self._unconfirmed_ticks.get(identity, 0) + step.output.decode_ticks
+            )
+        for identity, bound in step.output_bounds.items():
+            lookup(identity).unconfirmed_tokens += bound
+
+    def confirm_oldest(
+        self,
+        step_id: int,
+        *,
+        same_identity: Callable[[ExecutionIdentity], ScheduledRequest | None],
+        live: Callable[[ExecutionIdentity], ScheduledRequest | None],
+    ) -> SubmittedStep:
+        """The results of step `step_id` arrived: it must be the oldest submitted step
+        (RuntimeError otherwise). Its output bounds leave `unconfirmed_tokens` of the request
+        that still has that identity (`same_identity`, finished ones included); its ticks move
+        from unconfirmed to `confirmed_ticks` of the live request (`live`)."""
+        if not self._submitted or self._submitted[0].output.step_id != step_id:
+            expected = self._submitted[0].output.step_id if self._submitted else None
+            raise RuntimeError(f"result of step {step_id}, expected step {expected}")
+        submitted = self._submitted.popleft()
+        for identity, bound in submitted.output_bounds.items():
+            request = same_identity(identity)
+            if request is not None:
+                request.unconfirmed_tokens -= bound
+        ticks = submitted.output.decode_ticks
+        for identity in submitted.decoding:
+            request = live(identity)
+            if request is not None:
+                request.confirmed_ticks += ticks
+            left = self._unconfirmed_ticks.get(identity, 0) - ticks
+            if left > 0:
+                self._unconfirmed_ticks[identity] = left
+            else:
+                self._unconfirmed_ticks.pop(identity, None)
+        return submitted

@@ -1,0 +1,110 @@
+"""Applying a step's results to request progress: prompt progress and generated tokens.
+
+Prompt progress is completion evidence for a chunk of that very step (R18): it advances
+`computed_prompt_tokens` and publishes the prefix. Generated tokens must start at the next
+expected output index; the scheduler re-applies stop ids, the grammar and `max_tokens` and
+stays authoritative: tokens after the finishing one are discarded. Recording order per token:
+the grammar accepts it, then stop ids, then grammar termination, then `max_tokens`.
+
+These functions update one request's progress and the counters; the decision to finish is
+returned (`FinishDecision`) for the scheduler's one cleanup path (`Scheduler._finish`, R16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlt_contracts import (
+    FinishReason,
+    GeneratedTokens,
+    KVPort,
+    ModelRunnerOutput,
+    PrefillProgress,
+    RequestStage,
+    SchedulerOutput,
+)
+
+from rlt_scheduler.constrained import accept_output, grammar_terminated
+from rlt_scheduler.request_state import ScheduledRequest
+from rlt_scheduler.stats import SchedulerStats
+
+
+@dataclass(frozen=True)
+class FinishDecision:
+    """Recording a token ended the request: with `reason`, and `error` for an abort."""
+
+    reason: FinishReason
+    error: str | None = None
+
+
+def check_progress_evidence(step: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    """Prompt progress is completion evidence for a chunk of that very step (R18): progress
+    for any other range, or from a step that failed as a whole, is a runner bug."""
+    chunks = {(c.identity, c.end_position) for c in step.prefill}
+    for progress in result.prefill_progress:
+        if result.step_failed or (progress.identity, progress.end_position) not in chunks:
+            raise RuntimeError(
+                f"step {result.step_id} reports prompt progress {progress} that none of its "
+                "completed chunks establishes"
+            )
+
+
+def apply_prefill_progress(
+    request: ScheduledRequest, progress: PrefillProgress, kv: KVPort, stats: SchedulerStats
+) -> None:
+    """The prompt is computed up to `progress.end_position` (exclusive): count the positions
+    and, unless the request was preempted meanwhile, publish them for prefix reuse."""
+    stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
+    request.computed_prompt_tokens = progress.end_position
+    if request.stage is not RequestStage.WAITING:
+        kv.publish_prefix(request.identity, request.prompt_token_ids, progress.end_position)
+
+
+def check_output_index(request: ScheduledRequest, generated: GeneratedTokens) -> None:
+    """Generated tokens must start at the next expected output (a gap is a runner bug)."""
+    if generated.first_output_index != request.num_outputs:
+        raise RuntimeError(
+            f"{request.identity}: output {generated.first_output_index} reported, "
+            f"{request.num_outputs} expected next"
+        )
+
+
+def record_generated(
+    request: ScheduledRequest, generated: GeneratedTokens, now: float, stats: SchedulerStats
+) -> FinishDecision | None:
+    """Append the tokens (exit depths, logprobs) of `generated` up to the first one that ends
+    the request, and stamp the token times with `now` (host monotonic seconds). Returns how the
+    request ends, or None while it continues; the caller finishes it."""
+    if generated.token_ids:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+    for i, token in enumerate(generated.token_ids):
+        depth = generated.exit_depths[i]
+        request.output_token_ids.append(token)
+        request.exit_depths.append(depth)
+        if generated.logprobs is not None and generated.top_logprobs is not None:
+            request.logprobs.append(generated.logprobs[i])
+            request.top_logprobs.append(generated.top_logprobs[i])
+        stats.generation_tokens += 1
+        if request.num_outputs > 1:
+            stats.decode_loops += depth
+        if request.constraint is not None:
+            error = accept_output(request, token)
+            if error is not None:
+                return FinishDecision(FinishReason.ABORT, error)
+        reason = finish_reason(request, token)
+        if reason is not None:
+            return FinishDecision(reason)
+    return None
+
+
+def finish_reason(request: ScheduledRequest, token_id: int) -> FinishReason | None:
+    """Why recording `token_id` (already appended) ends the request, or None."""
+    if token_id in request.rule.stop_token_ids:
+        return FinishReason.STOP
+    if grammar_terminated(request):
+        return FinishReason.STOP  # the grammar is complete (vLLM's rule)
+    if request.num_outputs >= request.sampling.max_tokens:
+        return FinishReason.LENGTH
+    return None

@@ -17,12 +17,14 @@ decoding request. While prompts are waiting to be computed a step runs one tick,
 never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
 more than the longest request can still use) run per host round trip.
 
-This module owns the queues and the request table, decides the step-building order and
-admission, and keeps the one cleanup path (`_finish`). It composes: `intake.py` (waiting room,
-request state), `admission.py` (budgets, first admission), `suspension.py` (KV growth,
-preemption and resumption), `constrained.py` (structured-output masks), `siblings.py` (a
-sibling group computes its prompt once), `pd_stages.py` (PD handoff stages and held blocks),
-`in_flight.py` (steps not yet applied) and `outputs.py` (applying prompt progress and tokens).
+This module owns the queues (`queues.RequestQueues`) and the request table, decides the
+step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
+(waiting room, request state), `step_building.py` (`StepPlanner`: decode rows, prompt chunks,
+PD remote starts and KV growth), `admitting.py` (`Admitter`: priority preemption and the
+bounded-bypass admission loop, budgets from `admission.py`), `suspension.py` (preemption and
+resumption), `constrained.py` (structured-output masks), `siblings.py` (a sibling group computes
+its prompt once), `pd_stages.py` (PD handoff stages and held blocks), `in_flight.py` (steps not
+yet applied) and `outputs.py` (applying prompt progress and tokens).
 
 Each request records when it was queued (add_request), first admitted (schedule) and when the
 results holding its first and latest tokens were applied (update_from_output), on the host's
@@ -35,7 +37,6 @@ import time
 from collections.abc import Sequence
 
 from rlt_contracts import (
-    NO_PREFIX,
     AdmissionPlan,
     EngineRequest,
     ExecutionIdentity,
@@ -45,7 +46,6 @@ from rlt_contracts import (
     KVPort,
     KVTransferParams,
     ModelRunnerOutput,
-    PrefillChunk,
     PrefixMatch,
     RequestOutputDelta,
     RequestStage,
@@ -56,19 +56,19 @@ from rlt_contracts import (
 from rlt_contracts.kv import KVCapacity
 from rlt_contracts.structured import ConstraintCompiler
 
-from rlt_scheduler import constrained, outputs, pd_stages, siblings, suspension
-from rlt_scheduler.admission import initial_allocation_tokens, plan_admission, start_admitted
-from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
+from rlt_scheduler import constrained, outputs, pd_stages
+from rlt_scheduler.admitting import Admitter
+from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
 from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
-from rlt_scheduler.pd_stages import PDHandoffs
+from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.step_building import StepPlanner
 from rlt_scheduler.tick_policy import decode_ticks
 from rlt_scheduler.validation import ModelLimits, check_kv_transfer, validate_request
-from rlt_scheduler.waiting_queue import WaitingQueue
 
 
 class Scheduler:
@@ -100,17 +100,20 @@ class Scheduler:
         config.check_depth(model_depth)
         self.stats = SchedulerStats()
         self._requests: dict[str, ScheduledRequest] = {}
-        self._waiting = WaitingQueue(config.policy)
-        self._running: list[ScheduledRequest] = []
+        # waiting queue, running list, PD handoffs; admission and step building share them
+        self._queues = RequestQueues(config.policy)
         self._releases: list[ExecutionIdentity] = []
         self._dirty: dict[str, ScheduledRequest] = {}
         self._in_flight = StepsInFlight()
-        self._handoffs = PDHandoffs()  # PD: held blocks, decode requests awaiting their KV
         self._next_generation = 0
         self._next_step = 0
         # requests queued since step `_fresh_step` was scheduled (no admission saw them yet)
         self._fresh: list[ScheduledRequest] = []
         self._fresh_step = 0
+        self._planner = StepPlanner(config, kv, self.stats, self._queues, model_depth=model_depth)
+        self._admitter = Admitter(
+            config, kv, self.stats, self._queues, self._planner, prefix_caching=prefix_caching
+        )
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -162,10 +165,10 @@ class Scheduler:
         check_waiting_room(
             self.config,
             count=count,
-            queued=len(self._waiting),
+            queued=len(self._queues.waiting),
             fresh_waiting=sum(1 for r in self._fresh if r.stage is RequestStage.WAITING),
-            running=len(self._running),
-            held=self._handoffs.num_held,
+            running=len(self._queues.running),
+            held=self._queues.handoffs.num_held,
         )
 
     def _enqueue(
@@ -187,7 +190,7 @@ class Scheduler:
         )
         self._next_generation += 1
         self._requests[new.request_id] = request
-        self._waiting.add(request)
+        self._queues.waiting.add(request)
         self._fresh.append(request)
         return request
 
@@ -207,15 +210,15 @@ class Scheduler:
             self._finish(request, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running or self._handoffs.num_held)
+        return bool(self._queues.waiting or self._queues.running or self._queues.handoffs.num_held)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._queues.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queues.waiting)
 
     @property
     def num_submitted_steps(self) -> int:
@@ -224,11 +227,11 @@ class Scheduler:
 
     def running_request_ids(self) -> list[str]:
         """Ids of admitted (running) requests, in admission order."""
-        return [r.identity.request_id for r in self._running]
+        return [r.identity.request_id for r in self._queues.running]
 
     def waiting_request_ids(self) -> list[str]:
         """Ids of waiting (new or preempted) requests, in queue order."""
-        return [r.identity.request_id for r in self._waiting]
+        return [r.identity.request_id for r in self._queues.waiting]
 
     def pending_releases(self) -> frozenset[ExecutionIdentity]:
         """Finished or aborted requests whose runner state is dropped at the next step."""
@@ -247,28 +250,18 @@ class Scheduler:
         Any preemption decided while building the step is part of it (`snapshots`): the runner
         saves the victims' device state first thing in this step.
         """
-        config = self.config
-        step = StepBuilder(
-            config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth
-        )
-        self._preempt_for_priority(step)
+        step = self._planner.new_step()
+        self._admitter.preempt_for_priority(step)
         ticks = decode_ticks(
-            config,
-            self._running,
-            len(self._running),
-            len(self._waiting),
+            self.config,
+            self._queues.running,
+            len(self._queues.running),
+            len(self._queues.waiting),
             self._in_flight.unconfirmed_ticks,
         )
-        for request in [r for r in self._running if r.stage is RequestStage.DECODING]:
-            if request in self._running:  # not preempted while this step was being built
-                self._schedule_decode(request, ticks, step)
-        for request in [r for r in self._running if r.stage is RequestStage.PREFILL]:
-            if request in self._running and step.prefill_room() > 0:
-                self._schedule_prefill_chunk(request, ticks, step)
-        for request in [r for r in self._running if r.stage is RequestStage.AWAITING_KV]:
-            if request.kv_landed:
-                self._schedule_remote_start(request, ticks, step)
-        self._admit(ticks, step)
+        self._planner.schedule_running(ticks, step)
+        # the clock is read through this module's `time` (tests patch it)
+        self._admitter.admit(ticks, step, clock=time.monotonic)
         decoding = self._looping_rows(step)
         if not decoding:  # no decoding row and no request starting to decode: no ticks
             ticks = 0
@@ -298,57 +291,6 @@ class Scheduler:
     def _request_of(self, identity: ExecutionIdentity) -> ScheduledRequest:
         """The request a step being scheduled holds (it is in `_requests` by construction)."""
         return self._requests[identity.request_id]
-
-    def _schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
-        bound = constrained.decode_output_bound(request, ticks)
-        most_outputs = request.num_outputs + request.unconfirmed_tokens + bound
-        if self._ensure_kv(request, request.kv_tokens_needed(most_outputs), step, may_suspend=True):
-            step.add_decode(request.identity, bound)
-            constrained.send_mask_if_due(request, step)
-
-    def _schedule_prefill_chunk(
-        self, request: ScheduledRequest, ticks: int, step: StepBuilder
-    ) -> None:
-        start = request.scheduled_prompt_tokens
-        count = min(
-            step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start
-        )
-        if count <= 0:
-            return
-        completes = start + count == request.prompt_length
-        # A completing chunk samples token 0, and its successor may loop in this step's ticks
-        # (not on a PD prefill instance: the state is sent for the decode instance's coda).
-        starts = completes and not request.prefill_only
-        bound = constrained.start_output_bound(request, ticks) if starts else 0
-        needed = max(start + count, request.kv_tokens_needed(bound)) if starts else start + count
-        if not self._ensure_kv(request, needed, step, may_suspend=False):
-            return
-        step.add_prefill(
-            PrefillChunk(
-                request.identity,
-                start_position=start,
-                token_ids=request.prompt_token_ids[start : start + count],
-                completes_prompt=completes,
-            ),
-            bound,
-        )
-        request.scheduled_prompt_tokens = start + count
-        if completes:
-            request.stage = (
-                RequestStage.SENDING_KV if request.prefill_only else RequestStage.DECODING
-            )
-        if starts:
-            constrained.send_token0_mask(request, step)
-
-    def _schedule_remote_start(
-        self, request: ScheduledRequest, ticks: int, step: StepBuilder
-    ) -> None:
-        """PD decode: the prompt's KV landed; start decoding if its blocks can cover the
-        step's outputs (`pd_stages.start_remote_decode`)."""
-        bound = constrained.start_output_bound(request, ticks)
-        if not self._ensure_kv(request, request.kv_tokens_needed(bound), step, may_suspend=False):
-            return
-        pd_stages.start_remote_decode(request, self.kv, step, bound)
 
     # -- PD transfer events (from the engine's connector) ---------------------------------------
     def kv_landed(self, identity: ExecutionIdentity) -> bool:
@@ -381,130 +323,21 @@ class Scheduler:
     def release_held(self, identity: ExecutionIdentity) -> None:
         """PD: a cancelled or failed handoff drained (or its lease expired): free the blocks
         and row it held."""
-        if self._handoffs.release(identity):
+        if self._queues.handoffs.release(identity):
             self.kv.free(identity)
             self._releases.append(identity)
 
     def held_transfers(self) -> frozenset[ExecutionIdentity]:
         """Finished PD requests whose blocks wait for their handoff to drain."""
-        return self._handoffs.held_identities()
+        return self._queues.handoffs.held_identities()
 
     def newly_reserved(self) -> list[ScheduledRequest]:
         """PD decode requests admitted since the last call (their KV target is now known)."""
-        return self._handoffs.take_reserved()
-
-    # -- KV growth and preemption (suspension.py) -----------------------------------------------
-    def _ensure_kv(
-        self, request: ScheduledRequest, num_tokens: int, step: StepBuilder, *, may_suspend: bool
-    ) -> bool:
-        """Blocks for positions [0, num_tokens), preempting if needed and allowed
-        (`suspension.grow_or_preempt`). False: the request does not run in this step."""
-        return suspension.grow_or_preempt(
-            request,
-            num_tokens,
-            step,
-            may_suspend=may_suspend,
-            enable_preemption=self.config.enable_preemption,
-            running=self._running,
-            waiting=self._waiting,
-            kv=self.kv,
-            stats=self.stats,
-        )
-
-    def _preempt_for_priority(self, step: StepBuilder) -> None:
-        """Before any row is selected: if the best waiting request cannot be admitted (no slot
-        or not enough KV) and strictly lower-priority requests run, suspend them (worst first)
-        until it can. Only the head of the queue may preempt, so one step preempts for at most
-        one arrival."""
-        if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
-            return
-        head = next((r for r in self._waiting if not self._waits_for_sibling(r)), None)
-        if head is None:
-            return
-        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
-        suspension.preempt_for_head(
-            head,
-            prefix,
-            step,
-            config=self.config,
-            running=self._running,
-            waiting=self._waiting,
-            kv=self.kv,
-            stats=self.stats,
-        )
-
-    # -- admission ------------------------------------------------------------------------------
-    def _admit(self, ticks: int, step: StepBuilder) -> None:
-        """Admit waiting requests in policy order with bounded bypass.
-
-        A request that does not fit is deferred and later ones may pass it, but at most
-        `admission_scan_limit` are examined, and once a deferred request has been passed
-        `max_admission_bypasses` times nobody passes it any more (no starvation).
-        """
-        deferred: list[ScheduledRequest] = []
-        scanned = 0
-        for request in self._waiting:
-            if scanned >= self.config.admission_scan_limit or step.prefill_room() <= 0:
-                return
-            if len(self._running) + self._handoffs.num_held >= self.config.max_num_seqs:
-                return
-            if self._waits_for_sibling(request):
-                # Neither passed over nor scanned: it waits for its sibling's prompt, not for
-                # room, so the n - 1 siblings of a large n never hide later requests.
-                continue
-            scanned += 1
-            if self._try_admit(request, ticks, step):
-                for waiting in deferred:
-                    waiting.bypass_count += 1
-                if any(w.bypass_count >= self.config.max_admission_bypasses for w in deferred):
-                    return
-            elif request.bypass_count >= self.config.max_admission_bypasses:
-                return  # protected: it is next, whatever fits behind it
-            else:
-                deferred.append(request)
-
-    def _waits_for_sibling(self, request: ScheduledRequest) -> bool:
-        """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""
-        return siblings.waits_for_sibling(
-            request, self._running, prefix_caching=self.prefix_caching
-        )
+        return self._queues.handoffs.take_reserved()
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
         """The block budget of admitting `request` now (see admission.plan_admission)."""
-        return plan_admission(self.config, self.kv, request, prefix, self._running)
-
-    def _try_admit(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> bool:
-        prefix = (
-            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
-        )
-        if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
-            return False
-        if request.preempted:
-            return suspension.resume(
-                request,
-                ticks,
-                step,
-                running=self._running,
-                waiting=self._waiting,
-                kv=self.kv,
-                stats=self.stats,
-            )
-        initial_tokens = initial_allocation_tokens(self.config, request, prefix)
-        updates = self.kv.allocate(
-            request.identity, initial_tokens, prefix, prompt_length=request.prompt_length
-        )
-        if updates is None:
-            return False
-        # The first of its group to run computes the prompt for all (siblings.py).
-        request.computes_group_prompt = siblings.computes_group_prompt(request, self._running)
-        self._waiting.remove(request)
-        self._running.append(request)
-        start_admitted(request, prefix, updates, step, scheduled_time=time.monotonic())
-        if request.awaits_kv:  # PD decode: the prompt's KV comes from a prefill instance
-            self._handoffs.await_kv(request)
-        else:
-            self._schedule_prefill_chunk(request, ticks, step)
-        return True
+        return self._admitter.plan_admission(request, prefix)
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, result: ModelRunnerOutput) -> None:
@@ -561,9 +394,11 @@ class Scheduler:
     ) -> None:
         """The one cleanup path of completion, abort and failure (R16)."""
         if request.stage is RequestStage.WAITING:
-            self._waiting.remove(request)  # new, or preempted (its snapshot is dropped below)
+            self._queues.waiting.remove(
+                request
+            )  # new, or preempted (its snapshot is dropped below)
         else:
-            self._running.remove(request)
+            self._queues.running.remove(request)
         # PD: a transfer may still write this request's blocks and row (decode side), or read
         # them (prefill side, unless it ended because every write completed): hold them until
         # the transfer drained (`release_held`).
@@ -573,7 +408,7 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         if awaiting_writes:  # a prefill instance may still write its blocks and row
-            self._handoffs.hold(request)
+            self._queues.handoffs.hold(request)
         else:
             self.kv.free(request.identity)
             if request.known_to_runner:

@@ -1,0 +1,155 @@
+"""`Admitter`: moves waiting requests into the running list while a step is built.
+
+Two operations, in `Scheduler.schedule`'s order:
+
+- `preempt_for_priority` (before any row is selected): under the priority policy the best
+  waiting request may suspend strictly lower-priority running ones until it fits.
+- `admit` (after the running requests were scheduled): waiting requests in policy order with
+  bounded bypass. A request that does not fit is deferred and later ones may pass it, but at
+  most `admission_scan_limit` are examined, and once a deferred request has been passed
+  `max_admission_bypasses` times nobody passes it any more (no starvation).
+
+A request is admitted when its budget fits (`admission.plan_admission`): a preempted one
+resumes (`suspension.resume`), a new one gets its first blocks, joins the running list
+(`admission.start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
+schedules its first prompt chunk in the same step (`StepPlanner.schedule_prefill_chunk`).
+
+The admitter keeps no state of its own (R02): the queues, configuration, KV port and counters
+belong to `Scheduler`; the deferred list and scan count are local to one `admit` call (R03).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlt_contracts import NO_PREFIX, AdmissionPlan, KVPort, PrefixMatch
+
+from rlt_scheduler import siblings, suspension
+from rlt_scheduler.admission import initial_allocation_tokens, plan_admission, start_admitted
+from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
+from rlt_scheduler.queues import RequestQueues
+from rlt_scheduler.request_state import ScheduledRequest
+from rlt_scheduler.stats import SchedulerStats
+from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.step_building import StepPlanner
+
+
+class Admitter:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVPort,
+        stats: SchedulerStats,
+        queues: RequestQueues,
+        planner: StepPlanner,
+        *,
+        prefix_caching: bool,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.stats = stats
+        self.queues = queues
+        self.planner = planner
+        self.prefix_caching = prefix_caching
+
+    def preempt_for_priority(self, step: StepBuilder) -> None:
+        """Before any row is selected: if the best waiting request cannot be admitted (no slot
+        or not enough KV) and strictly lower-priority requests run, suspend them (worst first)
+        until it can. Only the head of the queue may preempt, so one step preempts for at most
+        one arrival."""
+        if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
+            return
+        head = next((r for r in self.queues.waiting if not self.waits_for_sibling(r)), None)
+        if head is None:
+            return
+        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
+        suspension.preempt_for_head(
+            head,
+            prefix,
+            step,
+            config=self.config,
+            running=self.queues.running,
+            waiting=self.queues.waiting,
+            kv=self.kv,
+            stats=self.stats,
+        )
+
+    def admit(self, ticks: int, step: StepBuilder, *, clock: Callable[[], float]) -> None:
+        """Admit waiting requests in policy order with bounded bypass (module docstring).
+        `clock`: host monotonic seconds, read once per newly admitted request (its
+        `scheduled_time`)."""
+        config = self.config
+        deferred: list[ScheduledRequest] = []
+        scanned = 0
+        for request in self.queues.waiting:
+            if scanned >= config.admission_scan_limit or step.prefill_room() <= 0:
+                return
+            if self.queues.occupied_slots >= config.max_num_seqs:
+                return
+            if self.waits_for_sibling(request):
+                # Neither passed over nor scanned: it waits for its sibling's prompt, not for
+                # room, so the n - 1 siblings of a large n never hide later requests.
+                continue
+            scanned += 1
+            if self._try_admit(request, ticks, step, clock=clock):
+                for waiting in deferred:
+                    waiting.bypass_count += 1
+                if any(w.bypass_count >= config.max_admission_bypasses for w in deferred):
+                    return
+            elif request.bypass_count >= config.max_admission_bypasses:
+                return  # protected: it is next, whatever fits behind it
+            else:
+                deferred.append(request)
+
+    def waits_for_sibling(self, request: ScheduledRequest) -> bool:
+        """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""
+        return siblings.waits_for_sibling(
+            request, self.queues.running, prefix_caching=self.prefix_caching
+        )
+
+    def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
+        """The block budget of admitting `request` now (see admission.plan_admission)."""
+        return plan_admission(self.config, self.kv, request, prefix, self.queues.running)
+
+    def _try_admit(
+        self,
+        request: ScheduledRequest,
+        ticks: int,
+        step: StepBuilder,
+        *,
+        clock: Callable[[], float],
+    ) -> bool:
+        """Admit `request` if its budget fits and its blocks can be allocated. False: nothing
+        changed (it stays waiting)."""
+        queues = self.queues
+        prefix = (
+            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
+        )
+        if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
+            return False
+        if request.preempted:
+            return suspension.resume(
+                request,
+                ticks,
+                step,
+                running=queues.running,
+                waiting=queues.waiting,
+                kv=self.kv,
+                stats=self.stats,
+            )
+        initial_tokens = initial_allocation_tokens(self.config, request, prefix)
+        updates = self.kv.allocate(
+            request.identity, initial_tokens, prefix, prompt_length=request.prompt_length
+        )
+        if updates is None:
+            return False
+        # The first of its group to run computes the prompt for all (siblings.py).
+        request.computes_group_prompt = siblings.computes_group_prompt(request, queues.running)
+        queues.waiting.remove(request)
+        queues.running.append(request)
+        start_admitted(request, prefix, updates, step, scheduled_time=clock())
+        if request.awaits_kv:  # PD decode: the prompt's KV comes from a prefill instance
+            queues.handoffs.await_kv(request)
+        else:
+            self.planner.schedule_prefill_chunk(request, ticks, step)
+        return True

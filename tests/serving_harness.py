@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
 from rlt.engine import EngineConfig, LLMEngine
 from rlt.serving.async_engine import AsyncEngine
@@ -42,6 +43,16 @@ class RunningServer:
 
     def http(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, trust_env=False, timeout=30, **kwargs)
+
+    def openai(self, **http_kwargs) -> openai.OpenAI:
+        """The official client against this server (no retries, no proxy from the
+        environment); http_kwargs go to its httpx.Client (e.g. timeout, event_hooks)."""
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.Client(trust_env=False, **http_kwargs),
+        )
 
     def wait_idle(self, timeout: float = 10.0) -> Any:
         """Poll engine stats until no request runs or waits and no KV block is used."""

@@ -84,12 +84,7 @@ def test_a_prompt_list_is_queued_all_or_none(checkpoint):
 def test_the_openai_client_sees_a_refused_list_as_rate_limited(checkpoint):
     engine = dict(max_num_seqs=2, max_waiting_requests=1, num_kv_blocks=4096)
     with run_server(checkpoint, engine=engine) as server, server.http() as http:
-        client = openai.OpenAI(
-            base_url=f"{server.base_url}/v1",
-            api_key="unused",
-            max_retries=0,
-            http_client=httpx.Client(trust_env=False),
-        )
+        client = server.openai()
         long = {"prompt": [[1, 2]] * 3, "max_tokens": 400, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=long) as running:
             lines = running.iter_lines()  # (keep it: a dropped iterator closes the response)

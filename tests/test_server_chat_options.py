@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import httpx
-import openai
 import pytest
 from serving_harness import run_server, sse_events
 
@@ -128,12 +126,7 @@ def test_chat_echo_begins_the_reply_with_the_final_assistant_message(http, serve
     assert "".join(d.get("content", "") for d in deltas) == "there was" + plain["content"]
     assert events[-1] == "[DONE]"
 
-    client = openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False),
-    )
+    client = server.openai()
     reply = client.chat.completions.create(
         model="tiny",
         messages=CONVERSATION,

@@ -9,8 +9,6 @@ client.
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
 from serving_harness import run_server, sse_events
 
@@ -30,12 +28,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False),
-    )
+    return server.openai()
 
 
 GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -14,7 +14,6 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rlt import LLM, SamplingParams
@@ -199,12 +198,7 @@ def test_streaming_chat_equals_generate(http, reference, server):
 
 
 def test_official_openai_client(server, reference):
-    client = openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False),
-    )
+    client = server.openai()
     extra = {"ignore_eos": True, **LOOPS}
     want = expected(reference, "It is a truth", max_tokens=8, ignore_eos=True)
     completion = client.completions.create(

@@ -14,7 +14,6 @@ import json
 from http.client import HTTPConnection
 
 import httpx
-import openai
 import pytest
 from serving_harness import run_server
 
@@ -173,12 +172,7 @@ def test_the_openai_client_may_send_null_options(server):
     def record(request: httpx.Request) -> None:
         sent.append(json.loads(request.content))
 
-    client = openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False, event_hooks={"request": [record]}),
-    )
+    client = server.openai(event_hooks={"request": [record]})
     chat = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "hi"}],

@@ -7,7 +7,6 @@ checks at shutdown)."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from rlt import LLM, SamplingParams
@@ -36,12 +35,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False),
-    )
+    return server.openai()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ and non-streaming answers give the same text.
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from rlt import LLM, SamplingParams
@@ -166,12 +165,7 @@ def test_the_stop_token_text_is_kept_only_when_asked(http, server):
 
 
 def test_openai_client_sends_the_options_as_extra_body(server):
-    client = openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False),
-    )
+    client = server.openai()
     out = client.completions.create(
         model="tiny",
         prompt="It is a truth",

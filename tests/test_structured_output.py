@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
-import openai
 import pytest
 from rlt import SamplingParams
 from rlt_contracts import StructuredOutput
@@ -67,12 +65,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(
-        base_url=f"{server.base_url}/v1",
-        api_key="unused",
-        max_retries=0,
-        http_client=httpx.Client(trust_env=False, timeout=60),
-    )
+    return server.openai(timeout=60)
 
 
 MESSAGES = [{"role": "user", "content": "Describe a person."}]

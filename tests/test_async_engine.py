@@ -30,11 +30,6 @@ PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 11], [64, 128, 9, 31, 77, 18, 200, 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def reference(checkpoint):
     return LLM(checkpoint, **ENGINE_DEFAULTS)
 

@@ -22,11 +22,6 @@ from serving_harness import run_server
 ENGINE = dict(max_num_seqs=8, max_waiting_requests=2, num_kv_blocks=4096)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
 def test_a_burst_on_an_idle_server_fills_the_free_slots_before_429(checkpoint):
     with run_server(checkpoint, engine=ENGINE) as server:
         body = {"prompt": [5, 6, 7], "max_tokens": 32, "ignore_eos": True, "temperature": 0}

@@ -20,17 +20,6 @@ def server(tiny_checkpoint):
         yield running
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
-
-
 GREEDY = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
 
 

@@ -16,20 +16,9 @@ from serving_harness import run_server, sse_events
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def server(checkpoint):
     with run_server(checkpoint, served_model_name="tiny", max_body_bytes=4096) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
 
 
 OK_COMPLETION = {"prompt": "It is", "max_tokens": 2}

@@ -23,11 +23,6 @@ LOOPS = dict(exit_threshold=0.8, min_loops=2)  # adaptive exit: depths vary per 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def server(checkpoint):
     with run_server(checkpoint, served_model_name="tiny") as running:
         yield running
@@ -36,12 +31,6 @@ def server(checkpoint):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     return LLM(checkpoint, **ENGINE_DEFAULTS)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
 
 
 def expected(reference, prompt, **params):

@@ -25,12 +25,6 @@ def server(tiny_checkpoint):
         yield running
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
 def post_raw(connection: HTTPConnection, path: str, body: bytes):
     """POST raw JSON bytes on `connection`; (status, JSON body)."""
     connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})

@@ -24,27 +24,11 @@ SAMPLED = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, "return_toke
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def server(checkpoint):
     with run_server(
         checkpoint, served_model_name="tiny", engine={"enable_prefix_caching": True}
     ) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai()
 
 
 def completion(http, **body) -> dict:

@@ -18,20 +18,9 @@ HOT = {"temperature": 2.0, "max_tokens": 48, "ignore_eos": True, "return_token_i
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def server(checkpoint):
     with run_server(checkpoint, served_model_name="tiny") as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
 
 
 def completion(http, **body) -> dict:

@@ -40,11 +40,6 @@ def run(llm: LLMEngine) -> dict[str, list[int]]:
     return finished
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_siblings_compute_the_prompt_once_and_match_independent_requests(checkpoint, layout):
     with (

@@ -47,20 +47,9 @@ def assert_valid(document) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-
-
-@pytest.fixture(scope="module")
 def server(checkpoint):
     with run_server(checkpoint, served_model_name="tiny") as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.http() as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -116,20 +116,14 @@ class TorchPagedAttention:
         )
 
 
-class _TorchBoundAttention:
-    """Per-call attention: borrowed KV views + precomputed indices, valid for this call only."""
+class _BoundAttention:
+    """A `LayerAttention` valid for one call: stores the layer's new keys/values at the write
+    slots, then `_attend` (the subclass's math) reads the borrowed KV views."""
 
-    def __init__(
-        self,
-        views: SlotViews,
-        write_slots: torch.Tensor,
-        shape: BatchShape,
-        index: PaddedGroupIndex,
-    ) -> None:
+    def __init__(self, views: SlotViews, write_slots: torch.Tensor, shape: BatchShape) -> None:
         self._views = views
         self._write_slots = write_slots
         self._shape = shape
-        self._index = index
 
     def __call__(
         self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -140,6 +134,23 @@ class _TorchBoundAttention:
         if self._shape.num_rows == 0:
             return torch.empty_like(query)
         return self._attend(layer_index, query)
+
+    def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _TorchBoundAttention(_BoundAttention):
+    """Per-call attention: borrowed KV views + precomputed indices, valid for this call only."""
+
+    def __init__(
+        self,
+        views: SlotViews,
+        write_slots: torch.Tensor,
+        shape: BatchShape,
+        index: PaddedGroupIndex,
+    ) -> None:
+        super().__init__(views, write_slots, shape)
+        self._index = index
 
     def _attend(self, layer_index: int, query: torch.Tensor) -> torch.Tensor:
         num_groups, max_q, max_ctx = (
@@ -176,7 +187,7 @@ class _TorchBoundAttention:
         return out.index_select(0, index.padded_row_of_query).to(query.dtype)
 
 
-class _BatchInvariantAttention:
+class _BatchInvariantAttention(_BoundAttention):
     """Per-call attention in which every query row is computed as it would be alone.
 
     The default path pads all groups to the call's (Qmax, Cmax) and lets `torch.matmul` /
@@ -209,9 +220,7 @@ class _BatchInvariantAttention:
     """
 
     def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
-        self._views = views
-        self._write_slots = batch.write_slots
-        self._shape = shape
+        super().__init__(views, batch.write_slots, shape)
         device = batch.context_lengths.device
         num_rows, block_size = shape.num_rows, shape.block_size
         self._chunks = max(1, -(-shape.max_context_len // KEY_CHUNK))
@@ -246,16 +255,6 @@ class _BatchInvariantAttention:
             blocks, QUERY_BLOCK, self._chunks, KEY_CHUNK
         )
         self._hidden = hidden.permute(0, 2, 1, 3)[:, None, :, :, None, :]
-
-    def __call__(
-        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> torch.Tensor:
-        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
-        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        store_kv(self._views, layer_index, self._write_slots, key, value)
-        if self._shape.num_rows == 0:
-            return torch.empty_like(query)
-        return self._attend(layer_index, query)
 
     def _gather(self, cache_slots: torch.Tensor, layer_index: int) -> torch.Tensor:
         """[blocks, Cpad, Hkv, D] fp32 of every block's keys (or values); zero outside each

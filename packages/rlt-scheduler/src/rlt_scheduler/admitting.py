@@ -35,6 +35,9 @@ from rlt_scheduler.step_building import StepPlanner
 
 
 class Admitter:
+    """Moves waiting requests into the step: priority preemption for the queue's head, then
+    admission in queue order (a blocked request may be passed a bounded number of times)."""
+
     def __init__(
         self,
         config: SchedulerConfig,

@@ -24,6 +24,9 @@ from rlt_scheduler.step_builder import StepBuilder
 
 
 class StepPlanner:
+    """Schedules the running requests into a step draft (decode rows, prompt chunks, PD remote
+    starts) and grows their KV, preempting when it must."""
+
     def __init__(
         self,
         config: SchedulerConfig,

@@ -5,8 +5,15 @@ any ASGI server (the `rlt serve` command uses uvicorn). See docs/serving.md for 
 """
 
 from rlt_serve.app import DEFAULT_MAX_BODY_BYTES, build_app
-from rlt_serve.guards import LOOPBACK_HOSTS
+from rlt_serve.guards import LOOPBACK_HOSTS, is_loopback
 from rlt_serve.params import LoopDefaults
 from rlt_serve.prompts import Tokenizer
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "LOOPBACK_HOSTS", "LoopDefaults", "Tokenizer", "build_app"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "LOOPBACK_HOSTS",
+    "LoopDefaults",
+    "Tokenizer",
+    "build_app",
+    "is_loopback",
+]

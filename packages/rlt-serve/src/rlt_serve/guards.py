@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Callable, Sequence
 
 from starlette.datastructures import Headers
@@ -23,6 +24,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rlt_serve.errors import APIError
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """The bind address only this machine can reach ("localhost" or a loopback IP)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 _KEYED_PREFIXES = ("/v1/", "/internal/")  # paths that need the API key when one is set
 _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 

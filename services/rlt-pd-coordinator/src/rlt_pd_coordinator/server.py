@@ -28,7 +28,13 @@ import uvicorn
 from fastapi.responses import JSONResponse
 from rlt_contracts import ConfigurationError, InvalidRequestError, ModelInfo, SamplingParams
 from rlt_contracts.pd import PDRole
-from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, build_app
+from rlt_serve import (
+    DEFAULT_MAX_BODY_BYTES,
+    LOOPBACK_HOSTS,
+    LoopDefaults,
+    build_app,
+    is_loopback,
+)
 
 from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
@@ -216,17 +222,6 @@ def build_model_info(
         num_loops=config_loops,
         eos_token_ids=eos,
     )
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

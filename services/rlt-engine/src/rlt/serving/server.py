@@ -18,7 +18,6 @@ for SIGINT, 143 for SIGTERM) to say the drain was cut short. A third signal stop
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 from collections.abc import Sequence
@@ -26,7 +25,13 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from rlt_contracts import ConfigurationError, InvalidRequestError, SamplingParams
-from rlt_serve import DEFAULT_MAX_BODY_BYTES, LOOPBACK_HOSTS, LoopDefaults, build_app
+from rlt_serve import (
+    DEFAULT_MAX_BODY_BYTES,
+    LOOPBACK_HOSTS,
+    LoopDefaults,
+    build_app,
+    is_loopback,
+)
 from rlt_serve.info_routes import package_version
 
 from rlt.engine.config import EngineConfig
@@ -50,15 +55,6 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 10.0
     log_level: str = "info"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_server(engine: LLMEngine, options: ServeOptions):

@@ -53,6 +53,12 @@ def parse_args(argv=None):
     parser.add_argument("--exit-threshold", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: the cap for both engines together; each gets half (0.9)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--prefill-chunk-size", type=int, default=128)
     parser.add_argument("--json-out", default=None)
@@ -102,7 +108,7 @@ def timed(llm, prompts, max_tokens: int, threshold: float):
     return time.perf_counter() - start, outputs
 
 
-def build(args, model, dtype: str, invariant: bool):
+def build(args, model, dtype: str, invariant: bool, memory_share: float):
     from rlt import LLM
 
     return LLM(
@@ -113,6 +119,7 @@ def build(args, model, dtype: str, invariant: bool):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
+        gpu_memory_utilization=memory_share,
     )
 
 
@@ -120,7 +127,11 @@ def cells(args, model, dtype: str, batch: int) -> tuple[dict, dict]:
     """(on, off) for one (dtype, batch): both engines built first, their measured runs
     interleaved (on, off, on, off, ...) and the fastest of each kept, so that load from other
     processes on a shared machine biases neither side."""
-    engines = {flag: build(args, model, dtype, flag) for flag in (True, False)}
+    # Both engines live in this process, and gpu_memory_utilization caps the device's total
+    # use: the first engine may fill half of the cap, the second what is left of it.
+    cap = args.gpu_memory_utilization
+    engines = {True: build(args, model, dtype, True, cap / 2)}
+    engines[False] = build(args, model, dtype, False, cap)
     try:
         vocab = engines[True].engine.parts.model.shape.vocab_size
         prompts = workload(batch, args.prompt_len, vocab)

@@ -8,11 +8,21 @@
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
 #   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
+#   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
+#                                                  fixed depth 4 on GPU 0 and with the trace exit
+#                                                  policy's 2.5-loop mix on GPU 1 (GPU 0 again
+#                                                  when MIX_GPU=0, one after the other is then
+#                                                  up to you), side by side (nvidia-h200-x2)
+#   bash benchmarks/h200_run.sh pd                 NIXL tests on CUDA, then VRAM-to-VRAM KV transfer
+#                                                  and 1P1D against 2 replicas (nvidia-h200-x2;
+#                                                  carry the slim NIXL wheels too)
 set -uo pipefail
 mode=${1:-table}
 shift || true
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl $(ls .whlpd/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src "$PWD"/services/*/src | paste -sd:) PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 case "$mode" in
@@ -22,14 +32,59 @@ case "$mode" in
     python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
-  batch-invariance)
-    python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
+  batch-invariance)  # BI_TESTS=0: the benchmark only
+    [ "${BI_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
       packages/rlt-models/tests/test_batch_invariant_ops.py \
       packages/rlt-attention/tests/test_batch_invariant_attention.py 2>&1 | tee "$OUT/bi_tests.log" | tail -4
     python3 benchmarks/batch_invariance.py --device cuda --shape ouro-1.4b --dtype bfloat16 \
       --batch 1 --batch 8 --batch 32 --batch 128 --prompt-len 1024 --output-len 64 \
       --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
       --json-out "$OUT/batch_invariance_h200.json" "$@" ;;
+  serving-sweep)
+    ckdir=/tmp/rlt-bench-checkpoints; ck=$ckdir/ouro-1.4b; rates=${RATES:-4,8,16,32,inf}
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
+      --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
+    # one depth list for every request (the server makes up request ids): token 0 at full
+    # depth, then 2/3/4 loops with probabilities 0.55/0.40/0.05 (mean 2.5), as in h200_table.py
+    python3 -c "import json, random; r = random.Random(1); json.dump({'*': [4] + r.choices(
+      [2, 3, 4], weights=[0.55, 0.40, 0.05], k=4095)}, open('/tmp/mix25.json', 'w'))"
+    serve=(python3 -m rlt.cli serve --model $ck --dtype bfloat16 --max-num-seqs 128 --log-level warning)
+    CUDA_VISIBLE_DEVICES=0 "${serve[@]}" --port 8100 >"$OUT/serve-fixed.log" 2>&1 &
+    s1=$!
+    CUDA_VISIBLE_DEVICES=${MIX_GPU:-1} "${serve[@]}" --port 8101 --exit-policy trace \
+      --exit-trace /tmp/mix25.json >"$OUT/serve-mix.log" 2>&1 &
+    s2=$!
+    for port in 8100 8101; do
+      until curl -sf localhost:$port/health >/dev/null; do
+        kill -0 $s1 $s2 || { tail -20 "$OUT"/serve-*.log; exit 1; }; sleep 1
+      done
+    done
+    bench() {  # PORT NAME: warm-up, then the sweep
+      local b=(python3 -m rlt.cli bench serve --port $1 --dataset-name random --random-input-len 512
+        --random-output-len 128 --ignore-eos --disable-tqdm)
+      "${b[@]}" --num-prompts 16 --request-rate inf >/dev/null 2>&1
+      "${b[@]}" --num-prompts ${NUM_PROMPTS:-200} --sweep-request-rates $rates --save-result \
+        --result-dir /tmp/sweep-$2 >"$OUT/bench-$2.log" 2>&1
+    }
+    bench 8100 fixed & b1=$!
+    bench 8101 mix & b2=$!
+    wait $b1 $b2
+    kill -INT $s1 $s2; timeout 60 tail --pid=$s1 -f /dev/null; timeout 60 tail --pid=$s2 -f /dev/null
+    python3 benchmarks/plot_serving_sweeps.py --sweep "fixed depth (4 loops)" /tmp/sweep-fixed \
+      --sweep "trace mix (2.5 loops)" /tmp/sweep-mix --out "$OUT/h200-serving-sweep.png" \
+      --title "rlt serve on H200: random Ouro-1.4B shape, 512 in / 128 out"
+    tar czf "$OUT/sweeps.tgz" -C /tmp sweep-fixed sweep-mix
+    tail -12 "$OUT/bench-fixed.log" "$OUT/bench-mix.log" ;;
+  pd)
+    python3 -m pytest -q -p no:cacheprovider tests/test_pd_endpoints.py tests/test_pd_processes.py \
+      packages/rlt-pd/tests/test_nixl_transport.py 2>&1 | tee "$OUT/pd_tests.log" | tail -3
+    python3 benchmarks/pd_transfer.py --device cuda:0,cuda:1 --out "$OUT/pd_transfer_h200.json"
+    ckdir=/tmp/rlt-bench-checkpoints
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
+      --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
+    python3 benchmarks/pd_serving.py $ckdir/ouro-1.4b --device cuda:0,cuda:1 \
+      --num-prompts ${NUM_PROMPTS:-100} --rates ${RATES:-4,8,16,32} \
+      --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 ;;
   *)
-    echo "usage: $0 tests|tests-all|table|batch-invariance [args]" >&2; exit 2 ;;
+    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd [args]" >&2; exit 2 ;;
 esac

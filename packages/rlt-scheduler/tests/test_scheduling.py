@@ -9,11 +9,13 @@ from rlt_contracts import (
     ExitRuleKind,
     FinishReason,
     GeneratedTokens,
+    InvalidRequestError,
     ModelRunnerOutput,
     RequestStage,
     SamplingParams,
 )
 from rlt_scheduler import DelayedOuroExitPolicy, Scheduler, SchedulerConfig, TraceExitPolicy
+from rlt_scheduler.exit_policy import LoopBounds
 from scheduler_harness import CountingKV, FakeDevice, make_scheduler, run_until_idle
 
 
@@ -58,6 +60,16 @@ def test_other_policies_compile_to_their_rule_kinds():
     )
     rule = trace.add_request("t", [1], SamplingParams(max_tokens=3)).rule.exit
     assert (rule.kind, rule.trace_depths, rule.min_exit_depth) == (ExitRuleKind.TRACE, (4, 2, 3), 2)
+
+
+def test_a_trace_star_entry_serves_requests_it_does_not_name():
+    policy = TraceExitPolicy({"t": [4, 2, 3, 2], "*": [4, 3, 3, 2]}, 4)
+    bounds = LoopBounds(min_loops=2, max_loops=4, threshold=1.0)
+    policy.check_request("made-up-id", bounds, 4)
+    assert policy.rule("made-up-id", bounds, 3).trace_depths == (4, 3, 3)
+    assert policy.rule("t", bounds, 3).trace_depths == (4, 2, 3)  # a named entry wins
+    with pytest.raises(InvalidRequestError, match="no depths for request 'x'"):
+        TraceExitPolicy({"t": [4, 2]}, 4).check_request("x", bounds, 2)
 
 
 def test_steps_run_one_tick_while_prompts_wait_then_several():

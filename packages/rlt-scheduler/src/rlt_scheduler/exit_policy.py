@@ -77,9 +77,13 @@ class DelayedOuroExitPolicy(OuroExitPolicy):
 class TraceExitPolicy:
     """Replays `depths[request_id][i]` for output token i (entry 0 is the prefill's full depth).
 
-    The trace is checked per request at admission (`check_request`), so a bad trace is a
-    request error, never a mid-generation failure.
+    A `"*"` entry (`ANY_REQUEST`) is replayed for every request the trace does not name, e.g.
+    for a served load whose request ids the server makes up. The trace is checked per request
+    at admission (`check_request`), so a bad trace is a request error, never a mid-generation
+    failure.
     """
+
+    ANY_REQUEST = "*"
 
     name = ExitPolicyName.TRACE.value
 
@@ -102,8 +106,11 @@ class TraceExitPolicy:
             )
         return cls(raw, model_depth)
 
+    def _depths_of(self, request_id: str) -> tuple[int, ...] | None:
+        return self.depths.get(request_id, self.depths.get(self.ANY_REQUEST))
+
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
-        depths = self.depths.get(request_id)
+        depths = self._depths_of(request_id)
         if depths is None:
             raise InvalidRequestError(
                 "exit_trace", f"the trace has no depths for request {request_id!r}"
@@ -130,7 +137,7 @@ class TraceExitPolicy:
             ExitRuleKind.TRACE,
             bounds.min_loops,
             bounds.max_loops,
-            trace_depths=self.depths[request_id][:max_tokens],
+            trace_depths=self._depths_of(request_id)[:max_tokens],
         )
 
 

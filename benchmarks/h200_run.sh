@@ -3,19 +3,19 @@
 # carry .whl (the msgspec cp312 wheel); results land in $OUT. One mode per call (each fits a
 # 10-minute device command):
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
-#   bash benchmarks/h200_run.sh tests-all          ... plus the attention and sampling packages'
+#   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
 #   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
 #   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
-#                                                  fixed depth 4 on GPU 0 and with the trace exit
-#                                                  policy's 2.5-loop mix on GPU 1 (GPU 0 again
-#                                                  when MIX_GPU=0, one after the other is then
-#                                                  up to you), side by side (nvidia-h200-x2)
+#                                                  fixed depth 4 and with the trace exit policy's
+#                                                  2.5-loop mix (side by side on 2 GPUs, else one
+#                                                  after the other)
 #   bash benchmarks/h200_run.sh pd                 NIXL tests on CUDA, then VRAM-to-VRAM KV transfer
-#                                                  and 1P1D against 2 replicas (nvidia-h200-x2;
-#                                                  carry the slim NIXL wheels too)
+#                                                  and 1P1D against 2 replicas: P and D on two GPUs
+#                                                  (nvidia-h200-x2), else both on one at 0.45 each;
+#                                                  carry .whlpd (slim NIXL wheels) too
 set -uo pipefail
 mode=${1:-table}
 shift || true
@@ -28,7 +28,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "$mode" in
   tests|tests-all)
     tests=(tests/test_cuda_engine.py)
-    [ "$mode" = tests-all ] && tests+=(packages/rlt-attention packages/rlt-sampling)
+    [ "$mode" = tests-all ] && tests=(tests packages services)
     python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
@@ -48,43 +48,45 @@ case "$mode" in
     # depth, then 2/3/4 loops with probabilities 0.55/0.40/0.05 (mean 2.5), as in h200_table.py
     python3 -c "import json, random; r = random.Random(1); json.dump({'*': [4] + r.choices(
       [2, 3, 4], weights=[0.55, 0.40, 0.05], k=4095)}, open('/tmp/mix25.json', 'w'))"
-    serve=(python3 -m rlt.cli serve --model $ck --dtype bfloat16 --max-num-seqs 128 --log-level warning)
-    CUDA_VISIBLE_DEVICES=0 "${serve[@]}" --port 8100 >"$OUT/serve-fixed.log" 2>&1 &
-    s1=$!
-    CUDA_VISIBLE_DEVICES=${MIX_GPU:-1} "${serve[@]}" --port 8101 --exit-policy trace \
-      --exit-trace /tmp/mix25.json >"$OUT/serve-mix.log" 2>&1 &
-    s2=$!
-    for port in 8100 8101; do
+    arm() {  # NAME GPU PORT [serve flags]: serve, warm up, sweep, stop
+      local name=$1 gpu=$2 port=$3; shift 3
+      CUDA_VISIBLE_DEVICES=$gpu python3 -m rlt.cli serve --model $ck --dtype bfloat16 \
+        --max-num-seqs 128 --log-level warning --port $port "$@" >"$OUT/serve-$name.log" 2>&1 &
+      local server=$!
       until curl -sf localhost:$port/health >/dev/null; do
-        kill -0 $s1 $s2 || { tail -20 "$OUT"/serve-*.log; exit 1; }; sleep 1
+        kill -0 $server || { tail -20 "$OUT/serve-$name.log"; return 1; }; sleep 1
       done
-    done
-    bench() {  # PORT NAME: warm-up, then the sweep
-      local b=(python3 -m rlt.cli bench serve --port $1 --dataset-name random --random-input-len 512
-        --random-output-len 128 --ignore-eos --disable-tqdm)
+      local b=(python3 -m rlt.cli bench serve --port $port --dataset-name random
+        --random-input-len 512 --random-output-len 128 --ignore-eos --disable-tqdm)
       "${b[@]}" --num-prompts 16 --request-rate inf >/dev/null 2>&1
       "${b[@]}" --num-prompts ${NUM_PROMPTS:-200} --sweep-request-rates $rates --save-result \
-        --result-dir /tmp/sweep-$2 >"$OUT/bench-$2.log" 2>&1
+        --result-dir /tmp/sweep-$name >"$OUT/bench-$name.log" 2>&1
+      kill -INT $server; timeout 60 tail --pid=$server -f /dev/null || kill -KILL $server
     }
-    bench 8100 fixed & b1=$!
-    bench 8101 mix & b2=$!
-    wait $b1 $b2
-    kill -INT $s1 $s2; timeout 60 tail --pid=$s1 -f /dev/null; timeout 60 tail --pid=$s2 -f /dev/null
+    mix=(--exit-policy trace --exit-trace /tmp/mix25.json)
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # side by side, one GPU each
+      arm fixed 0 8100 & a=$!; arm mix 1 8101 "${mix[@]}" & b=$!; wait $a $b
+    else  # one after the other on the one GPU
+      arm fixed 0 8100; arm mix 0 8101 "${mix[@]}"
+    fi
     python3 benchmarks/plot_serving_sweeps.py --sweep "fixed depth (4 loops)" /tmp/sweep-fixed \
       --sweep "trace mix (2.5 loops)" /tmp/sweep-mix --out "$OUT/h200-serving-sweep.png" \
       --title "rlt serve on H200: random Ouro-1.4B shape, 512 in / 128 out"
     tar czf "$OUT/sweeps.tgz" -C /tmp sweep-fixed sweep-mix
-    tail -12 "$OUT/bench-fixed.log" "$OUT/bench-mix.log" ;;
+    tail -8 "$OUT/bench-fixed.log" "$OUT/bench-mix.log" ;;
   pd)
     python3 -m pytest -q -p no:cacheprovider tests/test_pd_endpoints.py tests/test_pd_processes.py \
       packages/rlt-pd/tests/test_nixl_transport.py 2>&1 | tee "$OUT/pd_tests.log" | tail -3
-    python3 benchmarks/pd_transfer.py --device cuda:0,cuda:1 --out "$OUT/pd_transfer_h200.json"
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then devices=cuda:0,cuda:1 share=0.9
+    else devices=cuda:0 share=0.45; fi
+    python3 benchmarks/pd_transfer.py --device $devices --out "$OUT/pd_transfer_h200.json"
     ckdir=/tmp/rlt-bench-checkpoints
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
-    python3 benchmarks/pd_serving.py $ckdir/ouro-1.4b --device cuda:0,cuda:1 \
+    python3 benchmarks/pd_serving.py $ckdir/ouro-1.4b --device $devices \
       --num-prompts ${NUM_PROMPTS:-100} --rates ${RATES:-4,8,16,32} \
-      --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 ;;
+      --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 \
+      --gpu-memory-utilization $share ;;
   *)
     echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd [args]" >&2; exit 2 ;;
 esac

@@ -193,6 +193,31 @@ def test_memory_plan_sources_and_caps():
         cpu_plan(useful_blocks=5, cpu_budget_bytes=50)
 
 
+def test_cuda_pool_is_a_per_instance_share_capped_by_free_memory(monkeypatch):
+    """vLLM's meaning: share x total minus this process's tensors, but never more than is
+    free now (plus what torch caches unused). Another process's use lowers the pool only when
+    the device is actually short, so two engines at 0.45 fit one GPU."""
+    used = dict(free=600, allocated=80, reserved=100)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (used["free"], 1000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: used["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: used["reserved"])
+
+    def blocks(share: float) -> int:
+        return plan_kv_blocks(
+            device=torch.device("cuda", 0),
+            bytes_per_block=10,
+            useful_blocks=1000,
+            explicit_blocks=None,
+            gpu_memory_utilization=share,
+            activation=None,
+            cpu_budget_bytes=0,
+        ).num_blocks
+
+    assert blocks(0.45) == 37  # (450 - 80) / 10: the other 300 in use elsewhere do not count
+    used["free"] = 100  # the device is short: 100 free + 20 cached unused
+    assert blocks(0.45) == 12
+
+
 def test_graph_buckets_are_powers_of_two_capped_by_max_rows():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(8) == [1, 2, 4, 8]

@@ -178,22 +178,19 @@ def plan_kv_blocks(
     activation: ActivationProfile | None,
     cpu_budget_bytes: int,
 ) -> KVMemoryPlan:
-    """Size the pool. On CUDA: `gpu_memory_utilization` x total memory, minus what other
-    processes and contexts use, minus live tensors (the weights), minus the profiled
-    activations; memory cached by torch's allocator but unused counts as free. On the CPU:
-    `cpu_budget_bytes`."""
+    """Size the pool. On CUDA, `gpu_memory_utilization` is this engine's share of the device, as
+    in vLLM (two engines on one GPU can take 0.45 each): share x total memory, minus live tensors
+    (the weights), minus the profiled activations, and never more than is free now (memory
+    cached by torch's allocator but unused counts as free; other processes' use counts only
+    through it). On the CPU: `cpu_budget_bytes`."""
     if explicit_blocks is not None:
         return KVMemoryPlan(explicit_blocks, "explicit", bytes_per_block, useful_blocks)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        outside_torch = total - free - torch.cuda.memory_reserved(device)
+        allocated = torch.cuda.memory_allocated(device)
+        obtainable = free + torch.cuda.memory_reserved(device) - allocated
         reserve = activation.reserve_bytes if activation is not None else 0
-        budget = (
-            int(total * gpu_memory_utilization)
-            - outside_torch
-            - torch.cuda.memory_allocated(device)
-            - reserve
-        )
+        budget = min(int(total * gpu_memory_utilization) - allocated, obtainable) - reserve
         source = "cuda_profile"
     else:
         budget = cpu_budget_bytes

@@ -28,7 +28,7 @@ class EngineConfig:
     block_size: token positions per KV block.
     max_model_len: context length in tokens (None = the model's max_position_embeddings).
     attention_backend: "auto" or a backend name ("torch", "triton", "flash_attn").
-    gpu_memory_utilization: fraction of the GPU memory the engine may use in total.
+    gpu_memory_utilization: this engine's share of the GPU memory, per instance as in vLLM.
     cuda_graphs: capture the decode tick as CUDA graphs (one per padded batch size and sampling
       mode) when on CUDA with a graph-capable attention backend; otherwise, or if capture fails,
       run it eagerly.

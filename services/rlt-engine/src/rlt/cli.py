@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -344,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     if argv[:1] == ["pd"]:  # the coordinator parses its own command line
         from rlt_pd_coordinator.cli import main as pd_main
 

@@ -130,20 +130,21 @@ def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory):
 
 def test_two_engines_one_after_the_other_get_the_same_pool(tiny_checkpoint):
     """KV sizing profiles activations and counts memory torch caches but does not use as free,
-    so a second engine is sized like the first; shutdown returns the device memory. The memory
-    budget is set ~384 MiB above what is in use (the activation reserve is rounded up to
-    128 MiB), so the pool is sized by memory, not capped by what max_num_seqs full-length
-    requests could use (512 MiB here)."""
+    so a second engine is sized like the first; shutdown returns the device memory. The
+    engine's share (gpu_memory_utilization, per instance) is set ~384 MiB above what this
+    process's tensors use (the activation reserve is rounded up to 128 MiB), so the pool is
+    sized by memory, not capped by what max_num_seqs full-length requests could use (512 MiB
+    here)."""
     path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
+    _, total = torch.cuda.mem_get_info()
     options = dict(
         device="cuda",
         dtype="float32",
         max_model_len=512,
         max_num_seqs=512,
         max_num_batched_tokens=1024,
-        gpu_memory_utilization=(total - free + (384 << 20)) / total,
+        gpu_memory_utilization=(torch.cuda.memory_allocated() + (384 << 20)) / total,
     )
     before = torch.cuda.memory_allocated()
     first = LLM(path, **options)

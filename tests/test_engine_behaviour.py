@@ -174,6 +174,22 @@ def test_unknown_and_invalid_engine_options(tiny_checkpoint):
         LLM(path / "missing", device="cpu")
 
 
+def test_batch_sizes_default_by_device_type():
+    """Unset batch sizes follow the device: CPU-sized on the CPU, the H200-measured sizes on
+    CUDA; a default chunk never exceeds a given token budget; given values are kept."""
+    from rlt.engine import EngineConfig
+
+    def sizes(config):
+        return config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size
+
+    assert sizes(EngineConfig(device="cpu")) == (8, 128, 128)
+    assert sizes(EngineConfig(device="cuda:1")) == (128, 4096, 1024)
+    assert sizes(EngineConfig(device="cuda", max_num_batched_tokens=512)) == (128, 512, 512)
+    assert sizes(EngineConfig(device="cpu", max_num_seqs=4, prefill_chunk_size=32)) == (4, 128, 32)
+    with pytest.raises(ConfigurationError, match="max_num_batched_tokens"):
+        EngineConfig(device="cpu", max_num_seqs=200)  # 200 rows > the CPU budget of 128
+
+
 def test_stop_token_ids_eos_and_ignore_eos(llm_factory):
     llm = llm_factory()
     free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]

@@ -14,7 +14,11 @@ from collections.abc import Sequence
 
 from rlt_contracts import RltError, SamplingParams
 
-from rlt.engine.config import EngineConfig
+from rlt.engine.config import BATCH_DEFAULTS, EngineConfig
+
+
+def _batch_defaults(index: int) -> tuple[int, int]:
+    return BATCH_DEFAULTS["cpu"][index], BATCH_DEFAULTS["cuda"][index]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +36,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--scheduling-mode", default=d.scheduling_mode, choices=["refill", "no_refill"]
     )
-    group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    group.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    group.add_argument("--prefill-chunk-size", type=int, default=d.prefill_chunk_size)
+    sizes = "(default: {} on the CPU, {} on CUDA)"
+    group.add_argument(
+        "--max-num-seqs", type=int, default=None, help=sizes.format(*_batch_defaults(0))
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help=sizes.format(*_batch_defaults(1))
+    )
+    group.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=None,
+        help=sizes.format(*_batch_defaults(2)) + "; never above the token budget",
+    )
     group.add_argument("--block-size", type=int, default=d.block_size)
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--max-model-len", type=int, default=None)

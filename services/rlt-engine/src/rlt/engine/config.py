@@ -12,6 +12,17 @@ from rlt_scheduler import SchedulerConfig, SchedulingMode
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_TYPES = ("auto", "cpu", "cuda")
+# Batch sizing when not given, per device type: (max_num_seqs, max_num_batched_tokens,
+# prefill_chunk_size). CUDA's is the configuration measured on an H200 (docs/results.md).
+BATCH_DEFAULTS = {"cpu": (8, 128, 128), "cuda": (128, 4096, 1024)}
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        import torch  # only to see whether "auto" means CUDA
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
 @dataclass(frozen=True)
@@ -35,15 +46,17 @@ class EngineConfig:
     fused_kernels: run the recurrent step's elementwise work as fused Triton kernels (norm +
       residual, RoPE, SwiGLU) when on CUDA; False keeps the eager torch ops. (Attention is the
       selected backend's either way.)
+    max_num_seqs / max_num_batched_tokens / prefill_chunk_size: running requests, token rows
+      per step, prompt tokens of one request per step; None: 8 / 128 / 128 on the CPU and
+      128 / 4,096 / 1,024 on CUDA (the chunk never above a given token budget).
     async_scheduling: schedule and submit the next step while the device runs the current one
       (results are identical to the synchronous loop; False collects every step at once).
     decode_ticks_per_step: most decode loop ticks per step without a host round trip (the
       device applies exits, sampling and stop rules itself); steps with prompt work run one.
     batch_invariant: every request's logits, exit decisions and samples depend only on its own
       tokens, never on what else runs (docs/serving.md, "Reproducibility"): batch-invariant
-      GEMMs, elementwise ops and attention. Off by default: on the CPU it costs 24-53% of end-to-end
-      output and 54-126% of prefill throughput (docs/results.md); on CUDA it is implemented but
-      neither verified nor measured.
+      GEMMs, elementwise ops and attention. Off by default: it costs 24-53% of end-to-end output
+      throughput on the CPU and 38-91% on an H200 (docs/results.md).
 
     Memory and scheduling features (see docs/configuration.md):
     enable_prefix_caching: share full prompt pages across requests (all depths).
@@ -72,9 +85,9 @@ class EngineConfig:
     device: str = "auto"
     kv_layout: str = "last_exited"
     scheduling_mode: str = "refill"
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 128
-    prefill_chunk_size: int = 128
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    prefill_chunk_size: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
@@ -112,6 +125,7 @@ class EngineConfig:
             raise ConfigurationError(
                 "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"
             )
+        self._fill_batch_defaults()
         try:
             KVLayout(self.kv_layout)
         except ValueError:
@@ -154,6 +168,19 @@ class EngineConfig:
                 tuple(unknown), f"unknown engine option(s); known: {sorted(known)}"
             )
         return cls(**options)
+
+    def _fill_batch_defaults(self) -> None:
+        """None batch sizes take the device type's defaults (BATCH_DEFAULTS); a default chunk
+        never exceeds a given token budget."""
+        seqs, tokens, chunk = BATCH_DEFAULTS[_device_type(self.device)]
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", seqs)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", tokens)
+        if self.prefill_chunk_size is None:
+            budget = self.max_num_batched_tokens
+            fitted = min(chunk, budget) if isinstance(budget, int) else chunk
+            object.__setattr__(self, "prefill_chunk_size", fitted)
 
     def _check_pd(self) -> None:
         try:

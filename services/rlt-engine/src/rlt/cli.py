@@ -23,7 +23,7 @@ def _batch_defaults(index: int) -> tuple[int, int]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options as --kebab-case flags; defaults come from EngineConfig."""
-    d = EngineConfig()
+    d = EngineConfig(device="cpu")  # no torch import to resolve "auto" just for --help
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model", default=None, help="checkpoint directory (default: the bundled model)"
@@ -31,7 +31,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
     )
-    group.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--kv-layout", default=d.kv_layout, choices=["last_exited", "shared"])
     group.add_argument(
         "--scheduling-mode", default=d.scheduling_mode, choices=["refill", "no_refill"]
@@ -123,7 +123,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
     """An instance's prefill/decode disaggregation role and transfer limits (`rlt serve`)."""
-    d = EngineConfig()
+    d = EngineConfig(device="cpu")
     group = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
     group.add_argument(
         "--pd-role",

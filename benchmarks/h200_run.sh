@@ -51,7 +51,8 @@ case "$mode" in
     arm() {  # NAME GPU PORT [serve flags]: serve, warm up, sweep, stop
       local name=$1 gpu=$2 port=$3; shift 3
       CUDA_VISIBLE_DEVICES=$gpu python3 -m rlt.cli serve --model $ck --dtype bfloat16 \
-        --max-num-seqs 128 --log-level warning --port $port "$@" >"$OUT/serve-$name.log" 2>&1 &
+        --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
+        --log-level warning --port $port "$@" >"$OUT/serve-$name.log" 2>&1 &
       local server=$!
       until curl -sf localhost:$port/health >/dev/null; do
         kill -0 $server || { tail -20 "$OUT/serve-$name.log"; return 1; }; sleep 1
@@ -63,17 +64,21 @@ case "$mode" in
         --result-dir /tmp/sweep-$name >"$OUT/bench-$name.log" 2>&1
       kill -INT $server; timeout 60 tail --pid=$server -f /dev/null || kill -KILL $server
     }
+    fixed=(--exit-threshold 1.0)  # every token at full depth (the default threshold exits early)
     mix=(--exit-policy trace --exit-trace /tmp/mix25.json)
-    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # side by side, one GPU each
-      arm fixed 0 8100 & a=$!; arm mix 1 8101 "${mix[@]}" & b=$!; wait $a $b
+    arms=${ARMS:-fixed,mix}  # ARMS=fixed or ARMS=mix re-runs one arm
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ "$arms" = fixed,mix ]; then  # one GPU each
+      arm fixed 0 8100 "${fixed[@]}" & a=$!; arm mix 1 8101 "${mix[@]}" & b=$!; wait $a $b
     else  # one after the other on the one GPU
-      arm fixed 0 8100; arm mix 0 8101 "${mix[@]}"
+      [[ $arms == *fixed* ]] && arm fixed 0 8100 "${fixed[@]}"
+      [[ $arms == *mix* ]] && arm mix 0 8101 "${mix[@]}"
     fi
+    [ "$arms" = fixed,mix ] || { tar czf "$OUT/sweeps.tgz" -C /tmp sweep-$arms; exit; }
     python3 benchmarks/plot_serving_sweeps.py --sweep "fixed depth (4 loops)" /tmp/sweep-fixed \
       --sweep "trace mix (2.5 loops)" /tmp/sweep-mix --out "$OUT/h200-serving-sweep.png" \
       --title "rlt serve on H200: random Ouro-1.4B shape, 512 in / 128 out"
     tar czf "$OUT/sweeps.tgz" -C /tmp sweep-fixed sweep-mix
-    tail -8 "$OUT/bench-fixed.log" "$OUT/bench-mix.log" ;;
+    tail -n 8 "$OUT/bench-fixed.log" "$OUT/bench-mix.log" ;;
   pd)
     python3 -m pytest -q -p no:cacheprovider tests/test_pd_endpoints.py tests/test_pd_processes.py \
       packages/rlt-pd/tests/test_nixl_transport.py 2>&1 | tee "$OUT/pd_tests.log" | tail -3
@@ -86,6 +91,7 @@ case "$mode" in
     python3 benchmarks/pd_serving.py $ckdir/ouro-1.4b --device $devices \
       --num-prompts ${NUM_PROMPTS:-100} --rates ${RATES:-4,8,16,32} \
       --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 \
+      --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
       --gpu-memory-utilization $share ;;
   *)
     echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd [args]" >&2; exit 2 ;;

@@ -1,4 +1,5 @@
-"""The PD coordinator end to end over fake engine instances (rlt_pd_coordinator.fake_engine).
+"""The PD coordinator end to end over fake engine instances (the coordinator's test support,
+services/rlt-pd-coordinator/tests/fake_engine.py).
 
 The fakes speak the engine side's internal protocol (/internal/pd/info, connect, generate)
 with scripted deltas and failures; the coordinator's front is rlt-serve's app, served by
@@ -22,12 +23,10 @@ import sys
 import threading
 import time
 
+import fake_engine
 import httpx
 import pytest
-from rlt_contracts import ConfigurationError
-from rlt_contracts.pd import PDRole
-from rlt_pd_coordinator import Coordinator, CoordinatorOptions, InstanceState, Timeouts
-from rlt_pd_coordinator.fake_engine import (
+from fake_engine import (
     DEFAULT_COMPATIBILITY,
     FAKE_MODEL_INFO,
     CharTokenizer,
@@ -35,6 +34,9 @@ from rlt_pd_coordinator.fake_engine import (
     serve_coordinator,
     serve_fake,
 )
+from rlt_contracts import ConfigurationError
+from rlt_contracts.pd import PDRole
+from rlt_pd_coordinator import Coordinator, CoordinatorOptions, InstanceState, Timeouts
 from rlt_serve import LoopDefaults
 
 KEY = "instance-key"
@@ -506,7 +508,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.slow  # ~12 s on 2 cores, mostly the coordinator loading the real tokenizer
 def test_cli_supervises_children_restarts_a_killed_prefill_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
-    fake = f"{sys.executable} -m rlt_pd_coordinator.fake_engine"
+    fake = f"{sys.executable} {fake_engine.__file__}"
     log = open(tmp_path / "coordinator.log", "w+")  # noqa: SIM115 - read after the process
     process = subprocess.Popen(
         [

@@ -10,6 +10,7 @@ import sys
 
 import msgspec
 import pytest
+from fake_engine import DEFAULT_COMPATIBILITY
 from rlt_contracts import (
     CapacityError,
     ConfigurationError,
@@ -20,7 +21,6 @@ from rlt_contracts import (
 from rlt_contracts.pd import PDRole
 from rlt_pd_coordinator.cli import parse
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance, InstanceState
-from rlt_pd_coordinator.fake_engine import DEFAULT_COMPATIBILITY
 from rlt_pd_coordinator.server import CoordinatorOptions, bundled_model_dir
 from rlt_pd_coordinator.supervisor import StartupError, Supervisor, SupervisorOptions
 from rlt_pd_coordinator.wire import (

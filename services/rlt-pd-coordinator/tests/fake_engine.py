@@ -8,11 +8,11 @@ in its transport metadata, so P can only reach D after the coordinator connected
 reports `done`; D then streams scripted tokens (token 0 at full depth). Closing a connection
 aborts the request there, as on a real engine (`closed_early`, and `held` is emptied).
 
-`FakeBehaviour` is mutable so tests can script failures between requests. In-process use:
-`with serve_fake(FakeEngine(...)) as server:`; `server.kill()` drops every connection at once
-and stops listening (a process kill, as the network sees it). As a process (what the
-coordinator's supervisor can start with `--engine-command "python -m
-rlt_pd_coordinator.fake_engine"`): `python -m rlt_pd_coordinator.fake_engine [MODEL]
+Test support, not shipped in the package. `FakeBehaviour` is mutable so tests can script
+failures between requests. In-process use: `with serve_fake(FakeEngine(...)) as server:`;
+`server.kill()` drops every connection at once and stops listening (a process kill, as the
+network sees it). As a process (what the coordinator's supervisor can start with
+`--engine-command "python PATH/fake_engine.py"`): `python PATH/fake_engine.py [MODEL]
 --pd-role ROLE --port PORT [--fake-prefill-delay S] ...`; unknown (engine) flags are ignored,
 the API key comes from $RLT_API_KEY.
 """
@@ -41,7 +41,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rlt_contracts import FinishReason, ModelInfo, RequestOutputDelta, RltError
 from rlt_contracts.pd import HandoffTarget, PDCompatibility, PDRole
-
 from rlt_pd_coordinator.wire import (
     CONNECT_PATH,
     GENERATE_PATH,

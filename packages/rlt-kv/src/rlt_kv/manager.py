@@ -133,8 +133,8 @@ class KVCacheManager:
             for plane, block in enumerate(page):
                 self._pool.add_ref(block)
                 tables[plane].append(block)
-        for i, block in enumerate(fresh):
-            tables[i % self.num_planes].append(block)
+        for plane, run in enumerate(_plane_runs(fresh, fresh_pages, self.num_planes)):
+            tables[plane].extend(run)
         self._allocations[identity] = _Allocation(tables, published_pages=reused_pages)
         if self._prefix is not None:
             self._prefix.touch(prefix.keys)
@@ -159,8 +159,8 @@ class KVCacheManager:
         if fresh is None:
             return None
         updates = []
-        for plane, table in enumerate(allocation.tables):
-            new = fresh[plane * missing : (plane + 1) * missing]
+        for plane, new in enumerate(_plane_runs(fresh, missing, self.num_planes)):
+            table = allocation.tables[plane]
             table.extend(new)
             updates.append(BlockTableUpdate(plane=plane, first_page=have, block_ids=tuple(new)))
         return tuple(updates)
@@ -220,3 +220,16 @@ class KVCacheManager:
                 for page in pinned:
                     self._pool.release(list(page))
         return self._pool.take(count)
+
+
+def _plane_runs(fresh: list[int], pages: int, num_planes: int) -> list[list[int]]:
+    """Split `pages * num_planes` fresh blocks into one ascending run per plane.
+
+    Sorted and sliced, each plane's new pages are consecutive block ids wherever the free list
+    allows (all of them in a fresh pool). A PD handoff merges pages that are contiguous on
+    both instances into one transfer descriptor per (tensor, layer): interleaving the planes
+    block by block would make every page of every layer a descriptor of its own (6144 for a
+    512-token prompt of Ouro-1.4B's shape instead of 48, see packages/rlt-pd/README.md).
+    """
+    ordered = sorted(fresh)
+    return [ordered[plane * pages : (plane + 1) * pages] for plane in range(num_planes)]

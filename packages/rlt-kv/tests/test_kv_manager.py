@@ -96,3 +96,24 @@ def test_double_allocation_is_a_bug():
     kv.allocate(ident("a"), 2)
     with pytest.raises(RuntimeError):
         kv.allocate(ident("a"), 2)
+
+
+def test_each_planes_fresh_pages_are_one_run_of_consecutive_blocks():
+    """A PD handoff merges pages contiguous on both instances into one descriptor per
+    (tensor, layer): fresh pages dealt to the planes block by block would make every page a
+    descriptor of its own. Allocation and growth give each plane consecutive ids wherever the
+    free list has them, also after other requests freed theirs in a different order."""
+    kv = KVCacheManager(num_blocks=68, block_size=4, num_planes=4)
+    for name in ("a", "b", "c"):
+        kv.allocate(ident(name), 20)  # 5 pages per plane
+    kv.free(ident("b"))
+    kv.free(ident("a"))
+    kv.grow(ident("c"), 28)  # 2 more pages per plane: the last 8 never-used blocks
+    kv.allocate(ident("d"), 40)  # 10 pages per plane: exactly what b and a freed
+    for name in ("c", "d"):
+        for table in kv.block_tables(ident(name)):
+            runs = sum(1 for x, y in zip(table, table[1:], strict=False) if y != x + 1) + 1
+            assert runs <= 2, (name, table)  # c: allocation + growth; d: its run from the pool
+    fresh = KVCacheManager(num_blocks=40, block_size=4, num_planes=4)
+    tables = [list(t) for t in (u.block_ids for u in fresh.allocate(ident("a"), 16))]
+    assert tables == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]

@@ -232,3 +232,47 @@ def test_a_failed_step_on_the_prefill_side_leaks_nothing(llm_factory):
     assert finals["r0"].finish_reason == "abort"
     assert prefill.get_stats().aborted_requests == 1
     assert prefill.get_stats().kv_blocks_used == 0
+
+
+def test_a_prompt_from_fresh_engines_moves_as_one_descriptor_per_plane_layer_and_tensor(
+    llm_factory,
+):
+    """Each plane's pages are consecutive blocks on both fresh engines, so the pages of a plane
+    merge into one range per (tensor, layer): 2 x 2 layers x 4 planes descriptors for a
+    16-token prompt, not one per page as well (x 4 here; x 32 pages, 6144 descriptors, for a
+    512-token prompt of Ouro-1.4B's shape)."""
+    options = dict(prefill_chunk_size=16, max_num_batched_tokens=16)
+    prefill = llm_factory(pd_role="prefill", **options)
+    decode = llm_factory(pd_role="decode", **options)
+    agent = connect_nixl(prefill, decode)
+    transport = prefill.engine.parts.pd.transport
+    posted = []
+    write = transport.write
+
+    def recording_write(peer, partition, notification, **kwargs):
+        posted.append(len(partition.descriptors))
+        return write(peer, partition, notification, **kwargs)
+
+    transport.write = recording_write
+    prompt = list(range(1, 17))  # 4 full pages of 4 tokens
+    expected = reference(llm_factory, [prompt], [params(1)], **options)
+    finals = run_pd(prefill, decode, [prompt], [params(1)], prefill_agent=agent)
+    assert [(finals["r0"].token_ids, finals["r0"].exit_depths)] == expected
+    assert posted == [2 * 2 * 4]
+
+
+def test_the_default_inflight_bound_holds_two_steps_of_prompt_kv(llm_factory):
+    """P posts a step's chunks after collecting it while the next step computes: the default
+    bound on unfinished writes holds two steps' prompt KV (K and V, every layer and plane),
+    never less than 256 MiB; a given --pd-max-inflight-bytes wins."""
+    tokens = 1 << 17
+    prefill = llm_factory(pd_role="prefill", max_num_batched_tokens=tokens)
+    keys = prefill.engine.core.runner.kv.tensors.key_cache
+    layers, _, block_size, heads, head_dim = keys.shape
+    per_token = 2 * layers * heads * head_dim * keys.element_size() * 4  # 4 planes
+    sender = prefill.engine.parts.pd.port.sender
+    assert sender.config.max_inflight_bytes == 2 * tokens * per_token > 256 << 20
+    small = llm_factory(pd_role="prefill")
+    assert small.engine.parts.pd.port.sender.config.max_inflight_bytes == 256 << 20
+    given = llm_factory(pd_role="prefill", pd_max_inflight_bytes=3 << 20)
+    assert given.engine.parts.pd.port.sender.config.max_inflight_bytes == 3 << 20

@@ -35,13 +35,20 @@ from rlt_pd.port import TransportHandoffPort
 from rlt_pd.receive import Delivery, HandoffProtocolError, ReceiveTracker
 from rlt_pd.receiver import KVReceiver, ReceiveEvent, ReceiveOutcome, ReceiverConfig
 from rlt_pd.region import KVRegion, KVTensor
-from rlt_pd.sender import KVSender, SenderConfig, SendEvent, SendOutcome
+from rlt_pd.sender import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    KVSender,
+    SenderConfig,
+    SendEvent,
+    SendOutcome,
+)
 from rlt_pd.transport_api import Transport, TransportPoll
 
 if TYPE_CHECKING:
     from rlt_pd.transport import KVTransport
 
 __all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
     "DEFAULT_MAX_TRANSFER_DESCRIPTORS",
     "DEFAULT_TRANSFER_CHUNK_BYTES",
     "PROTOCOL_VERSION",

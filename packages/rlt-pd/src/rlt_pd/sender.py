@@ -281,13 +281,7 @@ class KVSender:
         self._expire_tombstones()
         for peer, raw in self._transport.notifications():
             self._on_message(peer, raw)
-        completed, failed = self._transport.poll()
-        for handle in completed:
-            self._finish_write(handle)
-        for handle, reason in failed:
-            state = self._finish_write(handle)
-            if state is not None and state.failure is None:
-                state.failure = reason
+        self._harvest()
         self._expire_writes()
         self._pump()
         return self._collect()
@@ -307,6 +301,17 @@ class KVSender:
         # Unknown or finished: nothing of it is in flight here, and the tombstone keeps it so.
         self._tombstone(tid)
         self._send(peer, Drained(tid))
+
+    def _harvest(self) -> bool:
+        """Account the writes the transport reports finished; True if there were any."""
+        completed, failed = self._transport.poll()
+        for handle in completed:
+            self._finish_write(handle)
+        for handle, reason in failed:
+            state = self._finish_write(handle)
+            if state is not None and state.failure is None:
+                state.failure = reason
+        return bool(completed or failed)
 
     def _finish_write(self, handle: int) -> _Outgoing | None:
         state = self._handles.pop(handle, None)
@@ -329,8 +334,17 @@ class KVSender:
 
     def _pump(self) -> None:
         """Post queued entries in FIFO order within the in-flight bound; per transfer in order
-        (an entry waits behind its transfer's not-ready ones, the commit behind everything)."""
+        (an entry waits behind its transfer's not-ready ones, the commit behind everything).
+
+        When the bound stops a partition, the writes the transport finished meanwhile are
+        accounted first (`_harvest`), so queued partitions go as soon as there is room, not
+        only at the next `poll()` (once per engine step: with a bound smaller than a step's
+        KV, P would otherwise post at most one bound's worth per step)."""
         limit = self._config.max_inflight_bytes
+
+        def fits(size: int) -> bool:
+            return not self._inflight_bytes or self._inflight_bytes + size <= limit
+
         remaining: list[_Entry] = []
         blocked: set[str] = set()
         full = False
@@ -347,7 +361,11 @@ class KVSender:
                 self._commit(state)  # everything of this transfer before it is posted
                 continue
             size = entry.partition.total_bytes
-            if full or (self._inflight_bytes and self._inflight_bytes + size > limit):
+            while not full and not fits(size) and self._harvest():
+                pass  # finished writes made room (or failed a transfer: checked below)
+            if state.stopped:
+                continue  # a write of this transfer failed meanwhile: dropped
+            if full or not fits(size):
                 full = True  # FIFO: no partition overtakes one waiting for room
                 blocked.add(tid)
                 remaining.append(entry)

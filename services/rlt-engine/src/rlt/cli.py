@@ -156,7 +156,8 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         "--pd-max-inflight-bytes",
         type=int,
         default=d.pd_max_inflight_bytes,
-        help="prefill: bytes of posted, unfinished KV writes",
+        help="prefill: bytes of posted, unfinished KV writes (default: twice the KV of one "
+        "step's prompt tokens, at least 256 MiB)",
     )
 
 

@@ -77,7 +77,9 @@ class EngineConfig:
       without the prefill instance's "drained" (it may be dead); must exceed the prefill
       instances' pd_write_timeout_s so that no late write lands in a reused block.
     pd_write_timeout_s: prefill: lease of one posted write; past it the transfer fails.
-    pd_max_inflight_bytes: prefill: bytes of posted, unfinished KV writes (later chunks wait).
+    pd_max_inflight_bytes: prefill: bytes of posted, unfinished KV writes (later chunks wait);
+      None: twice the KV of one step's prompt tokens (max_num_batched_tokens at every plane),
+      at least 256 MiB (`pd_assembly.default_max_inflight_bytes`).
     """
 
     model: str | Path | None = None
@@ -114,7 +116,7 @@ class EngineConfig:
     pd_kv_timeout_s: float = 600.0
     pd_kv_lease_s: float = 480.0
     pd_write_timeout_s: float = 300.0
-    pd_max_inflight_bytes: int = 256 << 20
+    pd_max_inflight_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -198,7 +200,7 @@ class EngineConfig:
                 f"the lease ({self.pd_kv_lease_s:g} s) must exceed the write timeout "
                 f"({self.pd_write_timeout_s:g} s), or a late write could land in a reused block",
             )
-        if self.pd_max_inflight_bytes < 1 << 20:
+        if self.pd_max_inflight_bytes is not None and self.pd_max_inflight_bytes < 1 << 20:
             raise ConfigurationError(
                 "pd_max_inflight_bytes", f"must be >= 1 MiB, got {self.pd_max_inflight_bytes}"
             )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rlt_contracts import PDCompatibility, PDRole
 from rlt_pd import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_TRANSFER_CHUNK_BYTES,
     KVTransport,
     ReceiverConfig,
@@ -59,6 +60,19 @@ def agent_name(role: PDRole) -> str:
     return f"rlt-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def default_max_inflight_bytes(max_num_batched_tokens: int, kv_bytes_per_token: int) -> int:
+    """P's default bound on posted, unfinished KV writes: twice the KV one step can compute
+    (`kv_bytes_per_token`: K and V of every layer at every plane), at least 256 MiB.
+
+    P posts a step's chunks once its results are collected, while the next step computes, so
+    the bound must hold one step's KV with room for the previous step's writes still
+    finishing. A smaller bound caps the handoff rate at the bound per step whatever the link
+    does: 256 MiB is two thirds of one 512-token prompt of Ouro-1.4B (768 KiB per token), and
+    such a P pushed one prompt per ~1.5 steps while its requests queued behind each other.
+    """
+    return max(DEFAULT_MAX_INFLIGHT_BYTES, 2 * max_num_batched_tokens * kv_bytes_per_token)
+
+
 def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDParts:
     """Register the runner's memory with a new NIXL agent and give the core its PD link."""
     role = config.role
@@ -81,12 +95,18 @@ def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDPart
     )
     agent = agent_name(role)
     transport = KVTransport(agent, keys, values, hidden, compatibility)
-    chunk_bytes = min(DEFAULT_TRANSFER_CHUNK_BYTES, config.pd_max_inflight_bytes)
+    max_inflight = config.pd_max_inflight_bytes
+    if max_inflight is None:
+        kv_bytes_per_token = compatibility.block_bytes // block_size * num_layers
+        max_inflight = default_max_inflight_bytes(
+            config.max_num_batched_tokens, kv_bytes_per_token * core.kv.num_planes
+        )
+    chunk_bytes = min(DEFAULT_TRANSFER_CHUNK_BYTES, max_inflight)
     port = TransportHandoffPort(
         role,
         transport,
         sender_config=SenderConfig(
-            max_inflight_bytes=config.pd_max_inflight_bytes,
+            max_inflight_bytes=max_inflight,
             transfer_chunk_bytes=chunk_bytes,
             write_timeout_s=config.pd_write_timeout_s,
         ),

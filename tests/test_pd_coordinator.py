@@ -305,6 +305,21 @@ def test_a_hung_prefill_times_out_and_both_connections_close():
         assert p.engine.closed_early == [transfer] and d.engine.closed_early == [transfer]
 
 
+def test_a_handoff_slower_than_the_http_read_timeout_completes_and_nobody_is_unreachable():
+    """D's stream is silent from its target until token 0, P's until its writes are done: the
+    admission and transfer timeouts bound those waits, not the HTTP client's read timeout
+    (for the info / models / connect calls). A handoff longer than it failed with "lost the
+    connection" and marked both healthy instances unreachable."""
+    with pd_group(timeouts=Timeouts(admission=5, transfer=5)) as (running, http, servers):
+        (p,) = by_role(servers, "prefill")
+        cluster = running.coordinator.client.cluster
+        cluster.http.timeout = httpx.Timeout(connect=5, read=0.2, write=5, pool=None)
+        p.engine.behaviour.prefill_delay = 0.8
+        response = complete(http)
+        assert response.status_code == 200, response.text
+        assert [i.state for i in cluster.instances] == [InstanceState.READY] * 2
+
+
 def test_decode_that_never_admits_times_out():
     with pd_group(timeouts=Timeouts(admission=0.4, transfer=5)) as (running, http, servers):
         (p,), (d,) = by_role(servers, "prefill"), by_role(servers, "decode")

@@ -247,13 +247,22 @@ class PDEngineClient:
             return
 
     async def _open(self, instance: Instance, body: GenerateBody) -> httpx.Response:
-        """POST generate and wait for the answer's status (the stream stays open)."""
+        """POST generate and wait for the answer's status (the stream stays open).
+
+        The stream has no read timeout: its lines may be far apart by design (D is silent
+        from its target until token 0, P until its writes are done) and the flow bounds those
+        waits itself (admission and transfer timeouts). The client's read timeout, meant for
+        the short info / models / connect calls, failed every handoff that took longer than
+        30 s and marked a healthy instance unreachable."""
         http = self.cluster.http
         request = http.build_request(
             "POST",
             instance.url + GENERATE_PATH,
             content=encode(body),
             headers={"Content-Type": "application/json"},
+            timeout=httpx.Timeout(
+                connect=http.timeout.connect, read=None, write=http.timeout.write, pool=None
+            ),
         )
         try:
             async with asyncio.timeout(self.timeouts.admission):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import io
 import json
 import os
 import signal
@@ -359,10 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _enable_stack_dumps() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr (a busy or stuck server)."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        pass  # no SIGUSR1 (Windows) or a stderr without a file descriptor (captured output)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` prints every thread's stack to stderr
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    _enable_stack_dumps()
     if argv[:1] == ["pd"]:  # the coordinator parses its own command line
         from rlt_pd_coordinator.cli import main as pd_main
 

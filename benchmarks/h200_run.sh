@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs on the device machine (python3 with torch 2.11, no registry), from the repo root;
-# carry .whl (the msgspec cp312 wheel); results land in $OUT. One mode per call (each fits a
-# 10-minute device command):
+# carry .whl: cp312 wheels of what the image lacks, at uv.lock's versions (msgspec, fastapi,
+# starlette, opentelemetry-api, pydantic, pydantic-core, annotated-types, typing-inspection,
+# uvicorn, openai, httpx2, httpcore2, truststore, jiter, sniffio, anyio, typing-extensions,
+# xgrammar, apache-tvm-ffi), and .whlpd for `pd` (benchmarks/repack_nixl_wheel.py). Results
+# land in $OUT. One mode per call (each fits a 10-minute device command):
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table

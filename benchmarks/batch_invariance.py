@@ -127,8 +127,9 @@ def cells(args, model, dtype: str, batch: int) -> tuple[dict, dict]:
     """(on, off) for one (dtype, batch): both engines built first, their measured runs
     interleaved (on, off, on, off, ...) and the fastest of each kept, so that load from other
     processes on a shared machine biases neither side."""
-    # Both engines live in this process, and gpu_memory_utilization caps the device's total
-    # use: the first engine may fill half of the cap, the second what is left of it.
+    # Both engines live in this process, and an engine's share is counted against every tensor
+    # of the process (the first engine's too): the first may fill half of the cap, the second
+    # the rest of it.
     cap = args.gpu_memory_utilization
     engines = {True: build(args, model, dtype, True, cap / 2)}
     engines[False] = build(args, model, dtype, False, cap)

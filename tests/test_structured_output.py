@@ -325,3 +325,35 @@ def test_prefill_decode_disaggregation_carries_the_grammar_to_the_decode_side(ll
     assert got == expected
     assert re.fullmatch(REGEX, finals["r0"].text)
     assert finals["r1"].text in CHOICES
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_masks_constrain_fused_graph_ticks_like_alone(llm_factory, dtype):
+    """On CUDA with the fused tick kernels and CUDA graphs: the bitmasks (uploaded per step,
+    applied at the coda on the device) keep regex, choice and json_schema rows valid, greedy and
+    seeded, batched with free rows. In fp32 every row equals its run alone (free rows too); bf16
+    GEMMs are not batch invariant (docs/serving.md), so there only validity is checked."""
+    options = dict(device="cuda", dtype=dtype, cuda_graphs=True, fused_kernels=True)
+    llm = llm_factory(**options)
+    assert llm.engine.core.runner.graphs is not None
+    schema = StructuredOutput(kind="json_schema", json_schema=json.dumps(SCHEMA))
+    choice = StructuredOutput(kind="choice", choices=tuple(CHOICES))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    params = [
+        free_params(),
+        regex_params(),
+        SamplingParams(max_tokens=MAX_TOKENS, structured_output=schema),
+        SamplingParams(max_tokens=16, structured_output=choice, temperature=0.9, seed=4),
+        regex_params(temperature=1.0, seed=2),
+    ]
+    together = llm.generate(prompts, params)
+    assert re.fullmatch(REGEX, together[1].text) and re.fullmatch(REGEX, together[4].text)
+    assert_valid(json.loads(together[2].text))
+    assert together[3].text in CHOICES
+    assert all(out.finish_reason == "stop" for out in together[1:])
+    if dtype != "float32":
+        return
+    for prompt, param, out in zip(prompts, params, together, strict=True):
+        alone = llm.generate([prompt], param)[0]
+        assert (out.token_ids, out.exit_depths) == (alone.token_ids, alone.exit_depths)

@@ -327,6 +327,36 @@ def test_prefill_decode_disaggregation_carries_the_grammar_to_the_decode_side(ll
     assert finals["r1"].text in CHOICES
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput(kind="json_schema", json_schema=json.dumps(SCHEMA)),
+        StructuredOutput(kind="json_object"),
+    ],
+    ids=["bounded-string-schema", "json_object"],
+)
+def test_json_strings_exclude_raw_control_characters(tiny_checkpoint, spec):
+    """RFC 8259 forbids U+0000-U+001F inside strings. xgrammar's converter lets them into
+    length-bounded strings (SCHEMA's name); a byte-level vocabulary has one token per control
+    byte, and a CUDA run wrote one there. After an opened string only printable tokens pass."""
+    from rlt.engine.structured_output import XGrammarCompiler
+    from rlt_models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    vocab_size = len(tokenizer)
+    compiler = XGrammarCompiler(lambda: tokenizer, vocab_size=vocab_size, stop_token_ids=())
+    constraint = compiler.compile(spec)
+    prefix = '{"name": "Th' if spec.kind == "json_schema" else '{"Th'
+    for token_id in tokenizer.encode(prefix, add_special_tokens=False):
+        assert constraint.accept_token(token_id)
+    words = memoryview(constraint.allowed_token_bitmask()).cast("i")
+    allowed = {t for t in range(vocab_size) if words[t // 32] >> (t % 32) & 1}
+    texts = {t: tokenizer.decode([t]) for t in range(vocab_size)}
+    control = {t for t, text in texts.items() if text and all(ord(c) < 0x20 for c in text)}
+    assert len(control) == 32 and not control & allowed
+    assert {t for t, text in texts.items() if text in ("a", "Z", '"')} <= allowed
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_masks_constrain_fused_graph_ticks_like_alone(llm_factory, dtype):

@@ -16,6 +16,12 @@ The compiler loads the tokenizer and builds xgrammar's vocabulary table on first
 second for a 151k vocabulary), so engines that never see a structured request pay nothing.
 `compile_grammar` is thread-safe: the async server compiles on a worker thread before it
 submits, so the engine thread's `compile` finds the grammar in the cache.
+
+JSON strings never hold raw control characters (RFC 8259 section 7): xgrammar 0.2's schema
+converter excludes U+0000-U+001F from plain strings but not from strings with a `minLength` /
+`maxLength` (their characters are `[^"\\\r\n]`), and byte-level vocabularies have single-byte
+tokens for them, so a model could write output that `json.loads` rejects (seen on an H200).
+`_json_grammar` tightens that character class in the converted grammar before compiling it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from typing import Any
 from rlt_contracts import InvalidRequestError, StructuredOutput, StructuredOutputKind
 
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+# a string character in xgrammar's EBNF for bounded-length strings, and the JSON-valid class
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 class XGrammarConstraint:
@@ -89,12 +98,10 @@ class XGrammarCompiler:
         compiler = self._grammar_compiler()
         try:
             if spec.kind is StructuredOutputKind.JSON_SCHEMA:
-                return compiler.compile_json_schema(
-                    spec.json_schema, any_whitespace=False, strict_mode=True
-                )
+                return compiler.compile_grammar(_json_grammar(spec.json_schema, strict=True))
             if spec.kind is StructuredOutputKind.JSON_OBJECT:
-                return compiler.compile_json_schema(
-                    json.dumps({"type": "object"}), any_whitespace=False
+                return compiler.compile_grammar(
+                    _json_grammar(json.dumps({"type": "object"}), strict=False)
                 )
             if spec.kind is StructuredOutputKind.REGEX:
                 return compiler.compile_regex(spec.regex)
@@ -111,6 +118,14 @@ class XGrammarCompiler:
         compiled = self.compile_grammar(spec)
         matcher = xgrammar.GrammarMatcher(compiled)
         return XGrammarConstraint(matcher, xgrammar.allocate_token_bitmask(1, self.vocab_size))
+
+
+def _json_grammar(schema: str, *, strict: bool) -> str:
+    """xgrammar's EBNF for `schema` (compact separators), with JSON-valid string characters."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _choice_grammar(choices: Sequence[str]) -> str:

@@ -280,6 +280,7 @@ class SplitConfig:
     block_n: int
     block_d: int
     num_warps: int
+    num_stages: int = 3  # software-pipelining depth of the key loop (Triton's default)
 
 
 def choose_splits(
@@ -412,6 +413,7 @@ def launch_split_decode_attention(
         FUSED_COMBINE=fused_combine,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         num_warps=split.num_warps,
+        num_stages=split.num_stages,
     )
     if direct or fused_combine:
         return

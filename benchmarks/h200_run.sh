@@ -19,6 +19,12 @@
 #                                                  and 1P1D against 2 replicas: P and D on two GPUs
 #                                                  (nvidia-h200-x2), else both on one at 0.45 each;
 #                                                  carry .whlpd (slim NIXL wheels) too
+#   bash benchmarks/h200_run.sh flash-attn [STEPS]  flash-attn 2 built from its sdist (head dim 128,
+#                                                  forward only, sm_90; 9 files: 3.7 min on 2 cores),
+#                                                  its adapter tests on CUDA, then Triton vs
+#                                                  flash-attn (benchmarks/build_flash_attn.sh
+#                                                  STEPS, default build test bench); carry .fa
+#                                                  (the sdist, 8 MiB) too
 set -uo pipefail
 mode=${1:-table}
 shift || true
@@ -96,6 +102,9 @@ case "$mode" in
       --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 \
       --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
       --gpu-memory-utilization $share ;;
+  flash-attn)
+    bash benchmarks/build_flash_attn.sh "$@" ;;
   *)
-    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd [args]" >&2; exit 2 ;;
+    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd|flash-attn [args]" >&2
+    exit 2 ;;
 esac

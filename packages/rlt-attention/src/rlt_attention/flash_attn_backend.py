@@ -1,18 +1,36 @@
-"""Optional adapter to flash-attn 2's `flash_attn_varlen_func` with a paged KV cache.
+"""Optional adapter to flash-attn 2's paged-KV forward: `flash_attn_with_kvcache` for decode,
+`flash_attn_varlen_func` for prefill and mixed calls.
 
-UNVERIFIED: flash-attn has no wheels and is not installed on any machine this package was
-developed or tested on, so this adapter has never run. It is written against flash-attn 2's
-documented interface (paged KV through `block_table`, bottom-right aligned `causal=True`, which
-is exactly this contract's "queries are the last q_len positions of the context"). Selection
-never picks it under "auto"; it is used only when asked for by name and when `import flash_attn`
-succeeds and its `flash_attn_varlen_func` accepts `block_table` (a capability probe, not a
-version check, R13).
+Checked against flash-attn 2.8.3.post2's sources (flash_attn_interface.py, csrc/flash_api.cpp);
+its CUDA comparison with the torch backend is packages/rlt-attention/tests/
+test_flash_attn_backend.py, run on a GPU through benchmarks/build_flash_attn.sh (flash-attn has
+no wheels: built from its sdist). Selection never picks it under "auto"; it is used only when
+asked for by name and when `import flash_attn` succeeds and both functions take a `block_table`
+(a capability probe, not a version check, R13).
 
-Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256, and a paged
-block size divisible by 256. The engine's default block size is 16, so asking for this backend
-by name also needs `block_size=256` (or another multiple); otherwise selection raises a
-`ConfigurationError` naming `attention_backend` + `block_size`. It declares no CUDA-graph
-capture (not established), so with graphs requested its decode runs eagerly, with a warning.
+How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`):
+- KV: one layer of the runner's cache, [num_blocks, block_size, Hkv, D], is flash-attn's paged
+  k/v cache as is (no copy); block tables are int32 with a unit last stride, as flash-attn needs.
+  Only the first ceil(max_context_len / block_size) table columns are passed (a view): the
+  decode kernel sizes its KV splits by the table's width.
+- Decode-only calls (every group one query): `flash_attn_with_kvcache(q [S, 1, H, D],
+  cache_seqlens=context_lengths, block_table=...)`. Its split-KV kernel picks the number of KV
+  splits from the SM count (`num_splits=0`; a constructor argument overrides it), which is what
+  fills the GPU at small batches. One query per group: causal masking is moot.
+- Other calls: `flash_attn_varlen_func(q [N, H, D], cu_seqlens_q=query_start, cu_seqlens_k=
+  [0, cumsum(context_lengths)], causal=True, block_table=...)`. flash-attn 2 aligns the causal
+  mask to the bottom right (query i of a group of q_len sees keys up to i + context_len - q_len),
+  which is exactly this contract's "queries are the last q_len positions of the context". It
+  ignores where cu_seqlens_k says a group's keys start when a block table is given (keys come from
+  the pages), so only the differences, the context lengths, matter.
+
+Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256 (a build may
+hold fewer head dims: rlt's benchmarks/build_flash_attn.sh compiles 128 only and then raises for
+the others) and a paged block size divisible by 256. The engine's default block size is 16, so
+asking for this backend by name also needs `block_size=256` (or another multiple); otherwise
+selection raises a `ConfigurationError` naming `attention_backend` + `block_size`. It declares no
+CUDA-graph capture (not established), so with graphs requested its decode runs eagerly, with a
+warning.
 """
 
 from __future__ import annotations
@@ -20,13 +38,14 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
-from rlt_attention.batch_shape import check_batch, check_layer_inputs
-from rlt_attention.kv_store import slot_views, store_kv
+from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
+from rlt_attention.kv_store import SlotViews, slot_views, store_kv
 
 FLASH_ATTN_CAPABILITIES = AttentionCapabilities(
     name="flash_attn",
@@ -38,10 +57,20 @@ FLASH_ATTN_CAPABILITIES = AttentionCapabilities(
     supports_cuda_graphs=False,  # not established for this adapter
 )
 
+# Keyword arguments this adapter passes, per function (the probe checks that they exist).
+_VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale")
+_VARLEN_ARGS += ("causal", "block_table")
+_KVCACHE_ARGS = ("cache_seqlens", "block_table", "softmax_scale", "causal", "num_splits")
+
+
+class FlashAttnApi(NamedTuple):
+    varlen: object  # flash_attn.flash_attn_varlen_func
+    with_kvcache: object  # flash_attn.flash_attn_with_kvcache
+
 
 @functools.cache
-def _probe_flash_attn() -> tuple[object | None, str | None]:
-    """(flash_attn_varlen_func, None) when usable, else (None, reason). Imported at most once."""
+def _probe_flash_attn() -> tuple[FlashAttnApi | None, str | None]:
+    """(FlashAttnApi, None) when usable, else (None, reason). Imported at most once."""
     try:
         module = importlib.import_module("flash_attn")  # optional extra `rlt-attention[flash-attn]`
     except (ImportError, OSError) as exc:
@@ -49,16 +78,23 @@ def _probe_flash_attn() -> tuple[object | None, str | None]:
             f"flash-attn is not importable here ({type(exc).__name__}: {exc}); it is the "
             "optional extra rlt-attention[flash-attn] (no wheels: built from source on CUDA)"
         )
-    varlen = getattr(module, "flash_attn_varlen_func", None)
-    if varlen is None:
-        return None, "flash_attn has no flash_attn_varlen_func"
-    try:
-        parameters = inspect.signature(varlen).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    if "block_table" not in parameters:
-        return None, "flash_attn_varlen_func takes no block_table (no paged KV in this build)"
-    return varlen, None
+    functions = []
+    for name, needed in (
+        ("flash_attn_varlen_func", _VARLEN_ARGS),
+        ("flash_attn_with_kvcache", _KVCACHE_ARGS),
+    ):
+        function = getattr(module, name, None)
+        if function is None:
+            return None, f"flash_attn has no {name}"
+        try:
+            parameters = inspect.signature(function).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        missing = [arg for arg in needed if arg not in parameters]
+        if missing:
+            return None, f"flash_attn.{name} takes no {', '.join(missing)} (no paged KV here)"
+        functions.append(function)
+    return FlashAttnApi(*functions), None
 
 
 def flash_attn_unavailable_reason() -> str | None:
@@ -67,42 +103,106 @@ def flash_attn_unavailable_reason() -> str | None:
 
 
 class FlashAttnBackend:
-    """Stateless, UNVERIFIED adapter (module doc). RuntimeError where flash_attn is absent."""
+    """Stateless adapter (module doc). RuntimeError where flash_attn is absent.
+
+    num_splits: KV splits of decode-only calls, passed to `flash_attn_with_kvcache`; 0 (the
+      default) lets flash-attn choose from the batch, heads, context and SM count.
+    """
 
     capabilities = FLASH_ATTN_CAPABILITIES
 
-    def __init__(self, *, batch_invariant: bool = False) -> None:
+    def __init__(self, *, batch_invariant: bool = False, num_splits: int = 0) -> None:
         if batch_invariant:
             raise ValueError("flash_attn has no batch-invariant mode")
-        varlen, reason = _probe_flash_attn()
-        if varlen is None:
+        if num_splits < 0:
+            raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+        api, reason = _probe_flash_attn()
+        if api is None:
             raise RuntimeError(reason)
-        self._varlen = varlen
+        self._api = api
+        self._num_splits = num_splits
 
     def bind(self, kv_cache: KVCacheTensors, batch: PagedAttentionBatch):
         views = slot_views(kv_cache)
         shape = check_batch(views, kv_cache.block_size, batch)
-        # cu_seqlens_k [S + 1] int32: flash-attn reads group g's key count as the difference.
-        cu_seqlens_k = F.pad(torch.cumsum(batch.context_lengths, 0, dtype=torch.int32), (1, 0))
-        varlen = self._varlen
-
-        def attention(layer_index: int, query, key, value):
-            """query [N, H, D], key/value [N, Hkv, D] (cuda, fp16/bf16) -> [N, H, D]."""
-            check_layer_inputs(views, shape.num_rows, query, key, value)
-            store_kv(views, layer_index, batch.write_slots, key, value)
-            key_cache = kv_cache.key_cache[layer_index]  # [num_blocks, block_size, Hkv, D]
-            out = varlen(
-                query.to(key_cache.dtype),
-                key_cache,
-                kv_cache.value_cache[layer_index],
-                cu_seqlens_q=batch.query_start,
-                cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=shape.max_query_len,
-                max_seqlen_k=shape.max_context_len,
-                softmax_scale=query.shape[-1] ** -0.5,
-                causal=True,
-                block_table=batch.block_tables,
+        if kv_cache.block_size % FLASH_ATTN_CAPABILITIES.block_size_multiple_of:
+            raise ValueError(
+                f"flash_attn needs a block size divisible by 256, got {kv_cache.block_size}"
             )
-            return out.to(query.dtype)
+        return _FlashAttnBoundAttention(self._api, self._num_splits, kv_cache, views, batch, shape)
 
-        return attention
+
+def _int32(tensor: torch.Tensor) -> torch.Tensor:
+    """flash-attn's index tensors: int32 with a unit last stride (a no-op for the contract's)."""
+    if tensor.dtype != torch.int32:
+        tensor = tensor.to(torch.int32)
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+class _FlashAttnBoundAttention:
+    """Per-call attention: borrowed KV tensors + the call's flash-attn arguments (built in bind,
+    on the device, without a host sync)."""
+
+    def __init__(
+        self,
+        api: FlashAttnApi,
+        num_splits: int,
+        kv_cache: KVCacheTensors,
+        views: SlotViews,
+        batch: PagedAttentionBatch,
+        shape: BatchShape,
+    ) -> None:
+        self._api = api
+        self._num_splits = num_splits
+        self._kv_cache = kv_cache
+        self._views = views
+        self._write_slots = batch.write_slots
+        self._shape = shape
+        # Decode-only: every group one query row (flash_attn_with_kvcache's fixed q length 1).
+        self._decode = shape.max_query_len == 1 and shape.num_rows == shape.num_groups
+        self._block_table = _int32(batch.block_tables[:, : max(shape.pages_read, 1)])
+        self._context_lengths = _int32(batch.context_lengths)
+        if not self._decode:
+            self._cu_seqlens_q = _int32(batch.query_start)
+            self._cu_seqlens_k = F.pad(
+                torch.cumsum(batch.context_lengths, 0, dtype=torch.int32), (1, 0)
+            )
+
+    def __call__(
+        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """query [N, H, D], key/value [N, Hkv, D] (cuda, fp16/bf16) -> [N, H, D] in query's
+        dtype."""
+        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        store_kv(self._views, layer_index, self._write_slots, key, value)
+        if self._shape.num_rows == 0:
+            return torch.empty_like(query)
+        key_cache = self._kv_cache.key_cache[layer_index]  # [num_blocks, block_size, Hkv, D]
+        value_cache = self._kv_cache.value_cache[layer_index]
+        q = query.to(key_cache.dtype)
+        scale = query.shape[-1] ** -0.5
+        if self._decode:
+            out = self._api.with_kvcache(
+                q.unsqueeze(1),  # [S, 1, H, D]
+                key_cache,
+                value_cache,
+                cache_seqlens=self._context_lengths,
+                block_table=self._block_table,
+                softmax_scale=scale,
+                causal=False,  # one query per group sees its whole context
+                num_splits=self._num_splits,
+            ).squeeze(1)
+        else:
+            out = self._api.varlen(
+                q,
+                key_cache,
+                value_cache,
+                cu_seqlens_q=self._cu_seqlens_q,
+                cu_seqlens_k=self._cu_seqlens_k,
+                max_seqlen_q=self._shape.max_query_len,
+                max_seqlen_k=self._shape.max_context_len,
+                softmax_scale=scale,
+                causal=True,  # bottom-right aligned: queries are the context's last q_len
+                block_table=self._block_table,
+            )
+        return out.to(query.dtype)

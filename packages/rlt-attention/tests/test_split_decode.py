@@ -191,15 +191,32 @@ def test_choose_splits_heuristic():
             **kwargs,
         ).num_splits
 
-    # Ouro-1.4B decode at ~1K context: 16 kv heads, BLOCK_N 64, 132 SMs.
-    assert splits(1, 16, 1088) == 17  # ceil(264 / 16), also ceil(1088 / 64)
-    assert splits(1, 16, 8192) == 17
-    assert splits(4, 16, 8192) == 5
+    def config(groups, kv_heads, context):
+        return split_decode_kernel.choose_splits(
+            num_groups=groups,
+            num_kv_heads=kv_heads,
+            max_context_len=context,
+            queries_per_kv=1,
+            head_dim=128,
+        )
+
+    # Ouro-1.4B decode (16 kv heads, 132 SMs). 1-4 rows: a small grid, ~6 programs per SM in
+    # short splits; 1 row: 16-key steps, 2 warps; 3-4 rows: 32-key steps, 4 warps.
+    assert splits(1, 16, 1088) == 50  # ceil(792 / 16)
+    one_row = config(1, 16, 1088)
+    assert (one_row.block_n, one_row.num_warps, one_row.num_stages) == (16, 2, 2)
+    four_rows = config(4, 16, 8192)
+    assert (four_rows.num_splits, four_rows.block_n, four_rows.num_warps) == (13, 32, 4)
+    assert splits(1, 16, 400) == 25  # at most one 16-key step per split
+    # 5+ rows: ceil(2 * 132 / programs) splits of 64-key steps, 4 warps, 3 stages
+    eight_rows = config(8, 16, 8192)
+    assert (eight_rows.num_splits, eight_rows.block_n, eight_rows.num_stages) == (3, 64, 3)
     assert splits(32, 16, 1088) == 1  # 512 programs already fill the GPU
     assert splits(1, 1, 100_000) == split_decode_kernel.MAX_SPLITS
-    assert splits(1, 16, 40) == 1  # one key step: nothing to split
+    assert splits(1, 16, 16) == 1  # one key step: nothing to split
     assert splits(1, 16, 1088, num_splits=5) == 5
-    assert splits(1, 16, 1088, sm_count=78) == 10
+    assert splits(1, 16, 1088, sm_count=78) == 30  # ceil(6 * 78 / 16)
+    assert splits(1, 16, 1088, block_n=64) == 17  # at most one 64-key step per split
     assert (
         split_decode_kernel.choose_splits(
             num_groups=1, num_kv_heads=2, max_context_len=64, queries_per_kv=4, head_dim=12

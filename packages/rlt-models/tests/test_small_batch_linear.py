@@ -37,3 +37,24 @@ def test_selector_keeps_torch_where_the_kernel_does_not_apply():
     assert torch.equal(linear(x, w), F.linear(x, w))  # fp32 / CPU: plain torch, not measured
     assert linear.choices == {}
     assert not sbl.SmallBatchLinear._eligible(torch.randn(17, 8).half(), w.half())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 4])
+def test_selection_times_cold_weights_and_keeps_the_product(rows):
+    """On CUDA the first call measures cuBLAS and every config over weight copies that exceed
+    twice the L2 (as a loop sees them), remembers the choice, and returns the same product."""
+    torch.manual_seed(rows)
+    w = (torch.randn(2048, 2048, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(rows, 2048, device="cuda").bfloat16()
+    copies = sbl._cold_copies(w)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    assert copies[0] is w
+    assert len(copies) == sbl.MAX_COPIES or len(copies) * w.numel() * 2 >= 2 * l2_bytes
+    linear = sbl.SmallBatchLinear()
+    out = linear(x, w)
+    (choice,) = linear.choices.values()
+    assert choice is None or choice in sbl.CONFIGS
+    reference = F.linear(x.float(), w.float())
+    assert torch.allclose(out.float(), reference, rtol=1e-2, atol=1e-2)
+    assert torch.equal(linear(x, w), out)  # remembered: the same kernel again

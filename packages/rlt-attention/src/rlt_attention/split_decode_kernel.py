@@ -268,7 +268,9 @@ def _split_combine_kernel(
 
 # Split-KV decode: enough programs to fill about this many SMs twice (H100 / H200 have 132).
 DEFAULT_SM_COUNT = 132
-MAX_SPLITS = 32
+MAX_SPLITS = 64
+# programs (groups x kv heads) up to which decode uses many short splits (`choose_splits`)
+SMALL_GRID = 64
 
 
 @dataclass(frozen=True)
@@ -294,20 +296,32 @@ def choose_splits(
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> SplitConfig:
-    """Splits per (group, kv head): ceil(2 * sm_count / (S * Hkv)), capped at MAX_SPLITS and at
-    ceil(max_context_len / BLOCK_N) (every split gets at least one key step). A function of
-    bind-time host ints only, so a graph captured with full-width tables keeps a fixed grid.
-    `num_splits` overrides the heuristic (tests); `block_n` the key step (power of two >= 16).
-    Defaults (BLOCK_N 64, 4 warps for D <= 128) were the fastest of a small sweep on an H200.
-    """
+    """Splits per (group, kv head) and the key step, from bind-time host ints only (a graph
+    captured with full-width tables keeps a fixed grid). `num_splits` / `block_n` override the
+    heuristic (tests; `block_n` a power of two >= 16).
+
+    Heuristic (head_dim <= 128, from H200 sweeps over all 24 layers' KV of Ouro-1.4B at a ~1.1K
+    context, `benchmarks/small_batch_sweep.py`):
+    - up to SMALL_GRID unsplit programs (groups x kv heads: 1-4 decode rows of 16 kv heads):
+      about 6 programs per SM in short splits (16 keys per step and 2 warps up to 32
+      programs, else 32 keys and 4 warps), 2 pipeline stages; 2-9% faster per layer call than
+      the rule below at 1-4 rows;
+    - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
+    Splits are capped at MAX_SPLITS and at one key step each."""
     block_d = max(16, triton.next_power_of_2(head_dim))
+    programs = max(1, num_groups * num_kv_heads)
+    small_grid = programs <= SMALL_GRID and block_d <= 128
+    num_stages = 3
     if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
+        if small_grid:
+            block_n = 16 if programs <= SMALL_GRID // 2 else 32
+        else:
+            block_n = 64 if block_d <= 128 else 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
-        programs = max(1, num_groups * num_kv_heads)
-        num_splits = -(-2 * sm_count // programs)
+        per_sm = 6 if small_grid else 2
+        num_splits = -(-per_sm * sm_count // programs)
         num_splits = min(num_splits, MAX_SPLITS, max(1, -(-max_context_len // block_n)))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -315,7 +329,9 @@ def choose_splits(
     # (10 vs 12 us per layer at batch 1, 71 vs 120 us at batch 32; Ouro-1.4B, context 1088).
     block_m = max(16, triton.next_power_of_2(queries_per_kv))
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
-    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps)
+    if small_grid:
+        num_warps, num_stages = (2 if block_n == 16 else 4), 2
+    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages)
 
 
 def launch_split_decode_attention(

@@ -72,7 +72,9 @@ WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 4
 GATE_THRESHOLD = 0.999999
 # Substrings (lower case) of kernel names counted as weight GEMMs in the profile summary.
-GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")
+# cuBLAS/CUTLASS kernels, the small-batch Triton GEMVs (rlt_models.small_batch_linear) and the
+# batch-invariant Triton GEMM
+GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "_linear_kernel")
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Public API:
 - `select_attention_backend(requirements, choice="auto") -> BackendSelection`
 - backends: `TorchPagedAttention` (cpu/cuda), `TritonPagedAttention` (cuda),
-  `FlashAttnBackend` (optional, unverified; constructible only where flash_attn imports)
+  `FlashAttnBackend` (optional, built from source; constructible only where flash_attn
+  imports)
 - `known_backends()`, `BACKENDS` (registry), `*_CAPABILITIES` (declared capabilities)
 
 Every backend implements `rlt_contracts.AttentionBackend`: `bind(kv_cache, batch)` returns the

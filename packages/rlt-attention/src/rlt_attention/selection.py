@@ -142,7 +142,10 @@ def select_attention_backend(
         if name == chosen:
             continue
         if name not in AUTO_PREFERENCE:
-            reasons = reasons + ["unverified adapter: never auto-selected, request it by name"]
+            reasons = reasons + [
+                "slower than triton wherever measured (H200): never auto-selected, "
+                "request it by name"
+            ]
         elif not reasons and requirements.cuda_graphs and not capturable(name):
             reasons = [f"compatible, but cannot be captured as CUDA graphs and {chosen!r} can"]
         elif not reasons:

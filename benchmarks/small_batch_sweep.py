@@ -254,17 +254,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
-    config = OuroConfig(
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-        total_ut_steps=4,
-        max_position_embeddings=65536,
-    )
+    config = OuroConfig.ouro_1_4b()
     model = build_random_model(config, torch.bfloat16, "cuda", 0)
     paged = PagedSetup(
         config,

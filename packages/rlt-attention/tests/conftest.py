@@ -45,6 +45,26 @@ class PagedCase:
         block = self.block_rows[group][position // self.block_size]
         return block * self.block_size + position % self.block_size
 
+    def run(self, backend) -> torch.Tensor:
+        """One layer call of `backend` on this case (bind, then call at `layer_index`)."""
+        return backend.bind(self.kv_cache, self.batch)(
+            self.layer_index, self.query, self.key, self.value
+        )
+
+    def assert_calls_do_not_sync(self, backend) -> None:
+        """CUDA: after a warm-up call, `bind` and a call per layer make no host-device sync
+        (torch.cuda.set_sync_debug_mode("error"), which does not catch every sync)."""
+        self.run(backend)  # compile / warm up outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            attention = backend.bind(self.kv_cache, self.batch)
+            for layer in range(self.kv_cache.key_cache.shape[0]):
+                attention(layer, self.query, self.key, self.value)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
 
 def make_case(
     groups,

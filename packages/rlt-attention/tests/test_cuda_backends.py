@@ -16,12 +16,6 @@ GROUPS = [(1, 300), (1, 17), (64, 64), (1, 129), (37, 250), (100, 160), (1, 1)]
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def run_layer(backend, case):
-    return backend.bind(case.kv_cache, case.batch)(
-        case.layer_index, case.query, case.key, case.value
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("block_size", "num_heads", "num_kv_heads", "head_dim"),
@@ -39,8 +33,8 @@ def test_triton_matches_torch_on_gpu(
         device="cuda",
     )
     triton_case, torch_case = paged_case(GROUPS, **kwargs), paged_case(GROUPS, **kwargs)
-    out = run_layer(TritonPagedAttention(), triton_case)
-    expected = run_layer(TorchPagedAttention(), torch_case)
+    out = triton_case.run(TritonPagedAttention())
+    expected = torch_case.run(TorchPagedAttention())
     assert out.dtype == dtype and torch.isfinite(out).all()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
@@ -57,7 +51,7 @@ def test_torch_backend_matches_reference_on_gpu(paged_case, reference):
     case = paged_case(
         GROUPS[:4], block_size=16, num_heads=8, num_kv_heads=2, head_dim=64, device="cuda"
     )
-    out = run_layer(TorchPagedAttention(), case)
+    out = case.run(TorchPagedAttention())
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-4, atol=1e-5)
 
 
@@ -74,16 +68,7 @@ def test_bind_and_layer_calls_do_not_sync(paged_case, backend):
         dtype=torch.bfloat16,
         device="cuda",
     )
-    run_layer(backend, case)  # compile / warm up outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        attention = backend.bind(case.kv_cache, case.batch)
-        for layer in range(case.kv_cache.key_cache.shape[0]):
-            attention(layer, case.query, case.key, case.value)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    case.assert_calls_do_not_sync(backend)
 
 
 def test_triton_layer_call_replays_in_a_cuda_graph(paged_case):
@@ -117,7 +102,7 @@ def test_triton_layer_call_replays_in_a_cuda_graph(paged_case):
     query.copy_(replayed.query), key.copy_(replayed.key), value.copy_(replayed.value)
     graph.replay()
 
-    expected = run_layer(TritonPagedAttention(), replayed)
+    expected = replayed.run(TritonPagedAttention())
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(
         captured.kv_cache.key_cache, replayed.kv_cache.key_cache, rtol=0, atol=0, equal_nan=True

@@ -29,17 +29,11 @@ DECODE = [(1, 1088), (1, 17), (1, 300), (1, 256), (1, 257), (1, 1), (1, 513)]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def run_layer(backend, case):
-    return backend.bind(case.kv_cache, case.batch)(
-        case.layer_index, case.query, case.key, case.value
-    )
-
-
 def compare(paged_case, backend, groups, *, dtype, device, **shape):
     kwargs = dict(block_size=BLOCK, dtype=dtype, device=device, **shape)
     flash_case, torch_case = paged_case(groups, **kwargs), paged_case(groups, **kwargs)
-    out = run_layer(backend, flash_case)
-    expected = run_layer(TorchPagedAttention(), torch_case)
+    out = flash_case.run(backend)
+    expected = torch_case.run(TorchPagedAttention())
     assert out.dtype == dtype and out.shape == expected.shape and torch.isfinite(out).all()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
@@ -112,16 +106,7 @@ def test_flash_attn_bind_and_layer_calls_do_not_sync(paged_case, groups):
         device="cuda",
     )
     backend = FlashAttnBackend()
-    run_layer(backend, case)  # warm up outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        attention = backend.bind(case.kv_cache, case.batch)
-        for layer in range(case.kv_cache.key_cache.shape[0]):
-            attention(layer, case.query, case.key, case.value)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    case.assert_calls_do_not_sync(backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +273,7 @@ def test_adapter_passes_only_the_table_columns_it_reads(paged_case, fake_flash_a
 
     fake_flash_attn.flash_attn_with_kvcache = spy
     _probe_flash_attn.cache_clear()
-    run_layer(FlashAttnBackend(), case)
+    case.run(FlashAttnBackend())
     assert seen == [(2, 2)]
 
 

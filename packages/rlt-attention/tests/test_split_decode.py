@@ -24,12 +24,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODE_GROUPS = [(1, 1), (1, 2), (1, 17), (1, 40), (1, 100), (0, 0), (1, 33)]
 
 
-def run_layer(backend, case):
-    return backend.bind(case.kv_cache, case.batch)(
-        case.layer_index, case.query, case.key, case.value
-    )
-
-
 @pytest.fixture
 def launches(monkeypatch):
     """Records which read kernel each layer call launched ("split" with its config, or "tiled")."""
@@ -84,13 +78,13 @@ def test_split_decode_matches_torch_backend_and_reference(
     triton_case = paged_case(DECODE_GROUPS, **kwargs)
     torch_case = paged_case(DECODE_GROUPS, **kwargs)
     backend = TritonPagedAttention(num_splits=num_splits, block_n=block_n, fused_decode=True)
-    out = run_layer(backend, triton_case)
+    out = triton_case.run(backend)
     assert [kind for kind, _ in launches] == ["split"]
     # The fused merge leaves every ticket at zero for the next call (or graph replay).
     assert all(int(t.abs().sum()) == 0 for t in backend._tickets.values())
     if num_splits is not None:
         assert launches[0][1].num_splits == num_splits
-    expected = run_layer(TorchPagedAttention(), torch_case)
+    expected = torch_case.run(TorchPagedAttention())
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(triton_case), rtol=1e-5, atol=1e-5)
@@ -113,8 +107,8 @@ def test_unfused_decode_store_and_combine_agree(paged_case):
         paged_case(DECODE_GROUPS, **shapes),
         paged_case(DECODE_GROUPS, **shapes),
     )
-    fused = run_layer(TritonPagedAttention(num_splits=3, block_n=16, fused_decode=True), fused_case)
-    plain = run_layer(TritonPagedAttention(num_splits=3, block_n=16), plain_case)
+    fused = fused_case.run(TritonPagedAttention(num_splits=3, block_n=16, fused_decode=True))
+    plain = plain_case.run(TritonPagedAttention(num_splits=3, block_n=16))
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
     for name in ("key_cache", "value_cache"):
         torch.testing.assert_close(
@@ -139,7 +133,7 @@ def test_split_counts_agree(paged_case):
             seed=3,
             device=DEVICE,
         )
-        outs.append(run_layer(TritonPagedAttention(num_splits=num_splits, block_n=16), case))
+        outs.append(case.run(TritonPagedAttention(num_splits=num_splits, block_n=16)))
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-6, atol=1e-6)
 
@@ -148,7 +142,7 @@ def test_split_decode_fp16(paged_case, reference):
     case = paged_case(
         DECODE_GROUPS, block_size=4, head_dim=16, dtype=torch.float16, seed=4, device=DEVICE
     )
-    out = run_layer(TritonPagedAttention(num_splits=3, block_n=16), case)
+    out = case.run(TritonPagedAttention(num_splits=3, block_n=16))
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=2e-3, atol=2e-3)
 
@@ -174,9 +168,9 @@ def test_full_width_bind_with_rewritten_metadata(paged_case, reference):
 
 def test_prefill_and_mixed_calls_keep_the_tiled_kernel(paged_case, launches):
     case = paged_case([(1, 9), (3, 12), (1, 1)], block_size=4, head_dim=16, device=DEVICE)
-    run_layer(TritonPagedAttention(), case)
+    case.run(TritonPagedAttention())
     decode = paged_case([(1, 9), (1, 12)], block_size=4, head_dim=16, device=DEVICE)
-    run_layer(TritonPagedAttention(split_kv=False), decode)
+    decode.run(TritonPagedAttention(split_kv=False))
     assert [kind for kind, _ in launches] == ["tiled", "tiled"]
 
 
@@ -253,8 +247,8 @@ def test_split_decode_matches_torch_on_gpu(
         device="cuda",
     )
     triton_case, torch_case = paged_case(LONG_DECODE, **kwargs), paged_case(LONG_DECODE, **kwargs)
-    out = run_layer(TritonPagedAttention(num_splits=num_splits), triton_case)
-    expected = run_layer(TorchPagedAttention(), torch_case)
+    out = triton_case.run(TritonPagedAttention(num_splits=num_splits))
+    expected = torch_case.run(TorchPagedAttention())
     assert out.dtype == dtype and torch.isfinite(out).all()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
@@ -272,16 +266,7 @@ def test_split_decode_does_not_sync(paged_case):
         device="cuda",
     )
     backend = TritonPagedAttention()
-    run_layer(backend, case)  # compile outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        attention = backend.bind(case.kv_cache, case.batch)
-        for layer in range(case.kv_cache.key_cache.shape[0]):
-            attention(layer, case.query, case.key, case.value)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    case.assert_calls_do_not_sync(backend)
 
 
 @pytest.mark.cuda
@@ -320,5 +305,5 @@ def test_split_decode_replays_in_a_cuda_graph(paged_case):
         replayed.layer_index, replayed.query, replayed.key, replayed.value
     )
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    reference = run_layer(TorchPagedAttention(), replayed)
+    reference = replayed.run(TorchPagedAttention())
     torch.testing.assert_close(out.float(), reference.float(), rtol=1.6e-2, atol=1.6e-2)

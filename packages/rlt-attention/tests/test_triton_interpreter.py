@@ -15,12 +15,6 @@ MIXED_GROUPS = [(1, 9), (5, 5), (3, 17), (1, 1), (4, 12), (0, 0)]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_layer(backend, case):
-    return backend.bind(case.kv_cache, case.batch)(
-        case.layer_index, case.query, case.key, case.value
-    )
-
-
 @pytest.mark.parametrize(
     ("block_size", "num_heads", "num_kv_heads", "head_dim"),
     [(4, 4, 2, 16), (3, 6, 2, 12), (1, 2, 2, 8), (16, 8, 1, 32)],
@@ -37,8 +31,8 @@ def test_fp32_matches_torch_backend_and_reference(
     )
     triton_case = paged_case(MIXED_GROUPS, **kwargs)
     torch_case = paged_case(MIXED_GROUPS, **kwargs)
-    out = run_layer(TritonPagedAttention(), triton_case)
-    expected = run_layer(TorchPagedAttention(), torch_case)
+    out = triton_case.run(TritonPagedAttention())
+    expected = torch_case.run(TorchPagedAttention())
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(triton_case), rtol=1e-5, atol=1e-5)
@@ -62,7 +56,7 @@ def test_fp32_matches_torch_backend_and_reference(
 def test_small_tiles_cross_query_and_key_tiles(paged_case, reference):
     """16-row tiles with G=2 hold 8 queries: a 20-query chunk spans 3 tiles, 41 keys 3 key steps."""
     case = paged_case([(20, 41), (1, 23), (9, 9)], block_size=4, head_dim=16, seed=2, device=DEVICE)
-    out = run_layer(TritonPagedAttention(block_m=16, block_n=16), case)
+    out = case.run(TritonPagedAttention(block_m=16, block_n=16))
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
 
 
@@ -70,7 +64,7 @@ def test_fp16_matches_reference(paged_case, reference):
     case = paged_case(
         MIXED_GROUPS, block_size=4, head_dim=16, dtype=torch.float16, seed=4, device=DEVICE
     )
-    out = run_layer(TritonPagedAttention(), case)
+    out = case.run(TritonPagedAttention())
     assert out.dtype == torch.float16
     # Probabilities are rounded to fp16 before the P @ V product (as flash attention does).
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=2e-3, atol=2e-3)
@@ -78,10 +72,10 @@ def test_fp16_matches_reference(paged_case, reference):
 
 def test_unread_slots_never_influence_output(paged_case):
     case = paged_case(MIXED_GROUPS, block_size=3, head_dim=16, seed=7, device=DEVICE)
-    out_nan = run_layer(TritonPagedAttention(), case)
+    out_nan = case.run(TritonPagedAttention())
     for cache in (case.kv_cache.key_cache, case.kv_cache.value_cache):
         cache[torch.isnan(cache)] = 1e4
-    out_huge = run_layer(TritonPagedAttention(), case)
+    out_huge = case.run(TritonPagedAttention())
     assert torch.isfinite(out_nan).all()
     torch.testing.assert_close(out_huge, out_nan, rtol=0, atol=0)
 

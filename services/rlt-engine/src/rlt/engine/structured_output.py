@@ -26,6 +26,7 @@ tokens for them, so a model could write output that `json.loads` rejects (seen o
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -120,8 +121,10 @@ class XGrammarCompiler:
         return XGrammarConstraint(matcher, xgrammar.allocate_token_bitmask(1, self.vocab_size))
 
 
+@functools.lru_cache(maxsize=256)
 def _json_grammar(schema: str, *, strict: bool) -> str:
-    """xgrammar's EBNF for `schema` (compact separators), with JSON-valid string characters."""
+    """xgrammar's EBNF for `schema` (compact separators), with JSON-valid string characters.
+    Cached: xgrammar caches the compiled grammar by this text, the conversion is ours."""
     import xgrammar
 
     grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)

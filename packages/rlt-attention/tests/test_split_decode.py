@@ -175,7 +175,7 @@ def test_prefill_and_mixed_calls_keep_the_tiled_kernel(paged_case, launches):
 
 
 def test_choose_splits_heuristic():
-    def splits(groups, kv_heads, context, **kwargs):
+    def config(groups, kv_heads, context, **kwargs):
         return split_decode_kernel.choose_splits(
             num_groups=groups,
             num_kv_heads=kv_heads,
@@ -183,16 +183,10 @@ def test_choose_splits_heuristic():
             queries_per_kv=1,
             head_dim=128,
             **kwargs,
-        ).num_splits
-
-    def config(groups, kv_heads, context):
-        return split_decode_kernel.choose_splits(
-            num_groups=groups,
-            num_kv_heads=kv_heads,
-            max_context_len=context,
-            queries_per_kv=1,
-            head_dim=128,
         )
+
+    def splits(groups, kv_heads, context, **kwargs):
+        return config(groups, kv_heads, context, **kwargs).num_splits
 
     # Ouro-1.4B decode (16 kv heads, 132 SMs). 1-4 rows: a small grid, ~6 programs per SM in
     # short splits; 1 row: 16-key steps, 2 warps; 3-4 rows: 32-key steps, 4 warps.

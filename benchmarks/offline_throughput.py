@@ -74,7 +74,7 @@ WARMUP_TOKENS = 4
 def warmup_requests(args) -> int:
     """Warm-up requests per arm: enough to fill the batch once (at least 4), so the steps that
     mix prefill chunks with a full decode batch have run before timing. With 4 only, the first
-    arm of a c32 process paid one-time costs inside its timed run (its e2e was 13-16% under
+    arm of a c32 process paid one-time costs inside its timed run (its e2e was about 14% under
     the later gate arm's, which runs the same compute; decode, which excludes prefill steps,
     was equal)."""
     return max(4, min(args.num_requests, args.max_num_seqs + 1))

@@ -304,8 +304,8 @@ def choose_splits(
     context, `benchmarks/small_batch_sweep.py`):
     - up to SMALL_GRID unsplit programs (groups x kv heads: 1-4 decode rows of 16 kv heads):
       about 6 programs per SM in short splits (16 keys per step and 2 warps up to 32
-      programs, else 32 keys and 4 warps), 2 pipeline stages; 2-9% faster per layer call than
-      the rule below at 1-4 rows;
+      programs, else 32 keys and 4 warps), 2 pipeline stages; the nearest swept configurations were
+      2-9% faster per layer call than the rule below at 1-4 rows;
     - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
     Splits are capped at MAX_SPLITS and at one key step each."""
     block_d = max(16, triton.next_power_of_2(head_dim))

@@ -421,8 +421,12 @@ def summarize_trace(trace: dict, ticks: int, top: int = 10) -> dict:
       kernels: kernel count; kernel_span_ms: first kernel start to last kernel end;
       gpu_busy_fraction: union of kernel intervals / kernel_span (gaps between kernels are idle
         time, whatever their cause);
-      kernels_per_loop: kernels / ticks; gpu_ms_per_loop: sum of kernel durations / ticks;
-      gemm_ms_per_loop: the same for kernels named like GEMMs (GEMM_MARKERS);
+      kernels_per_loop: kernels / ticks; gpu_ms_per_loop: union of kernel intervals / ticks
+        (kernels launched with programmatic dependent launch start while their predecessor
+        drains and wait resident, so their durations overlap: a sum would count that twice);
+      span_ms_per_loop: kernel_span / ticks (busy plus idle gaps);
+      gemm_ms_per_loop: sum of the durations of kernels named like GEMMs (GEMM_MARKERS) / ticks
+        (with PDL it includes the time they waited resident for their predecessors);
       memcpy_count / memcpy_ms: memcpy + memset events; top_kernels: the `top` kernels by total
       time (name, count, total_ms). GPU fields are null when no kernel event was seen.
     """
@@ -457,6 +461,7 @@ def summarize_trace(trace: dict, ticks: int, top: int = 10) -> dict:
         "gpu_busy_fraction": None,
         "kernels_per_loop": None,
         "gpu_ms_per_loop": None,
+        "span_ms_per_loop": None,
         "gemm_ms_per_loop": None,
         "top_kernels": [],
     }
@@ -465,7 +470,6 @@ def summarize_trace(trace: dict, ticks: int, top: int = 10) -> dict:
     spans = [(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))) for k in kernels]
     first, last = min(s for s, _ in spans), max(e for _, e in spans)
     busy = union_us(spans)
-    total = sum(e - s for s, e in spans)
     gemm = sum(
         float(k.get("dur", 0))
         for k in kernels
@@ -481,7 +485,8 @@ def summarize_trace(trace: dict, ticks: int, top: int = 10) -> dict:
         kernel_span_ms=round((last - first) / 1000, 3),
         gpu_busy_fraction=round(busy / (last - first), 4) if last > first else None,
         kernels_per_loop=round(len(kernels) / ticks, 2) if ticks else None,
-        gpu_ms_per_loop=round(total / 1000 / ticks, 4) if ticks else None,
+        gpu_ms_per_loop=round(busy / 1000 / ticks, 4) if ticks else None,
+        span_ms_per_loop=round((last - first) / 1000 / ticks, 4) if ticks else None,
         gemm_ms_per_loop=round(gemm / 1000 / ticks, 4) if ticks else None,
         top_kernels=[
             {"name": name[:200], "count": count, "total_ms": round(dur / 1000, 3)}

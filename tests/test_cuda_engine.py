@@ -3,6 +3,7 @@
 - fp32 on CUDA (TF32 off) equals the dense fp64 oracle token- and depth-exactly, with the fused
   kernels and tick graphs on and with both off, in both layouts;
 - bf16 stays close to fp32 (first token, its depth and logprob);
+- programmatic dependent launch changes no token, depth or logprob (fp32 and bf16);
 - graphs under preemption and prefix caching still give the oracle's tokens;
 - the asynchronous multi-tick pipeline equals synchronous single ticks;
 - whole engine steps (prefill, decode ticks with early exits and LAST_EXITED finalization,
@@ -76,6 +77,28 @@ def test_bf16_cuda_runs_and_tracks_fp32(llm_factory):
         assert a.token_ids[0] == b.token_ids[0] and a.exit_depths[0] == b.exit_depths[0] == 4
         assert a.logprobs[0] == pytest.approx(b.logprobs[0], abs=5e-2)
         assert len(a.token_ids) == 8 and min(a.exit_depths[1:]) >= 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_programmatic_dependent_launch_changes_no_result(llm_factory, dtype):
+    """PDL (on by default on sm_90+) only lets a kernel start while its predecessor drains:
+    tokens, exit depths and logprobs are bit-identical with it off (same kernels, same math;
+    the second engine reuses the first's small-batch GEMV choices)."""
+    from rlt_attention import dependent_launch as attention_pdl
+    from rlt_models import dependent_launch as model_pdl
+
+    params = SamplingParams(max_tokens=10, exit_threshold=0.6, ignore_eos=True, logprobs=2)
+    results = {}
+    try:
+        for enabled in (False, True):
+            model_pdl.set_enabled(enabled)
+            attention_pdl.set_enabled(enabled)
+            outputs = llm_factory(device="cuda", dtype=dtype).generate(PROMPTS, params)
+            results[enabled] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outputs]
+    finally:
+        model_pdl.set_enabled(None)
+        attention_pdl.set_enabled(None)
+    assert results[True] == results[False]
 
 
 def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoint):

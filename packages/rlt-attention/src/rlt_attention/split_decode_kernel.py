@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlt_attention import dependent_launch
+from rlt_attention.dependent_launch import wait_for_prior_grid
+
 
 @triton.jit
 def _split_decode_kernel(
@@ -69,7 +72,10 @@ def _split_decode_kernel(
     STORE_NEW: tl.constexpr,  # the query's own key/value come from new_*_ptr and are stored
     FUSED_COMBINE: tl.constexpr,  # the last split to finish merges all splits (no 2nd kernel)
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits (FUSED_COMBINE)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     group = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -235,7 +241,10 @@ def _split_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     group = tl.program_id(0)
     head = tl.program_id(1)
     query_begin = tl.load(query_start_ptr + group)
@@ -367,6 +376,7 @@ def launch_split_decode_attention(
         return
     num_splits = split.num_splits
     direct = num_splits == 1
+    pdl = dependent_launch.enabled(query)
     if direct:
         partial_max = partial_sum = partial_acc = out  # unused
     else:
@@ -428,8 +438,10 @@ def launch_split_decode_attention(
         STORE_NEW=store_new,
         FUSED_COMBINE=fused_combine,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        USE_PDL=pdl,
         num_warps=split.num_warps,
         num_stages=split.num_stages,
+        **dependent_launch.launch_options(pdl),
     )
     if direct or fused_combine:
         return
@@ -445,5 +457,7 @@ def launch_split_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=split.block_d,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        USE_PDL=pdl,
         num_warps=1 if split.block_d * num_splits <= 2048 else 4,
+        **dependent_launch.launch_options(pdl),
     )

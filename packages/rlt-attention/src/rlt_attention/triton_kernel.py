@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlt_attention import dependent_launch
+from rlt_attention.dependent_launch import wait_for_prior_grid
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -59,7 +62,10 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # queries per tile (BLOCK_M // G)
     BLOCK_M: tl.constexpr,  # rows per tile (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # key positions per step (>= 16 for tl.dot)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     group = tl.program_id(0) // num_query_tiles
     query_tile = tl.program_id(0) % num_query_tiles
     kv_head = tl.program_id(1)
@@ -190,6 +196,7 @@ def launch_paged_attention(
     if num_groups == 0 or num_query_tiles == 0:
         return
     grid = (num_groups * num_query_tiles, kv_heads)
+    pdl = dependent_launch.enabled(query)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -218,7 +225,9 @@ def launch_paged_attention(
         BLOCK_Q=tiles.block_q,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
+        USE_PDL=pdl,
         num_warps=tiles.num_warps,
+        **dependent_launch.launch_options(pdl),
     )
 
 
@@ -241,7 +250,10 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -292,6 +304,7 @@ def launch_store_kv(
         value = value.contiguous()
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(kv_heads), max(1, 4096 // block_d))
+    pdl = dependent_launch.enabled(key)
     _store_kv_kernel[(num_rows, triton.cdiv(kv_heads, block_h))](
         key,
         value,
@@ -310,5 +323,7 @@ def launch_store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        USE_PDL=pdl,
         num_warps=4,
+        **dependent_launch.launch_options(pdl),
     )

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlt_models import dependent_launch
+from rlt_models.dependent_launch import wait_for_prior_grid
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -33,7 +36,10 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -61,7 +67,10 @@ def _add_rms_norm_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -96,7 +105,10 @@ def _rotary_qk_kernel(
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF
     BLOCK_H: tl.constexpr,  # heads per program
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
@@ -128,7 +140,10 @@ def _silu_mul_kernel(
     stride_out,
     n_cols,  # intermediate size F; gate is columns [0, F), up [F, 2F)
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        wait_for_prior_grid()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -162,6 +177,7 @@ def _row_warps(block: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, d] -> weight * rms_norm(x) [N, d] in x's dtype (one program per row)."""
     _check_device(x, weight)
+    pdl = dependent_launch.enabled(x)
     num_rows, d = x.shape
     out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -177,7 +193,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         BLOCK=block,
         num_warps=_row_warps(block),
+        USE_PDL=pdl,
         **NO_FMA,
+        **dependent_launch.launch_options(pdl),
     )
     return out
 
@@ -191,6 +209,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + rms_norm(delta) * delta_weight, rms_norm(that) * out_weight), both [N, d]."""
     _check_device(residual, delta, delta_weight, out_weight)
+    pdl = dependent_launch.enabled(residual)
     num_rows, d = residual.shape
     new_residual = torch.empty((num_rows, d), dtype=residual.dtype, device=residual.device)
     normed = torch.empty_like(new_residual)
@@ -212,7 +231,9 @@ def add_rms_norm(
         eps,
         BLOCK=block,
         num_warps=_row_warps(block),
+        USE_PDL=pdl,
         **NO_FMA,
+        **dependent_launch.launch_options(pdl),
     )
     return new_residual, normed
 
@@ -227,6 +248,7 @@ def rotary_qk_(
 ) -> torch.Tensor:
     """Rotate the q and k heads of qkv [N, (H + 2 Hkv) * D] in place; returns qkv."""
     _check_device(qkv, cos, sin)
+    pdl = dependent_launch.enabled(qkv)
     num_rows = qkv.shape[0]
     rotated_heads = num_heads + num_kv_heads
     if num_rows == 0:
@@ -247,7 +269,9 @@ def rotary_qk_(
         BLOCK_HALF=block_half,
         BLOCK_H=block_h,
         num_warps=4,
+        USE_PDL=pdl,
         **NO_FMA,
+        **dependent_launch.launch_options(pdl),
     )
     return qkv
 
@@ -255,6 +279,7 @@ def rotary_qk_(
 def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """gate_up [N, 2F] (gate first) -> silu(gate) * up [N, F]."""
     _check_device(gate_up)
+    pdl = dependent_launch.enabled(gate_up)
     num_rows = gate_up.shape[0]
     out = torch.empty((num_rows, intermediate_size), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows == 0:
@@ -269,6 +294,8 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
         intermediate_size,
         BLOCK=block,
         num_warps=4,
+        USE_PDL=pdl,
         **NO_FMA,
+        **dependent_launch.launch_options(pdl),
     )
     return out

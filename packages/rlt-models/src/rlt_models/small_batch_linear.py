@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlt_models import dependent_launch
+
 try:
     import triton
     import triton.language as tl
@@ -75,6 +77,7 @@ CONFIGS = (
 )
 
 if triton is not None:
+    from rlt_models.dependent_launch import wait_for_prior_grid
 
     @triton.jit
     def _small_rows_linear_kernel(
@@ -90,25 +93,31 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         col_ok = offs_n < n
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+        x_rows = x_ptr + offs_m[:, None] * stride_x
+        # The first weight tile is loaded before waiting for the previous kernel (weights are
+        # never written while the engine runs); x, which that kernel may produce, after.
+        offs_k = tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k)[None, :], other=0.0
+        )
+        if USE_PDL:
+            wait_for_prior_grid()
+        x = tl.load(
+            x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k)[None, :], other=0.0
+        )
+        acc = tl.dot(x, tl.trans(w))
+        for start in range(BLOCK_K, k, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
-                mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+            x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
         tl.store(
             out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
@@ -126,20 +135,25 @@ if triton is not None:
         stride_w,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < n
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+        offs_k = tl.arange(0, BLOCK_K)  # first tile before the wait, as above
+        w = tl.load(
+            w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k)[None, :], other=0.0
+        )
+        if USE_PDL:
+            wait_for_prior_grid()
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        for start in range(BLOCK_K, k, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
             x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(
-                w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
-                mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
+            w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -151,6 +165,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.T
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    pdl = dependent_launch.enabled(x)
     if config.single_row:
         if rows != 1:
             raise ValueError(f"the single-row kernel takes 1 row, got {rows}")
@@ -163,8 +178,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.T
             weight.stride(0),
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
+            USE_PDL=pdl,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **dependent_launch.launch_options(pdl),
         )
         return out
     _small_rows_linear_kernel[(triton.cdiv(n, config.block_n),)](
@@ -180,8 +197,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.T
         BLOCK_M=16,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **dependent_launch.launch_options(pdl),
     )
     return out
 

@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL) of the attention kernels (sm_90 and newer).
+
+The same mechanism and switch as `rlt_models.dependent_launch` (this package cannot import
+that one): a kernel launched with the PDL attribute may become resident while the kernel before
+it drains, and calls `wait_for_prior_grid` (griddepcontrol.wait, then launch_dependents) before
+it touches memory. On where the device supports it; `RLT_PDL=0` or `set_enabled(False)` turns
+it off, `set_enabled(None)` returns to the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV = "RLT_PDL"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MIN_CAPABILITY = 9
+
+_override: bool | None = None
+
+
+def set_enabled(enabled: bool | None) -> None:
+    """Force PDL on (where supported) or off for later launches; None: the default."""
+    global _override
+    _override = enabled
+
+
+@functools.cache
+def _device_supports(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= MIN_CAPABILITY
+
+
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether kernels working on `tensor` are launched with PDL."""
+    if INTERPRETED or not tensor.is_cuda:
+        return False
+    wanted = _override if _override is not None else os.environ.get(ENV, "1") != "0"
+    return wanted and _device_supports(tensor.device.index or torch.cuda.current_device())
+
+
+def launch_options(use_pdl: bool) -> dict:
+    """Launch keywords for a kernel compiled with USE_PDL=use_pdl (nothing when off)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+@triton.jit
+def wait_for_prior_grid():
+    """griddepcontrol.wait (the previous kernel finished, its writes are visible), then
+    launch_dependents (the next kernel may become resident). Not pure: never removed."""
+    tl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+    tl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )

@@ -1,0 +1,34 @@
+"""The attention kernels' PDL switch (the same as rlt_models.dependent_launch's): never for CPU
+tensors or the interpreter; `set_enabled(False)` and RLT_PDL=0 turn it off on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+dependent_launch = pytest.importorskip("rlt_attention.dependent_launch")
+
+
+@pytest.fixture(autouse=True)
+def default_switch():
+    yield
+    dependent_launch.set_enabled(None)
+
+
+def test_never_for_cpu_tensors():
+    dependent_launch.set_enabled(True)
+    assert not dependent_launch.enabled(torch.zeros(1))
+    assert dependent_launch.launch_options(False) == {}
+
+
+@pytest.mark.cuda
+def test_switch_on_cuda(monkeypatch):
+    x = torch.zeros(1, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= dependent_launch.MIN_CAPABILITY
+    monkeypatch.delenv(dependent_launch.ENV, raising=False)
+    assert dependent_launch.enabled(x) == hopper
+    monkeypatch.setenv(dependent_launch.ENV, "0")
+    assert not dependent_launch.enabled(x)
+    dependent_launch.set_enabled(False)
+    monkeypatch.delenv(dependent_launch.ENV)
+    assert not dependent_launch.enabled(x)

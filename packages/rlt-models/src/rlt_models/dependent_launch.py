@@ -1,0 +1,86 @@
+"""Programmatic dependent launch (PDL) of the decode loop's Triton kernels (sm_90 and newer).
+
+At batch 1 a loop is ~280 kernels back to back, each only a few microseconds long, and every
+boundary costs a launch gap plus a ramp (the next kernel's CTAs start only once the last CTA of
+the previous one has finished). A kernel launched with the PDL attribute may instead become
+resident while its predecessor drains; it executes `griddepcontrol.wait` (the prior grid has
+completed and its writes are visible) before it reads or writes anything the predecessor may
+touch, and `griddepcontrol.launch_dependents` right after, so its own successor can start
+early too. The weight-streaming GEMVs load their first weight tile before the wait: weights never
+change while the engine runs, so those loads overlap the predecessor's tail.
+
+Every kernel that is launched with the attribute must take `USE_PDL` and, when it is set, call
+`wait_for_prior_grid` before touching memory a previous kernel may write (otherwise it would
+race); `launch_options(enabled)` gives the launch keyword to pass together with `USE_PDL=enabled`.
+A kernel without the attribute (cuBLAS, torch ops) waits for its predecessor as usual, so PDL
+kernels mix freely with others in one stream or CUDA graph.
+
+On by default where the device supports it (compute capability >= 9, compiled Triton, not the
+interpreter). `RLT_PDL=0` in the environment, or `set_enabled(False)`, turns it off (A/B
+measurements); `set_enabled(None)` returns to the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - linux wheels of torch bring triton
+    triton = None
+
+ENV = "RLT_PDL"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MIN_CAPABILITY = 9
+
+_override: bool | None = None
+
+
+def set_enabled(enabled: bool | None) -> None:
+    """Force PDL on (where supported) or off for later launches; None: the default (module
+    doc). Graphs captured earlier keep the launches they recorded."""
+    global _override
+    _override = enabled
+
+
+@functools.cache
+def _device_supports(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= MIN_CAPABILITY
+
+
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether kernels working on `tensor` are launched with PDL."""
+    if triton is None or INTERPRETED or not tensor.is_cuda:
+        return False
+    wanted = _override if _override is not None else os.environ.get(ENV, "1") != "0"
+    return wanted and _device_supports(tensor.device.index or torch.cuda.current_device())
+
+
+def launch_options(use_pdl: bool) -> dict:
+    """Launch keywords for a kernel compiled with USE_PDL=use_pdl (nothing when off, so the
+    interpreter and older launchers never see the keyword)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_prior_grid():
+        """griddepcontrol.wait, then launch_dependents: this kernel's reads and writes may
+        start, and so may the next kernel's CTAs (which wait in turn). Not pure, so never
+        removed as dead code."""
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        tl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0",
+            "=r",
+            [],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -1,0 +1,37 @@
+"""The PDL switch: off wherever it cannot apply, on by default on sm_90+, RLT_PDL=0 and
+`set_enabled` turn it off. (That PDL launches compute the same tokens is checked on CUDA by
+tests/test_cuda_engine.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rlt_models import dependent_launch
+
+
+@pytest.fixture(autouse=True)
+def default_switch():
+    yield
+    dependent_launch.set_enabled(None)
+
+
+def test_never_for_cpu_tensors():
+    dependent_launch.set_enabled(True)
+    assert not dependent_launch.enabled(torch.zeros(1))
+    assert dependent_launch.launch_options(False) == {}
+    assert dependent_launch.launch_options(True) == {"launch_pdl": True}
+
+
+@pytest.mark.cuda
+def test_default_follows_the_device_and_the_environment(monkeypatch):
+    x = torch.zeros(1, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= dependent_launch.MIN_CAPABILITY
+    monkeypatch.delenv(dependent_launch.ENV, raising=False)
+    assert dependent_launch.enabled(x) == hopper
+    monkeypatch.setenv(dependent_launch.ENV, "0")
+    assert not dependent_launch.enabled(x)
+    dependent_launch.set_enabled(True)  # the override wins over the environment
+    assert dependent_launch.enabled(x) == hopper
+    dependent_launch.set_enabled(False)
+    monkeypatch.delenv(dependent_launch.ENV)
+    assert not dependent_launch.enabled(x)

@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
+#   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
+#                                                  programmatic dependent launch, side by side
+#                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
 #   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
 #   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
@@ -41,6 +44,8 @@ case "$mode" in
     python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
+  pdl-loop)
+    python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   batch-invariance)  # BI_TESTS=0: the benchmark only
     [ "${BI_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
       packages/rlt-models/tests/test_batch_invariant_ops.py \

@@ -3,7 +3,8 @@
 - fp32 on CUDA (TF32 off) equals the dense fp64 oracle token- and depth-exactly, with the fused
   kernels and tick graphs on and with both off, in both layouts;
 - bf16 stays close to fp32 (first token, its depth and logprob);
-- programmatic dependent launch changes no token, depth or logprob (fp32 and bf16);
+- programmatic dependent launch changes no token, depth or logprob (fp32 and bf16), and
+  neither does skipping the LM head in ticks where no row exits;
 - graphs under preemption and prefix caching still give the oracle's tokens;
 - the asynchronous multi-tick pipeline equals synchronous single ticks;
 - whole engine steps (prefill, decode ticks with early exits and LAST_EXITED finalization,
@@ -99,6 +100,36 @@ def test_programmatic_dependent_launch_changes_no_result(llm_factory, dtype):
         model_pdl.set_enabled(None)
         attention_pdl.set_enabled(None)
     assert results[True] == results[False]
+
+
+def test_skipped_coda_changes_no_result(llm_factory, monkeypatch):
+    """With the Triton tick kernels the LM head is told whether any row exits and, as a Triton
+    GEMV (forced here for every projection and the head), skips its work in ticks where none
+    does. bf16 tokens, depths and logprobs equal the torch tick's, which always runs the head
+    (same model kernels, so bit-identical), eagerly and in decode graphs."""
+    from rlt_models import small_batch_linear as sbl
+
+    monkeypatch.setattr(sbl.small_batch_linear, "choices", {})
+    monkeypatch.setattr(
+        sbl.SmallBatchLinear,
+        "_measure",
+        staticmethod(lambda rows, weight: sbl.CONFIGS[9] if rows == 1 else sbl.CONFIGS[0]),
+    )
+    params = [
+        SamplingParams(max_tokens=9, exit_threshold=0.6, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=7, exit_threshold=1.0, ignore_eos=True),
+    ]
+    results = []
+    for fused_tick, graphs in ((False, False), (True, False), (True, True)):
+        llm = llm_factory(device="cuda", dtype="bfloat16", max_num_seqs=2, cuda_graphs=graphs)
+        program = llm.engine.core.runner.program
+        assert program.kernels is not None  # the engine's default on CUDA
+        if not fused_tick:
+            program.kernels = None
+        outputs = llm.generate(PROMPTS[:2], params)
+        results.append([(o.token_ids, o.exit_depths, o.logprobs) for o in outputs])
+    assert results[0] == results[1] == results[2]
+    assert set(sbl.small_batch_linear.choices.values()) <= {sbl.CONFIGS[9], sbl.CONFIGS[0]}
 
 
 def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoint):

@@ -167,6 +167,18 @@ def test_silu_mul(dtype, intermediate):
     assert_matches(out, fused_ops.silu_mul(gate_up, intermediate, impl="torch"))
 
 
+@pytest.mark.parametrize("hidden", [48, 1000])
+def test_exit_gate(dtype, hidden):
+    h = randn(5, hidden, dtype=dtype, seed=hidden + 1, scale=2.0)
+    weight = randn(hidden, dtype=torch.float32, seed=21, scale=0.1)
+    bias = randn(1, dtype=torch.float32, seed=22)
+    out = fused_ops.exit_gate(h, weight, bias, impl="triton")
+    expected = fused_ops.exit_gate(h, weight, bias, impl="torch")
+    assert out.dtype == torch.float32 and out.shape == (5,)
+    # fp32 dot products summed in another order: a few ulp of the logit
+    assert (out - expected).abs().max() <= 1e-6
+
+
 def test_ops_accept_strided_rows_and_empty_batches():
     x = randn(4, 2 * 48, dtype=torch.float32, seed=20)[:, :48]  # row stride 96
     weight = randn(48, dtype=torch.float32, seed=21, offset=1.0)

@@ -30,6 +30,22 @@ def test_kernel_matches_the_fp32_product(config, rows, n, k):
     assert torch.allclose(out.float(), reference, rtol=2e-3, atol=2e-3 * k**0.5)
 
 
+@pytest.mark.parametrize("config", [sbl.CONFIGS[0], sbl.CONFIGS[6]], ids=["tile", "single_row"])
+def test_needed_flag_skips_the_product(config):
+    """`needed` = 1: the same product as without the flag; 0: zeros (no weight is read)."""
+    if DEVICE == "cpu" and not sbl.INTERPRETED:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before import")
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 96, generator=generator).half().to(DEVICE)
+    w = torch.randn(40, 96, generator=generator).half().to(DEVICE)
+    plain = sbl.launch(x, w, config)
+    flag = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    assert torch.equal(sbl.launch(x, w, config, flag), plain)
+    flag.zero_()
+    skipped = sbl.launch(x, w, config, flag)
+    assert skipped.shape == plain.shape and not skipped.any()
+
+
 def test_selector_keeps_torch_where_the_kernel_does_not_apply():
     linear = sbl.SmallBatchLinear()
     x = torch.randn(2, 8)

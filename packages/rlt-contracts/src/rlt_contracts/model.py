@@ -48,7 +48,10 @@ class LoopedLanguageModel(Protocol):
     recurrent_step: one loop over all L layers plus the end-of-loop norm at fixed `positions`
       [N] int64. Returns the normed hidden state [N, d] (the next loop's input) and, when
       `compute_gate`, the exit-gate probability sigmoid(gate) [N] in fp32 (else None).
-    coda: LM head. hidden [N, d] -> logits [N, V] (model dtype).
+    coda: LM head. hidden [N, d] -> logits [N, V] (model dtype). `needed` (0.1.5, optional): a
+      device int32 [1] flag the caller computed (e.g. "some row exits in this tick"); where it
+      holds 0 no logit will be used, and the model may skip the head's work and return zeros.
+      A hint: a model may always compute the logits. Never read on the host.
     """
 
     shape: LoopedModelShape
@@ -64,7 +67,7 @@ class LoopedLanguageModel(Protocol):
         compute_gate: bool = True,
     ) -> tuple[Tensor, Tensor | None]: ...
 
-    def coda(self, hidden: Tensor) -> Tensor: ...
+    def coda(self, hidden: Tensor, *, needed: Tensor | None = None) -> Tensor: ...
 
 
 class SamplingMode(msgspec.Struct, frozen=True):

@@ -155,6 +155,28 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_out + offs, (silu * up).to(act), mask=mask)
 
 
+@triton.jit
+def _exit_gate_kernel(
+    hidden_ptr,
+    weight_ptr,  # [d] fp32
+    bias_ptr,  # [1] fp32
+    out_ptr,  # [N] fp32
+    stride_hidden,
+    n_cols,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        wait_for_prior_grid()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    h = tl.load(hidden_ptr + row * stride_hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    logit = tl.sum(h * weight, 0) + tl.load(bias_ptr)
+    tl.store(out_ptr + row, 1.0 / (1.0 + tl.exp(-logit)))
+
+
 def _check_device(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         if tensor.device.type != "cuda" and not INTERPRETED:
@@ -294,6 +316,31 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
         intermediate_size,
         BLOCK=block,
         num_warps=4,
+        USE_PDL=pdl,
+        **NO_FMA,
+        **dependent_launch.launch_options(pdl),
+    )
+    return out
+
+
+def exit_gate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """sigmoid(hidden . weight + bias) [N] fp32; hidden [N, d], weight [d] / bias [1] fp32."""
+    _check_device(hidden, weight, bias)
+    pdl = dependent_launch.enabled(hidden)
+    num_rows, d = hidden.shape
+    out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    if num_rows == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    _exit_gate_kernel[(num_rows,)](
+        hidden,
+        weight,
+        bias,
+        out,
+        hidden.stride(0),
+        d,
+        BLOCK=block,
+        num_warps=_row_warps(block),
         USE_PDL=pdl,
         **NO_FMA,
         **dependent_launch.launch_options(pdl),

@@ -11,6 +11,8 @@ Numerics (ouro-model-spec.md 3.3-3.5, identical to the eager modules in `layers.
 - `rotary_qk_`: split-half RoPE on the q and k heads of the packed qkv projection, in place; each
   product rounded to act dtype, then the sum rounded (`apply_rotary`).
 - `silu_mul`: silu(gate) rounded to act dtype, times up, rounded (`F.silu(gate) * up`).
+- `exit_gate`: sigmoid(h . w + b) in fp32 from the act-dtype state (the eager gate's
+  `sigmoid(F.linear(h.float(), w, b))`; the kernel's dot sums in its own order).
 
 Every op takes `impl`: "torch" runs the reference (exactly the eager numerics), "triton" the
 kernel (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before the first Triton
@@ -106,6 +108,12 @@ def rotary_qk_reference_(
     return qkv
 
 
+def exit_gate_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    return torch.sigmoid(F.linear(hidden.float(), weight[None, :], bias).squeeze(-1))
+
+
 def silu_mul_reference(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     gate, up = gate_up.split(intermediate_size, dim=-1)
     return F.silu(gate) * up
@@ -162,3 +170,13 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int, *, impl: str = "auto
     if resolve_impl(impl, gate_up) == "torch":
         return silu_mul_reference(gate_up, intermediate_size)
     return _kernels.silu_mul(gate_up, intermediate_size)
+
+
+def exit_gate(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, impl: str = "auto"
+) -> torch.Tensor:
+    """hidden [N, d] (act dtype), weight [d] and bias [1] fp32 -> sigmoid(h . w + b) [N] fp32:
+    one kernel instead of a cast, a GEMV and a sigmoid."""
+    if resolve_impl(impl, hidden) == "torch":
+        return exit_gate_reference(hidden, weight, bias)
+    return _kernels.exit_gate(hidden, weight, bias)

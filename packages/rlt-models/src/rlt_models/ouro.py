@@ -227,7 +227,7 @@ class OuroModel(nn.Module):
             x = self._fused_layers(hidden, cos, sin, attention, impl)
         if not compute_gate:
             return x, None
-        return x, self.exit_probability(x)
+        return x, self.exit_probability(x, impl=impl)
 
     def _fused_layers(
         self,
@@ -257,20 +257,26 @@ class OuroModel(nn.Module):
             )
         return normed
 
-    def exit_probability(self, hidden: torch.Tensor) -> torch.Tensor:
-        """sigmoid(gate(h)) [N] in fp32 from the normed state h [N, d] (vllm-rlt numerics)."""
+    def exit_probability(self, hidden: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+        """sigmoid(gate(h)) [N] in fp32 from the normed state h [N, d] (vllm-rlt numerics).
+        `impl` ("triton" / "torch"): the fused path's one-kernel gate (`fused_ops.exit_gate`),
+        except in batch-invariant mode."""
         weight, bias = self.early_exit_gate_weight, self.early_exit_gate_bias
         if weight.dtype != torch.float32:  # the fp32 copy is made once, not in every loop
             cached = getattr(self, "_gate_fp32", None)
             if cached is None or cached[0].device != weight.device:
                 cached = self._gate_fp32 = (weight.float(), bias.float())
             weight, bias = cached
+        if impl is not None and not self.batch_invariant:
+            return fused_ops.exit_gate(hidden, weight[0], bias, impl=impl)
         ops = self.ops
         logits = ops.linear(hidden.float(), weight, bias)
         return ops.sigmoid(logits.squeeze(-1))
 
-    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: hidden [N, d] -> logits [N, V] in the model dtype."""
+    def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head: hidden [N, d] -> logits [N, V] in the model dtype. `needed` (device int32
+        [1]): where 0, the small-batch Triton head skips reading its weight and returns zeros
+        (cuBLAS and the batch-invariant GEMM always compute)."""
         if self.batch_invariant:
             return batch_invariant.linear(hidden, self.lm_head)
-        return small_batch_linear(hidden, self.lm_head)
+        return small_batch_linear(hidden, self.lm_head, needed=needed)

@@ -90,10 +90,12 @@ if triton is not None:
         stride_x,
         stride_w,
         stride_out,
+        needed_ptr,  # int32 [1] (PREDICATED): 0 = write zeros, read no weight
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
+        PREDICATED: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -101,13 +103,21 @@ if triton is not None:
         col_ok = offs_n < n
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
         x_rows = x_ptr + offs_m[:, None] * stride_x
+        out_tile = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        if PREDICATED:  # the flag comes from the previous kernel: wait first
+            if USE_PDL:
+                wait_for_prior_grid()
+            if tl.load(needed_ptr) == 0:
+                tl.store(out_tile, tl.zeros((BLOCK_M, BLOCK_N), out_ptr.dtype.element_ty), out_mask)
+                return
         # The first weight tile is loaded before waiting for the previous kernel (weights are
         # never written while the engine runs); x, which that kernel may produce, after.
         offs_k = tl.arange(0, BLOCK_K)
         w = tl.load(
             w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k)[None, :], other=0.0
         )
-        if USE_PDL:
+        if USE_PDL and not PREDICATED:
             wait_for_prior_grid()
         x = tl.load(
             x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k)[None, :], other=0.0
@@ -119,11 +129,7 @@ if triton is not None:
             x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
-        tl.store(
-            out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
-        )
+        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _single_row_linear_kernel(
@@ -133,18 +139,26 @@ if triton is not None:
         n,
         k,
         stride_w,
+        needed_ptr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
+        PREDICATED: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < n
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+        if PREDICATED:  # as above
+            if USE_PDL:
+                wait_for_prior_grid()
+            if tl.load(needed_ptr) == 0:
+                tl.store(out_ptr + offs_n, tl.zeros((BLOCK_N,), out_ptr.dtype.element_ty), col_ok)
+                return
         offs_k = tl.arange(0, BLOCK_K)  # first tile before the wait, as above
         w = tl.load(
             w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k)[None, :], other=0.0
         )
-        if USE_PDL:
+        if USE_PDL and not PREDICATED:
             wait_for_prior_grid()
         x = tl.load(x_ptr + offs_k, mask=offs_k < k, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -157,9 +171,15 @@ if triton is not None:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.Tensor:
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: TileConfig,
+    needed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); the single-row
-    kernel needs M == 1."""
+    kernel needs M == 1. `needed` (device int32 [1]): where 0, the kernel reads no weight and
+    writes zeros."""
     rows, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
@@ -176,9 +196,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.T
             n,
             k,
             weight.stride(0),
+            out if needed is None else needed,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             USE_PDL=pdl,
+            PREDICATED=needed is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **dependent_launch.launch_options(pdl),
@@ -194,10 +216,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, config: TileConfig) -> torch.T
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        out if needed is None else needed,
         BLOCK_M=16,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=pdl,
+        PREDICATED=needed is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **dependent_launch.launch_options(pdl),
@@ -215,14 +239,18 @@ class SmallBatchLinear:
     def __init__(self) -> None:
         self.choices: dict[tuple, TileConfig | None] = {}
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, *, needed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T; `needed` (device int32 [1]) lets a Triton choice skip the work and
+        return zeros where it holds 0 (cuBLAS always computes)."""
         if not self._eligible(x, weight):
             return F.linear(x, weight)
         key = (_rows_bucket(x.shape[0]), *weight.shape, weight.dtype, x.device)
         if key not in self.choices:
             self.choices[key] = self._measure(key[0], weight)
         config = self.choices[key]
-        return F.linear(x, weight) if config is None else launch(x, weight, config)
+        return F.linear(x, weight) if config is None else launch(x, weight, config, needed)
 
     @staticmethod
     def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,17 +1,20 @@
 """Triton kernels of the decode tick's bookkeeping (CUDA; TRITON_INTERPRET=1 for CPU tests).
 
 The torch code of `DecodeProgram` is the reference: written as whole-batch tensor ops it costs
-~100 tiny kernels per tick around the model (~0.2 ms at batch 1, a sixth of a loop). These three
+~100 tiny kernels per tick around the model (~0.2 ms at batch 1, a sixth of a loop). These four
 kernels do the same work:
 
   prepare   one program for all rows: cohort release, loop index, plane, page, own / write
-            slot, context length (one pass over the row state); held rows (structured output)
-            do not run
-  commit    one program per row: the exit rule (HAZARD / DELAYED_HAZARD / TRACE, hazard product
-            in fp64), stop rule, ring record (token, depth[, logprobs]), the exited token's
-            output count (penalized modes: `output_counts[row, token] += 1`), every progress field,
-            the LAST_EXITED copy slots, and the row's next hidden state (the embedded new token,
-            the loop's output, or unchanged)
+            slot, context length (one pass over the row state), and `coda_flag` zeroed; held
+            rows (structured output) do not run
+  decide    one program per row, after the loop and before the coda: the exit rule (HAZARD /
+            DELAYED_HAZARD / TRACE, hazard product in fp64) into `exits`, `survival_new`,
+            `pending_new`; `coda_flag` raised when some row exits (the LM head, 201 MB of
+            weight at Ouro-1.4B, is skipped in ticks where it stays 0)
+  commit    one program per row: stop rule, ring record (token, depth[, logprobs]), the
+            exited token's output count (penalized modes: `output_counts[row, token] += 1`),
+            every progress field, the LAST_EXITED copy slots, and the row's next hidden state
+            (the embedded new token, the loop's output, or unchanged)
   copy      one program per (row, target plane, layer): the LAST_EXITED finalization copies
 
 Bool row buffers are passed as uint8 views (same memory).
@@ -53,6 +56,7 @@ if triton is not None:
         own_slot_ptr,  # out [B] int64
         write_slot_ptr,  # out [B] int64
         context_ptr,  # out [B] int32
+        coda_flag_ptr,  # out [1] int32: zeroed here, raised by decide when some row exits
         num_rows,
         scratch_slot,
         NUM_PLANES: tl.constexpr,
@@ -91,66 +95,27 @@ if triton is not None:
         tl.store(own_slot_ptr + rows, own, mask=valid)
         tl.store(write_slot_ptr + rows, tl.where(run, own, scratch_slot), mask=valid)
         tl.store(context_ptr + rows, tl.where(run, position + 1, 1).to(tl.int32), mask=valid)
+        tl.store(coda_flag_ptr, 0)
 
     @triton.jit
-    def _commit_kernel(
-        # prepare outputs
+    def _decide_kernel(
         run_ptr,
         loop_index_ptr,
-        page_ptr,
-        own_slot_ptr,
-        # loop outputs
         gate_ptr,  # [B] fp32 (unused without HAS_GATE)
-        new_hidden_ptr,  # [B, d]
-        token_ptr,  # [B] int64 sampled
-        logprob_ptr,  # [B] fp32 (LOGPROBS)
-        top_ids_ptr,  # [B, K] int64 (LOGPROBS)
-        top_logprobs_ptr,  # [B, K] fp32 (LOGPROBS)
-        embedded_ptr,  # [B, d] embeddings of the sampled tokens
-        # row state
-        hidden_ptr,
-        tokens_ptr,
-        position_ptr,
-        loops_ptr,
         survival_ptr,
         pending_ptr,
         outputs_ptr,
-        active_ptr,
-        parked_ptr,
-        held_ptr,
-        hold_ptr,  # hold_after_output (structured output)
         kind_ptr,
         min_loops_ptr,
         max_loops_ptr,
         threshold_ptr,
         trace_ptr,
-        max_tokens_ptr,
-        stop_ids_ptr,
-        tables_ptr,
-        counts_ptr,  # [S, V] int32 output counts (PENALIZED)
-        # outputs
-        ring_ptr,  # [T, S, C] fp64
-        tick_index_ptr,
-        copy_src_ptr,  # [B, planes - 1] int64 (-1: no copy)
-        copy_dst_ptr,
-        hidden_size,
-        num_slots,
-        ring_columns,
+        exits_ptr,  # out [B] uint8
+        survival_new_ptr,  # out [B] fp64
+        pending_new_ptr,  # out [B] int64
+        coda_flag_ptr,  # [1] int32, raised to 1 when some row exits
         trace_capacity,
-        vocab_size,
-        DEPTH: tl.constexpr,
-        NUM_PLANES: tl.constexpr,
-        MAX_PAGES: tl.constexpr,
-        PAGE_SIZE: tl.constexpr,
-        STOP_CAPACITY: tl.constexpr,
-        STOP_BLOCK: tl.constexpr,
         HAS_GATE: tl.constexpr,
-        COHORT: tl.constexpr,
-        LOGPROBS: tl.constexpr,
-        TOP_K: tl.constexpr,
-        TOP_BLOCK: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        PENALIZED: tl.constexpr,
     ):
         row = tl.program_id(0)
         run = tl.load(run_ptr + row) != 0
@@ -182,6 +147,76 @@ if triton is not None:
             kind == 0, hazard_exit, tl.where(kind == 1, delayed_exit, loop_index >= trace_depth)
         )
         exits = exits & run
+        tl.store(exits_ptr + row, exits.to(tl.uint8))
+        tl.store(survival_new_ptr + row, survival_new)
+        tl.store(pending_new_ptr + row, pending_new)
+        tl.atomic_max(coda_flag_ptr, exits.to(tl.int32))
+
+    @triton.jit
+    def _commit_kernel(
+        # prepare outputs
+        run_ptr,
+        loop_index_ptr,
+        page_ptr,
+        own_slot_ptr,
+        # decide outputs
+        exits_ptr,
+        survival_new_ptr,
+        pending_new_ptr,
+        # loop outputs
+        new_hidden_ptr,  # [B, d]
+        token_ptr,  # [B] int64 sampled
+        logprob_ptr,  # [B] fp32 (LOGPROBS)
+        top_ids_ptr,  # [B, K] int64 (LOGPROBS)
+        top_logprobs_ptr,  # [B, K] fp32 (LOGPROBS)
+        embedded_ptr,  # [B, d] embeddings of the sampled tokens
+        # row state
+        hidden_ptr,
+        tokens_ptr,
+        position_ptr,
+        loops_ptr,
+        survival_ptr,
+        pending_ptr,
+        outputs_ptr,
+        active_ptr,
+        parked_ptr,
+        held_ptr,
+        hold_ptr,  # hold_after_output (structured output)
+        max_tokens_ptr,
+        stop_ids_ptr,
+        tables_ptr,
+        counts_ptr,  # [S, V] int32 output counts (PENALIZED)
+        # outputs
+        ring_ptr,  # [T, S, C] fp64
+        tick_index_ptr,
+        copy_src_ptr,  # [B, planes - 1] int64 (-1: no copy)
+        copy_dst_ptr,
+        hidden_size,
+        num_slots,
+        ring_columns,
+        vocab_size,
+        DEPTH: tl.constexpr,
+        NUM_PLANES: tl.constexpr,
+        MAX_PAGES: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        STOP_CAPACITY: tl.constexpr,
+        STOP_BLOCK: tl.constexpr,
+        COHORT: tl.constexpr,
+        LOGPROBS: tl.constexpr,
+        TOP_K: tl.constexpr,
+        TOP_BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PENALIZED: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        run = tl.load(run_ptr + row) != 0
+        loop_index = tl.load(loop_index_ptr + row)
+        survival = tl.load(survival_ptr + row)
+        pending = tl.load(pending_ptr + row)
+        outputs = tl.load(outputs_ptr + row)
+        exits = tl.load(exits_ptr + row) != 0
+        survival_new = tl.load(survival_new_ptr + row)
+        pending_new = tl.load(pending_new_ptr + row)
         token = tl.load(token_ptr + row)
         outputs_new = outputs + exits.to(tl.int64)
         stop_offsets = tl.arange(0, STOP_BLOCK)
@@ -299,6 +334,11 @@ class TickKernels:
         self.own_slot = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.write_slot = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self.context = torch.ones(num_rows, dtype=torch.int32, device=device)
+        self.exits = torch.zeros(num_rows, dtype=torch.uint8, device=device)
+        self.survival_new = torch.ones(num_rows, dtype=torch.float64, device=device)
+        self.pending_new = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        # 1 when some row exits in this tick: the coda (LM head) is skipped otherwise
+        self.coda_flag = torch.zeros(1, dtype=torch.int32, device=device)
         extra = max(rows.num_planes - 1, 1)
         self.copy_src = torch.full((num_rows, extra), -1, dtype=torch.int64, device=device)
         self.copy_dst = torch.full((num_rows, extra), -1, dtype=torch.int64, device=device)
@@ -319,6 +359,7 @@ class TickKernels:
             self.own_slot,
             self.write_slot,
             self.context,
+            self.coda_flag,
             num_rows,
             program.kv.scratch_slot,
             NUM_PLANES=rows.num_planes,
@@ -329,7 +370,31 @@ class TickKernels:
             BLOCK=max(triton.next_power_of_2(num_rows), 16),
         )
 
-    def commit(self, num_rows: int, gate, new_hidden, sampled, embedded, mode) -> None:
+    def decide(self, num_rows: int, gate) -> None:
+        """Each row's exit rule on this loop's gate: `exits`, the new survival and pending
+        exit, and `coda_flag` raised when some row exits (before the coda, which reads it)."""
+        rows = self.program.rows
+        _decide_kernel[(num_rows,)](
+            self.run,
+            self.loop_index,
+            gate if gate is not None else self.context,
+            rows.survival,
+            rows.pending_exit,
+            rows.outputs,
+            rows.rule_kind,
+            rows.min_loops,
+            rows.max_loops,
+            rows.threshold,
+            rows.trace,
+            self.exits,
+            self.survival_new,
+            self.pending_new,
+            self.coda_flag,
+            rows.trace_capacity,
+            HAS_GATE=gate is not None,
+        )
+
+    def commit(self, num_rows: int, new_hidden, sampled, embedded, mode) -> None:
         program, rows = self.program, self.program.rows
         logprobs = mode.top_logprobs is not None
         top_k = mode.top_logprobs or 1
@@ -338,7 +403,9 @@ class TickKernels:
             self.loop_index,
             self.page,
             self.own_slot,
-            gate if gate is not None else self.context,
+            self.exits,
+            self.survival_new,
+            self.pending_new,
             new_hidden,
             sampled.token_ids,
             sampled.logprobs if logprobs else self.context,
@@ -356,11 +423,6 @@ class TickKernels:
             _bool_bytes(rows.parked),
             _bool_bytes(rows.held),
             _bool_bytes(rows.hold_after_output),
-            rows.rule_kind,
-            rows.min_loops,
-            rows.max_loops,
-            rows.threshold,
-            rows.trace,
             rows.max_tokens,
             rows.stop_ids,
             rows.block_tables,
@@ -372,7 +434,6 @@ class TickKernels:
             rows.hidden.shape[1],
             program.ring.shape[1],
             program.ring.shape[2],
-            rows.trace_capacity,
             rows.logits_state.vocab_size,
             DEPTH=program.depth,
             NUM_PLANES=rows.num_planes,
@@ -380,7 +441,6 @@ class TickKernels:
             PAGE_SIZE=program.block_size,
             STOP_CAPACITY=rows.stop_capacity,
             STOP_BLOCK=max(triton.next_power_of_2(max(rows.stop_capacity, 1)), 2),
-            HAS_GATE=gate is not None,
             COHORT=program.cohort,
             LOGPROBS=logprobs,
             TOP_K=top_k,

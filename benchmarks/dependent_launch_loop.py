@@ -52,7 +52,18 @@ def ptx_has_griddepcontrol() -> bool:
     weight = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
     out = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
     compiled = sbl._single_row_linear_kernel[(32,)](
-        x, weight, out, 64, 256, 256, BLOCK_N=2, BLOCK_K=256, USE_PDL=True, launch_pdl=True
+        x,
+        weight,
+        out,
+        64,
+        256,
+        256,
+        out,
+        BLOCK_N=2,
+        BLOCK_K=256,
+        USE_PDL=True,
+        PREDICATED=False,
+        launch_pdl=True,
     )
     torch.cuda.synchronize()
     ok = torch.allclose(out.float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)

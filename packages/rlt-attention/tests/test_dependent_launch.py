@@ -1,5 +1,5 @@
 """The attention kernels' PDL switch (the same as rlt_models.dependent_launch's): never for CPU
-tensors or the interpreter; `set_enabled(False)` and RLT_PDL=0 turn it off on CUDA."""
+tensors or the interpreter; `set_enabled(False)` and RLT_PDL=0 (read at import) turn it off."""
 
 from __future__ import annotations
 
@@ -21,14 +21,25 @@ def test_never_for_cpu_tensors():
     assert dependent_launch.launch_options(False) == {}
 
 
+def test_environment_switch(monkeypatch):
+    monkeypatch.delenv(dependent_launch.ENV, raising=False)
+    assert dependent_launch.requested_by_environment()
+    monkeypatch.setenv(dependent_launch.ENV, "0")
+    assert not dependent_launch.requested_by_environment()
+    monkeypatch.setenv(dependent_launch.ENV, "1")
+    assert dependent_launch.requested_by_environment()
+
+
 @pytest.mark.cuda
-def test_switch_on_cuda(monkeypatch):
+def test_default_follows_the_device_and_the_environment(monkeypatch):
     x = torch.zeros(1, device="cuda")
     hopper = torch.cuda.get_device_capability()[0] >= dependent_launch.MIN_CAPABILITY
-    monkeypatch.delenv(dependent_launch.ENV, raising=False)
+    monkeypatch.setattr(dependent_launch, "_environment", True)
     assert dependent_launch.enabled(x) == hopper
-    monkeypatch.setenv(dependent_launch.ENV, "0")
+    monkeypatch.setattr(dependent_launch, "_environment", False)  # RLT_PDL=0 at import
     assert not dependent_launch.enabled(x)
+    dependent_launch.set_enabled(True)  # the override wins over the environment
+    assert dependent_launch.enabled(x) == hopper
+    monkeypatch.setattr(dependent_launch, "_environment", True)
     dependent_launch.set_enabled(False)
-    monkeypatch.delenv(dependent_launch.ENV)
     assert not dependent_launch.enabled(x)

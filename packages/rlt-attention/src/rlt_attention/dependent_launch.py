@@ -23,6 +23,14 @@ MIN_CAPABILITY = 9
 _override: bool | None = None
 
 
+def requested_by_environment() -> bool:
+    """RLT_PDL unset or anything but "0" asks for PDL (read once, at import)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+_environment = requested_by_environment()
+
+
 def set_enabled(enabled: bool | None) -> None:
     """Force PDL on (where supported) or off for later launches; None: the default."""
     global _override
@@ -38,7 +46,7 @@ def enabled(tensor: torch.Tensor) -> bool:
     """Whether kernels working on `tensor` are launched with PDL."""
     if INTERPRETED or not tensor.is_cuda:
         return False
-    wanted = _override if _override is not None else os.environ.get(ENV, "1") != "0"
+    wanted = _environment if _override is None else _override
     return wanted and _device_supports(tensor.device.index or torch.cuda.current_device())
 
 

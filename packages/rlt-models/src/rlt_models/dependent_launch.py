@@ -16,8 +16,8 @@ A kernel without the attribute (cuBLAS, torch ops) waits for its predecessor as 
 kernels mix freely with others in one stream or CUDA graph.
 
 On by default where the device supports it (compute capability >= 9, compiled Triton, not the
-interpreter). `RLT_PDL=0` in the environment, or `set_enabled(False)`, turns it off (A/B
-measurements); `set_enabled(None)` returns to the default.
+interpreter). `RLT_PDL=0` in the environment (read at import), or `set_enabled(False)`, turns
+it off (A/B measurements); `set_enabled(None)` returns to the default.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ MIN_CAPABILITY = 9
 _override: bool | None = None
 
 
+def requested_by_environment() -> bool:
+    """RLT_PDL unset or anything but "0" asks for PDL (read once, at import)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+_environment = requested_by_environment()
+
+
 def set_enabled(enabled: bool | None) -> None:
     """Force PDL on (where supported) or off for later launches; None: the default (module
     doc). Graphs captured earlier keep the launches they recorded."""
@@ -56,7 +64,7 @@ def enabled(tensor: torch.Tensor) -> bool:
     """Whether kernels working on `tensor` are launched with PDL."""
     if triton is None or INTERPRETED or not tensor.is_cuda:
         return False
-    wanted = _override if _override is not None else os.environ.get(ENV, "1") != "0"
+    wanted = _environment if _override is None else _override
     return wanted and _device_supports(tensor.device.index or torch.cuda.current_device())
 
 

@@ -4,8 +4,10 @@ One recurrent step of a random Ouro-1.4B-shaped model (bf16, all 24 layers, spli
 over a ~1.1K context, the engine's small-batch GEMV selection) is captured as a CUDA graph with
 the Triton kernels launched with PDL and without, at several row counts; the graphs replay in
 alternation (off, on, on, off, ...) and the median of each is reported, with the check that both
-produce bit-identical outputs (PDL changes when a kernel starts, never what it computes). A third
-arm adds the split kernel's fused KV store and merge (`fused_decode=True`) to PDL.
+produce bit-identical outputs (PDL changes when a kernel starts, never what it computes). More
+arms, all with PDL: the silu_mul kernel kept separate from the down GEMV ("pdl-separate_silu",
+the layout before `silu_mul_linear`), the KV store inside the split kernel
+("pdl+store_in_split"), and the store and merge inside it ("pdl+fused_decode").
 
   python3 benchmarks/dependent_launch_loop.py --out pdl.json    # H200, about a minute
 """
@@ -22,7 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import PagedSetup, build_random_model  # noqa: E402
 
-ARMS = ("off", "pdl", "pdl+fused_decode")
+# arm: (PDL, TritonPagedAttention options, silu_mul inside the down GEMV)
+ARMS = {
+    "off": (False, {}, True),
+    "pdl": (True, {}, True),
+    "pdl-separate_silu": (True, {}, False),
+    "pdl+store_in_split": (True, {"store_in_split": True}, True),
+    "pdl+fused_decode": (True, {"fused_decode": True}, True),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,18 +116,23 @@ def bench_rows(model, paged, rows: int, args) -> dict:
     hidden = model.embed(tokens)
     positions = torch.full((rows,), paged.context - 1, dtype=torch.long, device="cuda")
     batch = paged.batch(rows)
+    from rlt_models import small_batch_linear as sbl
+
     graphs, outputs = {}, {}
-    for arm in ARMS:
-        set_pdl(arm != "off")
-        bound = TritonPagedAttention(fused_decode=arm.endswith("fused_decode")).bind(
-            paged.kv, batch
-        )
+    linear = sbl.small_batch_linear
+    for arm, (pdl, options, silu_in_gemv) in ARMS.items():
+        set_pdl(pdl)
+        vars(linear).pop("silu_mul_linear", None)
+        if not silu_in_gemv:  # an instance attribute shadows the method
+            linear.silu_mul_linear = lambda *args: None
+        bound = TritonPagedAttention(**options).bind(paged.kv, batch)
         graph, out = capture(lambda b=bound: model.recurrent_step(hidden, positions, b))
         graphs[arm], outputs[arm] = graph, out
     set_pdl(None)
+    vars(linear).pop("silu_mul_linear", None)
     times = {arm: [] for arm in ARMS}
     for index in range(args.rounds + 1):
-        order = ARMS if index % 2 == 0 else ARMS[::-1]
+        order = list(ARMS) if index % 2 == 0 else list(ARMS)[::-1]
         for arm in order:
             ms = time_round(graphs[arm], args.replays)
             if index:  # round 0 uploads the graphs and warms the clocks
@@ -132,7 +146,7 @@ def bench_rows(model, paged, rows: int, args) -> dict:
         "rows": rows,
         "ms_per_loop": {arm: round(value, 4) for arm, value in median.items()},
         "pdl_vs_off": round(median["pdl"] / median["off"], 4),
-        "identical": {
+        "identical_to_off": {
             arm: bool(
                 torch.equal(outputs[arm][0], reference_hidden)
                 and torch.equal(outputs[arm][1], reference_gate)

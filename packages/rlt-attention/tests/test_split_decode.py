@@ -99,16 +99,24 @@ def test_split_decode_matches_torch_backend_and_reference(
         )
 
 
-def test_unfused_decode_store_and_combine_agree(paged_case):
-    """fused_decode=True (store and merge inside the split kernel) computes the same thing as
-    the default separate store and combine kernels."""
+@pytest.mark.parametrize("fusion", ["fused_decode", "store_in_split"])
+def test_unfused_decode_store_and_combine_agree(paged_case, launches, monkeypatch, fusion):
+    """fused_decode=True (store and merge inside the split kernel) and store_in_split=True
+    (the store only) compute the same thing as the default separate store and combine
+    kernels."""
     shapes = dict(block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, seed=9, device=DEVICE)
     fused_case, plain_case = (
         paged_case(DECODE_GROUPS, **shapes),
         paged_case(DECODE_GROUPS, **shapes),
     )
-    fused = fused_case.run(TritonPagedAttention(num_splits=3, block_n=16, fused_decode=True))
+    stores, store_launch = [], triton_kernel.launch_store_kv
+    monkeypatch.setattr(
+        triton_kernel, "launch_store_kv", lambda *a, **k: stores.append(1) or store_launch(*a, **k)
+    )
+    fused = fused_case.run(TritonPagedAttention(num_splits=3, block_n=16, **{fusion: True}))
+    assert [kind for kind, _ in launches] == ["split"] and stores == []
     plain = plain_case.run(TritonPagedAttention(num_splits=3, block_n=16))
+    assert stores == [1]
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
     for name in ("key_cache", "value_cache"):
         torch.testing.assert_close(

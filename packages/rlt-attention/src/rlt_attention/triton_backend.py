@@ -68,7 +68,9 @@ class TritonPagedAttention:
     split (atomic ticket) instead of separate store and combine kernels; measured on an H200
     (Ouro-1.4B, context 1088) it was slower (13.8 vs 11.7 us per layer call at batch 1, 114 vs
     73 us at 32), so it is off by default. Its only state is the merge tickets: one zeroed int32
-    per (group, kv head) per call shape, reused by every call (and graph).
+    per (group, kv head) per call shape, reused by every call (and graph). `store_in_split=True`
+    keeps the combine kernel and only moves the store into the split kernel (the split that
+    covers a row's own position writes it; every split reads it from the call's tensors).
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
@@ -94,12 +96,13 @@ class TritonPagedAttention:
         split_kv: bool = True,
         num_splits: int | None = None,
         fused_decode: bool = False,
+        store_in_split: bool = False,
         batch_invariant: bool = False,
     ) -> None:
         if triton_kernel is None:
             raise RuntimeError(_TRITON_IMPORT_ERROR)
         if batch_invariant:
-            if num_splits is not None or fused_decode or block_m or block_n:
+            if num_splits is not None or fused_decode or store_in_split or block_m or block_n:
                 raise ValueError("batch_invariant fixes the tiles and uses no split-KV decode")
             split_kv = False
             block_m, block_n = BATCH_INVARIANT_BLOCK_M, BATCH_INVARIANT_BLOCK_N
@@ -111,6 +114,7 @@ class TritonPagedAttention:
         self._split_kv = split_kv
         self._num_splits = num_splits
         self._fused_decode = fused_decode
+        self._store_in_split = store_in_split or fused_decode
         self._tickets: dict[tuple, torch.Tensor] = {}
 
     def _tickets_for(self, device: torch.device, groups: int, kv_heads: int) -> torch.Tensor:
@@ -141,6 +145,7 @@ class TritonPagedAttention:
             block_m=self._block_m,
             block_n=self._block_n,
             split_decode=self._split_kv and shape.max_query_len == 1,
+            store_in_split=self._store_in_split,
             num_splits=self._num_splits,
             tickets=(
                 self._tickets_for(device, shape.num_groups, kv_cache.key_cache.shape[3])
@@ -163,6 +168,7 @@ class _TritonBoundAttention:
         block_m: int | None,
         block_n: int | None,
         split_decode: bool,
+        store_in_split: bool,
         num_splits: int | None,
         tickets: torch.Tensor | None,
     ) -> None:
@@ -175,6 +181,7 @@ class _TritonBoundAttention:
         self._block_m = block_m
         self._block_n = block_n
         self._split_decode = split_decode
+        self._store_in_split = split_decode and store_in_split
         self._num_splits = num_splits
         self._tickets = tickets
         self._sm_count = _sm_count(kv_cache.key_cache.device) if split_decode else 0
@@ -184,8 +191,8 @@ class _TritonBoundAttention:
     ) -> torch.Tensor:
         """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        fused = self._split_decode and self._tickets is not None
-        if not fused:
+        store_in_split = self._store_in_split
+        if not store_in_split:
             triton_kernel.launch_store_kv(
                 self._views.key_slots[layer_index],
                 self._views.value_slots[layer_index],
@@ -217,10 +224,10 @@ class _TritonBoundAttention:
                     num_splits=self._num_splits,
                     block_n=self._block_n,
                 ),
-                new_key=key if fused else None,
-                new_value=value if fused else None,
-                write_slots=self._batch.write_slots if fused else None,
-                tickets=self._tickets if fused else None,
+                new_key=key if store_in_split else None,
+                new_value=value if store_in_split else None,
+                write_slots=self._batch.write_slots if store_in_split else None,
+                tickets=self._tickets,
             )
             return out
         triton_kernel.launch_paged_attention(

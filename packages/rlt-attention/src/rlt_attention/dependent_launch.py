@@ -29,6 +29,8 @@ def requested_by_environment() -> bool:
 
 
 _environment = requested_by_environment()
+TRIGGER_ENV = "RLT_PDL_TRIGGER"
+EARLY_TRIGGER = os.environ.get(TRIGGER_ENV, "after_wait") == "early"
 
 
 def set_enabled(enabled: bool | None) -> None:
@@ -56,12 +58,30 @@ def launch_options(use_pdl: bool) -> dict:
 
 
 @triton.jit
-def wait_for_prior_grid():
-    """griddepcontrol.wait (the previous kernel finished, its writes are visible), then
-    launch_dependents (the next kernel may become resident). Not pure: never removed."""
+def _wait_then_trigger():
     tl.inline_asm_elementwise(
         "griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
     tl.inline_asm_elementwise(
         "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
+
+
+@triton.jit
+def _trigger_then_wait():
+    tl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+    tl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+# What a PDL kernel calls before it touches memory a previous kernel may write: wait
+# (griddepcontrol.wait: that kernel finished, its writes are visible) and let the next
+# kernel's CTAs launch (launch_dependents), after the wait by default, or before it with
+# RLT_PDL_TRIGGER=early (read at import), so a GEMV two kernels ahead can already prefetch
+# its weights. Both are safe: every PDL kernel waits before it completes, so a kernel that
+# waited for its predecessor also waited for everything before it. Not pure: never
+# removed as dead code.
+wait_for_prior_grid = _trigger_then_wait if EARLY_TRIGGER else _wait_then_trigger

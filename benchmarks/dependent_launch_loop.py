@@ -4,10 +4,9 @@ One recurrent step of a random Ouro-1.4B-shaped model (bf16, all 24 layers, spli
 over a ~1.1K context, the engine's small-batch GEMV selection) is captured as a CUDA graph with
 the Triton kernels launched with PDL and without, at several row counts; the graphs replay in
 alternation (off, on, on, off, ...) and the median of each is reported, with the check that both
-produce bit-identical outputs (PDL changes when a kernel starts, never what it computes). More
-arms, all with PDL: the silu_mul kernel kept separate from the down GEMV ("pdl-separate_silu",
-the layout before `silu_mul_linear`), the KV store inside the split kernel
-("pdl+store_in_split"), and the store and merge inside it ("pdl+fused_decode").
+produce bit-identical outputs (PDL changes when a kernel starts, never what it computes). Two
+more arms, with PDL: the KV store inside the split kernel ("pdl+store_in_split"), and the store
+and merge inside it ("pdl+fused_decode").
 
   python3 benchmarks/dependent_launch_loop.py --out pdl.json    # H200, about a minute
 """
@@ -24,13 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import PagedSetup, build_random_model  # noqa: E402
 
-# arm: (PDL, TritonPagedAttention options, silu_mul inside the down GEMV)
+# arm: (PDL, TritonPagedAttention options)
 ARMS = {
-    "off": (False, {}, True),
-    "pdl": (True, {}, True),
-    "pdl-separate_silu": (True, {}, False),
-    "pdl+store_in_split": (True, {"store_in_split": True}, True),
-    "pdl+fused_decode": (True, {"fused_decode": True}, True),
+    "off": (False, {}),
+    "pdl": (True, {}),
+    "pdl+store_in_split": (True, {"store_in_split": True}),
+    "pdl+fused_decode": (True, {"fused_decode": True}),
 }
 
 
@@ -116,20 +114,13 @@ def bench_rows(model, paged, rows: int, args) -> dict:
     hidden = model.embed(tokens)
     positions = torch.full((rows,), paged.context - 1, dtype=torch.long, device="cuda")
     batch = paged.batch(rows)
-    from rlt_models import small_batch_linear as sbl
-
     graphs, outputs = {}, {}
-    linear = sbl.small_batch_linear
-    for arm, (pdl, options, silu_in_gemv) in ARMS.items():
+    for arm, (pdl, options) in ARMS.items():
         set_pdl(pdl)
-        vars(linear).pop("silu_mul_linear", None)
-        if not silu_in_gemv:  # an instance attribute shadows the method
-            linear.silu_mul_linear = lambda *args: None
         bound = TritonPagedAttention(**options).bind(paged.kv, batch)
         graph, out = capture(lambda b=bound: model.recurrent_step(hidden, positions, b))
         graphs[arm], outputs[arm] = graph, out
     set_pdl(None)
-    vars(linear).pop("silu_mul_linear", None)
     times = {arm: [] for arm in ARMS}
     for index in range(args.rounds + 1):
         order = list(ARMS) if index % 2 == 0 else list(ARMS)[::-1]

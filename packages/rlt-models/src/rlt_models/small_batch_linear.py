@@ -80,19 +80,6 @@ if triton is not None:
     from rlt_models.dependent_launch import wait_for_prior_grid
 
     @triton.jit
-    def _load_input(x_ptrs, mask, k, GATED: tl.constexpr):
-        """x at `x_ptrs`, or with GATED silu(gate) * up of a [gate | up] row (gate at x_ptrs,
-        up k further), rounded to the act dtype exactly where `fused_ops.silu_mul` rounds."""
-        if GATED:
-            act = x_ptrs.dtype.element_ty
-            gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)
-            return (silu * up).to(act)
-        else:
-            return tl.load(x_ptrs, mask=mask, other=0.0)
-
-    @triton.jit
     def _small_rows_linear_kernel(
         x_ptr,
         w_ptr,
@@ -109,7 +96,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         PREDICATED: tl.constexpr,
-        GATED: tl.constexpr,  # x is [gate | up] (2k wide): the input is silu(gate) * up
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -133,12 +119,14 @@ if triton is not None:
         )
         if USE_PDL and not PREDICATED:
             wait_for_prior_grid()
-        x = _load_input(x_rows + offs_k[None, :], row_ok[:, None] & (offs_k < k)[None, :], k, GATED)
+        x = tl.load(
+            x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k)[None, :], other=0.0
+        )
         acc = tl.dot(x, tl.trans(w))
         for start in range(BLOCK_K, k, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            x = _load_input(x_rows + offs_k[None, :], row_ok[:, None] & k_ok[None, :], k, GATED)
+            x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
         tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -156,7 +144,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         PREDICATED: tl.constexpr,
-        GATED: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < n
@@ -173,12 +160,12 @@ if triton is not None:
         )
         if USE_PDL and not PREDICATED:
             wait_for_prior_grid()
-        x = _load_input(x_ptr + offs_k, offs_k < k, k, GATED).to(tl.float32)
+        x = tl.load(x_ptr + offs_k, mask=offs_k < k, other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         for start in range(BLOCK_K, k, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
-            x = _load_input(x_ptr + offs_k, k_ok, k, GATED).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -189,21 +176,12 @@ def launch(
     weight: torch.Tensor,
     config: TileConfig,
     needed: torch.Tensor | None = None,
-    *,
-    gated: bool = False,
 ) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); the single-row
     kernel needs M == 1. `needed` (device int32 [1]): where 0, the kernel reads no weight and
-    writes zeros. `gated`: x is [M, 2K] = [gate | up] and the product is silu(gate) * up
-    (rounded as `fused_ops.silu_mul` does) @ weight.T, without materialising that input."""
+    writes zeros."""
     rows, k = x.shape
     n = weight.shape[0]
-    if gated:
-        k //= 2
-        if x.shape[1] != 2 * weight.shape[1]:
-            raise ValueError(
-                f"gated input must be [M, 2 * {weight.shape[1]}], got {tuple(x.shape)}"
-            )
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
@@ -223,7 +201,6 @@ def launch(
             BLOCK_K=config.block_k,
             USE_PDL=pdl,
             PREDICATED=needed is not None,
-            GATED=gated,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **dependent_launch.launch_options(pdl),
@@ -245,7 +222,6 @@ def launch(
         BLOCK_K=config.block_k,
         USE_PDL=pdl,
         PREDICATED=needed is not None,
-        GATED=gated,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **dependent_launch.launch_options(pdl),
@@ -268,26 +244,13 @@ class SmallBatchLinear:
     ) -> torch.Tensor:
         """x @ weight.T; `needed` (device int32 [1]) lets a Triton choice skip the work and
         return zeros where it holds 0 (cuBLAS always computes)."""
-        config = self._choice(x, weight) if self._eligible(x, weight) else None
-        return F.linear(x, weight) if config is None else launch(x, weight, config, needed)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """(silu(gate) * up) @ weight.T from gate_up [M, 2K] in one launch where the measured
-        choice for `weight` at M rows is a Triton kernel (the input is computed as it is
-        loaded: one kernel and one activation round trip less per MLP); None otherwise (the
-        caller runs `fused_ops.silu_mul` and the linear)."""
-        k = weight.shape[1]
-        x = gate_up[:, :k]
-        if gate_up.shape[1] != 2 * k or not self._eligible(x, weight):
-            return None
-        config = self._choice(x, weight)
-        return None if config is None else launch(gate_up, weight, config, gated=True)
-
-    def _choice(self, x: torch.Tensor, weight: torch.Tensor) -> TileConfig | None:
+        if not self._eligible(x, weight):
+            return F.linear(x, weight)
         key = (_rows_bucket(x.shape[0]), *weight.shape, weight.dtype, x.device)
         if key not in self.choices:
             self.choices[key] = self._measure(key[0], weight)
-        return self.choices[key]
+        config = self.choices[key]
+        return F.linear(x, weight) if config is None else launch(x, weight, config, needed)
 
     @staticmethod
     def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:

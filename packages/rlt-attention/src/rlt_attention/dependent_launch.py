@@ -2,10 +2,10 @@
 
 The same mechanism and switch as `rlt_models.dependent_launch` (this package cannot import
 that one): a kernel launched with the PDL attribute may become resident while the kernel before
-it drains, and calls `wait_for_prior_grid` (griddepcontrol.wait, then launch_dependents) before
-it touches memory (launch_dependents, then griddepcontrol.wait; RLT_PDL_TRIGGER=after_wait swaps
-them). On where the device supports it; `RLT_PDL=0` or `set_enabled(False)` turns
-it off, `set_enabled(None)` returns to the default.
+it drains, and calls `wait_for_prior_grid` (launch_dependents, then griddepcontrol.wait;
+RLT_PDL_TRIGGER=after_wait swaps them) before it touches memory. On where the device supports
+it; `RLT_PDL=0` or `set_enabled(False)` turns it off, `set_enabled(None)` returns to the
+default.
 """
 
 from __future__ import annotations

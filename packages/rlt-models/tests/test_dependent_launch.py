@@ -31,6 +31,30 @@ def test_environment_switch(monkeypatch):
     assert dependent_launch.requested_by_environment()
 
 
+def test_on_cuda_tensors_of_capable_devices_only(monkeypatch):
+    """The CUDA branch without a GPU: a stand-in tensor on device 1 (get_device() is the
+    device index), with device 1 capable or not."""
+
+    class CudaTensor:
+        is_cuda = True
+
+        @staticmethod
+        def get_device():
+            return 1
+
+    seen = []
+    monkeypatch.setattr(dependent_launch, "INTERPRETED", False)
+    monkeypatch.setattr(dependent_launch, "_device_supports", lambda i: seen.append(i) or i == 1)
+    dependent_launch.set_enabled(None)
+    monkeypatch.setattr(dependent_launch, "_environment", True)
+    assert dependent_launch.enabled(CudaTensor())
+    monkeypatch.setattr(dependent_launch, "_device_supports", lambda i: False)
+    assert not dependent_launch.enabled(CudaTensor())
+    monkeypatch.setattr(dependent_launch, "_environment", False)  # RLT_PDL=0
+    assert not dependent_launch.enabled(CudaTensor())
+    assert seen == [1]
+
+
 @pytest.mark.cuda
 def test_default_follows_the_device_and_the_environment(monkeypatch):
     x = torch.zeros(1, device="cuda")

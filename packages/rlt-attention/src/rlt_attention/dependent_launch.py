@@ -49,8 +49,9 @@ def enabled(tensor: torch.Tensor) -> bool:
     """Whether kernels working on `tensor` are launched with PDL."""
     if INTERPRETED or not tensor.is_cuda:
         return False
-    wanted = _environment if _override is None else _override
-    return wanted and _device_supports(tensor.device.index or torch.cuda.current_device())
+    if not (_environment if _override is None else _override):
+        return False
+    return _device_supports(tensor.get_device())  # an int: cheap on every eager launch
 
 
 def launch_options(use_pdl: bool) -> dict:

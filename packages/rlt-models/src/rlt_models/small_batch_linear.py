@@ -20,6 +20,12 @@ must not run inside CUDA-graph capture (the engine's warm-up runs every decode s
 first). Only bf16/fp16 weights are considered (fp32 keeps cuBLAS, whose tests are exact against
 fp64). Output equals cuBLAS up to the order of the fp32 accumulation (then one rounding to act
 dtype).
+
+On sm_90+ the kernels are launched with programmatic dependent launch (`dependent_launch`):
+each CTA loads its first weight tile, then waits for the previous kernel, then reads x. With
+`needed` (the LM head in a decode tick: "does any row exit?") a CTA waits first, and where the
+flag is 0 writes zeros and reads no weight. (With PDL on, all four Ouro-1.4B projections chose
+the Triton kernel at one row in every H200 run since.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ On sm_90+ the kernels are launched with programmatic dependent launch (`dependen
 each CTA loads its first weight tile, then waits for the previous kernel, then reads x. With
 `needed` (the LM head in a decode tick: "does any row exit?") a CTA waits first, and where the
 flag is 0 writes zeros and reads no weight. (With PDL on, all four Ouro-1.4B projections chose
-the Triton kernel at one row in every H200 run since.)
+the Triton kernel at one row in each of the four H200 c1 profiles kept since.)
 """
 
 from __future__ import annotations

@@ -116,6 +116,9 @@ class ArmResult:
     decode_ticks_per_step: int
     cuda_graphs_active: bool
     attention_backend: str
+    # the small-batch GEMV chosen per "rows bucket x N x K" ("cublas" or the Triton tile):
+    # near-ties have gone either way between runs, so each arm records what it ran
+    gemv_choices: dict = field(default_factory=dict)
     profile: dict | None = field(default=None)
 
 
@@ -310,7 +313,22 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
         decode_ticks_per_step=engine.config.decode_ticks_per_step,
         cuda_graphs_active=getattr(core.runner, "graphs", None) is not None,
         attention_backend=engine.parts.attention_backend,
+        gemv_choices=gemv_choices(),
     )
+
+
+def gemv_choices() -> dict:
+    """{"rows x N x K": "cublas" or the Triton tile} of the process's small-batch GEMV
+    selections so far (empty off CUDA)."""
+    from rlt_models.small_batch_linear import small_batch_linear
+
+    return {
+        f"{rows}x{n}x{k}": "cublas"
+        if config is None
+        else f"{config.block_n}x{config.block_k}/w{config.num_warps}/s{config.num_stages}"
+        + ("/row" if config.single_row else "")
+        for (rows, n, k, *_), config in small_batch_linear.choices.items()
+    }
 
 
 # -- profile window ------------------------------------------------------------------------------

@@ -119,6 +119,10 @@ class ArmResult:
     # the small-batch GEMV chosen per "rows bucket x N x K" ("cublas" or the Triton tile):
     # near-ties have gone either way between runs, so each arm records what it ran
     gemv_choices: dict = field(default_factory=dict)
+    # CUDA caching-allocator events during the timed run (None off CUDA): `alloc_retries` are
+    # allocations that failed, freed the cache and retried (each synchronizes the device);
+    # `segment_allocs` new cudaMalloc segments. Both should be 0 after the warm-up.
+    allocator: dict | None = field(default=None)
     profile: dict | None = field(default=None)
 
 
@@ -273,6 +277,7 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
     t = core.timings
     steps0, host0, wait0 = t.steps, t.host_s, t.readback_wait_s
     preempt0 = engine.get_stats().preemptions
+    allocator0 = allocator_counts(args.device)
     core.step_log = []
     depths, tokens, max_running = [], 0, 0
     start = time.perf_counter()
@@ -314,7 +319,27 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
         cuda_graphs_active=getattr(core.runner, "graphs", None) is not None,
         attention_backend=engine.parts.attention_backend,
         gemv_choices=gemv_choices(),
+        allocator=allocator_delta(allocator0, allocator_counts(args.device)),
     )
+
+
+def allocator_counts(device: str) -> dict | None:
+    """Cumulative caching-allocator counters of the current CUDA device (None off CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "segment_allocs": stats.get("segment.all.allocated", 0),
+    }
+
+
+def allocator_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    return {key: after[key] - before[key] for key in before}
 
 
 def gemv_choices() -> dict:

@@ -83,3 +83,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected():
     assert error.value.field == "stop_token_ids"
     assert scheduler.num_waiting == 0
     scheduler.add_request("r", (1, 2), SamplingParams(stop_token_ids=(5, 999)))
+
+
+def test_an_admission_round_sums_the_running_growth_once_per_admission(monkeypatch):
+    """The reserved growth of the running requests is O(running): a round computes it once,
+    and again only after it admitted someone, not once per waiting request it examines (with
+    64 running and 64 waiting under KV pressure that was most of a step's host time)."""
+    from rlt_scheduler import admitting
+
+    calls = []
+    growth = admitting.running_growth
+    monkeypatch.setattr(admitting, "running_growth", lambda *a: calls.append(1) or growth(*a))
+    # 40 blocks of 4 tokens x 4 planes: one request of 3 + 32 - 1 positions fits at a time
+    scheduler = make_scheduler(num_blocks=40, max_num_seqs=8, max_waiting_requests=20)
+    for i in range(10):
+        scheduler.add_request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=32))
+    scheduler.schedule()  # admits r0, then examines r1..r9: none fits
+    assert (scheduler.num_running, scheduler.num_waiting) == (1, 9)
+    assert len(calls) == 2  # before r0, and once after admitting it
+    calls.clear()
+    scheduler.schedule()  # nothing fits: one sum (or none, when even the floor does not fit)
+    assert len(calls) <= 1 and scheduler.num_waiting == 9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from rlt_contracts import (
     AdmissionPlan,
@@ -19,20 +20,49 @@ from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.step_builder import StepBuilder
 
 
+class RunningGrowth(NamedTuple):
+    """Blocks the running requests may still claim, and whether any request runs."""
+
+    reserved_blocks: int
+    any_running: bool
+
+
+def running_growth(
+    config: SchedulerConfig, kv: KVPort, running: Iterable[ScheduledRequest]
+) -> RunningGrowth:
+    """What running requests may still claim: up to their lifetime without preemption (so
+    growth never fails), or only to the end of their prompt with preemption. O(running): an
+    admission round computes it once and again only after it admits someone."""
+    reserved, any_running = 0, False
+    for other in running:
+        any_running = True
+        if config.enable_preemption:
+            target = other.prompt_length if other.stage is RequestStage.PREFILL else 0
+        else:
+            target = other.lifetime_tokens
+        reserved += max(kv.blocks_for(target) - kv.held_blocks(other.identity), 0)
+    return RunningGrowth(reserved, any_running)
+
+
+def headroom_blocks(config: SchedulerConfig, kv: KVPort, growth: RunningGrowth) -> int:
+    """The watermark share of the pool, charged only while other requests run."""
+    return int(config.watermark_ratio * kv.num_blocks) if growth.any_running else 0
+
+
 def plan_admission(
     config: SchedulerConfig,
     kv: KVPort,
     request: ScheduledRequest,
     prefix: PrefixMatch,
-    running: Iterable[ScheduledRequest],
+    growth: RunningGrowth,
 ) -> AdmissionPlan:
-    """The block budget of admitting `request` next to `running`. Pure: nothing is allocated.
+    """The block budget of admitting `request` next to the running requests whose
+    `running_growth` is `growth`. Pure: nothing is allocated.
 
     required: the request's budgeted demand minus reused prefix blocks (a resumed request needs
       back exactly what its snapshot covers). The budgeted demand is its lifetime
       (prompt + max_tokens - 1 positions), or only its prompt with incremental KV + preemption.
-    reserved growth: what running requests may still claim: up to their lifetime without
-      preemption (so growth never fails), or only to the end of their prompt with preemption.
+    reserved growth: `growth.reserved_blocks`.
     headroom: the watermark share of the pool, charged only while other requests run.
     """
     if request.preempted:
@@ -44,18 +74,10 @@ def plan_admission(
             else request.lifetime_tokens
         )
         required = max(kv.blocks_for(budget_tokens) - prefix.num_blocks, 0)
-    reserved, any_running = 0, False
-    for other in running:
-        any_running = True
-        if config.enable_preemption:
-            target = other.prompt_length if other.stage is RequestStage.PREFILL else 0
-        else:
-            target = other.lifetime_tokens
-        reserved += max(kv.blocks_for(target) - kv.held_blocks(other.identity), 0)
     return AdmissionPlan(
         required_blocks=required,
-        reserved_growth_blocks=reserved,
-        headroom_blocks=int(config.watermark_ratio * kv.num_blocks) if any_running else 0,
+        reserved_growth_blocks=growth.reserved_blocks,
+        headroom_blocks=headroom_blocks(config, kv, growth),
         cached_claim_blocks=prefix.cached_claim_blocks,
         reusable_prefix_tokens=prefix.num_tokens,
     )

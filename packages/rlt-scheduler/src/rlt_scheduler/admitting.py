@@ -15,7 +15,9 @@ resumes (`suspension.resume`), a new one gets its first blocks, joins the runnin
 schedules its first prompt chunk in the same step (`StepPlanner.schedule_prefill_chunk`).
 
 The admitter keeps no state of its own (R02): the queues, configuration, KV port and counters
-belong to `Scheduler`; the deferred list and scan count are local to one `admit` call (R03).
+belong to `Scheduler`; the deferred list, scan count and the running requests' reserved growth
+(`admission.running_growth`, computed once per call and again after each admission, not once
+per examined request) are local to one `admit` call (R03).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from collections.abc import Callable
 from rlt_contracts import NO_PREFIX, AdmissionPlan, KVPort, PrefixMatch
 
 from rlt_scheduler import siblings, suspension
-from rlt_scheduler.admission import initial_allocation_tokens, plan_admission, start_admitted
+from rlt_scheduler.admission import (
+    RunningGrowth,
+    headroom_blocks,
+    initial_allocation_tokens,
+    plan_admission,
+    running_growth,
+    start_admitted,
+)
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
@@ -84,6 +93,7 @@ class Admitter:
         config = self.config
         deferred: list[ScheduledRequest] = []
         scanned = 0
+        growth = None  # of the running requests; None: to be (re)computed
         for request in self.queues.waiting:
             if scanned >= config.admission_scan_limit or step.prefill_room() <= 0:
                 return
@@ -94,7 +104,13 @@ class Admitter:
                 # room, so the n - 1 siblings of a large n never hide later requests.
                 continue
             scanned += 1
-            if self._try_admit(request, ticks, step, clock=clock):
+            if growth is None:
+                growth = running_growth(config, self.kv, self.queues.running)
+                floor = growth.reserved_blocks + headroom_blocks(config, self.kv, growth)
+                if floor > self.kv.capacity().free_blocks:
+                    return  # nobody can fit: every try would fail and change nothing
+            if self._try_admit(request, growth, ticks, step, clock=clock):
+                growth = None  # one more running request
                 for waiting in deferred:
                     waiting.bypass_count += 1
                 if any(w.bypass_count >= config.max_admission_bypasses for w in deferred):
@@ -112,23 +128,26 @@ class Admitter:
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
         """The block budget of admitting `request` now (see admission.plan_admission)."""
-        return plan_admission(self.config, self.kv, request, prefix, self.queues.running)
+        growth = running_growth(self.config, self.kv, self.queues.running)
+        return plan_admission(self.config, self.kv, request, prefix, growth)
 
     def _try_admit(
         self,
         request: ScheduledRequest,
+        growth: RunningGrowth,
         ticks: int,
         step: StepBuilder,
         *,
         clock: Callable[[], float],
     ) -> bool:
-        """Admit `request` if its budget fits and its blocks can be allocated. False: nothing
-        changed (it stays waiting)."""
+        """Admit `request` if its budget fits next to the running requests' `growth` and its
+        blocks can be allocated. False: nothing changed (it stays waiting)."""
         queues = self.queues
         prefix = (
             self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
         )
-        if not self.plan_admission(request, prefix).fits(self.kv.capacity().free_blocks):
+        plan = plan_admission(self.config, self.kv, request, prefix, growth)
+        if not plan.fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
             return suspension.resume(

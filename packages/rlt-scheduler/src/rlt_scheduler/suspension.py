@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rlt_contracts import NO_PREFIX, KVPort, PrefixMatch, RequestBlocks, RequestStage
 
-from rlt_scheduler.admission import plan_admission
+from rlt_scheduler.admission import plan_admission, running_growth
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
 from rlt_scheduler.pd_stages import transfer_endpoints
@@ -101,7 +101,7 @@ def preempt_for_head(
     `prefix` does not fit), suspend strictly lower-priority running requests, worst first;
     stop when none is left to suspend."""
     while len(running) >= config.max_num_seqs or not plan_admission(
-        config, kv, head, prefix, running
+        config, kv, head, prefix, running_growth(config, kv, running)
     ).fits(kv.capacity().free_blocks):
         victim = choose_victim(
             running,

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import PagedSetup, build_random_model  # noqa: E402
+from kernel_bench import Timer, ouro_1_4b_on_cuda  # noqa: E402
 
 # arm: (PDL, TritonPagedAttention options)
 ARMS = {
@@ -78,28 +78,13 @@ def ptx_has_griddepcontrol() -> bool:
     return ok and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
-def capture(fn):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def time_round(graph, replays: int) -> float:
+def time_round(replay, replays: int) -> float:
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays
@@ -114,22 +99,24 @@ def bench_rows(model, paged, rows: int, args) -> dict:
     hidden = model.embed(tokens)
     positions = torch.full((rows,), paged.context - 1, dtype=torch.long, device="cuda")
     batch = paged.batch(rows)
-    graphs, outputs = {}, {}
+    timer = Timer("cuda", args.replays, 0)
+    replays, outputs = {}, {}
     for arm, (pdl, options) in ARMS.items():
         set_pdl(pdl)
         bound = TritonPagedAttention(**options).bind(paged.kv, batch)
-        graph, out = capture(lambda b=bound: model.recurrent_step(hidden, positions, b))
-        graphs[arm], outputs[arm] = graph, out
+        replays[arm], outputs[arm] = timer.capture(
+            lambda b=bound: model.recurrent_step(hidden, positions, b)
+        )
     set_pdl(None)
     times = {arm: [] for arm in ARMS}
     for index in range(args.rounds + 1):
         order = list(ARMS) if index % 2 == 0 else list(ARMS)[::-1]
         for arm in order:
-            ms = time_round(graphs[arm], args.replays)
+            ms = time_round(replays[arm], args.replays)
             if index:  # round 0 uploads the graphs and warms the clocks
                 times[arm].append(ms)
     for arm in ARMS:
-        graphs[arm].replay()
+        replays[arm]()
     torch.cuda.synchronize()
     reference_hidden, reference_gate = outputs["off"]
     median = {arm: statistics.median(values) for arm, values in times.items()}
@@ -149,23 +136,12 @@ def bench_rows(model, paged, rows: int, args) -> dict:
 
 def main(argv=None) -> int:
     import torch
-    from rlt_models import OuroConfig
 
     args = parse_args(argv)
     started = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
-    config = OuroConfig.ouro_1_4b()
-    model = build_random_model(config, torch.bfloat16, "cuda", 0)
+    model, paged = ouro_1_4b_on_cuda(max(rows_list), args.context)
     model.fused_path = "triton"
-    paged = PagedSetup(
-        config,
-        max_batch=max(rows_list),
-        context=args.context,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=0,
-    )
     result = {
         "benchmark": "dependent_launch_loop",
         "device_name": torch.cuda.get_device_name(),

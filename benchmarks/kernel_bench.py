@@ -108,6 +108,26 @@ def build_random_model(config, dtype, device, seed):
     return model.eval()
 
 
+def ouro_1_4b_on_cuda(max_batch: int, context: int):
+    """(model, PagedSetup): a random Ouro-1.4B-shaped bf16 model on CUDA and a KV cache of
+    block size 16 for `max_batch` rows at `context` (the small-batch decode benchmarks')."""
+    import torch
+    from rlt_models import OuroConfig
+
+    config = OuroConfig.ouro_1_4b()
+    model = build_random_model(config, torch.bfloat16, "cuda", 0)
+    paged = PagedSetup(
+        config,
+        max_batch=max_batch,
+        context=context,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=0,
+    )
+    return model, paged
+
+
 class PagedSetup:
     """A KV cache for the largest batch and, per batch size, the decode metadata of B rows at
     context `context` (full-width tables, as the runner's decode graphs bind them)."""

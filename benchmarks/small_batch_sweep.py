@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import PagedSetup, Timer, build_random_model  # noqa: E402
+from kernel_bench import Timer, ouro_1_4b_on_cuda  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -249,22 +249,11 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
 
 def main(argv=None) -> int:
     import torch
-    from rlt_models import OuroConfig
 
     args = parse_args(argv)
     started = time.perf_counter()
     rows_list = [int(r) for r in args.rows.split(",")]
-    config = OuroConfig.ouro_1_4b()
-    model = build_random_model(config, torch.bfloat16, "cuda", 0)
-    paged = PagedSetup(
-        config,
-        max_batch=max(rows_list),
-        context=args.context,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=0,
-    )
+    model, paged = ouro_1_4b_on_cuda(max(rows_list), args.context)
     timer = Timer("cuda", args.replays, 5)
     with torch.no_grad():
         gemms = bench_gemms(model, rows_list, timer)

@@ -124,7 +124,10 @@ def test_preemption_and_resume_give_the_same_result(llm_factory):
     assert run(tight, SCHEDULES["others join and finish mid-way"]) == solo
     assert run(tight, SCHEDULES["added after the others"]) == solo
     stats = tight.get_stats()
-    assert stats.preemptions > 0 and stats.resumptions == stats.preemptions
+    # a victim whose last token was in the step in flight when it was suspended finishes
+    # from that step's results without resuming (its snapshot is dropped)
+    assert stats.preemptions > 0 and 0 < stats.resumptions <= stats.preemptions
+    assert stats.kv_blocks_used == 0
 
 
 def test_bundled_model_in_bf16(tmp_path):

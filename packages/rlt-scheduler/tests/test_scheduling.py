@@ -85,6 +85,26 @@ def test_steps_run_one_tick_while_prompts_wait_then_several():
         assert all_tokens(finals[name]) == ([7] * 6, [4] * 6)
 
 
+def test_requests_waiting_for_kv_blocks_do_not_shorten_the_steps():
+    """Slots are free but the pool holds one request at a time (40 blocks of 4 tokens x 4
+    planes, a lifetime of 2 + 24 - 1 positions): the waiting request cannot start before the
+    running one finishes, so the running one decodes in full-length steps; the step after the
+    finish starts the next prompt (one tick)."""
+    scheduler = make_scheduler(num_blocks=40, max_num_seqs=4, decode_ticks_per_step=8)
+    for name in ("a", "b"):
+        scheduler.add_request(name, [1, 2], SamplingParams(max_tokens=24, ignore_eos=True))
+    device = FakeDevice(scheduler.kv, depth=lambda rid, i: 4)
+    steps, finals = run_until_idle(scheduler, device, in_flight=0)
+    starts = [i for i, s in enumerate(steps) if s.new_requests]
+    assert [steps[i].new_requests[0].identity.request_id for i in starts] == ["a", "b"]
+    ticks_while_b_waits = [s.decode_ticks for s in steps[starts[0] + 1 : starts[1] - 1]]
+    assert ticks_while_b_waits and all(t == 8 for t in ticks_while_b_waits[:-1])
+    assert steps[starts[1]].decode_ticks == 1  # "b" starts in a one-tick step
+    for name in ("a", "b"):
+        assert all_tokens(finals[name]) == ([7] * 24, [4] * 24)
+    assert scheduler.kv.capacity().free_blocks == 40
+
+
 def test_refill_ticks_stop_at_what_the_longest_request_can_still_use():
     scheduler = make_scheduler(decode_ticks_per_step=8)
     scheduler.add_request("r", [1], SamplingParams(max_tokens=3, ignore_eos=True, max_loops=2))

@@ -74,7 +74,7 @@ class Admitter:
         head = next((r for r in self.queues.waiting if not self.waits_for_sibling(r)), None)
         if head is None:
             return
-        prefix = self.kv.match_prefix(head.prompt_token_ids) if not head.preempted else NO_PREFIX
+        prefix = self._prefix_of(head)
         suspension.preempt_for_head(
             head,
             prefix,
@@ -120,6 +120,30 @@ class Admitter:
             else:
                 deferred.append(request)
 
+    def admission_possible(self) -> bool:
+        """Whether a waiting request can start in this step (pure): a slot is free and the
+        first request `admit` would examine fits next to the running requests' reserved growth,
+        its prefix reuse counted. It decides whether the step stays one tick long so the
+        prompt starts at once (`tick_policy.decode_ticks`); a request that fits behind a
+        blocked one is still admitted by `admit`, in a longer step."""
+        if self.queues.occupied_slots >= self.config.max_num_seqs:
+            return False
+        head = next((r for r in self.queues.waiting if not self.waits_for_sibling(r)), None)
+        if head is None:
+            return False
+        growth = running_growth(self.config, self.kv, self.queues.running)
+        free = self.kv.capacity().free_blocks
+        if growth.reserved_blocks + headroom_blocks(self.config, self.kv, growth) > free:
+            return False  # cheap early answer, before any prefix lookup
+        plan = plan_admission(self.config, self.kv, head, self._prefix_of(head), growth)
+        return plan.fits(free)
+
+    def _prefix_of(self, request: ScheduledRequest) -> PrefixMatch:
+        """Reusable cached prefix of a new request (a resumed one restores its snapshot)."""
+        return (
+            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
+        )
+
     def waits_for_sibling(self, request: ScheduledRequest) -> bool:
         """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""
         return siblings.waits_for_sibling(
@@ -143,9 +167,7 @@ class Admitter:
         """Admit `request` if its budget fits next to the running requests' `growth` and its
         blocks can be allocated. False: nothing changed (it stays waiting)."""
         queues = self.queues
-        prefix = (
-            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
-        )
+        prefix = self._prefix_of(request)
         plan = plan_admission(self.config, self.kv, request, prefix, growth)
         if not plan.fits(self.kv.capacity().free_blocks):
             return False

@@ -13,8 +13,9 @@ deterministic), decoding rows keep running on the device, and every decoding req
 cover the most outputs the submitted steps can produce (`unconfirmed_tokens`, `in_flight.py`).
 
 A step holds prefill chunks under the token budget and `decode_ticks` loop ticks for every
-decoding request. While prompts are waiting to be computed a step runs one tick, so prefill is
-never held up; otherwise several ticks (up to `decode_ticks_per_step`, and in refill mode no
+decoding request. While a prompt can be computed (one is in PREFILL, or a waiting request can
+start now) a step runs one tick, so prefill is never held up; otherwise (requests that wait for
+KV blocks included) several ticks (up to `decode_ticks_per_step`, and in refill mode no
 more than the longest request can still use) run per host round trip.
 
 This module owns the queues (`queues.RequestQueues`) and the request table, decides the
@@ -255,9 +256,8 @@ class Scheduler:
         ticks = decode_ticks(
             self.config,
             self._queues.running,
-            len(self._queues.running),
-            len(self._queues.waiting),
             self._in_flight.unconfirmed_ticks,
+            admission_possible=self._admitter.admission_possible(),
         )
         self._planner.schedule_running(ticks, step)
         # the clock is read through this module's `time` (tests patch it)

@@ -18,18 +18,19 @@ from rlt_scheduler.request_state import ScheduledRequest
 def decode_ticks(
     config: SchedulerConfig,
     running: Iterable[ScheduledRequest],
-    num_running: int,
-    num_waiting: int,
     unconfirmed_ticks: Mapping[ExecutionIdentity, int],
+    *,
+    admission_possible: bool,
 ) -> int:
-    """Ticks for the next step: 1 while prompts can be computed (prefill keeps flowing and new
-    requests start soon); otherwise up to `decode_ticks_per_step`, in refill mode capped by the
-    loops the longest request may still need beyond the submitted steps (a decoding row loops
-    in every tick it takes part in, so ticks past that would only run padding)."""
+    """Ticks for the next step: 1 while prompts can be computed (a running request is in
+    PREFILL, or `admission_possible`: a waiting request can start now), so prefill keeps
+    flowing and new requests start soon; otherwise up to `decode_ticks_per_step`, in refill
+    mode capped by the loops the longest request may still need beyond the submitted steps (a
+    decoding row loops in every tick it takes part in, so ticks past that would only run
+    padding). Requests that wait for KV blocks do not shorten the step: only a finish frees
+    blocks, and one tick per step would multiply the host's per-step work while they wait."""
     running = list(running)
-    prompts_pending = any(r.stage is RequestStage.PREFILL for r in running) or (
-        num_waiting > 0 and num_running < config.max_num_seqs
-    )
+    prompts_pending = admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
     if prompts_pending:
         return 1
     ticks = config.decode_ticks_per_step

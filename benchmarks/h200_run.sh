@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
+#   bash benchmarks/h200_run.sh prefill-host       host launch time against GPU time of one
+#                                                  eager prefill step (benchmarks/prefill_host_cost.py)
 #   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
 #   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
@@ -46,6 +48,8 @@ case "$mode" in
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
+  prefill-host)
+    python3 benchmarks/prefill_host_cost.py --out "$OUT/prefill_host_cost.json" "$@" ;;
   batch-invariance)  # BI_TESTS=0: the benchmark only
     [ "${BI_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
       packages/rlt-models/tests/test_batch_invariant_ops.py \

@@ -9,9 +9,10 @@ Every arm builds its own engine on the same checkpoint and replays the same seed
   threshold:Q      adaptive exit with the model's gate at threshold Q in [0, 1] (min_loops 2)
   trace:P2,P3,P4   depths replayed from a seeded per-token trace with these depth probabilities
                    (the `trace` exit policy); e.g. trace:0.55,0.40,0.05 (mean 2.5, "mix 2.5")
-Suffixes (combinable): @no_refill (cohort scheduling), @eager (no CUDA graphs), @sync
-(async_scheduling=False), @ticks=N (decode_ticks_per_step=N), @noprofile (skip the
---profile-steps window for this arm); e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4.
+Suffixes (combinable): @no_refill (cohort scheduling), @eager (no CUDA graphs),
+@eager_prefill (decode graphs only: prefill_cuda_graphs=False), @sync (async_scheduling=False),
+@ticks=N (decode_ticks_per_step=N), @noprofile (skip the --profile-steps window for this arm);
+e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4.
 
 Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counter):
   output_tokens_per_s         end to end: output tokens of all requests / wall_s, wall_s from
@@ -158,12 +159,13 @@ def parse_arm(spec: str):
     engine = {
         "scheduling_mode": "no_refill" if "no_refill" in flags else "refill",
         "cuda_graphs": "eager" not in flags,
+        "prefill_cuda_graphs": "eager_prefill" not in flags,
         "async_scheduling": "sync" not in flags,
     }
     for flag in flags:
         if flag.startswith("ticks="):
             engine["decode_ticks_per_step"] = int(flag.removeprefix("ticks="))
-        elif flag not in ("no_refill", "eager", "sync", "noprofile"):
+        elif flag not in ("no_refill", "eager", "eager_prefill", "sync", "noprofile"):
             raise SystemExit(f"unknown arm suffix @{flag} in {spec!r}")
     profile = "noprofile" not in flags
     if name == "fixed":

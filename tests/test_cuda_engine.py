@@ -1,7 +1,8 @@
 """The engine on CUDA (skipped without a GPU).
 
 - fp32 on CUDA (TF32 off) equals the dense fp64 oracle token- and depth-exactly, with the fused
-  kernels and tick graphs on and with both off, in both layouts;
+  kernels and graphs (decode ticks, prefill steps, SHARED prefill waves) on and with all off,
+  in both layouts;
 - bf16 stays close to fp32 (first token, its depth and logprob);
 - programmatic dependent launch changes no token, depth or logprob (fp32 and bf16), and
   neither does skipping the LM head in ticks where no row exits;
@@ -65,6 +66,10 @@ def test_fp32_cuda_matches_oracle(llm_factory, tiny_checkpoint, layout, fast):
     assert min(d for o in outputs for d in o.exit_depths[1:]) < 4  # early exits happened
     if fast:
         assert runner.graphs.replays > 0
+        if layout == "shared":  # the prompts ran as wave graphs (rlt_runner.shared_prefill)
+            assert runner.shared_waves.replays >= max(len(p) for p in PROMPTS)
+        else:  # and as depth-major step graphs (rlt_runner.prefill_graphs)
+            assert runner.prefill_graphs.replays > 0
 
 
 def test_bf16_cuda_runs_and_tracks_fp32(llm_factory):
@@ -161,15 +166,18 @@ def test_cuda_async_pipeline_equals_synchronous_ticks(llm_factory, options):
     assert_same(scenario(llm_factory(device="cuda", **tight, **options)), reference)
 
 
-def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory):
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory, layout):
     """Warm up (kernel compilation and graph capture of every sampling mode used), then run
-    the same traffic with CUDA's sync debug mode set to raise on any synchronizing call."""
+    the same traffic with CUDA's sync debug mode set to raise on any synchronizing call
+    (SHARED: its prompts run as wave graphs; prefix caching is LAST_EXITED only)."""
     llm = llm_factory(
         device="cuda",
-        num_kv_blocks=40,
+        kv_layout=layout,
+        num_kv_blocks=40 if layout == "last_exited" else 16,  # one plane: 16 still preempts
         incremental_kv=True,
         enable_preemption=True,
-        enable_prefix_caching=True,
+        enable_prefix_caching=layout == "last_exited",
     )
     scenario(llm)
     torch.cuda.synchronize()

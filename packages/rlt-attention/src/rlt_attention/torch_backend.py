@@ -51,13 +51,17 @@ class PaddedGroupIndex:
     key_outside_context: [S, Cmax, 1, 1] bool, p >= context_lengths[g].
     key_hidden: [S, 1, 1, Qmax, Cmax] bool, True where padded query (g, i) must not see key p,
       i.e. p > context_len - q_len + i (causal limit) or p outside the context.
-    padded_row_of_query: [N] int64, query row n -> g * Qmax + i for its group g and index i.
+    padded_row_of_query: [N] int64, query row n -> g * Qmax + i for its group g and index i
+      (rows past the last group, graph padding: S * Qmax, a spare row).
+    output_row_of_query: the same, with the padding rows reading row S * Qmax - 1 (their
+      output is unspecified).
     """
 
     key_slots: torch.Tensor
     key_outside_context: torch.Tensor
     key_hidden: torch.Tensor
     padded_row_of_query: torch.Tensor
+    output_row_of_query: torch.Tensor
 
 
 def build_padded_group_index(batch: PagedAttentionBatch, shape: BatchShape) -> PaddedGroupIndex:
@@ -82,13 +86,20 @@ def build_padded_group_index(batch: PagedAttentionBatch, shape: BatchShape) -> P
     key_visible &= key_in_context[:, None, :]
 
     rows = torch.arange(shape.num_rows, device=device)
+    num_groups = context_lengths.shape[0]
     group_of_row = torch.searchsorted(query_start[1:], rows, right=True)
+    group_of_row = group_of_row.clamp(max=max(num_groups - 1, 0))
     index_in_group = rows - query_start[group_of_row]
+    # rows past the last group (graph padding) go to one spare slot after the groups' rows
+    padded_row = torch.where(
+        rows < query_start[-1], group_of_row * max_q + index_in_group, num_groups * max_q
+    )
     return PaddedGroupIndex(
         key_slots=slots.reshape(-1),
         key_outside_context=(~key_in_context)[:, :, None, None],
         key_hidden=(~key_visible)[:, None, None, :, :],
-        padded_row_of_query=group_of_row * max_q + index_in_group,
+        padded_row_of_query=padded_row,
+        output_row_of_query=padded_row.clamp(max=max(num_groups * max_q - 1, 0)),
     )
 
 
@@ -173,10 +184,11 @@ class _TorchBoundAttention(_BoundAttention):
         keys = gather(self._views.key_slots).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
         values = gather(self._views.value_slots).permute(0, 2, 1, 3)  # [S, Hkv, Cmax, D]
 
-        padded = query.new_zeros((num_groups * max_q, num_heads, head_dim), dtype=torch.float32)
+        # one spare row after the groups' rows takes the padding rows (PaddedGroupIndex)
+        padded = query.new_zeros((num_groups * max_q + 1, num_heads, head_dim), dtype=torch.float32)
         padded.index_copy_(0, index.padded_row_of_query, query.float())
         # Head h reads kv head h // queries_per_kv: split H into (Hkv, G) without copying K/V.
-        padded = padded.view(num_groups, max_q, kv_heads, queries_per_kv, head_dim)
+        padded = padded[:-1].view(num_groups, max_q, kv_heads, queries_per_kv, head_dim)
         padded = padded.permute(0, 2, 3, 1, 4)  # [S, Hkv, G, Qmax, D]
 
         scores = torch.matmul(padded, keys.unsqueeze(2)) * head_dim**-0.5  # [S, Hkv, G, Qmax, Cmax]
@@ -184,7 +196,7 @@ class _TorchBoundAttention(_BoundAttention):
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, values.unsqueeze(2))  # [S, Hkv, G, Qmax, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(num_groups * max_q, num_heads, head_dim)
-        return out.index_select(0, index.padded_row_of_query).to(query.dtype)
+        return out.index_select(0, index.output_row_of_query).to(query.dtype)
 
 
 class _BatchInvariantAttention(_BoundAttention):

@@ -152,6 +152,10 @@ class PagedAttentionBatch:
     block_tables: [S, max_pages] int32, physical block of each logical page of the group's plane.
     write_slots: [N] int64, slot where each query token's key/value is stored before reading.
     max_query_len / max_context_len: host ints (kernel launch sizes, no device sync needed).
+
+    Rows past query_start[S] belong to no group (the padding of a captured prefill graph): their
+    key/value is still stored at their write slot (the runner points those at the scratch slot)
+    and their output is unspecified.
     """
 
     query_start: Tensor

@@ -41,7 +41,7 @@ class DecodeGraphs:
         self.program = program
         self.buckets = bucket_sizes(max_rows)
         self.replays = 0
-        self._pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, SamplingMode, bool], torch.cuda.CUDAGraph] = {}
         for rows in reversed(self.buckets):
             for gate in (False, True):
@@ -74,7 +74,7 @@ class DecodeGraphs:
                 program.tick(rows, mode, gate)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.pool):
             program.tick(rows, mode, gate)
         state.active.copy_(saved[0])
         state.parked.copy_(saved[1])

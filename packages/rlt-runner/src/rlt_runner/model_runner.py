@@ -44,8 +44,10 @@ from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.prefill import run_prefill
+from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.readback import PendingStep, finish_readback, start_readback
 from rlt_runner.row_state import DecodeRows, RowRecord
+from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.transfers import upload
 
@@ -98,7 +100,13 @@ class ModelRunner:
         max_decode_ticks: int = 8,
         trace_capacity: int = 1,
         cuda_graphs: bool = False,
+        prefill_graph_tokens: int = 0,
+        max_prefill_chunk: int = 0,
     ) -> None:
+        """`cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
+        `prefill_graph_tokens` > 0 (with `cuda_graphs`): prompts as graphs too, SHARED waves
+        or depth-major steps of up to that many tokens in chunks of up to `max_prefill_chunk`
+        (larger steps run eagerly)."""
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -143,6 +151,9 @@ class ModelRunner:
         self.bookkeeping = StepBookkeeping(self.rows, self.kv, self.snapshots)
         self.readback_wait_s = 0.0  # cumulative host time blocked on device results
         self.graphs: DecodeGraphs | None = None
+        self.shared_waves: SharedPrefillGraphs | None = None  # SHARED prefill, with graphs
+        self.prefill_graphs: PrefillGraphs | None = None  # depth-major prefill, with graphs
+        self._prefill_graph_limits = (prefill_graph_tokens, max_prefill_chunk)
         self.graphs_disabled_reason = "not requested"
         if cuda_graphs:
             self._enable_graphs(max_num_seqs)
@@ -157,11 +168,41 @@ class ModelRunner:
         else:
             try:
                 with torch.inference_mode():
-                    self.graphs = DecodeGraphs(self.program, max_rows=max_rows)
+                    graphs = DecodeGraphs(self.program, max_rows=max_rows)
+                    self._enable_prefill_graphs(graphs)
+                self.graphs = graphs
                 self.graphs_disabled_reason = ""
             except (RuntimeError, ValueError) as exc:
                 logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
                 self.graphs_disabled_reason = f"capture failed: {exc}"
+
+    def _enable_prefill_graphs(self, graphs: DecodeGraphs) -> None:
+        """Prompts as graphs in the decode graphs' pool: SHARED waves (captured now) or
+        depth-major steps (captured on first use of each bucket)."""
+        tokens, chunk = self._prefill_graph_limits
+        if tokens <= 0:
+            return
+        if self.layout is KVLayout.SHARED:
+            self.shared_waves = SharedPrefillGraphs(
+                self.model,
+                self.attention,
+                self.kv,
+                self.rows,
+                buckets=graphs.buckets,
+                pool=graphs.pool,
+            )
+        else:
+            self.prefill_graphs = PrefillGraphs(
+                self.model,
+                self.attention,
+                self.kv,
+                self.rows,
+                self.layout,
+                max_tokens=tokens,
+                max_groups=graphs.max_rows,
+                max_query_len=chunk,
+                pool=graphs.pool,
+            )
 
     def persistent_bytes(self) -> int:
         """Device bytes of the runner's own buffers (rows, ring), the KV pool excluded."""
@@ -171,6 +212,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop every device buffer (graphs, KV pool, rows): the runner is unusable after."""
         self.graphs = None
+        self.shared_waves = None
+        self.prefill_graphs = None
         self.program = None
         self.rows = None
         self.kv = None
@@ -271,6 +314,8 @@ class ModelRunner:
                 )
                 for c in chunks
             ],
+            graphs=self.prefill_graphs,
+            shared_waves=self.shared_waves,
         )
         # Submission only: collect reports these once the step's completion is established.
         pending.queued_progress = tuple(PrefillProgress(c.identity, c.end_position) for c in chunks)

@@ -1,4 +1,4 @@
-"""Prompt chunks at full depth (eager; the chunk's GEMMs dominate its launches).
+"""Prompt chunks at full depth (eager, or as CUDA graphs: prefill_graphs.py, shared_prefill.py).
 
 Metadata is built once per call from one upload of host lists, then derived on the device for
 every plane (no per-loop uploads, no host reads):
@@ -7,7 +7,8 @@ every plane (no per-loop uploads, no host reads):
   a position at loop t reads plane t of earlier positions, all at full depth.
 - SHARED, position by position: each request advances one prompt position at a time through all
   loops (batched across requests), so every prompt token sees earlier prompt tokens at their
-  final depth whatever the chunk boundaries are (slow: the layout's semantics require it).
+  final depth whatever the chunk boundaries are (slow: the layout's semantics require it). With
+  CUDA graphs each position is one graph replay (shared_prefill.py), else eager calls.
 
 A chunk that completes its prompt leaves the state of its last position in the row's `hidden`.
 """
@@ -18,7 +19,9 @@ import torch
 from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
 
 from rlt_runner.kv_storage import KVStorage
+from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.row_state import DecodeRows
+from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.transfers import upload
 
 
@@ -77,13 +80,19 @@ def run_prefill(
     rows: DecodeRows,
     layout: KVLayout,
     chunks: list[tuple[int, int, tuple[int, ...], bool]],
+    *,
+    graphs: PrefillGraphs | None = None,
+    shared_waves: SharedPrefillGraphs | None = None,
 ) -> None:
-    """Run chunks (row, start_position, token_ids, completes_prompt) at full depth."""
+    """Run chunks (row, start_position, token_ids, completes_prompt) at full depth; with CUDA
+    graphs on, `graphs` (depth-major steps) or `shared_waves` (the SHARED layout's waves)."""
     if not chunks:
         return
-    if layout is KVLayout.SHARED:
+    if layout is KVLayout.SHARED and shared_waves is not None:
+        shared_waves.run(chunks)
+    elif layout is KVLayout.SHARED:
         _position_by_position(model, attention, kv, rows, chunks)
-    else:
+    elif graphs is None or not graphs.run(chunks):
         _depth_major(model, attention, kv, rows, layout, chunks)
 
 

@@ -62,6 +62,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="capture the decode tick as CUDA graphs on CUDA (default: on)",
     )
     group.add_argument(
+        "--prefill-cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=d.prefill_cuda_graphs,
+        help="with --cuda-graphs, run prompt chunks as CUDA graphs too (default: on)",
+    )
+    group.add_argument(
         "--fused-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.fused_kernels,

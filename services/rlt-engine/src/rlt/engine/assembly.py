@@ -115,6 +115,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, model.dtype
     )
 
+    prefill_graph_tokens = (
+        config.max_num_batched_tokens
+        if config.prefill_cuda_graphs and not config.batch_invariant
+        else 0
+    )
+
     def make_runner(num_kv_blocks: int, cuda_graphs: bool) -> ModelRunner:
         return ModelRunner(
             model,
@@ -131,6 +137,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             max_decode_ticks=config.decode_ticks_per_step,
             trace_capacity=max_model_len if config.exit_policy == "trace" else 1,
             cuda_graphs=cuda_graphs,
+            prefill_graph_tokens=prefill_graph_tokens,
+            max_prefill_chunk=config.prefill_chunk_size,
         )
 
     activation = None

@@ -43,6 +43,10 @@ class EngineConfig:
     cuda_graphs: capture the decode tick as CUDA graphs (one per padded batch size and sampling
       mode) when on CUDA with a graph-capable attention backend; otherwise, or if capture fails,
       run it eagerly.
+    prefill_cuda_graphs: with cuda_graphs, also run prompt chunks as CUDA graphs: a
+      LAST_EXITED prefill step per (token bucket, chunk-count bucket), captured on first use,
+      and the SHARED layout's position waves (captured at start); False runs them eagerly.
+      Batch-invariant engines always prefill eagerly.
     fused_kernels: run the recurrent step's elementwise work as fused Triton kernels (norm +
       residual, RoPE, SwiGLU) when on CUDA; False keeps the eager torch ops. (Attention is the
       selected backend's either way.)
@@ -96,6 +100,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    prefill_cuda_graphs: bool = True
     fused_kernels: bool = True
     async_scheduling: bool = True
     decode_ticks_per_step: int = 8

@@ -1,0 +1,177 @@
+"""Depth-major prefill steps as CUDA graphs (LAST_EXITED).
+
+Eagerly, a prefill step launches every kernel of every layer of every loop from the host: at
+Ouro-1.4B, two 1,024-token chunks take ~50 ms of host launch time for ~40 ms of GPU time (H200,
+`benchmarks/prefill_host_cost.py`), so prefill steps were bound by the host. Here a step is one
+graph replay.
+
+Graphs are keyed by (token bucket, group bucket): the step's packed prompt tokens padded to a
+power of two (at least MIN_TOKENS, at most `max_tokens`), its chunks padded to a power of two
+(at most `max_groups`); each is captured on first use (capture synchronizes the device once)
+into the decode graphs' memory pool (one graph replays at a time; every output is copied to a
+persistent buffer). Inputs live in persistent buffers, written by one upload per step:
+
+    tokens [4, T] int64   token id, position, group, valid (padding: valid 0)
+    groups [3, G] int64   row, context end, packed query end (padding: query length 0)
+
+Padding tokens write their keys and values to the scratch slot and their rows are never kept;
+padding groups have no queries, so the attention kernel returns at once for them. The attention
+grid is sized for the group bucket and `min(T, max_query_len)` queries per group; a query tile
+is computed the same way whatever the grid, so a graph's attention equals the eager call's.
+
+Worked example (max_tokens 2048, chunks of 1,000 and 24 positions): 1,024 tokens -> bucket
+1,024, 2 groups -> bucket 2; tokens [4, 1024] all valid; groups [[r0, r1], [1000, e1],
+[1000, 1024]]; one replay, then each completing chunk's last state is copied to its row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
+
+from rlt_runner.kv_storage import KVStorage
+from rlt_runner.row_state import DecodeRows
+from rlt_runner.transfers import upload
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKENS = 16
+
+
+def _bucket(count: int, limit: int, smallest: int = 1) -> int:
+    """The smallest power of two >= count (and >= smallest), capped at limit."""
+    size = smallest
+    while size < count:
+        size *= 2
+    return min(size, limit)
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        model: LoopedLanguageModel,
+        attention: AttentionBackend,
+        kv: KVStorage,
+        rows: DecodeRows,
+        layout: KVLayout,
+        *,
+        max_tokens: int,
+        max_groups: int,
+        max_query_len: int,
+        pool,
+    ) -> None:
+        self.model, self.attention, self.kv, self.rows, self.layout = (
+            model,
+            attention,
+            kv,
+            rows,
+            layout,
+        )
+        self.max_tokens, self.max_groups = max_tokens, max_groups
+        self.max_query_len = max_query_len
+        self.pool = pool
+        device = rows.device
+        self.tokens = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)
+        self.groups = torch.zeros(3, max_groups, dtype=torch.int64, device=device)
+        self.hidden = rows.hidden.new_zeros(max_tokens, rows.hidden.shape[1])
+        self.replays = 0
+        self.disabled_reason = ""  # set if a capture failed: every later step runs eagerly
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    def run(self, chunks: list[tuple[int, int, tuple[int, ...], bool]]) -> bool:
+        """Chunks (row, start_position, token_ids, completes_prompt) at full depth, depth-major
+        (prefill.py); a chunk that completes its prompt leaves its last state in its row.
+        False, with nothing done: they do not fit the buffers or the attention grid, or
+        graphs are disabled; the caller runs them eagerly."""
+        num_tokens = sum(len(tokens) for _, _, tokens, _ in chunks)
+        if (
+            self.disabled_reason
+            or len(chunks) > self.max_groups
+            or num_tokens > self.max_tokens
+            or max(len(tokens) for _, _, tokens, _ in chunks) > self.max_query_len
+        ):
+            return False
+        width = _bucket(num_tokens, self.max_tokens, MIN_TOKENS)
+        groups = _bucket(len(chunks), self.max_groups)
+        pad = width - num_tokens
+        token_ids = [t for _, _, tokens, _ in chunks for t in tokens]
+        positions = [s + i for _, s, tokens, _ in chunks for i in range(len(tokens))]
+        group_of = [g for g, (_, _, tokens, _) in enumerate(chunks) for _ in tokens]
+        ends, query_end, total = [], [], 0
+        for _, start, tokens, _ in chunks:
+            total += len(tokens)
+            ends.append(start + len(tokens))
+            query_end.append(total)
+        gpad = groups - len(chunks)
+        kept = [(g, row) for g, (row, _, _, done) in enumerate(chunks) if done]
+        host = [
+            token_ids + [0] * pad,
+            positions + [0] * pad,
+            group_of + [0] * pad,
+            [1] * num_tokens + [0] * pad,
+            [row for row, _, _, _ in chunks] + [0] * gpad,
+            ends + [0] * gpad,
+            query_end + [total] * gpad,
+            [row for _, row in kept] + [query_end[g] - 1 for g, _ in kept],
+        ]
+        flat = [v for column in host for v in column]
+        graph = self._graphs.get((width, groups))
+        if graph is None:
+            try:
+                graph = self._capture(width, groups)
+            except RuntimeError as exc:  # e.g. out of memory: keep serving, eagerly
+                logger.warning("prefill graph capture failed, prefilling eagerly: %s", exc)
+                self.disabled_reason = f"capture failed: {exc}"
+                return False
+            self._graphs[(width, groups)] = graph
+        values = upload(flat, torch.int64, self.rows.device)
+        self.tokens[:, :width].copy_(values[: 4 * width].view(4, width))
+        self.groups[:, :groups].copy_(values[4 * width : 4 * width + 3 * groups].view(3, groups))
+        graph.replay()
+        self.replays += 1
+        if kept:
+            keep = values[4 * width + 3 * groups :].view(2, len(kept))
+            self.rows.hidden.index_copy_(0, keep[0], self.hidden.index_select(0, keep[1]))
+        return True
+
+    def _program(self, width: int, groups: int) -> None:
+        """The recorded step: embed, then every loop at its plane over the inputs' buckets."""
+        rows, bs = self.rows, self.kv.block_size
+        token, position, group, valid = self.tokens[:, :width].unbind(0)
+        row, ends, query_end = self.groups[:, :groups].unbind(0)
+        query_start = torch.cat([query_end.new_zeros(1), query_end]).to(torch.int32)
+        context = ends.to(torch.int32)
+        valid = valid.bool()
+        page, offset = position // bs, position % bs
+        hidden = self.model.embed(token)
+        for loop in range(1, self.model.shape.num_loops + 1):
+            tables = rows.block_tables[row, self.layout.plane_of_loop(loop)]
+            slot = tables[group, page].to(torch.int64) * bs + offset
+            batch = PagedAttentionBatch(
+                query_start=query_start,
+                context_lengths=context,
+                block_tables=tables,
+                write_slots=torch.where(valid, slot, self.kv.scratch_slot),
+                max_query_len=min(width, self.max_query_len),
+                max_context_len=tables.shape[1] * bs,
+            )
+            bound = self.attention.bind(self.kv.tensors, batch)
+            hidden, _ = self.model.recurrent_step(hidden, position, bound, compute_gate=False)
+        self.hidden[:width].copy_(hidden)
+
+    def _capture(self, width: int, groups: int) -> torch.cuda.CUDAGraph:
+        self.tokens.zero_()  # no valid token: the warm-up writes only the scratch slot
+        self.groups.zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # kernel compilation and allocator state
+            for _ in range(2):
+                self._program(width, groups)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._program(width, groups)
+        logger.debug("captured prefill for %d tokens, %d groups", width, groups)
+        return graph

@@ -1,0 +1,100 @@
+"""Prefill as CUDA graphs record it, on the CPU: the programs of the SHARED layout's waves
+(rlt_runner.shared_prefill) and of depth-major steps (rlt_runner.prefill_graphs), run directly
+in place of a replay, give the dense oracle's tokens and exit depths with chunked prompts of
+different lengths (waves of changing width, prompts that complete in the middle of a step's
+waves; steps padded to token and chunk-count buckets). On CUDA the graphs themselves are
+checked against the oracle by tests/test_cuda_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+from rlt import SamplingParams
+from rlt_runner.decode_graphs import bucket_sizes
+from rlt_runner.prefill_graphs import PrefillGraphs
+from rlt_runner.shared_prefill import SharedPrefillGraphs
+from test_engine_matches_oracle import MAX_TOKENS, PROMPTS, oracle_outputs
+
+
+class _DirectReplay:
+    """Stands in for a captured graph: a replay runs the recorded wave program."""
+
+    def __init__(self, waves: SharedPrefillGraphs, width: int) -> None:
+        self.waves, self.width, self.replays = waves, width, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.waves._wave(self.width)
+
+
+class _DirectStep:
+    """The same for a depth-major prefill step of `tokens` x `groups` buckets."""
+
+    def __init__(self, graphs: PrefillGraphs, tokens: int, groups: int) -> None:
+        self.graphs, self.key = graphs, (tokens, groups)
+
+    def replay(self) -> None:
+        self.graphs._program(*self.key)
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.55])
+def test_wave_program_matches_the_oracle(llm_factory, tiny_checkpoint, monkeypatch, threshold):
+    monkeypatch.setattr(SharedPrefillGraphs, "_capture", lambda self, w: _DirectReplay(self, w))
+    llm = llm_factory(kv_layout="shared", max_num_batched_tokens=24)
+    runner = llm.engine.core.runner
+    runner.shared_waves = SharedPrefillGraphs(
+        runner.model,
+        runner.attention,
+        runner.kv,
+        runner.rows,
+        buckets=bucket_sizes(runner.rows.hidden.shape[0]),
+        pool=None,
+    )
+    params = [
+        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
+    ]
+    outputs = llm.generate(PROMPTS, params)
+    expected = oracle_outputs(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), "shared", threshold)
+    for output, reference in zip(outputs, expected, strict=True):
+        assert (output.token_ids, output.exit_depths) == (
+            reference.token_ids,
+            reference.exit_depths,
+        )
+    waves = runner.shared_waves
+    assert waves.replays >= max(len(p) for p in PROMPTS)  # one replay per prompt position
+    assert sum(1 for g in waves._graphs.values() if g.replays) >= 2  # several wave widths
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.55])
+def test_depth_major_prefill_program_matches_the_oracle(
+    llm_factory, tiny_checkpoint, monkeypatch, threshold
+):
+    """LAST_EXITED prefill steps as rlt_runner.prefill_graphs records them (tokens and chunks
+    padded to their buckets), run directly in place of a replay."""
+    monkeypatch.setattr(PrefillGraphs, "_capture", lambda self, t, g: _DirectStep(self, t, g))
+    llm = llm_factory(max_num_batched_tokens=24)
+    runner = llm.engine.core.runner
+    runner.prefill_graphs = PrefillGraphs(
+        runner.model,
+        runner.attention,
+        runner.kv,
+        runner.rows,
+        runner.layout,
+        max_tokens=24,
+        max_groups=runner.rows.hidden.shape[0],
+        max_query_len=5,  # the factory's prefill_chunk_size
+        pool=None,
+    )
+    params = [
+        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
+    ]
+    outputs = llm.generate(PROMPTS, params)
+    expected = oracle_outputs(
+        tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), "last_exited", threshold
+    )
+    for output, reference in zip(outputs, expected, strict=True):
+        assert (output.token_ids, output.exit_depths) == (
+            reference.token_ids,
+            reference.exit_depths,
+        )
+    graphs = runner.prefill_graphs
+    assert graphs.replays > 0 and len(graphs._graphs) >= 2  # several (token, chunk) buckets

@@ -124,6 +124,9 @@ class ArmResult:
     # allocations that failed, freed the cache and retried (each synchronizes the device);
     # `segment_allocs` new cudaMalloc segments. Both should be 0 after the warm-up.
     allocator: dict | None = field(default=None)
+    # prefill graphs (token x chunk-count buckets) captured during the timed run: each capture
+    # synchronizes and runs its step eagerly twice; None when prefill runs eagerly
+    prefill_graph_captures: int | None = None
     profile: dict | None = field(default=None)
 
 
@@ -274,12 +277,18 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
             Path(engine_kwargs["exit_trace"]).unlink(missing_ok=True)  # read at construction
 
 
+def _prefill_graphs_captured(core) -> int | None:
+    graphs = core.runner.prefill_graphs
+    return None if graphs is None else graphs.captured
+
+
 def _measure(engine, spec, args, prompts, params) -> ArmResult:
     core = engine.core
     t = core.timings
     steps0, host0, wait0 = t.steps, t.host_s, t.readback_wait_s
     preempt0 = engine.get_stats().preemptions
     allocator0 = allocator_counts(args.device)
+    captured0 = _prefill_graphs_captured(core)
     core.step_log = []
     depths, tokens, max_running = [], 0, 0
     start = time.perf_counter()
@@ -322,6 +331,9 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
         attention_backend=engine.parts.attention_backend,
         gemv_choices=gemv_choices(),
         allocator=allocator_delta(allocator0, allocator_counts(args.device)),
+        prefill_graph_captures=(
+            None if captured0 is None else _prefill_graphs_captured(core) - captured0
+        ),
     )
 
 

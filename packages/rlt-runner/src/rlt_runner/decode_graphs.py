@@ -23,6 +23,7 @@ import torch
 from rlt_contracts import SamplingMode
 
 from rlt_runner.decode_program import DecodeProgram
+from rlt_runner.graph_capture import capture
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,7 @@ class DecodeGraphs:
         program, state = self.program, self.program.rows
         saved = state.active.clone(), state.parked.clone(), program.tick_index.clone()
         state.active.zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: kernel compilation and allocator state
-            for _ in range(2):
-                program.tick(rows, mode, gate)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            program.tick(rows, mode, gate)
+        graph = capture(lambda: program.tick(rows, mode, gate), self.pool)
         state.active.copy_(saved[0])
         state.parked.copy_(saved[1])
         program.tick_index.copy_(saved[2])

@@ -31,6 +31,7 @@ import logging
 import torch
 from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
 
+from rlt_runner.graph_capture import capture
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.transfers import upload
@@ -79,6 +80,11 @@ class PrefillGraphs:
         self.replays = 0
         self.disabled_reason = ""  # set if a capture failed: every later step runs eagerly
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    @property
+    def captured(self) -> int:
+        """Graphs captured so far (one per token x chunk-count bucket used)."""
+        return len(self._graphs)
 
     def run(self, chunks: list[tuple[int, int, tuple[int, ...], bool]]) -> bool:
         """Chunks (row, start_position, token_ids, completes_prompt) at full depth, depth-major
@@ -162,16 +168,8 @@ class PrefillGraphs:
         self.hidden[:width].copy_(hidden)
 
     def _capture(self, width: int, groups: int) -> torch.cuda.CUDAGraph:
-        self.tokens.zero_()  # no valid token: the warm-up writes only the scratch slot
+        self.tokens.zero_()  # no valid token: the warm-ups write only the scratch slot
         self.groups.zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # kernel compilation and allocator state
-            for _ in range(2):
-                self._program(width, groups)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._program(width, groups)
+        graph = capture(lambda: self._program(width, groups), self.pool)
         logger.debug("captured prefill for %d tokens, %d groups", width, groups)
         return graph

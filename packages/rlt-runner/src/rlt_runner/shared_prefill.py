@@ -27,6 +27,7 @@ import logging
 import torch
 from rlt_contracts import AttentionBackend, LoopedLanguageModel, PagedAttentionBatch
 
+from rlt_runner.graph_capture import capture
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.transfers import upload
@@ -112,15 +113,7 @@ class SharedPrefillGraphs:
         self.hidden[:width].copy_(hidden)
 
     def _capture(self, width: int) -> torch.cuda.CUDAGraph:
-        self.inputs.zero_()  # every column invalid: the warm-up writes only the scratch slot
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # kernel compilation and allocator state
-            for _ in range(2):
-                self._wave(width)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._wave(width)
+        self.inputs.zero_()  # every column invalid: the warm-ups write only the scratch slot
+        graph = capture(lambda: self._wave(width), self.pool)
         logger.debug("captured the SHARED prefill wave for %d rows", width)
         return graph

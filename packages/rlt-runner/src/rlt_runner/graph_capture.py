@@ -1,0 +1,24 @@
+"""Capturing one CUDA graph of the runner (decode ticks, prefill steps, SHARED waves)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def capture(run: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+    """Record `run` (device work on persistent buffers only) into a graph in memory pool
+    `pool`. It runs twice on a side stream first: Triton compilation, autotuning and one-time
+    allocations must happen outside the capture. Whatever `run` writes in those warm-ups is
+    the caller's to make harmless (inactive rows, invalid inputs writing the scratch slot)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph

@@ -98,3 +98,25 @@ def test_depth_major_prefill_program_matches_the_oracle(
         )
     graphs = runner.prefill_graphs
     assert graphs.replays > 0 and len(graphs._graphs) >= 2  # several (token, chunk) buckets
+
+
+def test_memory_profile_counts_the_prefill_graph_buffers(llm_factory):
+    """The memory profile runs eagerly, so the runner counts the buffers its prefill graphs will
+    hold (inputs and output sized for max_num_batched_tokens) in its persistent bytes."""
+    runner = llm_factory(max_num_batched_tokens=24).engine.core.runner
+    counted = runner.persistent_bytes()
+    graphs = PrefillGraphs(
+        runner.model,
+        runner.attention,
+        runner.kv,
+        runner.rows,
+        runner.layout,
+        max_tokens=24,
+        max_groups=runner.rows.hidden.shape[0],
+        max_query_len=5,
+        pool=None,
+    )
+    allocated = sum(t.numel() * t.element_size() for t in (graphs.tokens, graphs.groups))
+    allocated += graphs.hidden.numel() * graphs.hidden.element_size()
+    runner._prefill_graph_limits = (0, 0)  # a runner that prefills eagerly holds none
+    assert counted - runner.persistent_bytes() == allocated > 0

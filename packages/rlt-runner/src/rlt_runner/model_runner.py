@@ -205,9 +205,18 @@ class ModelRunner:
             )
 
     def persistent_bytes(self) -> int:
-        """Device bytes of the runner's own buffers (rows, ring), the KV pool excluded."""
+        """Device bytes of the runner's own buffers (rows, ring; the depth-major prefill
+        graphs' inputs and output, which a runner with graphs allocates, counted even when
+        this one has none: the memory profile runs eagerly), the KV pool excluded. The SHARED
+        waves' buffers are a few rows: left out."""
         tensors = [*vars(self.rows).values(), *vars(self.program).values()]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        own = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        tokens = self._prefill_graph_limits[0]
+        if tokens <= 0 or self.layout is KVLayout.SHARED:
+            return own
+        hidden = self.rows.hidden
+        rows, width = hidden.shape
+        return own + PrefillGraphs.buffer_bytes(tokens, rows, width, hidden.dtype)
 
     def close(self) -> None:
         """Drop every device buffer (graphs, KV pool, rows): the runner is unusable after."""

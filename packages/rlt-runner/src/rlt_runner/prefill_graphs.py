@@ -81,6 +81,12 @@ class PrefillGraphs:
         self.disabled_reason = ""  # set if a capture failed: every later step runs eagerly
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
+    @staticmethod
+    def buffer_bytes(max_tokens: int, max_groups: int, hidden_size: int, dtype) -> int:
+        """Device bytes of the persistent buffers such an instance allocates (inputs, output)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (4 * max_tokens + 3 * max_groups) * 8 + max_tokens * hidden_size * itemsize
+
     @property
     def captured(self) -> int:
         """Graphs captured so far (one per token x chunk-count bucket used)."""

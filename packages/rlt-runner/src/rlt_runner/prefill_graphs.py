@@ -63,13 +63,8 @@ class PrefillGraphs:
         max_query_len: int,
         pool,
     ) -> None:
-        self.model, self.attention, self.kv, self.rows, self.layout = (
-            model,
-            attention,
-            kv,
-            rows,
-            layout,
-        )
+        self.model, self.attention, self.layout = model, attention, layout
+        self.kv, self.rows = kv, rows
         self.max_tokens, self.max_groups = max_tokens, max_groups
         self.max_query_len = max_query_len
         self.pool = pool

@@ -36,6 +36,35 @@ class _DirectStep:
         self.graphs._program(*self.key)
 
 
+def prefill_graphs_of(runner) -> PrefillGraphs:
+    """Prefill graphs for a runner of `llm_factory(max_num_batched_tokens=24)` (chunks of 5)."""
+    return PrefillGraphs(
+        runner.model,
+        runner.attention,
+        runner.kv,
+        runner.rows,
+        runner.layout,
+        max_tokens=24,
+        max_groups=runner.rows.hidden.shape[0],
+        max_query_len=5,
+        pool=None,
+    )
+
+
+def assert_matches_oracle(llm, tiny_checkpoint, layout: str, threshold: float) -> None:
+    """Greedy tokens and exit depths of PROMPTS equal the dense oracle's."""
+    params = [
+        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
+    ]
+    outputs = llm.generate(PROMPTS, params)
+    expected = oracle_outputs(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), layout, threshold)
+    for output, reference in zip(outputs, expected, strict=True):
+        assert (output.token_ids, output.exit_depths) == (
+            reference.token_ids,
+            reference.exit_depths,
+        )
+
+
 @pytest.mark.parametrize("threshold", [1.0, 0.55])
 def test_wave_program_matches_the_oracle(llm_factory, tiny_checkpoint, monkeypatch, threshold):
     monkeypatch.setattr(SharedPrefillGraphs, "_capture", lambda self, w: _DirectReplay(self, w))
@@ -49,16 +78,7 @@ def test_wave_program_matches_the_oracle(llm_factory, tiny_checkpoint, monkeypat
         buckets=bucket_sizes(runner.rows.hidden.shape[0]),
         pool=None,
     )
-    params = [
-        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
-    ]
-    outputs = llm.generate(PROMPTS, params)
-    expected = oracle_outputs(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), "shared", threshold)
-    for output, reference in zip(outputs, expected, strict=True):
-        assert (output.token_ids, output.exit_depths) == (
-            reference.token_ids,
-            reference.exit_depths,
-        )
+    assert_matches_oracle(llm, tiny_checkpoint, "shared", threshold)
     waves = runner.shared_waves
     assert waves.replays >= max(len(p) for p in PROMPTS)  # one replay per prompt position
     assert sum(1 for g in waves._graphs.values() if g.replays) >= 2  # several wave widths
@@ -73,29 +93,8 @@ def test_depth_major_prefill_program_matches_the_oracle(
     monkeypatch.setattr(PrefillGraphs, "_capture", lambda self, t, g: _DirectStep(self, t, g))
     llm = llm_factory(max_num_batched_tokens=24)
     runner = llm.engine.core.runner
-    runner.prefill_graphs = PrefillGraphs(
-        runner.model,
-        runner.attention,
-        runner.kv,
-        runner.rows,
-        runner.layout,
-        max_tokens=24,
-        max_groups=runner.rows.hidden.shape[0],
-        max_query_len=5,  # the factory's prefill_chunk_size
-        pool=None,
-    )
-    params = [
-        SamplingParams(max_tokens=n, exit_threshold=threshold, ignore_eos=True) for n in MAX_TOKENS
-    ]
-    outputs = llm.generate(PROMPTS, params)
-    expected = oracle_outputs(
-        tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), "last_exited", threshold
-    )
-    for output, reference in zip(outputs, expected, strict=True):
-        assert (output.token_ids, output.exit_depths) == (
-            reference.token_ids,
-            reference.exit_depths,
-        )
+    runner.prefill_graphs = prefill_graphs_of(runner)
+    assert_matches_oracle(llm, tiny_checkpoint, "last_exited", threshold)
     graphs = runner.prefill_graphs
     assert graphs.replays > 0 and len(graphs._graphs) >= 2  # several (token, chunk) buckets
 
@@ -105,17 +104,7 @@ def test_memory_profile_counts_the_prefill_graph_buffers(llm_factory):
     hold (inputs and output sized for max_num_batched_tokens) in its persistent bytes."""
     runner = llm_factory(max_num_batched_tokens=24).engine.core.runner
     counted = runner.persistent_bytes()
-    graphs = PrefillGraphs(
-        runner.model,
-        runner.attention,
-        runner.kv,
-        runner.rows,
-        runner.layout,
-        max_tokens=24,
-        max_groups=runner.rows.hidden.shape[0],
-        max_query_len=5,
-        pool=None,
-    )
+    graphs = prefill_graphs_of(runner)
     allocated = sum(t.numel() * t.element_size() for t in (graphs.tokens, graphs.groups))
     allocated += graphs.hidden.numel() * graphs.hidden.element_size()
     runner._prefill_graph_limits = (0, 0)  # a runner that prefills eagerly holds none

@@ -106,9 +106,8 @@ class Admitter:
             scanned += 1
             if growth is None:
                 growth = running_growth(config, self.kv, self.queues.running)
-                floor = growth.reserved_blocks + headroom_blocks(config, self.kv, growth)
-                if floor > self.kv.capacity().free_blocks:
-                    return  # nobody can fit: every try would fail and change nothing
+                if self._nobody_fits(growth):
+                    return  # every try would fail and change nothing
             if self._try_admit(request, growth, ticks, step, clock=clock):
                 growth = None  # one more running request
                 for waiting in deferred:
@@ -132,11 +131,16 @@ class Admitter:
         if head is None:
             return False
         growth = running_growth(self.config, self.kv, self.queues.running)
-        free = self.kv.capacity().free_blocks
-        if growth.reserved_blocks + headroom_blocks(self.config, self.kv, growth) > free:
+        if self._nobody_fits(growth):
             return False  # cheap early answer, before any prefix lookup
         plan = plan_admission(self.config, self.kv, head, self._prefix_of(head), growth)
-        return plan.fits(free)
+        return plan.fits(self.kv.capacity().free_blocks)
+
+    def _nobody_fits(self, growth: RunningGrowth) -> bool:
+        """Even a request needing no block of its own would not fit: the running requests'
+        reserved growth plus the watermark headroom exceed the free blocks."""
+        floor = growth.reserved_blocks + headroom_blocks(self.config, self.kv, growth)
+        return floor > self.kv.capacity().free_blocks
 
     def _prefix_of(self, request: ScheduledRequest) -> PrefixMatch:
         """Reusable cached prefix of a new request (a resumed one restores its snapshot)."""

@@ -386,7 +386,11 @@ def plot(table: list[dict], out: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib not importable: no plot"
-    groups = [g for g in ("c1", "c32", "c128", "c128-kv64") if any(e["row"] == g for e in table)]
+    groups = [
+        g
+        for g in ("c1", "c32", "c128", "c128-kv64")
+        if any(e["row"] in (g, f"shared-{g}") for e in table)
+    ]
     series = [
         ("fixed", "last_exited", "#1f77b4", ""),
         ("mix 2.5", "last_exited", "#ff7f0e", ""),

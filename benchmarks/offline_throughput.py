@@ -127,7 +127,11 @@ class ArmResult:
     # prefill graphs (token x chunk-count buckets) captured during the timed run: each capture
     # synchronizes and runs its step eagerly twice; None when prefill runs eagerly
     prefill_graph_captures: int | None = None
+    prefill_graph_capture_s: float | None = None  # host seconds those captures took
     profile: dict | None = field(default=None)
+    # --keep-step-log: per applied step [prefill tokens, decode ticks, generated tokens,
+    # host-clock ms since the run began, device ms (CUDA, else None)]
+    step_log: list | None = None
 
 
 def ensure_checkpoint(args) -> Path:
@@ -277,9 +281,10 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
             Path(engine_kwargs["exit_trace"]).unlink(missing_ok=True)  # read at construction
 
 
-def _prefill_graphs_captured(core) -> int | None:
+def _prefill_graphs_captured(core) -> tuple[int, float] | None:
+    """(graphs captured, host seconds spent capturing) so far; None when prefill is eager."""
     graphs = core.runner.prefill_graphs
-    return None if graphs is None else graphs.captured
+    return None if graphs is None else (graphs.captured, graphs.capture_s)
 
 
 def _measure(engine, spec, args, prompts, params) -> ArmResult:
@@ -303,6 +308,7 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
     _sync(args.device)
     wall = time.perf_counter() - start
     records, core.step_log = core.step_log, None
+    captured1 = _prefill_graphs_captured(core)
     steps = t.steps - steps0
     d_tokens, d_seconds, d_steps = decode_phase(records)
     return ArmResult(
@@ -331,9 +337,22 @@ def _measure(engine, spec, args, prompts, params) -> ArmResult:
         attention_backend=engine.parts.attention_backend,
         gemv_choices=gemv_choices(),
         allocator=allocator_delta(allocator0, allocator_counts(args.device)),
-        prefill_graph_captures=(
-            None if captured0 is None else _prefill_graphs_captured(core) - captured0
+        prefill_graph_captures=None if captured0 is None else captured1[0] - captured0[0],
+        prefill_graph_capture_s=(
+            None if captured0 is None else round(captured1[1] - captured0[1], 3)
         ),
+        step_log=[
+            [
+                r.prefill_tokens,
+                r.decode_ticks,
+                r.generated,
+                round(1000 * (r.done_s - start), 3),
+                None if r.device_s is None else round(1000 * r.device_s, 3),
+            ]
+            for r in records
+        ]
+        if args.keep_step_log
+        else None,
     )
 
 
@@ -685,6 +704,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the random --shape checkpoint (if missing) and exit",
     )
     parser.add_argument("--json-out", help="write the results (and the setup) as JSON here")
+    parser.add_argument(
+        "--keep-step-log",
+        action="store_true",
+        help="keep each arm's per-step log (prefill tokens, ticks, tokens, times) in its result",
+    )
     return parser
 
 

@@ -93,10 +93,32 @@ def test_depth_major_prefill_program_matches_the_oracle(
     monkeypatch.setattr(PrefillGraphs, "_capture", lambda self, t, g: _DirectStep(self, t, g))
     llm = llm_factory(max_num_batched_tokens=24)
     runner = llm.engine.core.runner
-    runner.prefill_graphs = prefill_graphs_of(runner)
+    runner.prefill_graphs = graphs = prefill_graphs_of(runner)
+    graphs.capture_token_buckets()  # as at engine start: one chunk, every token bucket
+    assert list(graphs._graphs) == [(16, 1), (24, 1)]  # 24 tokens: the last bucket is capped
     assert_matches_oracle(llm, tiny_checkpoint, "last_exited", threshold)
-    graphs = runner.prefill_graphs
-    assert graphs.replays > 0 and len(graphs._graphs) >= 2  # several (token, chunk) buckets
+    assert graphs.replays > 0 and len(graphs._graphs) > 2  # more chunk counts, on first use
+
+
+def test_a_failed_prefill_capture_leaves_prefill_eager(llm_factory, tiny_checkpoint, monkeypatch):
+    """A capture that fails (e.g. out of memory at engine start) disables the prefill graphs
+    and nothing else: no later capture is tried, and every prompt still prefills, eagerly."""
+    attempts = []
+
+    def fail_second(self, tokens, groups):
+        attempts.append((tokens, groups))
+        if len(attempts) == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return _DirectStep(self, tokens, groups)
+
+    monkeypatch.setattr(PrefillGraphs, "_capture", fail_second)
+    llm = llm_factory(max_num_batched_tokens=24)
+    runner = llm.engine.core.runner
+    runner.prefill_graphs = graphs = prefill_graphs_of(runner)
+    graphs.capture_token_buckets()
+    assert "out of memory" in graphs.disabled_reason and attempts == [(16, 1), (24, 1)]
+    assert_matches_oracle(llm, tiny_checkpoint, "last_exited", 0.55)
+    assert graphs.replays == 0 and len(attempts) == 2
 
 
 def test_memory_profile_counts_the_prefill_graph_buffers(llm_factory):

@@ -178,7 +178,7 @@ class ModelRunner:
 
     def _enable_prefill_graphs(self, graphs: DecodeGraphs) -> None:
         """Prompts as graphs in the decode graphs' pool: SHARED waves (captured now) or
-        depth-major steps (captured on first use of each bucket)."""
+        depth-major steps (one chunk's buckets captured now, the rest on first use)."""
         tokens, chunk = self._prefill_graph_limits
         if tokens <= 0:
             return
@@ -203,6 +203,7 @@ class ModelRunner:
                 max_query_len=chunk,
                 pool=graphs.pool,
             )
+            self.prefill_graphs.capture_token_buckets()
 
     def persistent_bytes(self) -> int:
         """Device bytes of the runner's own buffers (rows, ring; the depth-major prefill

@@ -7,8 +7,9 @@ graph replay.
 
 Graphs are keyed by (token bucket, group bucket): the step's packed prompt tokens padded to a
 power of two (at least MIN_TOKENS, at most `max_tokens`), its chunks padded to a power of two
-(at most `max_groups`); each is captured on first use (capture synchronizes the device once)
-into the decode graphs' memory pool (one graph replays at a time; every output is copied to a
+(at most `max_groups`); one chunk's graphs are captured at engine start, for every token
+bucket, the others on first use (a capture synchronizes the device once), all into the decode
+graphs' memory pool (one graph replays at a time; every output is copied to a
 persistent buffer). Inputs live in persistent buffers, written by one upload per step:
 
     tokens [4, T] int64   token id, position, group, valid (padding: valid 0)
@@ -27,6 +28,7 @@ Worked example (max_tokens 2048, chunks of 1,000 and 24 positions): 1,024 tokens
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
@@ -73,6 +75,7 @@ class PrefillGraphs:
         self.groups = torch.zeros(3, max_groups, dtype=torch.int64, device=device)
         self.hidden = rows.hidden.new_zeros(max_tokens, rows.hidden.shape[1])
         self.replays = 0
+        self.capture_s = 0.0  # host seconds spent capturing (warm-ups and recording included)
         self.disabled_reason = ""  # set if a capture failed: every later step runs eagerly
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
@@ -124,15 +127,9 @@ class PrefillGraphs:
             [row for _, row in kept] + [query_end[g] - 1 for g, _ in kept],
         ]
         flat = [v for column in host for v in column]
-        graph = self._graphs.get((width, groups))
+        graph = self._graph(width, groups)
         if graph is None:
-            try:
-                graph = self._capture(width, groups)
-            except RuntimeError as exc:  # e.g. out of memory: keep serving, eagerly
-                logger.warning("prefill graph capture failed, prefilling eagerly: %s", exc)
-                self.disabled_reason = f"capture failed: {exc}"
-                return False
-            self._graphs[(width, groups)] = graph
+            return False
         values = upload(flat, torch.int64, self.rows.device)
         self.tokens[:, :width].copy_(values[: 4 * width].view(4, width))
         self.groups[:, :groups].copy_(values[4 * width : 4 * width + 3 * groups].view(3, groups))
@@ -142,6 +139,30 @@ class PrefillGraphs:
             keep = values[4 * width + 3 * groups :].view(2, len(kept))
             self.rows.hidden.index_copy_(0, keep[0], self.hidden.index_select(0, keep[1]))
         return True
+
+    def capture_token_buckets(self) -> None:
+        """Capture every token bucket for one chunk now (engine start). A first capture at a
+        new query-length class compiles Triton specializations: ~0.7 s each on an H200, a
+        stall of every running request if it happened while serving; later captures of
+        another chunk count reuse them (~0.1-0.17 s each, `benchmarks/prefill_capture_cost.py`)."""
+        width = MIN_TOKENS
+        while self._graph(min(width, self.max_tokens), 1) is not None and width < self.max_tokens:
+            width *= 2
+
+    def _graph(self, width: int, groups: int) -> torch.cuda.CUDAGraph | None:
+        """The bucket's graph, captured now if it is new; None if graphs are disabled (a
+        capture failed, e.g. out of memory: keep serving, eagerly)."""
+        graph = self._graphs.get((width, groups))
+        if graph is None and not self.disabled_reason:
+            started = time.perf_counter()
+            try:
+                graph = self._graphs[(width, groups)] = self._capture(width, groups)
+            except RuntimeError as exc:
+                logger.warning("prefill graph capture failed, prefilling eagerly: %s", exc)
+                self.disabled_reason = f"capture failed: {exc}"
+            finally:
+                self.capture_s += time.perf_counter() - started
+        return graph
 
     def _program(self, width: int, groups: int) -> None:
         """The recorded step: embed, then every loop at its plane over the inputs' buckets."""

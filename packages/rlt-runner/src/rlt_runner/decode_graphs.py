@@ -11,7 +11,8 @@ Buckets are powers of two up to `max_rows`; a tick over rows [0, B) runs the sma
 are captured for every bucket up front; other sampling modes (random, filtered, logprobs) on
 first use (capture synchronizes the device once). Capturing needs a warm-up run of the tick:
 it runs with every row made inactive (the `active` and `parked` flags and the tick index are
-saved and put back around it), so no request's state changes. All graphs share one memory
+saved and put back around it) and records in the ring's spare rows, so no request's state and
+no record of the step in progress changes. All graphs share one memory
 pool: only one replays at a time.
 """
 
@@ -68,6 +69,9 @@ class DecodeGraphs:
         program, state = self.program, self.program.rows
         saved = state.active.clone(), state.parked.clone(), program.tick_index.clone()
         state.active.zero_()
+        # the warm-ups record in the ring's spare rows: a capture in the middle of a step (a
+        # new sampling mode) must not overwrite its earlier ticks' records or run past the ring
+        program.tick_index.fill_(program.spare_tick)
         graph = capture(lambda: program.tick(rows, mode, gate), self.pool)
         state.active.copy_(saved[0])
         state.parked.copy_(saved[1])

@@ -23,9 +23,11 @@ scratch slot, their attention reads one key, and every state update is masked.
 
 `start_rows` is the coda of rows whose prompt just completed (token 0, full depth).
 
-Ring layout: float64 [max_ticks, S, 3 + 2k]; columns token (-1 = no token this tick), exit
-depth, then with logprobs: the token's logprob, k alternative ids, k alternative logprobs.
-Token ids (< 2**53) and fp32 logprobs are exact in fp64.
+Ring layout: float64 [max_ticks + WARMUP_RUNS, S, 3 + 2k]; columns token (-1 = no token this
+tick), exit depth, then with logprobs: the token's logprob, k alternative ids, k alternative
+logprobs. Token ids (< 2**53) and fp32 logprobs are exact in fp64. The last WARMUP_RUNS rows
+(from `spare_tick`) are never read back: a graph capture's eager warm-up ticks record there
+(decode_graphs.py), whatever tick of a step it happens in, and leave the step's rows intact.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 
 from rlt_runner import tick_kernels
 from rlt_runner.exit_rules import decide_exits
+from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
 
@@ -84,8 +87,9 @@ class DecodeProgram:
         num_rows = rows.hidden.shape[0]
         self.query_start = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
         self.tick_index = torch.zeros(1, dtype=torch.int64, device=device)
+        self.spare_tick = max_ticks  # first ring row of the capture warm-ups (module doc)
         self.ring = torch.zeros(
-            max_ticks, num_rows, RING_COLUMNS, dtype=torch.float64, device=device
+            max_ticks + WARMUP_RUNS, num_rows, RING_COLUMNS, dtype=torch.float64, device=device
         )
         if fused_tick is None:
             fused_tick = device.type == "cuda" and tick_kernels.available()

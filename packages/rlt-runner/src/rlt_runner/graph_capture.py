@@ -6,16 +6,19 @@ from collections.abc import Callable
 
 import torch
 
+WARMUP_RUNS = 2  # eager runs before the recording (they execute; the recording does not)
+
 
 def capture(run: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
     """Record `run` (device work on persistent buffers only) into a graph in memory pool
-    `pool`. It runs twice on a side stream first: Triton compilation, autotuning and one-time
-    allocations must happen outside the capture. Whatever `run` writes in those warm-ups is
-    the caller's to make harmless (inactive rows, invalid inputs writing the scratch slot)."""
+    `pool`. It runs WARMUP_RUNS times on a side stream first: Triton compilation, autotuning
+    and one-time allocations must happen outside the capture. Whatever `run` writes in those
+    warm-ups is the caller's to make harmless (inactive rows, invalid inputs writing the
+    scratch slot, records in spare ring rows)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(WARMUP_RUNS):
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()

@@ -44,8 +44,9 @@ class EngineConfig:
       mode) when on CUDA with a graph-capable attention backend; otherwise, or if capture fails,
       run it eagerly.
     prefill_cuda_graphs: with cuda_graphs, also run prompt chunks as CUDA graphs: a
-      LAST_EXITED prefill step per (token bucket, chunk-count bucket), captured on first use,
-      and the SHARED layout's position waves (captured at start); False runs them eagerly.
+      LAST_EXITED prefill step per (token bucket, chunk-count bucket; one chunk's graphs are
+      captured at start for every token bucket, the rest on first use), and the SHARED
+      layout's position waves (captured at start); False runs them eagerly.
       Batch-invariant engines always prefill eagerly.
     fused_kernels: run the recurrent step's elementwise work as fused Triton kernels (norm +
       residual, RoPE, SwiGLU) when on CUDA; False keeps the eager torch ops. (Attention is the

@@ -162,7 +162,7 @@ def plan(args) -> list[Row]:
                 },
                 ["fixed", MIX],
                 optional=True,
-                estimate_s={"c1": 30, "c32": 35, "c128": 45}[conc] * (0.6 if quick else 1.0),
+                estimate_s={"c1": 30, "c32": 47, "c128": 35}[conc] * (0.6 if quick else 1.0),
                 note=f"SHARED: {splen}-token prompts, {n} requests (one wave), "
                 f"max-num-batched-tokens {batched}",
             )

@@ -12,8 +12,8 @@ are captured for every bucket up front; other sampling modes (random, filtered, 
 first use (capture synchronizes the device once). Capturing needs a warm-up run of the tick:
 it runs with every row made inactive (the `active` and `parked` flags and the tick index are
 saved and put back around it) and records in the ring's spare rows, so no request's state and
-no record of the step in progress changes. All graphs share one memory
-pool: only one replays at a time.
+no record of the step in progress changes. All graphs share one memory pool: only one replays
+at a time.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Graphs are keyed by (token bucket, group bucket): the step's packed prompt token
 power of two (at least MIN_TOKENS, at most `max_tokens`), its chunks padded to a power of two
 (at most `max_groups`); one chunk's graphs are captured at engine start, for every token
 bucket, the others on first use (a capture synchronizes the device once), all into the decode
-graphs' memory pool (one graph replays at a time; every output is copied to a
-persistent buffer). Inputs live in persistent buffers, written by one upload per step:
+graphs' memory pool (one graph replays at a time; every output is copied to a persistent
+buffer). Inputs live in persistent buffers, written by one upload per step:
 
     tokens [4, T] int64   token id, position, group, valid (padding: valid 0)
     groups [3, G] int64   row, context end, packed query end (padding: query length 0)

@@ -416,16 +416,20 @@ def plot(table: list[dict], out: Path) -> str:
             label = arm + (" (SHARED)" if layout == "shared" else "")
             bars = ax.bar(xs, ys, width, color=color, hatch=hatch, label=label, alpha=0.9)
             ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=6, rotation=90)
+        # ceilings and targets are for the LAST_EXITED workload: lines span only its bars
+        last_exited = [i for i, s in enumerate(series) if s[1] == "last_exited"] or [0]
+        centre = (len(series) - 1) / 2
+        span = ((last_exited[0] - centre - 0.5) * width, (last_exited[-1] - centre + 0.5) * width)
         for g_index, group in enumerate(groups):
             if group in CEILINGS:
-                left, right = g_index - 0.45, g_index + 0.45
+                left, right = g_index + span[0], g_index + span[1]
                 ax.hlines(
                     CEILINGS[group][ceil_index],
                     left,
                     right,
                     colors="black",
                     linestyles="--",
-                    label="ceiling (fixed)" if g_index == 0 else None,
+                    label="ceiling (fixed, LAST_EXITED)" if g_index == 0 else None,
                 )
                 ax.hlines(
                     TARGETS[group][target_index],
@@ -433,7 +437,7 @@ def plot(table: list[dict], out: Path) -> str:
                     right,
                     colors="red",
                     linestyles=":",
-                    label="target (fixed)" if g_index == 0 else None,
+                    label="target (fixed, LAST_EXITED)" if g_index == 0 else None,
                 )
         ax.set_xticks(range(len(groups)), groups)
         ax.set_yscale("log")

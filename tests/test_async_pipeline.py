@@ -43,7 +43,8 @@ def scenario(llm) -> dict:
                 finals[out.request_id] = out
     engine.abort_request("r1")
     finals.pop("r1", None)
-    engine.add_request("r1", [9, 8, 7, 6], params(1))  # the id again, a new request
+    # the id again, a new request whose prompt starts like r0's (a prefix cache hit, if on)
+    engine.add_request("r1", PROMPTS[0][:8] + [6], params(1))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -84,6 +85,8 @@ def test_async_multi_tick_steps_equal_synchronous_single_ticks(llm_factory, opti
     assert set(reference) == {"r0", "r1", "r2", "r3", "r4"}
     if "enable_preemption" in options:
         assert pipelined.get_stats().preemptions > 0
+    if "enable_prefix_caching" in options:
+        assert pipelined.get_stats().prefix_cache_hit_tokens > 0
 
 
 def test_shutdown_refuses_work_and_context_manager_closes(llm_factory):

@@ -7,7 +7,8 @@
 - programmatic dependent launch changes no token, depth or logprob (fp32 and bf16), and
   neither does skipping the LM head in ticks where no row exits;
 - graphs under preemption and prefix caching still give the oracle's tokens;
-- the asynchronous multi-tick pipeline equals synchronous single ticks;
+- the asynchronous multi-tick pipeline equals synchronous single ticks, with an abort and
+  id reuse, under preemption and with prefix caching;
 - whole engine steps (prefill, decode ticks with early exits and LAST_EXITED finalization,
   coda, sampling, preemption snapshots and restores) make no host-device sync besides the one
   read-back wait per step (torch.cuda.set_sync_debug_mode("error"));
@@ -156,14 +157,31 @@ def test_cuda_graphs_with_preemption_and_prefix_cache(llm_factory, tiny_checkpoi
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths)
 
 
-@pytest.mark.parametrize("options", [{}, {"scheduling_mode": "no_refill"}, {"kv_layout": "shared"}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"scheduling_mode": "no_refill"},
+        {"kv_layout": "shared"},
+        {"enable_prefix_caching": True},
+    ],
+    ids=["last_exited", "no_refill", "shared", "prefix_cache"],
+)
 def test_cuda_async_pipeline_equals_synchronous_ticks(llm_factory, options):
+    """The scenario aborts a request and reuses its id; the pipelined engine runs it with
+    plenty of KV, then with too little (40 blocks: the refilled LAST_EXITED engines preempt)."""
     tight = dict(num_kv_blocks=40, incremental_kv=True, enable_preemption=True)
     reference = scenario(
         llm_factory(device="cuda", async_scheduling=False, decode_ticks_per_step=1, **options)
     )
-    assert_same(scenario(llm_factory(device="cuda", **options)), reference)
-    assert_same(scenario(llm_factory(device="cuda", **tight, **options)), reference)
+    roomy = llm_factory(device="cuda", **options)
+    assert_same(scenario(roomy), reference)
+    squeezed = llm_factory(device="cuda", **tight, **options)
+    assert_same(scenario(squeezed), reference)
+    if options.get("enable_prefix_caching"):
+        assert roomy.get_stats().prefix_cache_hit_tokens > 0
+    if options.keys() <= {"enable_prefix_caching"}:
+        assert squeezed.get_stats().preemptions > 0
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])

@@ -417,12 +417,12 @@ def plot(table: list[dict], out: Path) -> str:
             bars = ax.bar(xs, ys, width, color=color, hatch=hatch, label=label, alpha=0.9)
             ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=6, rotation=90)
         # ceilings and targets are for the LAST_EXITED workload: lines span only its bars
-        last_exited = [i for i, s in enumerate(series) if s[1] == "last_exited"] or [0]
+        last_exited = [i for i, s in enumerate(series) if s[1] == "last_exited"]
         centre = (len(series) - 1) / 2
-        span = ((last_exited[0] - centre - 0.5) * width, (last_exited[-1] - centre + 0.5) * width)
         for g_index, group in enumerate(groups):
-            if group in CEILINGS:
-                left, right = g_index + span[0], g_index + span[1]
+            if group in CEILINGS and last_exited:
+                left = g_index + (last_exited[0] - centre - 0.5) * width
+                right = g_index + (last_exited[-1] - centre + 0.5) * width
                 ax.hlines(
                     CEILINGS[group][ceil_index],
                     left,

@@ -28,6 +28,7 @@ from rlt_contracts.execution import (
     GeneratedTokens,
     ModelRunnerOutput,
     PrefillProgress,
+    SpeculationCounts,
 )
 from rlt_contracts.kv import (
     NO_PREFIX,
@@ -43,9 +44,12 @@ from rlt_contracts.model import (
     LogitsAdjustments,
     LoopedLanguageModel,
     LoopedModelShape,
+    ProposedRows,
     SampledRows,
     SamplingMode,
+    SpeculativeSampler,
     TokenSampler,
+    VerifiedRows,
 )
 from rlt_contracts.outputs import (
     EngineRequest,
@@ -147,6 +151,10 @@ __all__ = [
     "SamplingRow",
     "SchedulerOutput",
     "TokenSampler",
+    "ProposedRows",
+    "SpeculationCounts",
+    "SpeculativeSampler",
+    "VerifiedRows",
     "UnmetRequirement",
     "unmet_requirements",
 ]

@@ -71,6 +71,23 @@ class ExecutionFailure(msgspec.Struct, frozen=True):
     operation: FailedOperation = FailedOperation.STEP
 
 
+class SpeculationCounts(msgspec.Struct, frozen=True, array_like=True):
+    """Draft and acceptance counts of one step's speculative rounds (0.1.7), summed over its
+    rounds and rows (vLLM's spec-decode counters).
+
+    drafts: (row, round) pairs that proposed at least one token.
+    draft_tokens / accepted_tokens: tokens proposed / accepted by the verify pass (a request that
+      stopped inside a round still counts the tokens the verifier accepted).
+    accepted_per_position[i]: rounds whose draft i (0-based) was accepted; its length is the
+      engine's num_speculative_tokens.
+    """
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+
 class ModelRunnerOutput(msgspec.Struct, frozen=True):
     """Results of step `step_id`: generated tokens and prompt progress are distinct fields, so
     no caller infers meaning from the stage.
@@ -79,6 +96,9 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
       ran (padding rows included), for utilisation statistics.
     failures: what failed in the step, each naming the requests it aborts (FailedOperation);
       a SNAPSHOT or RESTORE failure leaves the other requests' results valid.
+    speculative_rounds: the rounds the step ran (0.1.7); speculation: their draft and
+      acceptance counts (None for a step without rounds). A speculative step's loop_slots count
+      the rows x loops of its draft passes and the positions x loops of its verify passes.
     """
 
     step_id: int
@@ -87,6 +107,8 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     failures: tuple[ExecutionFailure, ...] = ()
     decode_ticks: int = 0
     loop_slots: int = 0
+    speculative_rounds: int = 0
+    speculation: SpeculationCounts | None = None
 
     @property
     def step_failed(self) -> bool:

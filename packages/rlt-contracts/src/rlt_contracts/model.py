@@ -179,3 +179,85 @@ class TokenSampler(Protocol):
         min_p: Tensor | None = None,
         adjustments: LogitsAdjustments | None = None,
     ) -> SampledRows: ...
+
+
+class ProposedRows(Protocol):
+    """Device results of drafting one token for N rows (speculative decoding, 0.1.7).
+
+    token_ids [N] int64: the drafted tokens; probabilities [N, V] fp32: the distribution each
+    was drawn from (after the same adjustments, temperature and filters as `sample_rows`; None
+    when no row is random: greedy drafts are argmaxes and need none).
+    """
+
+    token_ids: Tensor
+    probabilities: Tensor | None
+
+
+class VerifiedRows(Protocol):
+    """Device results of verifying n rows' drafts (speculative decoding, 0.1.7).
+
+    accepted [n] int64: drafts accepted (0 .. drafted); token_ids [n, K + 1] int64: the tokens
+    the round emits, entries 0 .. accepted valid (the accepted drafts, then one token of the
+    target distribution); logprobs [n, K + 1] fp32, top_token_ids / top_logprobs [n, K + 1, k]:
+    of the RAW target logits at each position for the emitted token (None unless the mode asks
+    for logprobs).
+    """
+
+    accepted: Tensor
+    token_ids: Tensor
+    logprobs: Tensor | None
+    top_token_ids: Tensor | None
+    top_logprobs: Tensor | None
+
+
+class SpeculativeSampler(TokenSampler, Protocol):
+    """A `TokenSampler` that also drafts and verifies (self-speculative decoding, 0.1.7).
+
+    Per-row parameters are those of `sample_rows`, for n rows; `counter` [n] is the output index
+    of each row's first position. Launches device work only (capturable for a fixed `mode`).
+
+    propose_rows: one draft token per row at output index `counter`, from its own random stream
+      (distinct from the target's), with the distribution it used.
+    verify_rows: target_logits [n * (K + 1), V] are the rows' K + 1 positions in row-major order
+      (position i is output index counter + i); draft_tokens [n, K] and draft_probabilities
+      [n, K, V] (None if no row is random) come from `propose_rows`; drafted [n] int64 limits
+      each row's drafts (0 .. K). Greedy rows accept a draft iff it equals the target's argmax;
+      random rows by rejection sampling (accept with probability min(1, p/q), else draw from
+      norm(max(p - q, 0))), so the emitted tokens follow the target distribution exactly. The
+      token after the accepted drafts is the target's own sample at that output index when
+      every draft was accepted (or none was drafted), which is then exactly what `sample_rows`
+      would draw there. accepted_override [n] int64 (benchmarks only): take these accepted
+      counts instead of testing the drafts.
+    """
+
+    def propose_rows(
+        self,
+        logits: Tensor,
+        *,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        seed: Tensor,
+        counter: Tensor,
+        mode: SamplingMode,
+        min_p: Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
+    ) -> ProposedRows: ...
+
+    def verify_rows(
+        self,
+        target_logits: Tensor,
+        *,
+        draft_tokens: Tensor,
+        draft_probabilities: Tensor | None,
+        drafted: Tensor,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        seed: Tensor,
+        counter: Tensor,
+        mode: SamplingMode,
+        min_p: Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
+        accepted_override: Tensor | None = None,
+    ) -> VerifiedRows: ...

@@ -118,6 +118,8 @@ class EngineStats(msgspec.Struct, frozen=True):
     decode_cuda_graphs: decode ticks replay captured CUDA graphs.
     decode_eager_reason: why they run eagerly instead ("" while graphs run), e.g. "not
       requested", no CUDA device, or an attention backend that cannot be captured.
+    spec_*: self-speculative decoding counters (0.1.7; `SpeculationCounts`): rounds that
+      drafted, draft tokens, accepted tokens, accepted drafts per position (length K).
     """
 
     running_requests: int = 0  # gauge
@@ -137,10 +139,29 @@ class EngineStats(msgspec.Struct, frozen=True):
     attention_backend: str = ""
     decode_cuda_graphs: bool = False
     decode_eager_reason: str = ""
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_blocks_free(self) -> int:
         return self.kv_blocks_total - self.kv_blocks_used
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None before any draft)."""
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a drafting round emits on average: 1 + accepted / drafts (vLLM's mean
+        acceptance length; None before any draft)."""
+        if not self.spec_drafts:
+            return None
+        return 1.0 + self.spec_accepted_tokens / self.spec_drafts
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

@@ -26,6 +26,11 @@ The runner executes one step in this order, which every consumer may rely on:
    the token and starts its successor's loop 1 in the next tick ("refill"); with cohort
    decoding (no_refill) it waits until no row of the batch is looping, then all waiting rows
    start together.
+   Or, instead of ticks, `speculative_rounds` rounds of self-speculative decoding (0.1.7): in a
+   round every decoding row drafts up to `DecodeRule.num_speculative_tokens` tokens with the
+   model's first loops, verifies them and its own current token in one multi-position pass at
+   every position's own exit depth, and keeps the longest accepted prefix plus one token; every
+   row ends a round between tokens (rlt-runner README, "Speculative rounds").
 6. One read-back of everything recorded (`ModelRunnerOutput`).
 
 Positions are 0-based token positions: the prompt occupies [0, P); generated token i is fed back
@@ -97,12 +102,16 @@ class DecodeRule(msgspec.Struct, frozen=True):
       prefix of a long list and keep decoding; the extra tokens are then discarded.
     one_output_per_step: structured output: after each output the row holds (no loops, no
       samples) until a step brings its next `TokenMask`; token 0 needs one too.
+    num_speculative_tokens: drafts per speculative round (0.1.7); 0: the request never drafts
+      and makes exactly one token per round, as a tick-by-tick decode would (the scheduler
+      gives 0 to requests whose options a verify pass cannot keep, e.g. penalties).
     """
 
     exit: ExitRule
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
     one_output_per_step: bool = False
+    num_speculative_tokens: int = 0
 
 
 class NewRequestData(msgspec.Struct, frozen=True):
@@ -157,6 +166,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     token_masks: structured output: the allowed-token bitmask of the next output of
       constrained requests (after the bookkeeping, before token 0 and the ticks); each lets its
       row sample one token (`DecodeRule.one_output_per_step`).
+    speculative_rounds: speculative rounds every decoding row runs in this step instead of
+      ticks (0.1.7; a step has ticks or rounds, never both). A round makes between 1 and
+      num_speculative_tokens + 1 outputs per row; the scheduler has made every decoding row's
+      blocks cover num_speculative_tokens + 1 positions per round.
     """
 
     step_id: int
@@ -169,11 +182,13 @@ class SchedulerOutput(msgspec.Struct, frozen=True):
     remote_starts: tuple[ExecutionIdentity, ...] = ()
     decode_ticks: int = 0
     token_masks: tuple[TokenMask, ...] = ()
+    speculative_rounds: int = 0
 
     @property
     def has_work(self) -> bool:
         """True if the runner must execute model work (not only bookkeeping)."""
-        return bool(self.prefill or self.remote_starts) or self.decode_ticks > 0
+        decodes = self.decode_ticks > 0 or self.speculative_rounds > 0
+        return bool(self.prefill or self.remote_starts) or decodes
 
     @property
     def num_prefill_tokens(self) -> int:

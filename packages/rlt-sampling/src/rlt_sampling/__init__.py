@@ -12,11 +12,14 @@ from rlt_sampling.logits_processing import adjust_logits
 from rlt_sampling.noise import counter_gumbel, counter_uniform, lowbias32
 from rlt_sampling.output import HostSample, SamplerOutput
 from rlt_sampling.sampler import Sampler
+from rlt_sampling.speculative import Proposal, Verification
 
 __all__ = [
     "MIN_TEMPERATURE",
     "HostSample",
+    "Proposal",
     "Sampler",
+    "Verification",
     "SamplerOutput",
     "SamplingBatch",
     "adjust_logits",

@@ -83,6 +83,44 @@ class SamplingBatch:
         return self.temperature.device
 
     @classmethod
+    def of_rows(
+        cls,
+        *,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        seed: torch.Tensor,
+        counter: torch.Tensor,
+        mode: SamplingMode,
+        min_p: torch.Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
+    ) -> SamplingBatch:
+        """A batch over per-row device tensors (the `TokenSampler` keywords), the work fixed
+        by `mode`: no host value is read from a tensor, so it can be built inside a CUDA graph
+        capture. Raises ValueError when the mode needs a tensor that is missing."""
+        if mode.min_p and min_p is None:
+            raise ValueError("mode.min_p needs the rows' min_p")
+        if mode.adjusts_logits and adjustments is None:
+            raise ValueError(f"{mode} needs the rows' logits adjustments")
+        return cls(
+            temperature=torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE), 0.0),
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            counter=counter,
+            all_greedy=not mode.random,
+            any_top_k_top_p=mode.filtered,
+            num_top_logprobs=mode.top_logprobs,
+            requested_logprobs=(mode.top_logprobs,) * int(temperature.shape[0]),
+            min_p=min_p if mode.min_p and mode.random else None,
+            adjustments=adjustments if mode.adjusts_logits else None,
+            penalized=mode.penalized,
+            biased=mode.biased,
+            min_tokens=mode.min_tokens,
+            constrained=mode.constrained,
+        )
+
+    @classmethod
     def build(
         cls,
         rows: Sequence[SamplingRow],

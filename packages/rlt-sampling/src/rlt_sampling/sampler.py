@@ -32,11 +32,11 @@ from collections.abc import Sequence
 import torch
 from rlt_contracts import LogitsAdjustments, SamplingMode, SamplingRow
 
-from rlt_sampling.batch import MIN_TEMPERATURE, SamplingBatch
-from rlt_sampling.filtering import mask_min_p, mask_top_k_top_p
-from rlt_sampling.logits_processing import adjust_logits
+from rlt_sampling.batch import SamplingBatch
+from rlt_sampling.distribution import adjusted_logits, filtered_logits
 from rlt_sampling.noise import counter_gumbel
 from rlt_sampling.output import SamplerOutput
+from rlt_sampling.speculative import Proposal, Verification, propose, verify
 
 
 class Sampler:
@@ -73,28 +73,48 @@ class Sampler:
         Temperatures in (0, MIN_TEMPERATURE) are raised to it, as `SamplingBatch.build` does.
         Every row gets `mode.top_logprobs` alternatives; callers trim them per request.
         min_p (fp32 [N]) is read when `mode.min_p`, `adjustments` when `mode.adjusts_logits`."""
-        if mode.min_p and min_p is None:
-            raise ValueError("mode.min_p needs the rows' min_p")
-        if mode.adjusts_logits and adjustments is None:
-            raise ValueError(f"{mode} needs the rows' logits adjustments")
-        batch = SamplingBatch(
-            temperature=torch.where(temperature > 0, temperature.clamp(min=MIN_TEMPERATURE), 0.0),
+        batch = SamplingBatch.of_rows(
+            temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,
             counter=counter,
-            all_greedy=not mode.random,
-            any_top_k_top_p=mode.filtered,
-            num_top_logprobs=mode.top_logprobs,
-            requested_logprobs=(mode.top_logprobs,) * int(temperature.shape[0]),
-            min_p=min_p if mode.min_p and mode.random else None,
-            adjustments=adjustments if mode.adjusts_logits else None,
-            penalized=mode.penalized,
-            biased=mode.biased,
-            min_tokens=mode.min_tokens,
-            constrained=mode.constrained,
+            mode=mode,
+            min_p=min_p,
+            adjustments=adjustments,
         )
         return self.sample(logits, batch)
+
+    def propose_rows(self, logits: torch.Tensor, *, mode: SamplingMode, **rows) -> Proposal:
+        """`rlt_contracts.SpeculativeSampler.propose_rows`: one draft token per row (keywords
+        as `sample_rows`), from the row's draft stream (`speculative.py`)."""
+        batch = SamplingBatch.of_rows(mode=mode, **rows)
+        return propose(logits, batch, self._gumbel_noise)
+
+    def verify_rows(
+        self,
+        target_logits: torch.Tensor,
+        *,
+        draft_tokens: torch.Tensor,
+        draft_probabilities: torch.Tensor | None,
+        drafted: torch.Tensor,
+        mode: SamplingMode,
+        accepted_override: torch.Tensor | None = None,
+        **rows,
+    ) -> Verification:
+        """`rlt_contracts.SpeculativeSampler.verify_rows`: accept each row's drafts (greedy:
+        equality with the target's argmax; random: rejection sampling) and add one token of the
+        target distribution (`speculative.py`). Row keywords as `sample_rows`, for n rows."""
+        batch = SamplingBatch.of_rows(mode=mode, **rows)
+        return verify(
+            target_logits,
+            batch,
+            draft_tokens=draft_tokens,
+            draft_probabilities=draft_probabilities,
+            drafted=drafted,
+            noise=self._gumbel_noise,
+            accepted_override=accepted_override,
+        )
 
     def sample(
         self, logits: torch.Tensor, batch: SamplingBatch | Sequence[SamplingRow]
@@ -131,35 +151,19 @@ class Sampler:
         if logits.device != batch.device:
             raise ValueError(f"logits on {logits.device} but batch on {batch.device}")
 
-        adjusted = logits
-        if batch.adjustments is not None:
-            adjusted = adjust_logits(
-                logits, batch.adjustments, counter=batch.counter, mode=batch.adjustment_mode
-            )
-        greedy_token_ids = adjusted.argmax(dim=-1)
+        adjusted, greedy_token_ids = adjusted_logits(logits, batch)
         if batch.all_greedy:
             token_ids = greedy_token_ids
         else:
+            gumbel = self._gumbel_noise(batch.seed, batch.counter, logits.shape[-1])
             token_ids = torch.where(
                 batch.temperature == 0.0,
                 greedy_token_ids,
-                self._sample_random_rows(adjusted, batch),
+                gumbel.add_(filtered_logits(adjusted, batch)).argmax(dim=-1),
             )
         if batch.num_top_logprobs is None:
             return SamplerOutput(token_ids, None, None, None, batch.requested_logprobs)
         return _with_logprobs(logits, token_ids, batch)
-
-    def _sample_random_rows(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Gumbel-max token int64 [N] of every row as if it were random (greedy rows use T = 1
-        here and are replaced by their argmax afterwards)."""
-        safe_temperature = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
-        scaled_logits = logits.to(torch.float32) / safe_temperature[:, None]
-        if batch.min_p is not None:
-            scaled_logits = mask_min_p(scaled_logits, batch.min_p)
-        if batch.any_top_k_top_p:
-            scaled_logits = mask_top_k_top_p(scaled_logits, batch.top_k, batch.top_p)
-        gumbel = self._gumbel_noise(batch.seed, batch.counter, logits.shape[-1])
-        return gumbel.add_(scaled_logits).argmax(dim=-1)
 
 
 def _with_logprobs(

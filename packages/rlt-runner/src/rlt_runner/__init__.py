@@ -12,6 +12,7 @@ from rlt_runner.model_runner import ModelRunner
 from rlt_runner.readback import PendingStep
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.snapshots import SnapshotStore
+from rlt_runner.speculative_program import SpeculationSettings
 
 __all__ = [
     "ActivationProfile",
@@ -22,6 +23,7 @@ __all__ = [
     "PendingStep",
     "RowRecord",
     "SnapshotStore",
+    "SpeculationSettings",
     "plan_kv_blocks",
     "profile_activation_peak",
     "profile_blocks",

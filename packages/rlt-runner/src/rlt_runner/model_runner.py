@@ -49,6 +49,8 @@ from rlt_runner.readback import PendingStep, finish_readback, start_readback
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
+from rlt_runner.speculative_graphs import SpeculativeGraphs
+from rlt_runner.speculative_program import SpeculationSettings, SpeculativeProgram
 from rlt_runner.transfers import upload
 
 logger = logging.getLogger(__name__)
@@ -102,11 +104,13 @@ class ModelRunner:
         cuda_graphs: bool = False,
         prefill_graph_tokens: int = 0,
         max_prefill_chunk: int = 0,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         """`cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
         `prefill_graph_tokens` > 0 (with `cuda_graphs`): prompts as graphs too, SHARED waves
         or depth-major steps of up to that many tokens in chunks of up to `max_prefill_chunk`
-        (larger steps run eagerly)."""
+        (larger steps run eagerly). `speculation`: steps may run speculative rounds (the
+        sampler must then be a `SpeculativeSampler`)."""
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -123,7 +127,10 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        max_pages = -(-max_model_len // block_size)
+        # A speculative round's verify pass reads K positions past the last valid one (never
+        # allocated: their table entries stay the scratch block).
+        lookahead = speculation.num_drafts if speculation is not None else 0
+        max_pages = -(-(max_model_len + lookahead) // block_size)
         self.rows = DecodeRows(
             max_rows=max_num_seqs,
             num_planes=kv_layout.storage_planes(shape.num_loops),
@@ -147,12 +154,29 @@ class ModelRunner:
             max_ticks=max_decode_ticks,
             max_context=max_pages * block_size,
         )
+        self.speculation: SpeculativeProgram | None = None
+        if speculation is not None:
+            self.speculation = SpeculativeProgram(
+                model,
+                attention,
+                sampler,
+                self.kv,
+                self.rows,
+                layout=kv_layout,
+                cohort=cohort_decoding,
+                num_drafts=speculation.num_drafts,
+                draft_loops=speculation.draft_loops,
+                max_slots=min(speculation.max_rows, max_num_seqs),
+                max_rounds=speculation.max_rounds,
+                max_model_len=max_model_len,
+            )
         self.snapshots = SnapshotStore()
         self.bookkeeping = StepBookkeeping(self.rows, self.kv, self.snapshots)
         self.readback_wait_s = 0.0  # cumulative host time blocked on device results
         self.graphs: DecodeGraphs | None = None
         self.shared_waves: SharedPrefillGraphs | None = None  # SHARED prefill, with graphs
         self.prefill_graphs: PrefillGraphs | None = None  # depth-major prefill, with graphs
+        self.speculative_graphs: SpeculativeGraphs | None = None  # rounds, with graphs
         self._prefill_graph_limits = (prefill_graph_tokens, max_prefill_chunk)
         self.graphs_disabled_reason = "not requested"
         if cuda_graphs:
@@ -170,6 +194,10 @@ class ModelRunner:
                 with torch.inference_mode():
                     graphs = DecodeGraphs(self.program, max_rows=max_rows)
                     self._enable_prefill_graphs(graphs)
+                    if self.speculation is not None:
+                        self.speculative_graphs = SpeculativeGraphs(
+                            self.speculation, pool=graphs.pool
+                        )
                 self.graphs = graphs
                 self.graphs_disabled_reason = ""
             except (RuntimeError, ValueError) as exc:
@@ -211,6 +239,8 @@ class ModelRunner:
         this one has none: the memory profile runs eagerly), the KV pool excluded. The SHARED
         waves' buffers are a few rows: left out."""
         tensors = [*vars(self.rows).values(), *vars(self.program).values()]
+        if self.speculation is not None:
+            tensors += vars(self.speculation).values()
         own = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         tokens = self._prefill_graph_limits[0]
         if tokens <= 0 or self.layout is KVLayout.SHARED:
@@ -224,6 +254,8 @@ class ModelRunner:
         self.graphs = None
         self.shared_waves = None
         self.prefill_graphs = None
+        self.speculative_graphs = None
+        self.speculation = None
         self.program = None
         self.rows = None
         self.kv = None
@@ -258,8 +290,13 @@ class ModelRunner:
                 running = self.rows.decoding_records() if step.decode_ticks > 0 else []
                 pending.mode = step_sampling_mode(running + started)
                 started_record = self._run_prefill(chunks, remote_starts, started, pending)
-                self._run_ticks(step.decode_ticks, pending)
-                start_readback(pending, started_record, self.program.ring, self.device)
+                if step.speculative_rounds > 0:
+                    self._run_rounds(step.speculative_rounds, step.decode_ticks, pending)
+                    ring, counts = self.speculation.ring, self.speculation.counts
+                else:
+                    self._run_ticks(step.decode_ticks, pending)
+                    ring, counts = self.program.ring, None
+                start_readback(pending, started_record, ring, self.device, counts)
         except RECOVERABLE_ERRORS as exc:
             logger.exception("step %d failed; aborting its requests", step.step_id)
             self._fail_step(step, pending, f"{type(exc).__name__}: {exc}")
@@ -349,4 +386,45 @@ class ModelRunner:
                 self.program.tick(rows, pending.mode, gate, max_context)
         pending.ticks = ticks
         pending.rows = rows
+        pending.loop_slots = ticks * rows
         pending.owners = self.rows.row_owners(rows)
+
+    def _run_rounds(self, rounds: int, ticks: int, pending: PendingStep) -> None:
+        """Speculative rounds for every decoding row (slots in row order, padded with a row
+        that does not decode: its state is left as it is)."""
+        program = self.speculation
+        if program is None:
+            raise ValueError("a speculative step reached a runner built without speculation")
+        if ticks:
+            raise ValueError("a step runs decode ticks or speculative rounds, not both")
+        if rounds > program.max_rounds:
+            raise ValueError(f"{rounds} rounds exceed the runner's {program.max_rounds}")
+        decoding = self.rows.decoding_records()
+        if not decoding:
+            return
+        count = len(decoding)
+        if count > program.max_slots:
+            raise ValueError(
+                f"{count} decoding rows exceed the {program.max_slots} a speculative round holds"
+            )
+        slots = self.speculative_graphs.bucket(count) if self.speculative_graphs else count
+        rows = [r.row for r in decoding]
+        if slots > count:  # padding slots point at one row that is not decoding
+            taken = set(rows)
+            rows += [next(r for r in range(len(taken) + 1) if r not in taken)] * (slots - count)
+        gate = any(r.rule.exit.uses_gate for r in decoding)
+        program.begin_step(rows, count, rounds)
+        if self.speculative_graphs is not None:
+            for _ in range(rounds):
+                self.speculative_graphs.round(slots, pending.mode, gate)
+        else:
+            longest = max(self.rows.allocated_tokens(r, self.block_size) for r in decoding)
+            max_context = min(longest + program.width, self.rows.max_pages * self.block_size)
+            for _ in range(rounds):
+                program.round(slots, pending.mode, gate, max_context)
+        pending.ticks = rounds * program.width
+        pending.rows = slots
+        pending.speculative_rounds = rounds
+        pending.drafts = program.num_drafts
+        pending.loop_slots = rounds * slots * program.loops_per_round
+        pending.owners = [*decoding, *[None] * (slots - count)]

@@ -29,6 +29,7 @@ from rlt_contracts import (
     ModelRunnerOutput,
     PrefillProgress,
     SamplingMode,
+    SpeculationCounts,
 )
 
 from rlt_runner.decode_program import record_columns
@@ -49,7 +50,12 @@ class PendingStep:
     """A submitted step: what it recorded is on its way to `host` (valid once `event` is done).
 
     started: rows whose prompt completed (their token-0 record comes first in `host`);
-    owners: the record of every decode row [0, rows) at submission (None: free row);
+    owners: the record of every decode row [0, rows) at submission (None: free row), or, in a
+      speculative step, of every slot;
+    ticks: ring rows recorded (a speculative step: rounds x (drafts + 1));
+    speculative_rounds / drafts: a speculative step's rounds and the engine's drafts per round
+      (its per-round (accepted, drafted) counts follow the ring in `host`);
+    loop_slots: rows x loops the step's decode ran (padding included);
     queued_progress: prompt chunks submitted (reported only with completion evidence);
     failures: operations that failed (their requests are named); step_failed: the whole step
       failed, so it reports nothing else.
@@ -61,6 +67,9 @@ class PendingStep:
     owners: list[RowRecord | None] = field(default_factory=list)
     ticks: int = 0
     rows: int = 0
+    speculative_rounds: int = 0
+    drafts: int = 0
+    loop_slots: int = 0
     queued_progress: tuple[PrefillProgress, ...] = ()
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
@@ -74,18 +83,22 @@ def start_readback(
     started_record: torch.Tensor | None,
     ring: torch.Tensor,
     device: torch.device,
+    counts: torch.Tensor | None = None,
 ) -> None:
-    """Queue the one copy of this step's records: [started rows, columns] then the ring's
-    [ticks, rows, columns] block, flattened into one fp64 tensor, and establish how completion
-    will be known. On CUDA every step records its event after all its work, also one with
-    nothing to read back (prefill only): collecting it is the evidence that its device work
-    (e.g. a chunk's KV, before its progress is reported or a transfer reads it) is complete."""
+    """Queue the one copy of this step's records: [started rows, columns], the ring's
+    [ticks, rows, columns] block and, for a speculative step, `counts`' [rounds, slots, 2]
+    block, flattened into one fp64 tensor, and establish how completion will be known. On CUDA
+    every step records its event after all its work, also one with nothing to read back
+    (prefill only): collecting it is the evidence that its device work (e.g. a chunk's KV,
+    before its progress is reported or a transfer reads it) is complete."""
     parts = []
     if started_record is not None:
         parts.append(started_record.reshape(-1))
     if pending.ticks:
         columns = record_columns(pending.mode)
         parts.append(ring[: pending.ticks, : pending.rows, :columns].reshape(-1))
+    if pending.speculative_rounds and counts is not None:
+        parts.append(counts[: pending.speculative_rounds, : pending.rows].reshape(-1))
     if parts:
         pending.host = download(torch.cat(parts) if len(parts) > 1 else parts[0])
     if device.type == "cuda":
@@ -116,9 +129,15 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
             "its prompt progress and records cannot be reported"
         )
     tokens: dict[int, _Collected] = {}
+    speculation = None
     if pending.host is not None:
         columns = record_columns(pending.mode)
-        values = pending.host.view(-1, columns)
+        host = pending.host
+        if pending.speculative_rounds:
+            size = pending.speculative_rounds * pending.rows * 2
+            speculation = _speculation_counts(host[-size:].view(-1, pending.rows, 2), pending)
+            host = host[:-size]
+        values = host.view(-1, columns)
         started = len(pending.started)
         for record, row_values in zip(pending.started, values[:started].tolist(), strict=True):
             _collected(tokens, record).add(row_values)
@@ -135,10 +154,29 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
         generated=tuple(c.build() for c in tokens.values()),
         prefill_progress=pending.queued_progress,  # device completion established above
         failures=failures,
-        decode_ticks=pending.ticks,
-        loop_slots=pending.ticks * pending.rows,
+        decode_ticks=0 if pending.speculative_rounds else pending.ticks,
+        loop_slots=pending.loop_slots,
+        speculative_rounds=pending.speculative_rounds,
+        speculation=speculation,
     )
     return output, waited
+
+
+def _speculation_counts(counts: torch.Tensor, pending: PendingStep) -> SpeculationCounts:
+    """Sum the rounds' (accepted, drafted) pairs of the slots that had an owner."""
+    owned = [slot for slot, owner in enumerate(pending.owners) if owner is not None]
+    pairs = counts[:, owned].reshape(-1, 2).tolist()
+    per_position = [0] * pending.drafts
+    drafts = draft_tokens = accepted_tokens = 0
+    for accepted, drafted in pairs:
+        if drafted <= 0:
+            continue
+        drafts += 1
+        draft_tokens += int(drafted)
+        accepted_tokens += int(accepted)
+        for position in range(int(accepted)):
+            per_position[position] += 1
+    return SpeculationCounts(drafts, draft_tokens, accepted_tokens, tuple(per_position))
 
 
 class _Collected:

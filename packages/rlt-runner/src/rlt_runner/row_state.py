@@ -20,8 +20,9 @@ every tick (nobody else writes them):
                        next token mask (set on output if `hold_after_output`, cleared by
                        `apply_token_masks`); a held row neither loops nor samples
   hold_after_output [S] bool: the rule's `one_output_per_step`
-  rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C]: the
-                       request's `DecodeRule` (stop_ids padded with -1)
+  rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C],
+  speculative_tokens:  the request's `DecodeRule` (stop_ids padded with -1;
+                       speculative_tokens = its drafts per speculative round)
   temperature, top_k, top_p, seed: its sampling parameters
   repetition_penalty, frequency_penalty, presence_penalty, min_p [S] fp32, min_tokens [S]:
                        the logits adjustments and min_p (neutral: 1, 0, 0, 0, 0)
@@ -54,7 +55,16 @@ from rlt_runner.transfers import upload
 
 HAZARD_CODE, DELAYED_CODE, TRACE_CODE = 0, 1, 2
 # Per-row int64 / fp32 parameters written at activation, in upload column order.
-INT_FIELDS = ("rule_kind", "min_loops", "max_loops", "max_tokens", "top_k", "seed", "min_tokens")
+INT_FIELDS = (
+    "rule_kind",
+    "min_loops",
+    "max_loops",
+    "max_tokens",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "speculative_tokens",
+)
 FLOAT32_FIELDS = (
     "temperature",
     "top_p",
@@ -150,6 +160,7 @@ class DecodeRows:
         self.threshold = torch.ones(S, dtype=torch.float64, device=device)
         self.trace = zeros(S, trace_capacity, dtype=torch.int8)
         self.max_tokens = torch.ones(S, dtype=torch.int64, device=device)
+        self.speculative_tokens = zeros(S)
         self.stop_ids = torch.full((S, stop_capacity), -1, dtype=torch.int64, device=device)
         self.temperature = zeros(S, dtype=torch.float32)
         self.top_k = zeros(S)
@@ -241,6 +252,7 @@ class DecodeRows:
             record.sampling.top_k,
             record.sampling.seed,
             record.sampling.min_tokens,
+            rule.num_speculative_tokens,
             *stops,
         ]
 

@@ -1,6 +1,7 @@
 """rlt-scheduler: request progression, loop-level batching and exit decisions (module M3)."""
 
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
+from rlt_scheduler.decode_work import DecodeWork, max_rounds_per_step
 from rlt_scheduler.exit_policy import (
     DelayedOuroExitPolicy,
     ExitPolicy,
@@ -15,6 +16,8 @@ from rlt_scheduler.scheduler import Scheduler
 from rlt_scheduler.stats import SchedulerStats
 
 __all__ = [
+    "DecodeWork",
+    "max_rounds_per_step",
     "DelayedOuroExitPolicy",
     "ExitPolicy",
     "ExitPolicyName",

@@ -36,6 +36,7 @@ from rlt_scheduler.admission import (
     start_admitted,
 )
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
+from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
@@ -86,7 +87,7 @@ class Admitter:
             stats=self.stats,
         )
 
-    def admit(self, ticks: int, step: StepBuilder, *, clock: Callable[[], float]) -> None:
+    def admit(self, work: DecodeWork, step: StepBuilder, *, clock: Callable[[], float]) -> None:
         """Admit waiting requests in policy order with bounded bypass (module docstring).
         `clock`: host monotonic seconds, read once per newly admitted request (its
         `scheduled_time`)."""
@@ -108,7 +109,7 @@ class Admitter:
                 growth = running_growth(config, self.kv, self.queues.running)
                 if self._nobody_fits(growth):
                     return  # every try would fail and change nothing
-            if self._try_admit(request, growth, ticks, step, clock=clock):
+            if self._try_admit(request, growth, work, step, clock=clock):
                 growth = None  # one more running request
                 for waiting in deferred:
                     waiting.bypass_count += 1
@@ -163,7 +164,7 @@ class Admitter:
         self,
         request: ScheduledRequest,
         growth: RunningGrowth,
-        ticks: int,
+        work: DecodeWork,
         step: StepBuilder,
         *,
         clock: Callable[[], float],
@@ -178,7 +179,7 @@ class Admitter:
         if request.preempted:
             return suspension.resume(
                 request,
-                ticks,
+                work,
                 step,
                 running=queues.running,
                 waiting=queues.waiting,
@@ -199,5 +200,5 @@ class Admitter:
         if request.awaits_kv:  # PD decode: the prompt's KV comes from a prefill instance
             queues.handoffs.await_kv(request)
         else:
-            self.planner.schedule_prefill_chunk(request, ticks, step)
+            self.planner.schedule_prefill_chunk(request, work, step)
         return True

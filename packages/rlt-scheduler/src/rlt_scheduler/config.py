@@ -52,6 +52,10 @@ class SchedulerConfig:
       work run one tick.
     max_waiting_requests: bound on the requests that really wait (left waiting by a step, or
       queued since beyond the free runner slots); add_request beyond it raises OverloadedError.
+    num_speculative_tokens: K > 0: decoding runs self-speculative rounds of K drafts
+      (decode_work.py); 0: ticks only.
+    speculative_disable_batch_size: with K > 0, steps in which more requests than this decode
+      run ticks instead of rounds (None: never).
     """
 
     max_num_seqs: int = 8
@@ -67,6 +71,8 @@ class SchedulerConfig:
     max_admission_bypasses: int = 8
     max_waiting_requests: int = 4096
     decode_ticks_per_step: int = 8
+    num_speculative_tokens: int = 0
+    speculative_disable_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,6 +87,13 @@ class SchedulerConfig:
             _positive_int(name, getattr(self, name))
         if self.max_num_batched_token_loops is not None:
             _positive_int("max_num_batched_token_loops", self.max_num_batched_token_loops)
+        if self.speculative_disable_batch_size is not None:
+            _positive_int("speculative_disable_batch_size", self.speculative_disable_batch_size)
+        tokens = self.num_speculative_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigurationError(
+                "num_speculative_tokens", f"must be a non-negative integer, got {tokens!r}"
+            )
         if self.max_num_batched_tokens <= self.max_num_seqs:
             raise ConfigurationError(
                 ("max_num_batched_tokens", "max_num_seqs"),

@@ -18,9 +18,9 @@ from __future__ import annotations
 from rlt_contracts import EngineRequest, InvalidRequestError, PDRole, TokenConstraint, TokenMask
 from rlt_contracts.structured import ConstraintCompiler
 
+from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.step_builder import StepBuilder
-from rlt_scheduler.tick_policy import tick_output_bound
 
 
 def compile_constraint(
@@ -39,12 +39,12 @@ def compile_constraint(
     return compiler.compile(spec)
 
 
-def decode_output_bound(request: ScheduledRequest, ticks: int) -> int:
-    """Most outputs a decoding request can make in a step of `ticks` ticks. A constrained
-    request (structured output) makes one per token mask: one if this step brings the
-    next mask; else one if its current mask's token may still come (no step in flight
+def decode_output_bound(request: ScheduledRequest, work: DecodeWork) -> int:
+    """Most outputs a decoding request can make in a step whose decode is `work`. A
+    constrained request (structured output) makes one per token mask: one if this step brings
+    the next mask; else one if its current mask's token may still come (no step in flight
     counts it), otherwise none (it is held on the device until its next mask)."""
-    bound = tick_output_bound(request, ticks, fresh=False)
+    bound = work.output_bound(request, fresh=False)
     if request.constraint is None:
         return bound
     if not request.mask_sent:
@@ -52,12 +52,12 @@ def decode_output_bound(request: ScheduledRequest, ticks: int) -> int:
     return min(bound, max(1 - request.unconfirmed_tokens, 0))
 
 
-def start_output_bound(request: ScheduledRequest, ticks: int) -> int:
-    """Outputs of the step that samples token 0: token 0 plus what the ticks can make
+def start_output_bound(request: ScheduledRequest, work: DecodeWork) -> int:
+    """Outputs of the step that samples token 0: token 0 plus what its decode can make
     (nothing more for a constrained request: it holds until its next mask)."""
     if request.constraint is not None:
         return 1
-    return 1 + tick_output_bound(request, ticks, fresh=True)
+    return 1 + work.output_bound(request, fresh=True)
 
 
 def send_mask_if_due(request: ScheduledRequest, step: StepBuilder) -> None:
@@ -79,11 +79,11 @@ def send_token0_mask(request: ScheduledRequest, step: StepBuilder) -> None:
         request.mask_ticks = request.bounds.max_loops
 
 
-def count_mask_ticks(request: ScheduledRequest, ticks: int) -> None:
-    """A submitted step runs `ticks` ticks for a decoding request: a constrained one counts them
-    against its current mask (the loops it still needs are `max_loops - mask_ticks`)."""
+def count_mask_ticks(request: ScheduledRequest, work: DecodeWork) -> None:
+    """A submitted step decodes a request: a constrained one counts the step's loops against
+    its current mask (the loops it still needs are `max_loops - mask_ticks`)."""
     if request.constraint is not None:
-        request.mask_ticks += ticks
+        request.mask_ticks += work.mask_loops(request)
 
 
 def accept_output(request: ScheduledRequest, token_id: int) -> str | None:

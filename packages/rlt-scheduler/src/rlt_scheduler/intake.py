@@ -72,10 +72,12 @@ def build_scheduled_request(
     exit_policy: ExitPolicy,
     eos_token_ids: tuple[int, ...],
     queued_time: float,
+    draft_tokens: int = 0,
 ) -> ScheduledRequest:
     """The scheduling state of a validated request: identity (`generation` is also its arrival
     index), a seed if none was given, and its `DecodeRule` (exit rule compiled once, stop ids
-    including EOS unless `ignore_eos`, one output per step under a grammar)."""
+    including EOS unless `ignore_eos`, one output per step under a grammar, `draft_tokens`
+    drafts per speculative round)."""
     request_id, sampling = new.request_id, new.sampling
     if sampling.seed is None:
         sampling = structs.replace(sampling, seed=secrets.randbits(63))
@@ -92,6 +94,7 @@ def build_scheduled_request(
             max_tokens=sampling.max_tokens,
             stop_token_ids=stop_ids,
             one_output_per_step=constraint is not None,
+            num_speculative_tokens=draft_tokens,
         ),
         arrival_index=generation,
         queued_time=queued_time,

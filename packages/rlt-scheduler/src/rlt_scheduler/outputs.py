@@ -12,9 +12,11 @@ returned (`FinishDecision`) for the scheduler's one cleanup path (`Scheduler._fi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rlt_contracts import (
+    ExecutionIdentity,
     FinishReason,
     GeneratedTokens,
     KVPort,
@@ -108,3 +110,16 @@ def finish_reason(request: ScheduledRequest, token_id: int) -> FinishReason | No
     if request.num_outputs >= request.sampling.max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def end_tokens_between_rounds(
+    identities: Iterable[ExecutionIdentity],
+    live: Callable[[ExecutionIdentity], ScheduledRequest | None],
+) -> None:
+    """A speculative step's rows end it between tokens: no loop of a next token has run, so
+    the confirmed ticks are re-based to make `loops_into_token` 0 (ticks count loops only in
+    tick steps)."""
+    for identity in identities:
+        request = live(identity)
+        if request is not None:
+            request.confirmed_ticks = sum(request.exit_depths[1:])

@@ -60,6 +60,7 @@ from rlt_contracts.structured import ConstraintCompiler
 from rlt_scheduler import constrained, outputs, pd_stages
 from rlt_scheduler.admitting import Admitter
 from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
 from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
 from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
@@ -68,7 +69,6 @@ from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
 from rlt_scheduler.step_building import StepPlanner
-from rlt_scheduler.tick_policy import decode_ticks
 from rlt_scheduler.validation import ModelLimits, check_kv_transfer, validate_request
 
 
@@ -111,6 +111,7 @@ class Scheduler:
         # requests queued since step `_fresh_step` was scheduled (no admission saw them yet)
         self._fresh: list[ScheduledRequest] = []
         self._fresh_step = 0
+        self._start_deferred = False  # the last step was speculative, full, and a start waited
         self._planner = StepPlanner(config, kv, self.stats, self._queues, model_depth=model_depth)
         self._admitter = Admitter(
             config, kv, self.stats, self._queues, self._planner, prefix_caching=prefix_caching
@@ -188,6 +189,7 @@ class Scheduler:
             exit_policy=self.exit_policy,
             eos_token_ids=self.eos_token_ids,
             queued_time=time.monotonic(),
+            draft_tokens=draft_tokens(self.config, new.sampling),
         )
         self._next_generation += 1
         self._requests[new.request_id] = request
@@ -253,26 +255,38 @@ class Scheduler:
         """
         step = self._planner.new_step()
         self._admitter.preempt_for_priority(step)
-        ticks = decode_ticks(
+        work = decode_work(
             self.config,
             self._queues.running,
             self._in_flight.unconfirmed_ticks,
             admission_possible=self._admitter.admission_possible(),
+            model_depth=self.model_depth,
+            start_deferred=self._start_deferred,
         )
-        self._planner.schedule_running(ticks, step)
+        limit = self.config.speculative_disable_batch_size
+        if work.speculative and limit is not None:
+            decoding_now = sum(1 for r in self._queues.running if r.stage is RequestStage.DECODING)
+            step.looping_room = limit - decoding_now
+        self._planner.schedule_running(work, step)
         # the clock is read through this module's `time` (tests patch it)
-        self._admitter.admit(ticks, step, clock=time.monotonic)
+        self._admitter.admit(work, step, clock=time.monotonic)
         decoding = self._looping_rows(step)
-        if not decoding:  # no decoding row and no request starting to decode: no ticks
-            ticks = 0
-        output = step.build(self._next_step, released=tuple(self._releases), decode_ticks=ticks)
+        if not decoding:  # no decoding row and no request starting to decode: no decode
+            work = DecodeWork()
+        self._start_deferred = step.start_deferred
+        output = step.build(
+            self._next_step,
+            released=tuple(self._releases),
+            decode_ticks=work.ticks,
+            speculative_rounds=work.rounds,
+        )
         self._releases.clear()
         self._next_step += 1
         self._in_flight.submit(
             SubmittedStep(output, step.output_bounds, decoding), self._request_of
         )
         for identity in decoding:
-            constrained.count_mask_ticks(self._request_of(identity), ticks)
+            constrained.count_mask_ticks(self._request_of(identity), work)
         return output
 
     def _looping_rows(self, step: StepBuilder) -> frozenset[ExecutionIdentity]:
@@ -348,6 +362,8 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.decode_ticks += result.decode_ticks
         self.stats.loop_slots += result.loop_slots
+        if result.speculation is not None:
+            self.stats.add_speculation(result.speculation)
         # Failure protocol (R04): the runner already dropped the named requests' device state;
         # each is aborted with the error (a preempted victim whose snapshot failed included: its
         # blocks were handed out, so it cannot resume). Release is queued by _finish.
@@ -366,6 +382,8 @@ class Scheduler:
             request = self._current(generated.identity)
             if request is not None:
                 self._record_tokens(request, generated, now)
+        if result.speculative_rounds:
+            outputs.end_tokens_between_rounds(submitted.decoding, self._current)
 
     def _record_tokens(
         self, request: ScheduledRequest, generated: GeneratedTokens, now: float

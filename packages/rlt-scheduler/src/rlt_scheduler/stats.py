@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from rlt_contracts import SpeculationCounts
 
 
 @dataclass
@@ -17,3 +19,17 @@ class SchedulerStats:
     resumptions: int = 0
     decode_ticks: int = 0  # loop ticks run by the device (each runs every decoding row once)
     loop_slots: int = 0  # rows x ticks of the decode batches (padding rows included)
+    spec_drafts: int = 0  # (request, round) pairs that drafted (speculative decoding)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    def add_speculation(self, counts: SpeculationCounts) -> None:
+        """Add one step's draft and acceptance counts."""
+        self.spec_drafts += counts.drafts
+        self.spec_draft_tokens += counts.draft_tokens
+        self.spec_accepted_tokens += counts.accepted_tokens
+        per_position = self.spec_accepted_per_position
+        per_position.extend([0] * (len(counts.accepted_per_position) - len(per_position)))
+        for position, accepted in enumerate(counts.accepted_per_position):
+            per_position[position] += accepted

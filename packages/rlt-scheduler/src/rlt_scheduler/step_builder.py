@@ -18,6 +18,9 @@ class StepBuilder:
     token_budget: token rows left per tick (a decoding row and a prefill token each cost one).
     loop_budget: token x loop passes left (decoding row 1, prefill token `depth`); None = no cap.
     output_bounds: per request, the most outputs this step can produce (KV lookahead accounting).
+    looping_room: a speculative step's room for requests that start decoding in it (a prompt
+      completing, a PD remote start, a resumed decoding request); None: unlimited.
+    start_deferred: a request that could have started decoding waited for lack of room.
     """
 
     def __init__(self, token_budget: int, loop_budget: int | None, depth: int) -> None:
@@ -34,6 +37,24 @@ class StepBuilder:
         self.output_bounds: dict[ExecutionIdentity, int] = {}
         self.token_masks: list[TokenMask] = []
         self.selected: set[ExecutionIdentity] = set()
+        self.looping_room: int | None = None
+        self.start_deferred = False
+
+    def can_start_decoding(self) -> bool:
+        """Whether one more request may start decoding in this step; False records that a
+        start waited."""
+        if self.looping_room is None or self.looping_room > 0:
+            return True
+        self.start_deferred = True
+        return False
+
+    def take_looping_row(self) -> bool:
+        """`can_start_decoding`, and if so the room is taken."""
+        if not self.can_start_decoding():
+            return False
+        if self.looping_room is not None:
+            self.looping_room -= 1
+        return True
 
     def prefill_room(self) -> int:
         """Prompt tokens that still fit this step under both budgets."""
@@ -69,7 +90,12 @@ class StepBuilder:
             self.loop_budget -= len(chunk.token_ids) * self.depth
 
     def build(
-        self, step_id: int, *, released: tuple[ExecutionIdentity, ...], decode_ticks: int
+        self,
+        step_id: int,
+        *,
+        released: tuple[ExecutionIdentity, ...],
+        decode_ticks: int,
+        speculative_rounds: int = 0,
     ) -> SchedulerOutput:
         return SchedulerOutput(
             step_id=step_id,
@@ -82,4 +108,5 @@ class StepBuilder:
             remote_starts=tuple(self.remote_starts),
             decode_ticks=decode_ticks,
             token_masks=tuple(self.token_masks),
+            speculative_rounds=speculative_rounds,
         )

@@ -1,6 +1,6 @@
 """`StepPlanner`: fills one step's draft (`StepBuilder`) with the work of running requests.
 
-Per request: a decoding row's ticks (`schedule_decode`), the next prompt chunk
+Per request: a decoding row's ticks or rounds (`schedule_decode`), the next prompt chunk
 (`schedule_prefill_chunk`), a PD decode request whose prompt KV landed (`schedule_remote_start`).
 Each first makes sure the request's blocks cover what the step can write (`ensure_kv`: KV growth,
 preempting a victim where allowed, `suspension.grow_or_preempt`); a request whose blocks cannot
@@ -17,6 +17,7 @@ from rlt_contracts import KVPort, PrefillChunk, RequestStage
 
 from rlt_scheduler import constrained, pd_stages, suspension
 from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
@@ -49,41 +50,46 @@ class StepPlanner:
             config.max_num_batched_tokens, config.max_num_batched_token_loops, self.model_depth
         )
 
-    def schedule_running(self, ticks: int, step: StepBuilder) -> None:
+    def schedule_running(self, work: DecodeWork, step: StepBuilder) -> None:
         """Running requests in step-building order: decoding rows first, then running
         prefills (while prompt tokens fit), then PD remote starts whose KV landed."""
         running = self.queues.running
         for request in [r for r in running if r.stage is RequestStage.DECODING]:
             if request in running:  # not preempted while this step was being built
-                self.schedule_decode(request, ticks, step)
+                self.schedule_decode(request, work, step)
         for request in [r for r in running if r.stage is RequestStage.PREFILL]:
             if request in running and step.prefill_room() > 0:
-                self.schedule_prefill_chunk(request, ticks, step)
+                self.schedule_prefill_chunk(request, work, step)
         for request in [r for r in running if r.stage is RequestStage.AWAITING_KV]:
             if request.kv_landed:
-                self.schedule_remote_start(request, ticks, step)
+                self.schedule_remote_start(request, work, step)
 
-    def schedule_decode(self, request: ScheduledRequest, ticks: int, step: StepBuilder) -> None:
-        bound = constrained.decode_output_bound(request, ticks)
+    def schedule_decode(
+        self, request: ScheduledRequest, work: DecodeWork, step: StepBuilder
+    ) -> None:
+        bound = constrained.decode_output_bound(request, work)
         most_outputs = request.num_outputs + request.unconfirmed_tokens + bound
         if self.ensure_kv(request, request.kv_tokens_needed(most_outputs), step, may_suspend=True):
             step.add_decode(request.identity, bound)
             constrained.send_mask_if_due(request, step)
 
     def schedule_prefill_chunk(
-        self, request: ScheduledRequest, ticks: int, step: StepBuilder
+        self, request: ScheduledRequest, work: DecodeWork, step: StepBuilder
     ) -> None:
         start = request.scheduled_prompt_tokens
         count = min(
             step.prefill_room(), self.config.prefill_chunk_size, request.prompt_length - start
         )
+        starts = start + count == request.prompt_length and not request.prefill_only
+        if count > 0 and starts and not step.can_start_decoding():
+            count -= 1  # a full speculative step: the prompt completes in a later step
         if count <= 0:
             return
         completes = start + count == request.prompt_length
         # A completing chunk samples token 0, and its successor may loop in this step's ticks
         # (not on a PD prefill instance: the state is sent for the decode instance's coda).
         starts = completes and not request.prefill_only
-        bound = constrained.start_output_bound(request, ticks) if starts else 0
+        bound = constrained.start_output_bound(request, work) if starts else 0
         needed = max(start + count, request.kv_tokens_needed(bound)) if starts else start + count
         if not self.ensure_kv(request, needed, step, may_suspend=False):
             return
@@ -97,6 +103,8 @@ class StepPlanner:
             bound,
         )
         request.scheduled_prompt_tokens = start + count
+        if starts:
+            step.take_looping_row()
         if completes:
             request.stage = (
                 RequestStage.SENDING_KV if request.prefill_only else RequestStage.DECODING
@@ -105,13 +113,16 @@ class StepPlanner:
             constrained.send_token0_mask(request, step)
 
     def schedule_remote_start(
-        self, request: ScheduledRequest, ticks: int, step: StepBuilder
+        self, request: ScheduledRequest, work: DecodeWork, step: StepBuilder
     ) -> None:
         """PD decode: the prompt's KV landed; start decoding if its blocks can cover the
-        step's outputs (`pd_stages.start_remote_decode`)."""
-        bound = constrained.start_output_bound(request, ticks)
+        step's outputs (`pd_stages.start_remote_decode`) and a speculative step has room."""
+        if not step.can_start_decoding():
+            return
+        bound = constrained.start_output_bound(request, work)
         if not self.ensure_kv(request, request.kv_tokens_needed(bound), step, may_suspend=False):
             return
+        step.take_looping_row()
         pd_stages.start_remote_decode(request, self.kv, step, bound)
 
     def ensure_kv(

@@ -17,6 +17,7 @@ from rlt_contracts import NO_PREFIX, KVPort, PrefixMatch, RequestBlocks, Request
 from rlt_scheduler.admission import plan_admission, running_growth
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
+from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.pd_stages import transfer_endpoints
 from rlt_scheduler.preemption import choose_victim
 from rlt_scheduler.request_state import ScheduledRequest
@@ -116,7 +117,7 @@ def preempt_for_head(
 
 def resume(
     request: ScheduledRequest,
-    ticks: int,
+    work: DecodeWork,
     step: StepBuilder,
     *,
     running: list[ScheduledRequest],
@@ -126,12 +127,14 @@ def resume(
 ) -> bool:
     """Give a preempted request blocks covering its snapshot; the runner restores it
     before this step's work. It continues from the same stage, loop and exit state: a
-    decoding request also gets the blocks of this step's ticks and loops in them, a
-    prefilling one continues with its next chunk from the next step on. False: no blocks now
-    (nothing changed)."""
+    decoding request also gets the blocks of this step's decode and loops in it, a
+    prefilling one continues with its next chunk from the next step on. False: no blocks now,
+    or no room in a full speculative step (nothing changed)."""
     tokens, bound = request.snapshot_tokens, 0
     if request.resume_stage is RequestStage.DECODING:
-        bound = decode_output_bound(request, ticks)
+        if not step.can_start_decoding():
+            return False
+        bound = decode_output_bound(request, work)
         outputs = request.num_outputs + request.unconfirmed_tokens + bound
         tokens = max(tokens, request.kv_tokens_needed(outputs))
     updates = kv.allocate(request.identity, tokens, NO_PREFIX)
@@ -145,6 +148,7 @@ def resume(
     step.restores.append(request.identity)
     stats.resumptions += 1
     if request.stage is RequestStage.DECODING:
+        step.take_looping_row()
         step.add_decode(request.identity, bound)
         send_mask_if_due(request, step)  # after the restore (runner order)
     else:

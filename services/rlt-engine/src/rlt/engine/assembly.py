@@ -17,12 +17,13 @@ from rlt_runner import (
     KVMemoryPlan,
     KVStorage,
     ModelRunner,
+    SpeculationSettings,
     plan_kv_blocks,
     profile_activation_peak,
     profile_blocks,
 )
 from rlt_sampling import Sampler
-from rlt_scheduler import Scheduler, make_exit_policy
+from rlt_scheduler import Scheduler, make_exit_policy, max_rounds_per_step
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
@@ -120,6 +121,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         if config.prefill_cuda_graphs and not config.batch_invariant
         else 0
     )
+    speculation = speculation_settings(config, shape.num_loops)
 
     def make_runner(num_kv_blocks: int, cuda_graphs: bool) -> ModelRunner:
         return ModelRunner(
@@ -139,6 +141,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             cuda_graphs=cuda_graphs,
             prefill_graph_tokens=prefill_graph_tokens,
             max_prefill_chunk=config.prefill_chunk_size,
+            speculation=speculation,
         )
 
     activation = None
@@ -205,6 +208,26 @@ def build_engine(config: EngineConfig) -> EngineParts:
         pd=pd,
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
+    )
+
+
+def speculation_settings(config: EngineConfig, model_depth: int) -> SpeculationSettings | None:
+    """The runner's speculation settings (None without speculation); the draft depth must be
+    below the model's (ConfigurationError)."""
+    if not config.num_speculative_tokens:
+        return None
+    if config.speculative_draft_loops >= model_depth:
+        raise ConfigurationError(
+            "speculative_draft_loops",
+            f"must be below the model's depth {model_depth} (drafting with every loop verifies "
+            f"nothing), got {config.speculative_draft_loops}",
+        )
+    limit = config.speculative_disable_batch_size or config.max_num_seqs
+    return SpeculationSettings(
+        num_drafts=config.num_speculative_tokens,
+        draft_loops=config.speculative_draft_loops,
+        max_rows=min(limit, config.max_num_seqs),
+        max_rounds=max_rounds_per_step(config.scheduler_config(), model_depth),
     )
 
 

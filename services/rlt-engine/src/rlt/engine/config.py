@@ -74,6 +74,15 @@ class EngineConfig:
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
     admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
 
+    Self-speculative decoding (docs/configuration.md, "Speculative decoding"):
+    num_speculative_tokens: K > 0 drafts K tokens per round with the model's first loops and
+      verifies them at every position's own exit depth in one pass (lossless: greedy output
+      and exit depths are those of plain decoding; sampled output has the same distribution);
+      0 (default) decodes without speculation.
+    speculative_draft_loops: D, the loops of the shared stack that draft (1 <= D < depth).
+    speculative_disable_batch_size: steps in which more requests than this decode run without
+      speculation (vLLM's disable_by_batch_size); None: never pause.
+
     Prefill/decode disaggregation (docs/pd.md):
     pd_role: "none" (a whole engine), "prefill" or "decode" (KV moves over NIXL).
     pd_kv_timeout_s: decode: longest wait from admission until a request's KV has landed
@@ -118,6 +127,9 @@ class EngineConfig:
     max_num_batched_token_loops: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
+    num_speculative_tokens: int = 0
+    speculative_draft_loops: int = 2
+    speculative_disable_batch_size: int | None = 16
     pd_role: str = "none"
     pd_kv_timeout_s: float = 600.0
     pd_kv_lease_s: float = 480.0
@@ -155,6 +167,11 @@ class EngineConfig:
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         self.scheduler_config()  # validates the batching and memory options
+        draft_loops = self.speculative_draft_loops
+        if isinstance(draft_loops, bool) or not isinstance(draft_loops, int) or draft_loops < 1:
+            raise ConfigurationError(
+                "speculative_draft_loops", f"must be a positive integer, got {draft_loops!r}"
+            )
         self._check_pd()
         if self.exit_policy == "trace" and self.exit_trace is None:
             raise ConfigurationError(
@@ -241,4 +258,6 @@ class EngineConfig:
             max_admission_bypasses=self.max_admission_bypasses,
             max_waiting_requests=self.max_waiting_requests,
             decode_ticks_per_step=self.decode_ticks_per_step,
+            num_speculative_tokens=self.num_speculative_tokens,
+            speculative_disable_batch_size=self.speculative_disable_batch_size,
         )

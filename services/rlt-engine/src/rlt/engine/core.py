@@ -289,4 +289,8 @@ class EngineCore:
             attention_backend=self.runner.attention.capabilities.name,
             decode_cuda_graphs=self.runner.graphs is not None,
             decode_eager_reason=self.runner.graphs_disabled_reason,
+            spec_drafts=counters.spec_drafts,
+            spec_draft_tokens=counters.spec_draft_tokens,
+            spec_accepted_tokens=counters.spec_accepted_tokens,
+            spec_accepted_per_position=tuple(counters.spec_accepted_per_position),
         )

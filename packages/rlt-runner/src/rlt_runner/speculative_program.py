@@ -1,0 +1,468 @@
+"""`SpeculativeProgram`: self-speculative rounds over the decoding rows, entirely on the device.
+
+A round takes every decoding row (a "slot" here: `slot_row` maps slots to rows) from wherever
+its current token is (between tokens, or mid-token after plain ticks) to the next token
+boundary, emitting 1 .. drafted + 1 tokens. With K = num_drafts, D = draft_loops, T = depth
+and p / o the position / output index of the row's current token:
+
+    draft    for s = 0 .. K: position p + s runs its loops up to D (one model call per loop
+             over the slots, as a tick does), applying the row's real exit rule; a token whose
+             rule fires at e <= D has really exited (LAST_EXITED copies into planes e..T-1),
+             the others stop at D with their exit state. For s < K the coda and the sampler's
+             `propose_rows` (output index o + s, the draft stream) give draft s + 1, embedded as
+             the input of position p + s + 1.
+    verify   LAST_EXITED: loops D+1 .. T over all K + 1 positions of every slot at once (one
+             model call per loop, one attention group of K + 1 queries per slot, all reading
+             plane loop - 1); a position that exits stops, its KV copied into the deeper
+             planes before the next loop reads them. The draft's loops 1..D are reused as they
+             are: they applied the same rule to the same inputs, and a later position at loop
+             j <= D reads the earlier positions' plane j - 1, which the draft wrote (or copied)
+             exactly as decoding would have. SHARED: one plane holds each position's final
+             version, which a later position must see at every loop, so positions run one
+             after the other, each through all its loops (the current token continues from
+             its draft state, the drafts restart from their embeddings): correct, no faster
+             than decoding.
+    accept   coda of every position at its exit depth, then the sampler's `verify_rows`:
+             accepted drafts plus one token; stop ids and max_tokens cut the emitted run; the
+             row continues at position p + emitted with its last token embedded (or stops).
+
+Positions past what a row keeps (rejected drafts) leave KV garbage beyond its frontier: no
+query reads a position past its own, and every plane of a position is rewritten (by a loop or
+a finalization copy) before any later position reads it, so that is the whole rollback; the
+scheduler's logical progress only ever advances by the emitted tokens it reads back.
+
+Every shape is fixed by (slots, mode, gate): a round is capturable as one CUDA graph
+(`speculative_graphs.py`). Rows that are not live in a round (free, prefilling, held, stopped)
+and padding slots compute garbage that is never kept: their KV writes go to the scratch slot and
+every row update is masked, so the write-back leaves them bitwise unchanged.
+
+Records: the ring [rounds * (K + 1), slots, columns] (the decode ring's columns: token or -1,
+depth, logprob fields) and `counts` [rounds, slots, 2] = (accepted, drafted) per round.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from rlt_contracts import (
+    AttentionBackend,
+    KVLayout,
+    LoopedLanguageModel,
+    PagedAttentionBatch,
+    SamplingMode,
+    SpeculativeSampler,
+)
+
+from rlt_runner.decode_program import RING_COLUMNS, record_columns
+from rlt_runner.exit_rules import apply_exit_rules
+from rlt_runner.graph_capture import WARMUP_RUNS
+from rlt_runner.kv_storage import KVStorage
+from rlt_runner.row_state import DecodeRows
+from rlt_runner.speculative_state import Slots, TokenState
+from rlt_runner.transfers import upload
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """num_drafts K and draft_loops D of every round; max_rows: most decoding rows a round
+    holds (its buffers' slots); max_rounds: most rounds in one step (its record rings)."""
+
+    num_drafts: int
+    draft_loops: int
+    max_rows: int
+    max_rounds: int
+
+
+class SpeculativeProgram:
+    def __init__(
+        self,
+        model: LoopedLanguageModel,
+        attention: AttentionBackend,
+        sampler: SpeculativeSampler,
+        kv: KVStorage,
+        rows: DecodeRows,
+        *,
+        layout: KVLayout,
+        cohort: bool,
+        num_drafts: int,
+        draft_loops: int,
+        max_slots: int,
+        max_rounds: int,
+        max_model_len: int,
+    ) -> None:
+        depth = model.shape.num_loops
+        if not 1 <= draft_loops < depth:
+            raise ValueError(f"draft_loops must be in [1, {depth - 1}], got {draft_loops}")
+        if num_drafts < 1:
+            raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+        self.model = model
+        self.attention = attention
+        self.sampler = sampler
+        self.kv = kv
+        self.rows = rows
+        self.layout = layout
+        self.cohort = cohort
+        self.num_drafts = num_drafts
+        self.width = width = num_drafts + 1
+        self.draft_loops = draft_loops
+        self.depth = depth
+        self.max_slots = max_slots
+        self.max_position = max_model_len - 1
+        device = rows.device
+        L = max_slots
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.slot_row = zeros(L)
+        self.slot_valid = zeros(L, dtype=torch.bool)
+        self.hidden = zeros(L, width, rows.hidden.shape[1], dtype=rows.hidden.dtype)
+        self.token = zeros(L, width)
+        self.loops = zeros(L, width)
+        self.survival = torch.ones(L, width, dtype=torch.float64, device=device)
+        self.pending = zeros(L, width)
+        self.exited = zeros(L, width, dtype=torch.bool)
+        self.depths = zeros(L, width)
+        self.draft_probabilities: torch.Tensor | None = None  # [L, K, V] fp32, on first use
+        self.spare_round = max_rounds  # first record row of graph-capture warm-ups
+        self.ring = zeros((max_rounds + WARMUP_RUNS) * width, L, RING_COLUMNS, dtype=torch.float64)
+        self.counts = zeros(max_rounds + WARMUP_RUNS, L, 2, dtype=torch.float64)
+        self.round_index = zeros(1)
+        self.forced_accepted = zeros(max_rounds + WARMUP_RUNS, L)  # benchmarks only
+        self.max_rounds = max_rounds
+        self.offsets = torch.arange(width, device=device)
+        self.row_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
+        self.position_starts = self.row_starts * width
+        self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
+        self._forced_rate: float | None = None
+        self._forced_random = random.Random(0)
+
+    @property
+    def loops_per_round(self) -> int:
+        """Token-loops a round runs per slot (padding included): the draft's (K + 1) x D, then
+        the verify's (T - D) x (K + 1) (LAST_EXITED) or (T - D) + K x T (SHARED)."""
+        verify_loops = self.depth - self.draft_loops
+        if self.layout is KVLayout.LAST_EXITED:
+            verify = verify_loops * self.width
+        else:
+            verify = verify_loops + self.num_drafts * self.depth
+        return self.width * self.draft_loops + verify
+
+    def begin_step(self, slot_rows: list[int], num_valid: int, rounds: int) -> None:
+        """Map slots [0, len(slot_rows)) to rows (one small upload); slots from `num_valid` on
+        are padding. The step's `rounds` record from round 0. Under `force_acceptance` the
+        rounds' accepted counts are drawn here (host) and uploaded with the map."""
+        count = len(slot_rows)
+        valid = [1] * num_valid + [0] * (count - num_valid)
+        columns = [slot_rows, valid]
+        if self.forcing:
+            columns += self._forced_counts(rounds, count)
+        values = upload(columns, torch.int64, self.rows.device)
+        self.slot_row[:count].copy_(values[0])
+        self.slot_valid[:count].copy_(values[1].bool())
+        if self.forcing:
+            self.forced_accepted[:rounds, :count].copy_(values[2:])
+        self.round_index.zero_()
+
+    def force_acceptance(self, rate: float | None, *, seed: int = 0) -> None:
+        """Benchmarks only (no engine option reaches it): replace the verifier's acceptance by
+        accepted lengths drawn on the host, each draft accepted with probability `rate` until
+        the first rejection (capped at the row's drafts), so random weights can be timed at a
+        trained model's acceptance; the tokens emitted are the drafts then the target's token.
+        None restores real verification."""
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.forcing = rate is not None
+        self._forced_rate = rate
+        self._forced_random = random.Random(seed)
+
+    def _forced_counts(self, rounds: int, count: int) -> list[list[int]]:
+        draw, rate = self._forced_random.random, self._forced_rate
+        counts = []
+        for _ in range(rounds):
+            row = []
+            for _ in range(count):
+                accepted = 0
+                while accepted < self.num_drafts and draw() < rate:
+                    accepted += 1
+                row.append(accepted)
+            counts.append(row)
+        return counts
+
+    # -- one round -----------------------------------------------------------------------------
+    def round(
+        self, num_slots: int, mode: SamplingMode, gate: bool, max_context: int | None = None
+    ) -> None:
+        """One round for slots [0, num_slots). `gate`: some row's rule reads the exit gate.
+        max_context (host int) bounds the keys any position can see (None: the table width,
+        as graphs need)."""
+        slots = Slots.gather(self.rows, self, num_slots)
+        self._draft(slots, mode, gate, max_context)
+        if self.layout is KVLayout.LAST_EXITED:
+            self._verify_depth_major(slots, gate, max_context)
+        else:
+            self._verify_position_by_position(slots, gate, max_context)
+        self._accept(slots, mode)
+        self.round_index += 1
+
+    def _draft(self, slots: Slots, mode: SamplingMode, gate: bool, max_context) -> None:
+        rows, n = self.rows, slots.count
+        state = TokenState(
+            hidden=rows.hidden[slots.index],
+            loops=rows.loops[slots.index],
+            survival=rows.survival[slots.index],
+            pending=rows.pending_exit[slots.index],
+            position=slots.position,
+            output_index=slots.outputs,
+        )
+        token = rows.token[slots.index]
+        for s in range(self.width):
+            on = slots.position_valid[:, s]
+            self._advance(slots, state, on, self.draft_loops, self.draft_loops, gate, max_context)
+            self.token[:n, s] = token
+            state.store(self, n, s)
+            if s == self.num_drafts:
+                break
+            proposal = self.sampler.propose_rows(
+                self.model.coda(state.hidden),
+                counter=state.output_index,
+                mode=mode,
+                **self._sampling(slots.index, mode),
+            )
+            token = proposal.token_ids
+            if proposal.probabilities is not None:
+                self._draft_probabilities()[:n, s] = proposal.probabilities
+            state = TokenState.fresh(
+                self.model.embed(token), state.position + 1, state.output_index + 1
+            )
+
+    def _verify_depth_major(self, slots: Slots, gate: bool, max_context) -> None:
+        """LAST_EXITED: loops D+1..T over every slot's K + 1 positions at once."""
+        n, width = slots.count, self.width
+        state = TokenState.load(self, n)
+        on = slots.position_valid.reshape(-1)
+        tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
+        rules = slots.rules.repeat(width)
+        pages = tables.shape[-1]
+        for loop in range(self.draft_loops + 1, self.depth + 1):
+            runs = on & ~state.exited & (state.loops == loop - 1)
+            plane = loop - 1
+            own = self._own_slot(tables[:, plane], state.position)
+            batch = PagedAttentionBatch(
+                query_start=self.position_starts[: n + 1],
+                context_lengths=(slots.position + width).to(torch.int32),
+                block_tables=slots.tables[:, plane],
+                write_slots=torch.where(runs, own, self.kv.scratch_slot),
+                max_query_len=width,
+                max_context_len=max_context or pages * self.kv.block_size,
+            )
+            hidden, gate_probability = self.model.recurrent_step(
+                state.hidden,
+                state.position.clamp(max=self.max_position),
+                self.attention.bind(self.kv.tensors, batch),
+                compute_gate=gate,
+            )
+            loop_index = torch.full_like(state.loops, loop)
+            self._exit_and_advance(
+                state, rules, tables, runs, loop_index, hidden, gate_probability, own
+            )
+        state.store_all(self, n)
+
+    def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
+        """SHARED: position s runs all its loops before position s + 1 starts."""
+        n = slots.count
+        for s in range(self.width):
+            if s == 0:  # the current token: its draft loops saw every earlier position final
+                state = TokenState.load_column(self, n, 0)
+                loops = self.depth - self.draft_loops
+            else:  # a draft: restarts from its embedding
+                state = TokenState.fresh(
+                    self.model.embed(self.token[:n, s]), slots.position + s, slots.outputs + s
+                )
+                loops = self.depth
+            on = slots.position_valid[:, s]
+            self._advance(slots, state, on, self.depth, loops, gate, max_context)
+            state.store(self, n, s)
+
+    def _advance(
+        self,
+        slots: Slots,
+        state: TokenState,
+        on: torch.Tensor,
+        loop_cap: int,
+        iterations: int,
+        gate: bool,
+        max_context: int | None,
+    ) -> None:
+        """`iterations` loops of one position per slot (a tick's model call), for the slots
+        `on` whose token has not exited and has run fewer than `loop_cap` loops."""
+        n = slots.count
+        pages = slots.tables.shape[-1]
+        for _ in range(iterations):
+            runs = on & ~state.exited & (state.loops < loop_cap)
+            loop_index = state.loops + 1
+            plane = self._plane(loop_index).view(n, 1, 1).expand(n, 1, pages)
+            tables = slots.tables.gather(1, plane).squeeze(1)
+            own = self._own_slot(tables, state.position)
+            batch = PagedAttentionBatch(
+                query_start=self.row_starts[: n + 1],
+                context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
+                block_tables=tables,
+                write_slots=torch.where(runs, own, self.kv.scratch_slot),
+                max_query_len=1,
+                max_context_len=max_context or pages * self.kv.block_size,
+            )
+            hidden, gate_probability = self.model.recurrent_step(
+                state.hidden,
+                state.position.clamp(max=self.max_position),
+                self.attention.bind(self.kv.tensors, batch),
+                compute_gate=gate,
+            )
+            self._exit_and_advance(
+                state, slots.rules, slots.tables, runs, loop_index, hidden, gate_probability, own
+            )
+
+    def _exit_and_advance(
+        self, state, rules, tables, runs, loop_index, hidden, gate_probability, own
+    ) -> None:
+        """Apply the exit rules to the loop that ran, copy the KV of tokens that exit into the
+        deeper planes (LAST_EXITED) and advance the running tokens' state."""
+        decision = apply_exit_rules(
+            rules,
+            loop_index,
+            gate_probability,
+            survival=state.survival,
+            pending_exit=state.pending,
+            output_index=state.output_index,
+        )
+        exits = decision.exits & runs
+        if self.rows.num_planes > 1:
+            self._finalize(tables, exits, loop_index, state.position, own)
+        state.advance(runs, exits, loop_index, hidden, decision)
+
+    # -- accept and commit ---------------------------------------------------------------------
+    def _accept(self, slots: Slots, mode: SamplingMode) -> None:
+        rows, n, width = self.rows, slots.count, self.width
+        index = slots.index
+        override = None
+        if self.forcing:
+            override = self.forced_accepted.index_select(0, self.round_index)[0, :n]
+        result = self.sampler.verify_rows(
+            self.model.coda(self.hidden[:n].reshape(n * width, -1)),
+            draft_tokens=self.token[:n, 1:],
+            draft_probabilities=self._draft_probabilities()[:n] if mode.random else None,
+            drafted=slots.drafted,
+            counter=slots.outputs,
+            mode=mode,
+            accepted_override=override,
+            **self._sampling(index, mode),
+        )
+        tokens, offsets = result.token_ids, self.offsets
+        is_stop = (tokens[:, :, None] == rows.stop_ids[index][:, None, :]).any(dim=2)
+        at_max = slots.outputs[:, None] + offsets + 1 >= rows.max_tokens[index][:, None]
+        ends = (is_stop | at_max) & (offsets <= result.accepted[:, None])
+        stopped = ends.any(dim=1) & slots.live
+        last = torch.where(ends.any(dim=1), ends.to(torch.int32).argmax(dim=1), result.accepted)
+        count = torch.where(slots.live, last + 1, 0)
+        kept = offsets < count[:, None]
+        self._record(n, kept, tokens, result, mode)
+        self.counts.narrow(1, 0, n).index_copy_(
+            0,
+            self.round_index,
+            torch.stack([result.accepted, slots.drafted], dim=1).to(torch.float64)[None],
+        )
+        if mode.penalized:  # the counts later tokens' penalties read
+            rows.logits_state.output_counts.index_put_(
+                (index.repeat_interleave(width), tokens.reshape(-1)),
+                kept.reshape(-1).to(torch.int32),
+                accumulate=True,
+            )
+        final = tokens.gather(1, last[:, None]).squeeze(1)
+        self._commit(slots, final, count, stopped)
+
+    def _commit(self, slots: Slots, final, count, stopped) -> None:
+        """Write the rows' new state (only live rows change; the others get their own values
+        back): the last emitted token is the next input (embedded), or the row stops."""
+        rows, index, live = self.rows, slots.index, slots.live
+        carry_on = live & ~stopped
+
+        def put(buffer: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
+            old = buffer[index]
+            mask = where.view(-1, *([1] * (old.dim() - 1)))
+            buffer.index_copy_(0, index, torch.where(mask, value, old))
+
+        put(rows.hidden, self.model.embed(final), carry_on)
+        put(rows.token, final, live)
+        put(rows.position, rows.position[index] + count, carry_on)
+        put(rows.outputs, rows.outputs[index] + count, live)
+        put(rows.loops, torch.zeros_like(count), live)
+        put(rows.pending_exit, torch.zeros_like(count), live)
+        put(rows.survival, torch.ones_like(rows.survival[index]), live)
+        put(rows.active, ~stopped, live)
+        put(rows.parked, carry_on & self.cohort, live)
+        put(rows.held, rows.hold_after_output[index], carry_on)
+
+    def _record(self, n: int, kept, tokens, result, mode: SamplingMode) -> None:
+        columns = [
+            torch.where(kept, tokens, -1).to(torch.float64)[..., None],
+            torch.where(kept, self.depths[:n], 0).to(torch.float64)[..., None],
+        ]
+        if mode.top_logprobs is not None:
+            columns += [
+                result.logprobs.to(torch.float64)[..., None],
+                result.top_token_ids.to(torch.float64),
+                result.top_logprobs.to(torch.float64),
+            ]
+        values = torch.cat(columns, dim=2).transpose(0, 1)  # [width, n, columns]
+        target = self.round_index * self.width + self.offsets
+        self.ring.narrow(1, 0, n).narrow(2, 0, record_columns(mode)).index_copy_(0, target, values)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _sampling(self, index: torch.Tensor, mode: SamplingMode) -> dict:
+        rows = self.rows
+        params = dict(
+            temperature=rows.temperature[index],
+            top_k=rows.top_k[index],
+            top_p=rows.top_p[index],
+            seed=rows.seed[index],
+        )
+        if mode.min_p:
+            params["min_p"] = rows.min_p[index]
+        if mode.adjusts_logits:
+            params["adjustments"] = rows.adjustments(index)
+        return params
+
+    def _draft_probabilities(self) -> torch.Tensor:
+        if self.draft_probabilities is None:
+            vocab = self.model.shape.vocab_size
+            self.draft_probabilities = torch.zeros(
+                self.max_slots, self.num_drafts, vocab, device=self.rows.device
+            )
+        return self.draft_probabilities
+
+    def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
+        if self.layout is KVLayout.LAST_EXITED:
+            return (loop_index - 1).clamp(max=self.rows.num_planes - 1)
+        return torch.zeros_like(loop_index)
+
+    def _own_slot(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """KV slot of each token's position in its table row [N, pages]."""
+        block_size = self.kv.block_size
+        page = (position // block_size).clamp(max=tables.shape[-1] - 1)
+        block = tables.gather(1, page[:, None]).squeeze(1).to(torch.int64)
+        return block * block_size + position % block_size
+
+    def _finalize(self, tables, exits, loop_index, position, own) -> None:
+        """LAST_EXITED: a token exiting at loop e < T gets its plane e-1 KV copied into planes
+        e..T-1. tables [N, planes, pages] of each token's row."""
+        scratch = self.kv.scratch_slot
+        copies = exits & (loop_index < self.depth)
+        sources, targets = [], []
+        for plane in range(1, self.rows.num_planes):
+            target = self._own_slot(tables[:, plane], position)
+            needed = copies & (loop_index <= plane)
+            sources.append(torch.where(needed, own, scratch))
+            targets.append(torch.where(needed, target, scratch))
+        self.kv.copy_slots(torch.cat(sources), torch.cat(targets))

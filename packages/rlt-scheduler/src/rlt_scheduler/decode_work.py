@@ -1,0 +1,97 @@
+"""What a step's decoding rows run: loop ticks, or self-speculative rounds (`DecodeWork`).
+
+Speculation (`SchedulerConfig.num_speculative_tokens` K > 0): in a round every decoding row
+drafts up to its K tokens with the model's first loops, verifies them in one pass and emits
+1 .. K + 1 tokens, ending between tokens (rlt-runner README, "Speculative rounds"). The
+scheduler decides:
+
+- which requests draft (`draft_tokens`): K, or 0 for those whose options a verify pass cannot
+  keep: repetition / frequency / presence penalties (each drafted token would change the next
+  position's penalties) and structured output (its grammar advances on the host, one token per
+  step). A request with 0 drafts still takes part in a round and makes exactly the token a tick
+  would, at the same output index of the same random stream.
+- whether a step speculates (`decode_work`): when more than `speculative_disable_batch_size`
+  requests decode, or a request could not start decoding in the previous step because a
+  speculative step was full, the step runs ticks instead (vLLM's disable_by_batch_size: at
+  large batches the verify pass costs more than it saves).
+- how many rounds: 1 while prompts can be computed (as one tick, so prefill keeps flowing),
+  else up to `decode_ticks_per_step // model depth`, and never more than the longest request
+  can still use (every round makes at least one token per row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rlt_contracts import ExecutionIdentity, RequestStage, SamplingParams
+
+from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.request_state import ScheduledRequest
+from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """A step's decode: `ticks` loop ticks, or `rounds` speculative rounds (never both)."""
+
+    ticks: int = 0
+    rounds: int = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.rounds > 0
+
+    def output_bound(self, request: ScheduledRequest, *, fresh: bool) -> int:
+        """Most outputs the step's decode can make for `request`, token 0 not included
+        (`fresh`: its token 0 comes from this step, so no token is looping yet)."""
+        if self.rounds:
+            return self.rounds * (request.rule.num_speculative_tokens + 1)
+        return tick_output_bound(request, self.ticks, fresh=fresh)
+
+    def mask_loops(self, request: ScheduledRequest) -> int:
+        """Loops the step counts against a constrained request's current mask: its ticks, or
+        all its loops (a round always finishes the token it starts with)."""
+        return request.bounds.max_loops if self.rounds else self.ticks
+
+
+def draft_tokens(config: SchedulerConfig, sampling: SamplingParams) -> int:
+    """Drafts per round for a request with these parameters (module doc)."""
+    if sampling.penalized or sampling.structured_output is not None:
+        return 0
+    return config.num_speculative_tokens
+
+
+def decode_work(
+    config: SchedulerConfig,
+    running: Iterable[ScheduledRequest],
+    unconfirmed_ticks: Mapping[ExecutionIdentity, int],
+    *,
+    admission_possible: bool,
+    model_depth: int,
+    start_deferred: bool,
+) -> DecodeWork:
+    """The next step's decode (module doc). `start_deferred`: the previous step was
+    speculative and full, and a request that could have started decoding waited."""
+    running = list(running)
+    ticks = decode_ticks(config, running, unconfirmed_ticks, admission_possible=admission_possible)
+    if not config.num_speculative_tokens or start_deferred:
+        return DecodeWork(ticks=ticks)
+    decoding = [r for r in running if r.stage is RequestStage.DECODING]
+    limit = config.speculative_disable_batch_size
+    if limit is not None and len(decoding) > limit:
+        return DecodeWork(ticks=ticks)
+    prompts_pending = admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
+    if prompts_pending:
+        return DecodeWork(rounds=1)
+    most = max_rounds_per_step(config, model_depth)
+    left = max(
+        (r.sampling.max_tokens - r.num_outputs - r.unconfirmed_tokens for r in decoding),
+        default=1,
+    )
+    return DecodeWork(rounds=min(most, max(left, 1)))
+
+
+def max_rounds_per_step(config: SchedulerConfig, model_depth: int) -> int:
+    """The most rounds `decode_work` ever puts in one step (the runner sizes its rings)."""
+    return max(1, config.decode_ticks_per_step // model_depth)

@@ -1,11 +1,14 @@
 """KV pool sizing from a profiling run (the Worker role of the RFC): no formula reserve.
 
-Before the KV pool exists, a throw-away runner with a tiny pool executes the two heaviest
-shapes the engine will ever run: the largest prefill chunk at full depth (token 0 of it
-sampled with every sampling feature on) and a decode tick over every row in the most expensive
-sampling mode. The peak bytes each allocates above the resident state, plus the runner's own
-persistent buffers, are what the pool must leave free. Decode ticks run as CUDA graphs whose
-memory pool stays allocated while prefill runs eagerly next to it, so the two peaks are added.
+Before the KV pool exists, a throw-away runner with a tiny pool executes the heaviest shapes
+the engine will ever run: the largest prefill chunk at full depth (token 0 of it sampled with
+every sampling feature on), a decode tick over every row in the most expensive sampling mode
+and, with speculation, a speculative round over the most rows a round holds in that mode
+(which also allocates the draft distributions). The peak bytes each allocates above the
+resident state, plus the runner's own persistent buffers, are what the pool must leave free.
+Decode ticks and rounds run as CUDA graphs in one memory pool (one replays at a time: the
+larger of their peaks) that stays allocated while prefill runs eagerly next to it, so the
+prefill and decode peaks are added.
 
 The device's memory is counted as torch sees it: bytes held by live tensors are used; bytes the
 caching allocator keeps but no tensor uses (e.g. left by an engine that was shut down) are free;
@@ -76,9 +79,13 @@ class KVMemoryPlan:
         return self.num_blocks * self.bytes_per_block
 
 
-def profile_blocks(prefill_tokens: int, rows: int, block_size: int, num_planes: int) -> int:
-    """Pool size of the profiling runner: the prefill request plus one page per decode row."""
-    pages = -(-(prefill_tokens + 1) // block_size) + rows
+def profile_blocks(
+    prefill_tokens: int, rows: int, block_size: int, num_planes: int, lookahead: int = 0
+) -> int:
+    """Pool size of the profiling runner: the prefill request plus the pages of each decode
+    row (a 1-token prompt and its next positions; `lookahead`: the drafts of a round)."""
+    pages = -(-(prefill_tokens + 1 + lookahead) // block_size)
+    pages += rows * -(-(lookahead + 2) // block_size)
     return pages * num_planes
 
 
@@ -91,6 +98,8 @@ def profile_activation_peak(
     device = runner.device
     block_size = runner.block_size
     planes = runner.rows.num_planes
+    speculation = runner.speculation
+    drafts = speculation.num_drafts if speculation is not None else 0
     # Every sampling feature on: the decode peak includes the logits adjustments' [B, V]
     # temporaries, and the runner's lazily allocated [S, V] state (output counts, prompt and
     # stop masks, logit-bias table) exists before `persistent_bytes` is read.
@@ -100,7 +109,7 @@ def profile_activation_peak(
         top_k=50,
         logprobs=MAX_TOP_LOGPROBS,
         seed=0,
-        max_tokens=2,
+        max_tokens=2 + drafts,
         min_tokens=1,
         min_p=0.05,
         repetition_penalty=1.1,
@@ -109,14 +118,18 @@ def profile_activation_peak(
         logit_bias={token: 0.5 for token in range(min(MAX_LOGIT_BIAS, vocab_size))},
         structured_output=StructuredOutput(kind=StructuredOutputKind.JSON_OBJECT),
     )
-    rule = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 1, model_depth, 0.5), max_tokens=2)
+    rule = DecodeRule(
+        ExitRule(ExitRuleKind.HAZARD, 1, model_depth, 0.5),
+        max_tokens=2 + drafts,
+        num_speculative_tokens=drafts,
+    )
     next_block = 0
 
     def request(index: int, length: int) -> tuple[NewRequestData, RequestBlocks]:
         prompt = tuple((7 * i) % vocab_size for i in range(length))
         nonlocal next_block
         identity = ExecutionIdentity(f"memory-profile-{index}", -1 - index)
-        pages = -(-(length + 1) // block_size)
+        pages = -(-(length + 1 + drafts) // block_size)
         updates = []
         for plane in range(planes):
             updates.append(BlockTableUpdate(plane, 0, tuple(range(next_block, next_block + pages))))
@@ -137,7 +150,9 @@ def profile_activation_peak(
         return torch.cuda.max_memory_allocated(device) - base
 
     def measure() -> tuple[int, int]:
+        nonlocal next_block
         big, big_blocks = request(0, prefill_tokens)
+        after_big = next_block
         tokens = tuple((7 * i) % vocab_size for i in range(prefill_tokens))
         prefill = peak_of(
             SchedulerOutput(
@@ -159,6 +174,24 @@ def profile_activation_peak(
             )
         )
         released = tuple(n.identity for n, _ in small)
+        if speculation is not None:  # in the blocks the released decode rows held
+            next_block = after_big
+            count = min(rows, speculation.max_slots)
+            drafting = [request(1 + rows + i, 1) for i in range(count)]
+            decode = max(
+                decode,
+                peak_of(
+                    SchedulerOutput(
+                        step_id=-1,
+                        new_requests=tuple(n for n, _ in drafting),
+                        block_updates=tuple(b for _, b in drafting),
+                        released=released,
+                        prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in drafting),
+                        speculative_rounds=1,
+                    )
+                ),
+            )
+            released = tuple(n.identity for n, _ in drafting)
         runner.collect(runner.submit(SchedulerOutput(step_id=0, released=released)))
         return prefill, decode
 

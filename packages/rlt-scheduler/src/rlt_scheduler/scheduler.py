@@ -100,6 +100,7 @@ class Scheduler:
         self.exit_policy = exit_policy or OuroExitPolicy()
         config.check_depth(model_depth)
         self.stats = SchedulerStats()
+        self.stats.spec_accepted_per_position = [0] * config.num_speculative_tokens
         self._requests: dict[str, ScheduledRequest] = {}
         # waiting queue, running list, PD handoffs; admission and step building share them
         self._queues = RequestQueues(config.policy)

@@ -123,10 +123,34 @@ class _EngineCollector(Collector):
                 stats.decode_loops,
             ),
         }
+        counters.update(
+            {
+                "spec_decode_num_drafts": (
+                    "Speculative rounds (per request) that drafted tokens.",
+                    stats.spec_drafts,
+                ),
+                "spec_decode_num_draft_tokens": (
+                    "Draft tokens proposed by speculative decoding.",
+                    stats.spec_draft_tokens,
+                ),
+                "spec_decode_num_accepted_tokens": (
+                    "Draft tokens the verify pass accepted.",
+                    stats.spec_accepted_tokens,
+                ),
+            }
+        )
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the round (0 = the first draft).",
+            labels=["model_name", "position"],
+        )
+        for position, accepted in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], accepted)
+        yield per_position
 
 
 class ServingMetrics:

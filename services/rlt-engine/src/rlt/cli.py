@@ -126,6 +126,38 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--admission-scan-limit", type=int, default=d.admission_scan_limit)
     group.add_argument("--max-admission-bypasses", type=int, default=d.max_admission_bypasses)
     group.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes)
+    add_speculation_arguments(parser)
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig(device="cpu")
+    group = parser.add_argument_group("self-speculative decoding (docs/configuration.md)")
+    group.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="K > 0: draft K tokens per round with the first loops and verify them in one "
+        "pass, losslessly (default: 0, off)",
+    )
+    group.add_argument(
+        "--speculative-draft-loops",
+        type=int,
+        default=d.speculative_draft_loops,
+        help="loops of the shared stack that draft (1 .. depth - 1)",
+    )
+    group.add_argument(
+        "--speculative-disable-batch-size",
+        type=_optional_positive_int,
+        default=d.speculative_disable_batch_size,
+        help="decode without speculation while more requests than this decode "
+        "('none': never pause)",
+    )
+
+
+def _optional_positive_int(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    return int(text)
 
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +259,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_config(engine_config_from_args(args))
     params = sampling_params_from_args(args)
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    stats = llm.get_stats()
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if args.json:
             print(
@@ -248,7 +281,22 @@ def run_generate(args: argparse.Namespace) -> int:
             f"mean loops per decoded token: {output.mean_loops:.2f}  "
             f"(finish: {output.finish_reason}, {len(output.token_ids)} tokens)"
         )
+    if stats.spec_drafts and not args.json:
+        print(speculation_summary(stats))
     return 0
+
+
+def speculation_summary(stats) -> str:
+    """One line of draft acceptance (EngineStats' spec_* counters)."""
+    per_position = ", ".join(
+        f"{accepted / stats.spec_drafts:.2f}" for accepted in stats.spec_accepted_per_position
+    )
+    return (
+        f"speculation: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} drafts "
+        f"accepted ({stats.spec_acceptance_rate:.1%}), mean accepted length "
+        f"{stats.spec_mean_accepted_length:.2f} tokens per round; acceptance by position: "
+        f"{per_position}"
+    )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

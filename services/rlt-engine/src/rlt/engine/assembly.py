@@ -244,7 +244,13 @@ def _profile_activations(config, model, make_runner, max_model_len: int, num_pla
         # length, and profiling a full chunk eagerly position by position took ~50 s on an
         # H200 (1,100 positions of Ouro-1.4B) for nothing.
         prefill_tokens = min(prefill_tokens, SHARED_PROFILE_POSITIONS)
-    blocks = profile_blocks(prefill_tokens, config.max_num_seqs, config.block_size, num_planes)
+    blocks = profile_blocks(
+        prefill_tokens,
+        config.max_num_seqs,
+        config.block_size,
+        num_planes,
+        lookahead=config.num_speculative_tokens,
+    )
     runner = make_runner(blocks, False)
     try:
         with torch.inference_mode():

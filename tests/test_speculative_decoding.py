@@ -52,7 +52,7 @@ POLICIES = {
     "fixed": ("ouro", dict(exit_threshold=1.0)),
     "ouro": ("ouro", dict(exit_threshold=0.55, min_loops=1)),
     "delayed": ("ouro_delayed", dict(exit_threshold=0.6, min_loops=1)),
-    "trace": ("trace", dict()),
+    "trace": ("trace", dict(min_loops=1)),
 }
 # (K drafts, D draft loops, scheduling mode): every K and D, both modes
 CASES = [(1, 1, "refill"), (3, 2, "no_refill"), (5, 2, "refill"), (5, 1, "no_refill")]
@@ -102,7 +102,8 @@ def plain(checkpoint, trace_file):
 def engine(checkpoint, trace_file, layout, policy, **options) -> LLM:
     exit_policy = POLICIES[policy][0]
     trace = dict(exit_trace=trace_file) if exit_policy == "trace" else {}
-    return LLM(checkpoint, kv_layout=layout, exit_policy=exit_policy, **trace, **ENGINE, **options)
+    options = {**ENGINE, **trace, **options}
+    return LLM(checkpoint, kv_layout=layout, exit_policy=exit_policy, **options)
 
 
 def speculative(k: int = 3, d: int = 2, **options) -> dict:

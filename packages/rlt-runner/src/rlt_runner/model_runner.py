@@ -287,7 +287,8 @@ class ModelRunner:
                     )
                     if not record.prefill_only
                 ] + [self.rows.record(identity) for identity in remote_starts]
-                running = self.rows.decoding_records() if step.decode_ticks > 0 else []
+                decodes = step.decode_ticks > 0 or step.speculative_rounds > 0
+                running = self.rows.decoding_records() if decodes else []
                 pending.mode = step_sampling_mode(running + started)
                 started_record = self._run_prefill(chunks, remote_starts, started, pending)
                 if step.speculative_rounds > 0:

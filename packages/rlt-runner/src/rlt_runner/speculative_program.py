@@ -198,16 +198,27 @@ class SpeculativeProgram:
         """One round for slots [0, num_slots). `gate`: some row's rule reads the exit gate.
         max_context (host int) bounds the keys any position can see (None: the table width,
         as graphs need)."""
-        slots = Slots.gather(self.rows, self, num_slots)
-        self._draft(slots, mode, gate, max_context)
+        slots = self.gather_slots(num_slots)
+        self.draft(slots, mode, gate, max_context)
+        self.verify(slots, gate, max_context)
+        self.accept(slots, mode)
+
+    # The phases of a round, public so that benchmarks can time each one as its own graph.
+    def gather_slots(self, num_slots: int) -> Slots:
+        """What the round reads of its rows at its start (speculative_state.Slots)."""
+        return Slots.gather(self.rows, self, num_slots)
+
+    def verify(self, slots: Slots, gate: bool, max_context: int | None = None) -> None:
+        """Every position from its draft state to its exit (module doc)."""
         if self.layout is KVLayout.LAST_EXITED:
             self._verify_depth_major(slots, gate, max_context)
         else:
             self._verify_position_by_position(slots, gate, max_context)
-        self._accept(slots, mode)
-        self.round_index += 1
 
-    def _draft(self, slots: Slots, mode: SamplingMode, gate: bool, max_context) -> None:
+    def draft(
+        self, slots: Slots, mode: SamplingMode, gate: bool, max_context: int | None = None
+    ) -> None:
+        """Positions p .. p + K through their first D loops, drafts from the coda."""
         rows, n = self.rows, slots.count
         state = TokenState(
             hidden=rows.hidden[slots.index],
@@ -343,7 +354,9 @@ class SpeculativeProgram:
         state.advance(runs, exits, loop_index, hidden, decision)
 
     # -- accept and commit ---------------------------------------------------------------------
-    def _accept(self, slots: Slots, mode: SamplingMode) -> None:
+    def accept(self, slots: Slots, mode: SamplingMode) -> None:
+        """Coda and verification of every position, records, the rows' new state; the next
+        round records after this one."""
         rows, n, width = self.rows, slots.count, self.width
         index = slots.index
         override = None
@@ -381,6 +394,7 @@ class SpeculativeProgram:
             )
         final = tokens.gather(1, last[:, None]).squeeze(1)
         self._commit(slots, final, count, stopped)
+        self.round_index += 1
 
     def _commit(self, slots: Slots, final, count, stopped) -> None:
         """Write the rows' new state (only live rows change; the others get their own values

@@ -78,12 +78,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> EngineParts:
+    """The engine's parts. `model`: already loaded from `config.model` with its dtype on its
+    device (benchmarks share one between engines); None loads it."""
     model_dir = resolve_model_dir(config.model)
     device = resolve_device(config.device)
-    model = load_model(
-        model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
-    )
+    if model is None:
+        model = load_model(
+            model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
+        )
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape

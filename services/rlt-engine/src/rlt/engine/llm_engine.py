@@ -40,9 +40,10 @@ class LLMEngine:
     them cached for reuse, and the next engine's KV sizing counts cached memory as free).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, model=None) -> None:
+        """`model`: an `OuroModel` already loaded from `config.model` (see `build_engine`)."""
         self.config = config
-        self.parts: EngineParts = build_engine(config)
+        self.parts: EngineParts = build_engine(config, model=model)
         self.core = self.parts.core
         self._outputs: dict[str, RequestOutput] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}

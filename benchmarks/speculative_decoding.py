@@ -1,0 +1,363 @@
+"""Self-speculative decoding against plain decoding, side by side in one process (issue 21).
+
+One model is loaded once and shared by every engine (`LLMEngine(config, model=...)`). A
+workload is `--concurrency C` requests at once (random prompt ids, `--prompt-len` in,
+`--output-len` out, greedy, ignore_eos) at fixed depth (threshold 1.0) or with the 2.5-loop
+depth mix (`--mix`: the trace policy replays depths 2/3/4 with probabilities 0.55/0.40/0.05,
+as in h200_table.py). Per workload the arms are:
+
+  plain             no speculation (the baseline of the workload's speedups)
+  K,D               K drafts from D draft loops, real verification (random weights accept
+                    almost nothing: the cost of speculation with no benefit)
+  K,D@alpha         the same engine with the benchmarks-only forced acceptance
+                    (`SpeculativeProgram.force_acceptance`, never an engine option): the
+                    verifier's accepted lengths are replaced by lengths drawn on the host, each
+                    draft accepted with probability alpha until the first rejection, so the
+                    device does exactly a real round's work at a trained model's acceptance
+
+Per arm (JSON --out, "arms"): decode_output_tokens_per_s (over the steps without prompt work,
+each lasting its device-clock spacing, as offline_throughput.py), output_tokens_per_s (end to
+end, host clock), spec_mean_accepted_tokens (tokens a drafting round emitted on average:
+EngineStats.spec_mean_accepted_length), spec_alpha (the per-draft acceptance: accepted drafts
+over drafts reached, i.e. whose predecessors were all accepted), speedup
+(decode tok/s over the workload's plain arm), mean loops per decoded token.
+
+--phase-timing: per (K, D), the GPU time of one decode tick over one row (one loop of one
+token), of one token at fixed depth (T ticks), and of a round's phases (draft, verify, accept)
+and of the whole round over one slot, each captured as its own CUDA graph and replayed
+(`SpeculativeProgram.gather_slots / draft / verify / accept`); with every slot invalid the
+kernels and shapes are those of a live round (nothing is data-dependent), only nothing is kept.
+
+Example (one H200, Ouro-1.4B shape):
+  python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
+      --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --out spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from offline_throughput import SHAPES, decode_phase, ensure_checkpoint  # noqa: E402
+
+MIX = (0.55, 0.40, 0.05)  # depths 2 / 3 / 4: mean 2.5 loops
+WARMUP_TOKENS = 8
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="tiny", choices=[*SHAPES, "ouro-1.4b"])
+    parser.add_argument("--model", default=None, help="checkpoint (default: a random --shape)")
+    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", default="1", help="comma-separated request counts")
+    parser.add_argument("--drafts", default="2,4,8", help="K values, comma-separated")
+    parser.add_argument("--draft-loops", default="1,2", help="D values, comma-separated")
+    parser.add_argument("--alphas", default="0.6,0.8,0.9", help="forced acceptance rates")
+    parser.add_argument("--no-real", action="store_true", help="skip the unforced K,D arms")
+    parser.add_argument("--mix", action="store_true", help="also the 2.5-loop depth mix")
+    parser.add_argument(
+        "--disable-batch-size",
+        default="none",
+        help="speculative_disable_batch_size of the speculative engines ('none': never pause; "
+        "'default': the engine's default)",
+    )
+    parser.add_argument("--phase-timing", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON results")
+    return parser.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from rlt_models import load_model
+
+    path = ensure_checkpoint(argparse.Namespace(**vars(args), write_checkpoint_only=False))
+    model = load_model(path, dtype=args.dtype, device=args.device)
+    rng = random.Random(args.seed)
+    vocab = model.shape.vocab_size
+    concurrencies = ints(args.concurrency)
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(max(concurrencies))
+    ]
+    trace = Path(args.checkpoint_dir) / f"mix-trace-{args.seed}.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    depths = random.Random(args.seed + 1).choices([2, 3, 4], weights=MIX, k=args.output_len)
+    trace.write_text(json.dumps({"*": [model.shape.num_loops, *depths[1:]]}))
+    configs = [(k, d) for d in ints(args.draft_loops) for k in ints(args.drafts)]
+    alphas = [float(a) for a in args.alphas.split(",") if a]
+    results = {
+        "args": dict(vars(args)),
+        "device": device_name(args.device),
+        "arms": [],
+        "phases": [],
+    }
+    workloads = ["fixed", "mix"] if args.mix else ["fixed"]
+    started = time.perf_counter()
+    for workload in workloads:
+        for concurrency in concurrencies:
+            run_workload(
+                args, model, path, prompts, trace, workload, concurrency, configs, alphas, results
+            )
+            flush(args, results)
+    if args.phase_timing and args.device.startswith("cuda"):
+        for k, d in configs:
+            results["phases"].append(phase_timing(args, model, path, k, d))
+            print(json.dumps(results["phases"][-1]), flush=True)
+            flush(args, results)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    flush(args, results)
+    del model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return 0
+
+
+def flush(args, results) -> None:
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def engine_config(args, path: Path, concurrency: int, trace: Path | None, **options):
+    """An engine for `concurrency` requests; `trace`: the mix's depths (None: fixed depth)."""
+    from rlt.engine import EngineConfig
+
+    policy = dict(exit_policy="trace", exit_trace=str(trace)) if trace is not None else {}
+    return EngineConfig(
+        model=path,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=max(concurrency, 1),
+        max_num_batched_tokens=max(args.prompt_len, 2 * concurrency) + concurrency,
+        prefill_chunk_size=args.prompt_len,
+        max_model_len=args.prompt_len + args.output_len,
+        num_kv_blocks=-(-(args.prompt_len + args.output_len + 16) // 16) * 4 * concurrency + 64,
+        prefill_cuda_graphs=False,  # prefill is not what is measured; capture costs time
+        **policy,
+        **options,
+    )
+
+
+def run_workload(
+    args, model, path, prompts, trace, workload, concurrency, configs, alphas, results
+) -> None:
+    from rlt import LLMEngine
+
+    limit = args.disable_batch_size
+    spec_limit = (
+        {}
+        if limit == "default"
+        else {"speculative_disable_batch_size": None if limit == "none" else int(limit)}
+    )
+    baseline = None
+    arms = [("plain", {}, [None])]
+    for k, d in configs:
+        runs = ([] if args.no_real else [None]) + alphas
+        arms.append(
+            (
+                f"{k},{d}",
+                dict(num_speculative_tokens=k, speculative_draft_loops=d, **spec_limit),
+                runs,
+            )
+        )
+    for name, options, runs in arms:
+        mix = trace if workload == "mix" else None
+        engine = LLMEngine(engine_config(args, path, concurrency, mix, **options), model=model)
+        try:
+            warm_up(engine, prompts[:concurrency], args)
+            for alpha in runs:
+                program = engine.core.runner.speculation
+                if program is not None:
+                    program.force_acceptance(alpha, seed=args.seed)
+                arm = measure(engine, prompts[:concurrency], args)
+                arm.update(
+                    workload=workload,
+                    concurrency=concurrency,
+                    arm=name if alpha is None else f"{name}@{alpha}",
+                    num_speculative_tokens=options.get("num_speculative_tokens", 0),
+                    speculative_draft_loops=options.get("speculative_draft_loops"),
+                    forced_alpha=alpha,
+                )
+                if name == "plain":
+                    baseline = arm["decode_output_tokens_per_s"]
+                arm["speedup"] = (
+                    round(arm["decode_output_tokens_per_s"] / baseline, 3) if baseline else None
+                )
+                results["arms"].append(arm)
+                print(json.dumps(arm), flush=True)
+        finally:
+            engine.shutdown()
+            gc.collect()
+
+
+def warm_up(engine, prompts, args) -> None:
+    """Kernels, graphs of the sampling modes used, allocator: the same shapes as measured."""
+    from rlt import SamplingParams
+
+    program = engine.core.runner.speculation
+    params = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    for forced in (None, 0.5) if program is not None else (None,):
+        if program is not None:
+            program.force_acceptance(forced, seed=args.seed)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"warmup-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    sync(args.device)
+
+
+def measure(engine, prompts, args) -> dict:
+    from rlt import SamplingParams
+
+    core = engine.core
+    before = engine.get_stats()
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    core.step_log = []
+    depths, tokens = [], 0
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.token_ids)
+                depths.extend(out.exit_depths[1:])
+    sync(args.device)
+    wall = time.perf_counter() - start
+    records, core.step_log = core.step_log, None
+    d_tokens, d_seconds, d_steps = decode_phase(records)
+    after = engine.get_stats()
+    drafts = after.spec_drafts - before.spec_drafts
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    per_position = [
+        a - b for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)
+    ]
+    # per-draft acceptance given the drafts before it were accepted: accepted drafts over the
+    # drafts that were reached (position 0 in every round, position i after i acceptances);
+    # rows near max_tokens draft fewer, which this ignores
+    reached = drafts + sum(per_position[:-1])
+    return dict(
+        requests=len(prompts),
+        output_tokens=tokens,
+        output_tokens_per_s=round(tokens / wall, 1),
+        decode_output_tokens=d_tokens,
+        decode_steps=d_steps,
+        decode_output_tokens_per_s=round(d_tokens / d_seconds, 1) if d_seconds else None,
+        mean_loops_per_decoded_token=round(sum(depths) / max(len(depths), 1), 3),
+        spec_mean_accepted_tokens=round(1 + accepted / drafts, 3) if drafts else None,
+        spec_alpha=round(accepted / reached, 3) if reached else None,
+        spec_rounds_with_drafts=drafts,
+    )
+
+
+def phase_timing(args, model, path, k: int, d: int, replays: int = 50) -> dict:
+    """GPU ms per replay of one decode tick, one fixed-depth token (T ticks) and the round's
+    phases over one slot (module doc)."""
+    import torch
+    from rlt import LLMEngine
+    from rlt_contracts import SamplingMode
+    from rlt_runner.graph_capture import capture
+
+    engine = LLMEngine(
+        engine_config(
+            args,
+            path,
+            1,
+            None,
+            num_speculative_tokens=k,
+            speculative_draft_loops=d,
+            speculative_disable_batch_size=None,
+        ),
+        model=model,
+    )
+    try:
+        runner = engine.core.runner
+        program, tick_program = runner.speculation, runner.program
+        pool = runner.graphs.pool
+        mode = SamplingMode()
+        program.slot_valid.zero_()
+        program.round_index.fill_(program.spare_round)
+        tick_program.tick_index.fill_(tick_program.spare_tick)
+        saved = runner.rows.active.clone()
+        runner.rows.active.zero_()
+        depth = model.shape.num_loops
+
+        def round_phases(*names):
+            def run():
+                slots = program.gather_slots(1)
+                for name in names:
+                    if name == "draft":
+                        program.draft(slots, mode, False)
+                    elif name == "verify":
+                        program.verify(slots, False)
+                    else:
+                        program.accept(slots, mode)
+                program.round_index.fill_(program.spare_round)
+
+            return run
+
+        def token():
+            for _ in range(depth):
+                tick_program.tick(1, mode, False)
+            tick_program.tick_index.fill_(tick_program.spare_tick)
+
+        def one_tick():
+            tick_program.tick(1, mode, False)
+            tick_program.tick_index.fill_(tick_program.spare_tick)
+
+        timings = {}
+        for name, run in (
+            ("tick", one_tick),
+            ("token", token),
+            ("draft", round_phases("draft")),
+            ("verify", round_phases("verify")),
+            ("accept", round_phases("accept")),
+            ("round", round_phases("draft", "verify", "accept")),
+        ):
+            graph = capture(run, pool)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            timings[f"{name}_ms"] = round(start.elapsed_time(end) / replays, 4)
+        runner.rows.active.copy_(saved)
+        return dict(num_speculative_tokens=k, speculative_draft_loops=d, **timings)
+    finally:
+        engine.shutdown()
+        gc.collect()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

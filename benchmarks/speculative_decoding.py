@@ -252,7 +252,10 @@ def measure(engine, prompts, args) -> dict:
     drafts = after.spec_drafts - before.spec_drafts
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     per_position = [
-        a - b for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)
+        a - b
+        for a, b in zip(
+            after.spec_accepted_per_position, before.spec_accepted_per_position, strict=True
+        )
     ]
     # per-draft acceptance given the drafts before it were accepted: accepted drafts over the
     # drafts that were reached (position 0 in every round, position i after i acceptances);

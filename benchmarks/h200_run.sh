@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
+#   bash benchmarks/h200_run.sh speculative [ARGS...]  speculation's CUDA tests (SPEC_TESTS=0 skips
+#                                                  them), then benchmarks/speculative_decoding.py
+#                                                  ARGS on the Ouro-1.4B shape in bf16
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
@@ -46,6 +49,11 @@ case "$mode" in
     python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
+  speculative)
+    [ "${SPEC_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_cuda_speculative.py \
+      2>&1 | tee "$OUT/spec_tests.log" | tail -25
+    python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
+      --out "$OUT/speculative.json" "$@" ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "'default': the engine's default)",
     )
     parser.add_argument("--phase-timing", action="store_true")
+    parser.add_argument(
+        "--step-log", action="store_true", help="per arm: [prompt tokens, tokens, device ms]"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON results")
     return parser.parse_args(argv)
@@ -261,7 +264,18 @@ def measure(engine, prompts, args) -> dict:
     # drafts that were reached (position 0 in every round, position i after i acceptances);
     # rows near max_tokens draft fewer, which this ignores
     reached = drafts + sum(per_position[:-1])
+    log = None
+    if args.step_log:
+        log = [
+            [
+                r.prefill_tokens,
+                r.generated,
+                None if r.device_s is None else round(1e3 * r.device_s, 3),
+            ]
+            for r in records
+        ]
     return dict(
+        step_log=log,
         requests=len(prompts),
         output_tokens=tokens,
         output_tokens_per_s=round(tokens / wall, 1),

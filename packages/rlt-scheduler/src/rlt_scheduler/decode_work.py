@@ -16,7 +16,10 @@ scheduler decides:
   large batches the verify pass costs more than it saves).
 - how many rounds: 1 while prompts can be computed (as one tick, so prefill keeps flowing),
   else up to `decode_ticks_per_step // model depth`, and never more than the longest request
-  can still use (every round makes at least one token per row).
+  can still use: every round makes at least one token of a request that does not stop, so a
+  request with n outputs left and r rounds in submitted steps needs at most n - r more. When
+  the submitted steps already cover every request, the step runs no round (decoding rows
+  wait; a round there would only run padding after the last token).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def decode_work(
     config: SchedulerConfig,
     running: Iterable[ScheduledRequest],
     unconfirmed_ticks: Mapping[ExecutionIdentity, int],
+    unconfirmed_rounds: Mapping[ExecutionIdentity, int],
     *,
     admission_possible: bool,
     model_depth: int,
@@ -85,11 +89,14 @@ def decode_work(
     if prompts_pending:
         return DecodeWork(rounds=1)
     most = max_rounds_per_step(config, model_depth)
-    left = max(
-        (r.sampling.max_tokens - r.num_outputs - r.unconfirmed_tokens for r in decoding),
-        default=1,
+    needed = max(
+        (
+            r.sampling.max_tokens - r.num_outputs - unconfirmed_rounds.get(r.identity, 0)
+            for r in decoding
+        ),
+        default=0,
     )
-    return DecodeWork(rounds=min(most, max(left, 1)))
+    return DecodeWork(rounds=min(most, max(needed, 0)))
 
 
 def max_rounds_per_step(config: SchedulerConfig, model_depth: int) -> int:

@@ -43,6 +43,7 @@ class StepsInFlight:
     def __init__(self) -> None:
         self._submitted: deque[SubmittedStep] = deque()
         self._unconfirmed_ticks: dict[ExecutionIdentity, int] = {}
+        self._unconfirmed_rounds: dict[ExecutionIdentity, int] = {}
 
     def __len__(self) -> int:
         return len(self._submitted)
@@ -52,6 +53,12 @@ class StepsInFlight:
         """Ticks of submitted steps per decoding request (read-only view)."""
         return self._unconfirmed_ticks
 
+    @property
+    def unconfirmed_rounds(self) -> Mapping[ExecutionIdentity, int]:
+        """Speculative rounds of submitted steps per decoding request (read-only view): each
+        makes at least one output of a request that does not stop."""
+        return self._unconfirmed_rounds
+
     def submit(
         self, step: SubmittedStep, lookup: Callable[[ExecutionIdentity], ScheduledRequest]
     ) -> None:
@@ -59,9 +66,12 @@ class StepsInFlight:
         loops in it, its output bounds as the requests' unconfirmed tokens."""
         self._submitted.append(step)
         for identity in step.decoding:
-            self._unconfirmed_ticks[identity] = (
-                self._unconfirmed_ticks.get(identity, 0) + step.output.decode_ticks
-            )
+            for counts, added in (
+                (self._unconfirmed_ticks, step.output.decode_ticks),
+                (self._unconfirmed_rounds, step.output.speculative_rounds),
+            ):
+                if added:
+                    counts[identity] = counts.get(identity, 0) + added
         for identity, bound in step.output_bounds.items():
             lookup(identity).unconfirmed_tokens += bound
 
@@ -89,9 +99,14 @@ class StepsInFlight:
             request = live(identity)
             if request is not None:
                 request.confirmed_ticks += ticks
-            left = self._unconfirmed_ticks.get(identity, 0) - ticks
-            if left > 0:
-                self._unconfirmed_ticks[identity] = left
-            else:
-                self._unconfirmed_ticks.pop(identity, None)
+            _take(self._unconfirmed_ticks, identity, ticks)
+            _take(self._unconfirmed_rounds, identity, submitted.output.speculative_rounds)
         return submitted
+
+
+def _take(counts: dict[ExecutionIdentity, int], identity: ExecutionIdentity, done: int) -> None:
+    left = counts.get(identity, 0) - done
+    if left > 0:
+        counts[identity] = left
+    else:
+        counts.pop(identity, None)

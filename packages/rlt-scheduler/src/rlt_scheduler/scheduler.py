@@ -260,6 +260,7 @@ class Scheduler:
             self.config,
             self._queues.running,
             self._in_flight.unconfirmed_ticks,
+            self._in_flight.unconfirmed_rounds,
             admission_possible=self._admitter.admission_possible(),
             model_depth=self.model_depth,
             start_deferred=self._start_deferred,

@@ -133,8 +133,9 @@ class SpeculativeProgram:
         self.forced_accepted = zeros(max_rounds + WARMUP_RUNS, L)  # benchmarks only
         self.max_rounds = max_rounds
         self.offsets = torch.arange(width, device=device)
-        self.row_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
-        self.position_starts = self.row_starts * width
+        self.plane_ids = torch.arange(rows.num_planes, device=device)
+        # query_start of one query per position: [0, 1, ..., L * width]
+        self.position_starts = torch.arange(L * width + 1, dtype=torch.int32, device=device)
         self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
         self._forced_rate: float | None = None
         self._forced_random = random.Random(0)
@@ -231,6 +232,7 @@ class SpeculativeProgram:
         token = rows.token[slots.index]
         for s in range(self.width):
             on = slots.position_valid[:, s]
+            state.kv_slots = self._kv_slots(slots.tables, state.position)
             self._advance(slots, state, on, self.draft_loops, self.draft_loops, gate, max_context)
             self.token[:n, s] = token
             state.store(self, n, s)
@@ -250,23 +252,26 @@ class SpeculativeProgram:
             )
 
     def _verify_depth_major(self, slots: Slots, gate: bool, max_context) -> None:
-        """LAST_EXITED: loops D+1..T over every slot's K + 1 positions at once."""
+        """LAST_EXITED: loops D+1..T over every slot's K + 1 positions at once. Each position
+        is its own attention group of one query (the split-KV decode kernels; the positions of
+        a row read the same pages, mostly from L2), reading plane loop - 1 of its row."""
         n, width = slots.count, self.width
+        count = n * width
         state = TokenState.load(self, n)
         on = slots.position_valid.reshape(-1)
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
+        state.kv_slots = self._kv_slots(tables, state.position)
         rules = slots.rules.repeat(width)
         pages = tables.shape[-1]
         for loop in range(self.draft_loops + 1, self.depth + 1):
             runs = on & ~state.exited & (state.loops == loop - 1)
-            plane = loop - 1
-            own = self._own_slot(tables[:, plane], state.position)
+            own = state.kv_slots[:, loop - 1]
             batch = PagedAttentionBatch(
-                query_start=self.position_starts[: n + 1],
-                context_lengths=(slots.position + width).to(torch.int32),
-                block_tables=slots.tables[:, plane],
+                query_start=self.position_starts[: count + 1],
+                context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
+                block_tables=tables[:, loop - 1],
                 write_slots=torch.where(runs, own, self.kv.scratch_slot),
-                max_query_len=width,
+                max_query_len=1,
                 max_context_len=max_context or pages * self.kv.block_size,
             )
             hidden, gate_probability = self.model.recurrent_step(
@@ -276,9 +281,7 @@ class SpeculativeProgram:
                 compute_gate=gate,
             )
             loop_index = torch.full_like(state.loops, loop)
-            self._exit_and_advance(
-                state, rules, tables, runs, loop_index, hidden, gate_probability, own
-            )
+            self._exit_and_advance(state, rules, runs, loop_index, hidden, gate_probability)
         state.store_all(self, n)
 
     def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
@@ -293,6 +296,7 @@ class SpeculativeProgram:
                     self.model.embed(self.token[:n, s]), slots.position + s, slots.outputs + s
                 )
                 loops = self.depth
+            state.kv_slots = self._kv_slots(slots.tables, state.position)
             on = slots.position_valid[:, s]
             self._advance(slots, state, on, self.depth, loops, gate, max_context)
             state.store(self, n, s)
@@ -314,11 +318,11 @@ class SpeculativeProgram:
         for _ in range(iterations):
             runs = on & ~state.exited & (state.loops < loop_cap)
             loop_index = state.loops + 1
-            plane = self._plane(loop_index).view(n, 1, 1).expand(n, 1, pages)
-            tables = slots.tables.gather(1, plane).squeeze(1)
-            own = self._own_slot(tables, state.position)
+            plane = self._plane(loop_index)
+            tables = slots.tables.gather(1, plane.view(n, 1, 1).expand(n, 1, pages)).squeeze(1)
+            own = state.kv_slots.gather(1, plane[:, None]).squeeze(1)
             batch = PagedAttentionBatch(
-                query_start=self.row_starts[: n + 1],
+                query_start=self.position_starts[: n + 1],
                 context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
                 block_tables=tables,
                 write_slots=torch.where(runs, own, self.kv.scratch_slot),
@@ -331,13 +335,9 @@ class SpeculativeProgram:
                 self.attention.bind(self.kv.tensors, batch),
                 compute_gate=gate,
             )
-            self._exit_and_advance(
-                state, slots.rules, slots.tables, runs, loop_index, hidden, gate_probability, own
-            )
+            self._exit_and_advance(state, slots.rules, runs, loop_index, hidden, gate_probability)
 
-    def _exit_and_advance(
-        self, state, rules, tables, runs, loop_index, hidden, gate_probability, own
-    ) -> None:
+    def _exit_and_advance(self, state, rules, runs, loop_index, hidden, gate_probability) -> None:
         """Apply the exit rules to the loop that ran, copy the KV of tokens that exit into the
         deeper planes (LAST_EXITED) and advance the running tokens' state."""
         decision = apply_exit_rules(
@@ -350,7 +350,7 @@ class SpeculativeProgram:
         )
         exits = decision.exits & runs
         if self.rows.num_planes > 1:
-            self._finalize(tables, exits, loop_index, state.position, own)
+            self._finalize(state.kv_slots, exits, loop_index)
         state.advance(runs, exits, loop_index, hidden, decision)
 
     # -- accept and commit ---------------------------------------------------------------------
@@ -461,22 +461,23 @@ class SpeculativeProgram:
             return (loop_index - 1).clamp(max=self.rows.num_planes - 1)
         return torch.zeros_like(loop_index)
 
-    def _own_slot(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """KV slot of each token's position in its table row [N, pages]."""
+    def _kv_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """[N, planes] int64: the KV slot of each token's position in every plane of its
+        table rows `tables` [N, planes, pages] (pages past the table clamp to its last)."""
         block_size = self.kv.block_size
-        page = (position // block_size).clamp(max=tables.shape[-1] - 1)
-        block = tables.gather(1, page[:, None]).squeeze(1).to(torch.int64)
-        return block * block_size + position % block_size
+        count, planes, pages = tables.shape
+        page = (position // block_size).clamp(max=pages - 1)
+        blocks = tables.gather(2, page.view(count, 1, 1).expand(count, planes, 1)).squeeze(2)
+        return blocks.to(torch.int64) * block_size + (position % block_size)[:, None]
 
-    def _finalize(self, tables, exits, loop_index, position, own) -> None:
+    def _finalize(self, kv_slots, exits, loop_index) -> None:
         """LAST_EXITED: a token exiting at loop e < T gets its plane e-1 KV copied into planes
-        e..T-1. tables [N, planes, pages] of each token's row."""
+        e..T-1 (kv_slots [N, planes] of each token's position)."""
         scratch = self.kv.scratch_slot
         copies = exits & (loop_index < self.depth)
-        sources, targets = [], []
-        for plane in range(1, self.rows.num_planes):
-            target = self._own_slot(tables[:, plane], position)
-            needed = copies & (loop_index <= plane)
-            sources.append(torch.where(needed, own, scratch))
-            targets.append(torch.where(needed, target, scratch))
-        self.kv.copy_slots(torch.cat(sources), torch.cat(targets))
+        deeper = self.plane_ids[None, 1:] >= loop_index[:, None]  # [N, planes - 1]
+        needed = copies[:, None] & deeper
+        own = kv_slots.gather(1, (loop_index - 1).clamp(min=0)[:, None])
+        sources = torch.where(needed, own, scratch)
+        targets = torch.where(needed, kv_slots[:, 1:], scratch)
+        self.kv.copy_slots(sources.reshape(-1), targets.reshape(-1))

@@ -66,7 +66,8 @@ class Slots:
 class TokenState:
     """Per token: hidden [N, d] (the next loop's input, or the exit state), loops run, hazard
     survival (fp64), delayed-exit loop, exited flag and exit depth, position and the output
-    index it produces."""
+    index it produces; kv_slots [N, planes]: its position's KV slot in every plane (set by
+    the program, which knows the tables)."""
 
     hidden: torch.Tensor
     loops: torch.Tensor
@@ -76,6 +77,7 @@ class TokenState:
     output_index: torch.Tensor
     exited: torch.Tensor | None = None
     depth: torch.Tensor | None = None
+    kv_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.exited is None:

@@ -174,12 +174,44 @@ def test_full_width_bind_with_rewritten_metadata(paged_case, reference):
     torch.testing.assert_close(out.double().cpu(), reference(second), rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_and_mixed_calls_keep_the_tiled_kernel(paged_case, launches):
-    case = paged_case([(1, 9), (3, 12), (1, 1)], block_size=4, head_dim=16, device=DEVICE)
+def test_long_prefill_chunks_keep_the_tiled_kernel(paged_case, launches):
+    """Groups of more queries than a split tile holds (q x G > 16) use the tiled kernel; so
+    does everything with split_kv=False."""
+    case = paged_case([(1, 9), (17, 30), (1, 1)], block_size=4, head_dim=16, device=DEVICE)
     case.run(TritonPagedAttention())
+    grouped = paged_case(
+        [(9, 12), (1, 3)], block_size=4, num_heads=4, num_kv_heads=2, head_dim=16, device=DEVICE
+    )
+    grouped.run(TritonPagedAttention())  # 9 queries x G = 2: 18 tile rows
     decode = paged_case([(1, 9), (1, 12)], block_size=4, head_dim=16, device=DEVICE)
     decode.run(TritonPagedAttention(split_kv=False))
-    assert [kind for kind, _ in launches] == ["tiled", "tiled"]
+    assert [kind for kind, _ in launches] == ["tiled", "tiled", "tiled"]
+
+
+# Groups of a few queries (a speculative round's verify pass), decode rows, an empty group.
+FEW_QUERY_GROUPS = [(5, 40), (1, 9), (3, 3), (0, 0), (8, 100), (2, 17)]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "num_splits"),
+    [(2, 2, 1), (2, 2, 3), (4, 2, 8), (2, 2, None)],  # G = 1 (8 queries) and G = 2 (16 rows)
+)
+def test_few_query_groups_use_split_kv_and_match_the_torch_backend(
+    paged_case, reference, launches, num_heads, num_kv_heads, num_splits
+):
+    """Each of a group's queries sees the keys up to its own position (causal), also in splits
+    that end before it (their partials are empty for that query)."""
+    shapes = dict(
+        block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, seed=11
+    )
+    triton_case = paged_case(FEW_QUERY_GROUPS, device=DEVICE, **shapes)
+    torch_case = paged_case(FEW_QUERY_GROUPS, device=DEVICE, **shapes)
+    out = triton_case.run(TritonPagedAttention(num_splits=num_splits, block_n=16))
+    assert [kind for kind, _ in launches] == ["split"]
+    assert launches[0][1].block_m == 16
+    expected = torch_case.run(TorchPagedAttention())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), reference(triton_case), rtol=1e-5, atol=1e-5)
 
 
 def test_choose_splits_heuristic():

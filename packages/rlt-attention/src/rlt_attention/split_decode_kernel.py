@@ -1,10 +1,14 @@
 """Triton split-KV ("flash-decoding") paged attention for decode-only calls.
 
-When every group of a call has one query (decode rows), the split kernel runs a (group, kv head,
-split) grid in which split s covers keys [s * L, min((s + 1) * L, context_len)), L =
+When every group of a call has one query (decode rows), or a few (up to `max_split_queries`:
+the positions a speculative round verifies), the split kernel runs a (group, kv head, split)
+grid in which split s covers keys [s * L, min((s + 1) * L, context_len)), L =
 ceil(ceil(context_len / num_splits) / BLOCK_N) * BLOCK_N computed on the device, and writes an
-fp32 partial (running max, sum of exponentials, unnormalised accumulator); the combine kernel
-merges the splits of every (group, head) into the output. With one split the split kernel
+fp32 partial per query row and head (running max, sum of exponentials, unnormalised
+accumulator); the combine kernel merges the splits of every (query row, head) into the output.
+The rows of the `tl.dot` tile are the group's (query, head) pairs: its q queries times the G
+query heads of the kv head, so each key is loaded once for all of them, and query i (at
+position context_len - q + i) is masked causally. With one split the split kernel
 normalises and writes the output itself. num_splits is a function of bind-time host ints only,
 so a CUDA graph captured with full-width block tables keeps a fixed grid.
 
@@ -66,7 +70,8 @@ def _split_decode_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (>= 16)
     PAGE_SIZE: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,  # G = H / Hkv
-    BLOCK_M: tl.constexpr,  # rows of the tl.dot tile: the G heads, padded to >= 16
+    QUERIES_PER_GROUP: tl.constexpr,  # most query rows of one group (1 for decode rows)
+    BLOCK_M: tl.constexpr,  # rows of the tl.dot tile: the q x G (query, head) pairs, >= 16
     BLOCK_N: tl.constexpr,  # key positions per step
     DIRECT_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write the output here
     STORE_NEW: tl.constexpr,  # the query's own key/value come from new_*_ptr and are stored
@@ -81,29 +86,35 @@ def _split_decode_kernel(
     split = tl.program_id(2)
 
     query_begin = tl.load(query_start_ptr + group)
-    if tl.load(query_start_ptr + group + 1) - query_begin == 0:
+    query_len = tl.load(query_start_ptr + group + 1) - query_begin
+    if query_len == 0:
         return  # padding group without a query row
-    # The group's single query sits at position context_len - 1 and sees every key before it.
+    # The group's queries are its last query_len positions; each sees every key up to its own.
     context_len = tl.load(context_lengths_ptr + group)
     per_split = (context_len + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     key_start = split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
 
-    row = query_begin.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     dim_valid = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     table_row = block_tables_ptr + group * stride_table_group
     cache_dtype = key_cache_ptr.dtype.element_ty
 
-    # The G query heads of the kv head are the rows of a tile sharing each loaded key.
+    # The (query, head) pairs of the group and kv head are the rows of a tile sharing each
+    # loaded key: tile row m is query m // G of the group, head kv_head * G + m % G.
     offs_m = tl.arange(0, BLOCK_M)
-    head = kv_head * QUERIES_PER_KV + offs_m
-    row_valid = offs_m < QUERIES_PER_KV
+    query_index = offs_m // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
+    row_valid = (offs_m < QUERIES_PER_GROUP * QUERIES_PER_KV) & (query_index < query_len)
     row_mask = row_valid[:, None] & dim_valid[None, :]
+    row = (query_begin + query_index).to(tl.int64)  # [BLOCK_M] query row of each tile row
     q = tl.load(
-        query_ptr + row * stride_query_row + head[:, None] * stride_query_head + offs_d[None, :],
+        query_ptr
+        + row[:, None] * stride_query_row
+        + head[:, None] * stride_query_head
+        + offs_d[None, :],
         mask=row_mask,
         other=0.0,
     )
@@ -111,23 +122,27 @@ def _split_decode_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    own_position = context_len - 1
+    row_position = context_len - query_len + query_index  # [BLOCK_M] causal limit per row
+    own_position = context_len - 1  # STORE_NEW (one query per group): its own key's position
     if STORE_NEW:
         # The query's own key/value (position context_len - 1) are read from the call's
         # tensors, never from the cache, and the split that covers them stores them: the only
         # program that could read that slot is this one.
         new_key = tl.load(
-            new_key_ptr + row * stride_new_key_row + kv_head * stride_new_key_head + offs_d,
+            new_key_ptr + query_begin * stride_new_key_row + kv_head * stride_new_key_head + offs_d,
             mask=dim_valid,
             other=0.0,
         ).to(cache_dtype)
         new_value = tl.load(
-            new_value_ptr + row * stride_new_value_row + kv_head * stride_new_value_head + offs_d,
+            new_value_ptr
+            + query_begin * stride_new_value_row
+            + kv_head * stride_new_value_head
+            + offs_d,
             mask=dim_valid,
             other=0.0,
         ).to(cache_dtype)
         if (key_start <= own_position) & (own_position < key_end):
-            slot = tl.load(write_slots_ptr + row)
+            slot = tl.load(write_slots_ptr + query_begin)
             slot_block = slot // PAGE_SIZE
             slot_offset = slot % PAGE_SIZE
             tl.store(
@@ -162,10 +177,14 @@ def _split_decode_kernel(
         if STORE_NEW:
             k = tl.where((key_position == own_position)[:, None], new_key[None, :], k)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        visible = key_valid[None, :] & (key_position[None, :] <= row_position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        correction = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
+        # a row that has seen no key yet (all masked so far) keeps max -inf: exponentials
+        # against 0 there give exact zeros instead of NaN
+        finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - finite_max)
+        probs = tl.exp2(scores - finite_max[:, None])
         row_sum = row_sum * correction + tl.sum(probs, 1)
         value_row = (
             block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
@@ -177,12 +196,15 @@ def _split_decode_kernel(
         row_max = new_max
     if DIRECT_OUTPUT:
         tl.store(
-            out_ptr + row * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :],
+            out_ptr
+            + row[:, None] * stride_out_row
+            + head[:, None] * stride_out_head
+            + offs_d[None, :],
             (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
             mask=row_mask,
         )
     else:
-        partial = (group * (QUERIES_PER_KV * tl.num_programs(1)) + head) * num_splits + split
+        partial = (row * (QUERIES_PER_KV * tl.num_programs(1)) + head) * num_splits + split
         tl.store(partial_max_ptr + partial, row_max, mask=row_valid)
         tl.store(partial_sum_ptr + partial, row_sum, mask=row_valid)
         tl.store(
@@ -197,7 +219,9 @@ def _split_decode_kernel(
                 split_valid = offs_s < num_splits
                 for g in tl.static_range(QUERIES_PER_KV):
                     one_head = kv_head * QUERIES_PER_KV + g
-                    first = (group * (QUERIES_PER_KV * tl.num_programs(1)) + one_head) * num_splits
+                    first = (
+                        query_begin * (QUERIES_PER_KV * tl.num_programs(1)) + one_head
+                    ) * num_splits
                     split_max = tl.load(
                         partial_max_ptr + first + offs_s,
                         mask=split_valid,
@@ -221,7 +245,10 @@ def _split_decode_kernel(
                     weight = tl.exp2(split_max - total_max)
                     merged = tl.sum(split_acc * weight[:, None], 0) / tl.sum(split_sum * weight, 0)
                     tl.store(
-                        out_ptr + row * stride_out_row + one_head * stride_out_head + offs_d,
+                        out_ptr
+                        + query_begin * stride_out_row
+                        + one_head * stride_out_head
+                        + offs_d,
                         merged.to(out_ptr.dtype.element_ty),
                         mask=dim_valid,
                     )
@@ -231,9 +258,9 @@ def _split_decode_kernel(
 @triton.jit
 def _split_combine_kernel(
     out_ptr,  # [N, H, D] query dtype
-    partial_max_ptr,  # [S, H, num_splits] fp32
-    partial_sum_ptr,  # [S, H, num_splits] fp32
-    partial_acc_ptr,  # [S, H, num_splits, HEAD_DIM] fp32
+    partial_max_ptr,  # [N, H, num_splits] fp32, per query row
+    partial_sum_ptr,  # [N, H, num_splits] fp32
+    partial_acc_ptr,  # [N, H, num_splits, HEAD_DIM] fp32
     query_start_ptr,  # [S + 1] int32
     num_splits,
     stride_out_row,
@@ -247,14 +274,16 @@ def _split_combine_kernel(
         wait_for_prior_grid()
     group = tl.program_id(0)
     head = tl.program_id(1)
+    query = tl.program_id(2)  # the group's query (grid axis 2: its most queries)
     query_begin = tl.load(query_start_ptr + group)
-    if tl.load(query_start_ptr + group + 1) - query_begin == 0:
+    if tl.load(query_start_ptr + group + 1) - query_begin <= query:
         return
+    row = (query_begin + query).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     split_valid = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     dim_valid = offs_d < HEAD_DIM
-    partial = (group * tl.num_programs(1) + head) * num_splits + offs_s
+    partial = (row * tl.num_programs(1) + head) * num_splits + offs_s
     split_max = tl.load(partial_max_ptr + partial, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(partial_sum_ptr + partial, mask=split_valid, other=0.0)
     split_acc = tl.load(
@@ -267,7 +296,6 @@ def _split_combine_kernel(
     weight = tl.exp2(split_max - total_max)  # 0 for empty splits (max -inf)
     total_sum = tl.sum(split_sum * weight, 0)
     out = tl.sum(split_acc * weight[:, None], 0) / total_sum
-    row = query_begin.to(tl.int64)
     tl.store(
         out_ptr + row * stride_out_row + head * stride_out_head + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -287,7 +315,7 @@ class SplitConfig:
     """Launch configuration of the split-KV decode kernels (host ints)."""
 
     num_splits: int
-    block_m: int  # query-head rows of the tl.dot tile: the G heads padded to >= 16
+    block_m: int  # rows of the tl.dot tile: the q x G (query, head) pairs padded to >= 16
     block_n: int
     block_d: int
     num_warps: int
@@ -304,6 +332,7 @@ def choose_splits(
     sm_count: int = DEFAULT_SM_COUNT,
     num_splits: int | None = None,
     block_n: int | None = None,
+    queries_per_group: int = 1,
 ) -> SplitConfig:
     """Splits per (group, kv head) and the key step, from bind-time host ints only (a graph
     captured with full-width tables keeps a fixed grid). `num_splits` / `block_n` override the
@@ -316,7 +345,8 @@ def choose_splits(
       programs, else 32 keys and 4 warps), 2 pipeline stages; the nearest swept configurations were
       2-9% faster per layer call than the rule below at 1-4 rows;
     - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
-    Splits are capped at MAX_SPLITS and at one key step each."""
+    Splits are capped at MAX_SPLITS and at one key step each. `queries_per_group`: the call's
+    max_query_len (a group's q queries x G heads are the tile's rows)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     programs = max(1, num_groups * num_kv_heads)
     small_grid = programs <= SMALL_GRID and block_d <= 128
@@ -336,7 +366,7 @@ def choose_splits(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     # A 16-row tl.dot tile also for G == 1: on an H200 it beat vector reductions over the keys
     # (10 vs 12 us per layer at batch 1, 71 vs 120 us at batch 32; Ouro-1.4B, context 1088).
-    block_m = max(16, triton.next_power_of_2(queries_per_kv))
+    block_m = max(16, triton.next_power_of_2(queries_per_group * queries_per_kv))
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
     if small_grid:
         num_warps, num_stages = (2 if block_n == 16 else 4), 2
@@ -357,8 +387,10 @@ def launch_split_decode_attention(
     new_value: torch.Tensor | None = None,
     write_slots: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
+    queries_per_group: int = 1,
 ) -> None:
-    """Decode-only attention (every group has at most one query) split over the keys.
+    """Attention of groups of at most `queries_per_group` queries (1: decode rows), split over
+    the keys; `split.block_m` must hold queries_per_group x G rows.
 
     Same arguments as `launch_paged_attention`. Grid (S, Hkv, num_splits) for the split kernel;
     the fp32 partials are allocated here with torch.empty (a CUDA-graph capture puts them in the
@@ -367,25 +399,30 @@ def launch_split_decode_attention(
       kernel stores them (no separate store launch) and reads them from registers.
     - tickets [S, Hkv] int32, zero between calls (the kernel leaves them zero): the last split of
       each (group, kv head) to finish merges the partials itself; without tickets a combine
-      kernel (S, H) runs after the split kernel when num_splits > 1.
+      kernel (S, H, queries_per_group) runs after the split kernel when num_splits > 1.
+    The call's own keys and the fused merge need one query per group.
     """
     num_groups = context_lengths.shape[0]
-    _, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     _, page_size, kv_heads, _ = key_cache.shape
     if num_groups == 0:
         return
     num_splits = split.num_splits
     direct = num_splits == 1
+    if queries_per_group > 1 and (new_key is not None or tickets is not None):
+        raise ValueError("storing the call's keys or merging in the split kernel needs q_len 1")
+    if queries_per_group * (num_heads // kv_heads) > split.block_m:
+        raise ValueError(f"block_m {split.block_m} cannot hold {queries_per_group} queries")
     pdl = dependent_launch.enabled(query)
     if direct:
         partial_max = partial_sum = partial_acc = out  # unused
     else:
         partial_max = torch.empty(
-            (num_groups, num_heads, num_splits), dtype=torch.float32, device=query.device
+            (num_rows, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         partial_sum = torch.empty_like(partial_max)
         partial_acc = torch.empty(
-            (num_groups, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+            (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
         )
     store_new = new_key is not None
     fused_combine = tickets is not None and not direct
@@ -432,6 +469,7 @@ def launch_split_decode_attention(
         BLOCK_D=split.block_d,
         PAGE_SIZE=page_size,
         QUERIES_PER_KV=num_heads // kv_heads,
+        QUERIES_PER_GROUP=queries_per_group,
         BLOCK_M=split.block_m,
         BLOCK_N=split.block_n,
         DIRECT_OUTPUT=direct,
@@ -445,7 +483,7 @@ def launch_split_decode_attention(
     )
     if direct or fused_combine:
         return
-    _split_combine_kernel[(num_groups, num_heads)](
+    _split_combine_kernel[(num_groups, num_heads, queries_per_group)](
         out,
         partial_max,
         partial_sum,

@@ -4,11 +4,13 @@
 store kernel (keys and values at write_slots: the writes of `kv_store.store_kv`, one launch
 instead of two index_copy_) and the read kernel(s), whose grids depend on bind-time host ints
 only and whose metadata (query_start, context_lengths, block_tables, write_slots) is read on the
-device. Decode-only calls (max_query_len == 1) use the split-KV pair (split kernel + combine;
-the split count is a function of S, Hkv and max_context_len only); prefill and mixed calls the
-tiled kernel. That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
-max_query_len, max_context_len) replays correctly when the runner rewrites those metadata
-tensors in place. (Capture itself has not been exercised by this package's CPU tests.)
+device. Calls whose groups have at most a few queries (decode rows; the positions a
+speculative round verifies: max_query_len x G <= SPLIT_TILE_ROWS) use the split-KV pair (split
+kernel + combine; the split count is a function of S, Hkv and max_context_len only); prefill
+chunks longer than that the tiled kernel. That is why `supports_cuda_graphs` is declared: a
+graph captured for a given (S, N, max_query_len, max_context_len) replays correctly when the
+runner rewrites those metadata tensors in place. (Capture itself has not been exercised by
+this package's CPU tests.)
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ TRITON_CAPABILITIES = AttentionCapabilities(
     supports_batch_invariance=True,  # argued (see TritonPagedAttention), not measured on a GPU
 )
 
+# Split-KV calls: the (query, head) rows one tile of the split kernel holds (q x G <= this).
+SPLIT_TILE_ROWS = 16
 # Batch-invariant mode: the tiled kernel's tile for every call (decode and prefill alike).
 BATCH_INVARIANT_BLOCK_M = 64
 BATCH_INVARIANT_BLOCK_N = 64
@@ -137,6 +141,9 @@ class TritonPagedAttention:
             )
         if kv_cache.key_cache.stride(-1) != 1 or kv_cache.value_cache.stride(-1) != 1:
             raise ValueError("KV caches must have a contiguous head dim")
+        # split-KV if the queries fit a tile (rechecked per call, where the head count is known)
+        split = self._split_kv and shape.max_query_len <= SPLIT_TILE_ROWS
+        single = shape.max_query_len == 1
         return _TritonBoundAttention(
             kv_cache,
             views,
@@ -144,12 +151,12 @@ class TritonPagedAttention:
             shape,
             block_m=self._block_m,
             block_n=self._block_n,
-            split_decode=self._split_kv and shape.max_query_len == 1,
-            store_in_split=self._store_in_split,
+            split_decode=split,
+            store_in_split=self._store_in_split and single,
             num_splits=self._num_splits,
             tickets=(
                 self._tickets_for(device, shape.num_groups, kv_cache.key_cache.shape[3])
-                if self._fused_decode and self._split_kv and shape.max_query_len == 1
+                if self._fused_decode and split and single
                 else None
             ),
         )
@@ -205,7 +212,9 @@ class _TritonBoundAttention:
         out = torch.empty_like(query)
         _, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
-        if self._split_decode:
+        queries = self._shape.max_query_len
+        few = queries == 1 or queries * (num_heads // kv_heads) <= SPLIT_TILE_ROWS
+        if self._split_decode and few:
             split_decode_kernel.launch_split_decode_attention(
                 out,
                 query,
@@ -223,11 +232,13 @@ class _TritonBoundAttention:
                     sm_count=self._sm_count,
                     num_splits=self._num_splits,
                     block_n=self._block_n,
+                    queries_per_group=self._shape.max_query_len,
                 ),
                 new_key=key if store_in_split else None,
                 new_value=value if store_in_split else None,
                 write_slots=self._batch.write_slots if store_in_split else None,
                 tickets=self._tickets,
+                queries_per_group=self._shape.max_query_len,
             )
             return out
         triton_kernel.launch_paged_attention(

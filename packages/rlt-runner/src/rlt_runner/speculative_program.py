@@ -134,8 +134,9 @@ class SpeculativeProgram:
         self.max_rounds = max_rounds
         self.offsets = torch.arange(width, device=device)
         self.plane_ids = torch.arange(rows.num_planes, device=device)
-        # query_start of one query per position: [0, 1, ..., L * width]
-        self.position_starts = torch.arange(L * width + 1, dtype=torch.int32, device=device)
+        # query_start of one query per slot and of K + 1 queries per slot
+        self.position_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
+        self.slot_starts = self.position_starts * width
         self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
         self._forced_rate: float | None = None
         self._forced_random = random.Random(0)
@@ -252,11 +253,10 @@ class SpeculativeProgram:
             )
 
     def _verify_depth_major(self, slots: Slots, gate: bool, max_context) -> None:
-        """LAST_EXITED: loops D+1..T over every slot's K + 1 positions at once. Each position
-        is its own attention group of one query (the split-KV decode kernels; the positions of
-        a row read the same pages, mostly from L2), reading plane loop - 1 of its row."""
+        """LAST_EXITED: loops D+1..T over every slot's K + 1 positions at once, one attention
+        group of K + 1 queries per slot reading plane loop - 1 (the split-KV kernels load each
+        key once for all of them)."""
         n, width = slots.count, self.width
-        count = n * width
         state = TokenState.load(self, n)
         on = slots.position_valid.reshape(-1)
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
@@ -267,11 +267,11 @@ class SpeculativeProgram:
             runs = on & ~state.exited & (state.loops == loop - 1)
             own = state.kv_slots[:, loop - 1]
             batch = PagedAttentionBatch(
-                query_start=self.position_starts[: count + 1],
-                context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
-                block_tables=tables[:, loop - 1],
+                query_start=self.slot_starts[: n + 1],
+                context_lengths=(slots.position + width).to(torch.int32),
+                block_tables=slots.tables[:, loop - 1],
                 write_slots=torch.where(runs, own, self.kv.scratch_slot),
-                max_query_len=1,
+                max_query_len=width,
                 max_context_len=max_context or pages * self.kv.block_size,
             )
             hidden, gate_probability = self.model.recurrent_step(

@@ -74,6 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--phase-timing", action="store_true")
     parser.add_argument(
+        "--phase-kernels",
+        type=int,
+        default=0,
+        help="with --phase-timing: the N costliest kernels of the tick and verify graphs "
+        "(torch.profiler over 10 replays)",
+    )
+    parser.add_argument(
         "--step-log", action="store_true", help="per arm: [prompt tokens, tokens, device ms]"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -362,11 +369,32 @@ def phase_timing(args, model, path, k: int, d: int, replays: int = 50) -> dict:
             end.record()
             end.synchronize()
             timings[f"{name}_ms"] = round(start.elapsed_time(end) / replays, 4)
+            if args.phase_kernels and name in ("tick", "verify"):
+                timings[f"{name}_kernels"] = top_kernels(graph, args.phase_kernels)
         runner.rows.active.copy_(saved)
         return dict(num_speculative_tokens=k, speculative_draft_loops=d, **timings)
     finally:
         engine.shutdown()
         gc.collect()
+
+
+def top_kernels(graph, count: int, replays: int = 10) -> list:
+    """[[kernel name (80 chars), calls per replay, us per replay]] of the costliest kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
+    return [[name, calls / replays, round(us / replays, 1)] for name, (calls, us) in ranked]
 
 
 def sync(device: str) -> None:

@@ -12,6 +12,13 @@
 #   bash benchmarks/h200_run.sh speculative [ARGS...]  speculation's CUDA tests (SPEC_TESTS=0 skips
 #                                                  them), then benchmarks/speculative_decoding.py
 #                                                  ARGS on the Ouro-1.4B shape in bf16
+#   bash benchmarks/h200_run.sh speculative-table a|b  issue 21's measurements in two calls: (a) the
+#                                                  CUDA tests of speculation, the split-KV
+#                                                  kernels, the small-batch GEMV and the engine,
+#                                                  then the c1 grid (K x D x alpha) and the
+#                                                  depth mix; (b) concurrencies 4/16/32 and the
+#                                                  default disable limit at 32, then the bundled
+#                                                  model's real acceptance
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
@@ -54,6 +61,25 @@ case "$mode" in
       2>&1 | tee "$OUT/spec_tests.log" | tail -25
     python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --out "$OUT/speculative.json" "$@" ;;
+  speculative-table)
+    b=(python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16)
+    if [ "${1:-a}" = a ]; then
+      python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_speculative.py \
+        tests/test_cuda_engine.py packages/rlt-attention/tests/test_split_decode.py \
+        packages/rlt-models/tests/test_small_batch_linear.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -3
+      "${b[@]}" --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
+        --phase-timing --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
+      "${b[@]}" --concurrency 1 --drafts 3,4 --draft-loops 1 --alphas 0.9 --mix \
+        --out "$OUT/spec_mix.json" >"$OUT/spec_mix.log" 2>&1
+    else
+      "${b[@]}" --concurrency 4,16,32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \
+        --out "$OUT/spec_sweep.json" >"$OUT/spec_sweep.log" 2>&1
+      "${b[@]}" --concurrency 32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \
+        --disable-batch-size default --out "$OUT/spec_c32_default.json" >/dev/null 2>&1
+      python3 benchmarks/speculative_acceptance.py --device cuda --dtype bfloat16 --num-prompts 12 \
+        --output-len 48 --draft-loops 1,2 --out "$OUT/acceptance_h200.json" >/dev/null 2>&1
+    fi
+    tail -2 "$OUT"/*.log ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

@@ -72,6 +72,8 @@ case "$mode" in
       "${b[@]}" --concurrency 1 --drafts 3,4 --draft-loops 1 --alphas 0.9 --mix \
         --out "$OUT/spec_mix.json" >"$OUT/spec_mix.log" 2>&1
     else
+      "${b[@]}" --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
+        --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
       "${b[@]}" --concurrency 4,16,32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \
         --out "$OUT/spec_sweep.json" >"$OUT/spec_sweep.log" 2>&1
       "${b[@]}" --concurrency 32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \

@@ -49,13 +49,6 @@ except ImportError:  # pragma: no cover - linux wheels of torch bring triton
 MAX_ROWS = 16
 # A kernel must beat cuBLAS by this factor in the loop-like timing (replays vary by ~1%).
 MARGIN = 0.97
-# With programmatic dependent launch a cuBLAS call breaks the chain: it cannot start while its
-# predecessor drains, nor its successor while it does. Measured on an H200 (Ouro-1.4B, a
-# speculative verify pass of 4 rows, where two of the four projections had chosen cuBLAS):
-# the loop's kernels summed to a tick's, but the loop took 1.44 ms against 1.10, about 7 us per
-# cuBLAS call. The timing below runs the calls back to back without that context, so with PDL
-# each cuBLAS call is charged this much more when compared.
-PDL_CHAIN_PENALTY_MS = 0.005
 # The timed weight copies together exceed this multiple of the L2 cache (at most 16 copies).
 COLD_L2_FACTOR = 2
 MAX_COPIES = 16
@@ -287,8 +280,6 @@ class SmallBatchLinear:
         reference = F.linear(x, weight).float()
         scale = reference.abs().max().item() + 1e-6
         best, best_ms = None, _time_over(weights, lambda w: F.linear(x, w))
-        if dependent_launch.enabled(x):
-            best_ms += PDL_CHAIN_PENALTY_MS * len(weights)
         cublas_ms = best_ms
         for config in CONFIGS:
             if config.single_row and rows != 1:

@@ -276,3 +276,21 @@ def test_the_default_inflight_bound_holds_two_steps_of_prompt_kv(llm_factory):
     assert small.engine.parts.pd.port.sender.config.max_inflight_bytes == 256 << 20
     given = llm_factory(pd_role="prefill", pd_max_inflight_bytes=3 << 20)
     assert given.engine.parts.pd.port.sender.config.max_inflight_bytes == 3 << 20
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_decode_instance_speculates_after_the_handoff(llm_factory, layout):
+    """A speculative decode instance (K = 3, D = 2) continues handed-off prompts with rounds:
+    greedy tokens and exit depths equal a single engine without speculation."""
+    all_params = [
+        SamplingParams(max_tokens=8 + i, exit_threshold=0.55, min_loops=1, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    expected = reference(llm_factory, PROMPTS, all_params, kv_layout=layout)
+    speculative = dict(kv_layout=layout, num_speculative_tokens=3, speculative_draft_loops=2)
+    prefill, decode = llm_factory(kv_layout=layout), llm_factory(**speculative)
+    connect(prefill, decode)
+    finals = run_pd(prefill, decode, PROMPTS, all_params)
+    got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
+    assert got == expected
+    assert decode.get_stats().spec_drafts > 0

@@ -246,6 +246,21 @@ def test_free_requests_batched_with_constrained_ones_decode_as_alone(llm_factory
     assert max(b - a for a, b in zip([0, *counts["r0"]], counts["r0"], strict=False)) > 1
 
 
+def test_constrained_requests_next_to_speculating_ones(llm_factory):
+    """With speculation, a constrained request drafts nothing (its grammar advances on the host)
+    and decodes exactly as without speculation, one token per mask, next to greedy requests
+    that draft; every output stays identical to a plain engine's."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [free_params(), regex_params(), free_params(min_loops=1)]
+    plain = llm_factory().generate(prompts, params)
+    llm = llm_factory(num_speculative_tokens=3, speculative_draft_loops=2)
+    got = llm.generate(prompts, params)
+    for a, b in zip(plain, got, strict=True):
+        assert (a.token_ids, a.exit_depths, a.text) == (b.token_ids, b.exit_depths, b.text)
+    assert re.fullmatch(REGEX, got[1].text) and got[1].finish_reason == "stop"
+    assert llm.get_stats().spec_drafts > 0
+
+
 def test_preempted_constrained_request_resumes_with_its_matcher(llm_factory):
     llm = llm_factory(scheduling_policy="priority", enable_preemption=True, max_num_seqs=1)
     engine = llm.engine

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offline_throughput import decode_phase  # noqa: E402
+from speculative_decoding import acceptance_between  # noqa: E402
 
 PASSAGES = Path(__file__).resolve().parent / "data" / "heldout_passages.json"
 
@@ -104,23 +105,11 @@ def run(engine, prompts, threshold: float, args) -> tuple[dict, list]:
         tokens, seconds = tokens + d_tokens, seconds + d_seconds
     engine.core.step_log = None
     wall = time.perf_counter() - start
-    after = engine.get_stats()
-    drafts = after.spec_drafts - before.spec_drafts
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    per_position = [
-        a - b
-        for a, b in zip(
-            after.spec_accepted_per_position, before.spec_accepted_per_position, strict=True
-        )
-    ]
-    reached = drafts + sum(per_position[:-1])
     arm = dict(
         decode_tokens_per_s=round(tokens / seconds, 1) if seconds else None,
         wall_s=round(wall, 2),
         mean_loops_per_decoded_token=round(sum(depths) / max(len(depths), 1), 3),
-        spec_alpha=round(accepted / reached, 3) if reached else None,
-        spec_mean_accepted_tokens=round(1 + accepted / drafts, 3) if drafts else None,
-        spec_acceptance_by_position=[round(a / drafts, 3) for a in per_position] if drafts else [],
+        **acceptance_between(before, engine.get_stats()),
     )
     return arm, outputs
 

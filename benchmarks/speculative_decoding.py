@@ -258,19 +258,7 @@ def measure(engine, prompts, args) -> dict:
     wall = time.perf_counter() - start
     records, core.step_log = core.step_log, None
     d_tokens, d_seconds, d_steps = decode_phase(records)
-    after = engine.get_stats()
-    drafts = after.spec_drafts - before.spec_drafts
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    per_position = [
-        a - b
-        for a, b in zip(
-            after.spec_accepted_per_position, before.spec_accepted_per_position, strict=True
-        )
-    ]
-    # per-draft acceptance given the drafts before it were accepted: accepted drafts over the
-    # drafts that were reached (position 0 in every round, position i after i acceptances);
-    # rows near max_tokens draft fewer, which this ignores
-    reached = drafts + sum(per_position[:-1])
+    acceptance = acceptance_between(before, engine.get_stats())
     log = None
     if args.step_log:
         log = [
@@ -290,8 +278,28 @@ def measure(engine, prompts, args) -> dict:
         decode_steps=d_steps,
         decode_output_tokens_per_s=round(d_tokens / d_seconds, 1) if d_seconds else None,
         mean_loops_per_decoded_token=round(sum(depths) / max(len(depths), 1), 3),
+        **acceptance,
+    )
+
+
+def acceptance_between(before, after) -> dict:
+    """Draft acceptance between two `EngineStats`: spec_mean_accepted_tokens (tokens a drafting
+    round emitted), spec_alpha (accepted drafts over drafts reached, i.e. whose predecessors
+    were all accepted; rows near max_tokens draft fewer, which this ignores), acceptance by
+    position, drafting rounds."""
+    drafts = after.spec_drafts - before.spec_drafts
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    per_position = [
+        a - b
+        for a, b in zip(
+            after.spec_accepted_per_position, before.spec_accepted_per_position, strict=True
+        )
+    ]
+    reached = drafts + sum(per_position[:-1])
+    return dict(
         spec_mean_accepted_tokens=round(1 + accepted / drafts, 3) if drafts else None,
         spec_alpha=round(accepted / reached, 3) if reached else None,
+        spec_acceptance_by_position=[round(a / drafts, 3) for a in per_position] if drafts else [],
         spec_rounds_with_drafts=drafts,
     )
 

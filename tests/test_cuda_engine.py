@@ -197,6 +197,13 @@ def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory, layout):
         enable_preemption=True,
         enable_prefix_caching=layout == "last_exited",
     )
+    stats = scenario_without_sync(llm)
+    assert stats.preemptions > 0 and stats.generation_tokens > 0
+
+
+def scenario_without_sync(llm):
+    """Warm up with the async-pipeline scenario (compilation, graphs of every mode used), then
+    run it again with any synchronizing CUDA call raising; returns the engine's stats."""
     scenario(llm)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -204,8 +211,7 @@ def test_engine_steps_make_no_host_sync_but_the_read_back(llm_factory, layout):
         scenario(llm)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stats = llm.get_stats()
-    assert stats.preemptions > 0 and stats.generation_tokens > 0
+    return llm.get_stats()
 
 
 def test_two_engines_one_after_the_other_get_the_same_pool(tiny_checkpoint):

@@ -265,23 +265,16 @@ class SpeculativeProgram:
         pages = tables.shape[-1]
         for loop in range(self.draft_loops + 1, self.depth + 1):
             runs = on & ~state.exited & (state.loops == loop - 1)
-            own = state.kv_slots[:, loop - 1]
             batch = PagedAttentionBatch(
                 query_start=self.slot_starts[: n + 1],
                 context_lengths=(slots.position + width).to(torch.int32),
                 block_tables=slots.tables[:, loop - 1],
-                write_slots=torch.where(runs, own, self.kv.scratch_slot),
+                write_slots=torch.where(runs, state.kv_slots[:, loop - 1], self.kv.scratch_slot),
                 max_query_len=width,
                 max_context_len=max_context or pages * self.kv.block_size,
             )
-            hidden, gate_probability = self.model.recurrent_step(
-                state.hidden,
-                state.position.clamp(max=self.max_position),
-                self.attention.bind(self.kv.tensors, batch),
-                compute_gate=gate,
-            )
             loop_index = torch.full_like(state.loops, loop)
-            self._exit_and_advance(state, rules, runs, loop_index, hidden, gate_probability)
+            self._run_loop(state, rules, runs, loop_index, batch, gate)
         state.store_all(self, n)
 
     def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
@@ -329,17 +322,18 @@ class SpeculativeProgram:
                 max_query_len=1,
                 max_context_len=max_context or pages * self.kv.block_size,
             )
-            hidden, gate_probability = self.model.recurrent_step(
-                state.hidden,
-                state.position.clamp(max=self.max_position),
-                self.attention.bind(self.kv.tensors, batch),
-                compute_gate=gate,
-            )
-            self._exit_and_advance(state, slots.rules, runs, loop_index, hidden, gate_probability)
+            self._run_loop(state, slots.rules, runs, loop_index, batch, gate)
 
-    def _exit_and_advance(self, state, rules, runs, loop_index, hidden, gate_probability) -> None:
-        """Apply the exit rules to the loop that ran, copy the KV of tokens that exit into the
-        deeper planes (LAST_EXITED) and advance the running tokens' state."""
+    def _run_loop(self, state, rules, runs, loop_index, batch, gate: bool) -> None:
+        """One model call over `state`'s tokens (attention metadata `batch`), then the exit
+        rules on the loop that ran, the KV of tokens that exit copied into the deeper planes
+        (LAST_EXITED), and the running tokens' state advanced."""
+        hidden, gate_probability = self.model.recurrent_step(
+            state.hidden,
+            state.position.clamp(max=self.max_position),
+            self.attention.bind(self.kv.tensors, batch),
+            compute_gate=gate,
+        )
         decision = apply_exit_rules(
             rules,
             loop_index,

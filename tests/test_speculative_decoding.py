@@ -258,12 +258,17 @@ def test_abort_mid_round_and_reused_id_never_mix(checkpoint):
 
 
 def test_logprobs_async_pipeline_and_the_disable_limit(checkpoint):
-    params = greedy(logprobs=3)
+    """With the limit at 2 the four requests decode with ticks until the two short ones end,
+    then the two long ones speculate."""
+    params = [
+        SamplingParams(max_tokens=n, exit_threshold=0.55, min_loops=1, ignore_eos=True, logprobs=3)
+        for n in (6, 5, 24, 20)
+    ]
     plain = LLM(checkpoint, **ENGINE).generate(PROMPTS, params)
     for options in (
         speculative(),
         speculative(async_scheduling=False),
-        speculative(speculative_disable_batch_size=2),  # 4 requests: pauses, then speculates
+        speculative(speculative_disable_batch_size=2),
     ):
         llm = LLM(checkpoint, **ENGINE, **options)
         got = llm.generate(PROMPTS, params)

@@ -135,8 +135,8 @@ class SpeculativeProgram:
         self.offsets = torch.arange(width, device=device)
         self.plane_ids = torch.arange(rows.num_planes, device=device)
         # query_start of one query per slot and of K + 1 queries per slot
-        self.position_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
-        self.slot_starts = self.position_starts * width
+        self.single_query_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
+        self.slot_starts = self.single_query_starts * width
         self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
         self._forced_rate: float | None = None
         self._forced_random = random.Random(0)
@@ -315,7 +315,7 @@ class SpeculativeProgram:
             tables = slots.tables.gather(1, plane.view(n, 1, 1).expand(n, 1, pages)).squeeze(1)
             own = state.kv_slots.gather(1, plane[:, None]).squeeze(1)
             batch = PagedAttentionBatch(
-                query_start=self.position_starts[: n + 1],
+                query_start=self.single_query_starts[: n + 1],
                 context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
                 block_tables=tables,
                 write_slots=torch.where(runs, own, self.kv.scratch_slot),

@@ -83,7 +83,10 @@ class _Row:
 class FakeDevice:
     """Plays the runner: prompt chunks, token 0 at full depth, then per tick one loop per
     active row; a token exits after depth(request_id, output index) loops. Every tick checks
-    that the looping position is covered by the request's blocks."""
+    that the looping position is covered by the request's blocks. A speculative round accepts
+    every draft (`accepts`; else none): a row emits its drafts + 1 tokens (or 1; drafts capped
+    so that they fit max_tokens), after checking that the positions it writes (p .. p +
+    drafts) are covered."""
 
     kv: CountingKV
     depth: DepthFn
@@ -92,6 +95,8 @@ class FakeDevice:
     rows: dict[ExecutionIdentity, _Row] = field(default_factory=dict)
     saved: dict[ExecutionIdentity, _Row] = field(default_factory=dict)
     ticks_run: list[int] = field(default_factory=list)
+    drafts: dict[ExecutionIdentity, int] = field(default_factory=dict)
+    accepts: bool = True
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         for identity in step.snapshots:
@@ -104,6 +109,7 @@ class FakeDevice:
         for new in step.new_requests:
             rule = new.rule
             self.rows[new.identity] = _Row(new.prompt_length, rule.max_tokens, rule.stop_token_ids)
+            self.drafts[new.identity] = rule.num_speculative_tokens
         made: dict[ExecutionIdentity, list[tuple[int, int]]] = {}
         for chunk in step.prefill:
             if chunk.completes_prompt:
@@ -117,6 +123,16 @@ class FakeDevice:
                 row.loops += 1
                 if row.loops >= self.depth(identity.request_id, row.outputs):
                     self._emit(identity, row.loops, made)
+        for _ in range(step.speculative_rounds):
+            for identity, row in self.rows.items():
+                if not row.active:
+                    continue
+                drafted = min(self.drafts[identity], row.max_tokens - row.outputs - 1)
+                last = row.prompt_length + row.outputs - 1 + drafted
+                assert last < self.kv.allocated_tokens(identity), "round outside its blocks"
+                for _ in range(drafted + 1 if self.accepts else 1):
+                    if row.active:
+                        self._emit(identity, self.depth(identity.request_id, row.outputs), made)
         self.ticks_run.append(step.decode_ticks)
         return ModelRunnerOutput(
             step_id=step.step_id,
@@ -133,6 +149,7 @@ class FakeDevice:
                 for identity, tokens in made.items()
             ),
             decode_ticks=step.decode_ticks,
+            speculative_rounds=step.speculative_rounds,
         )
 
     def _emit(self, identity, depth, made) -> None:

@@ -1,0 +1,52 @@
+"""Scheduling speculative rounds against a scripted device that accepts every draft: which
+requests draft, ticks while prompts are computed or too many requests decode, KV lookahead for
+K + 1 positions per round (the device asserts it), no trailing round after the last token."""
+
+from __future__ import annotations
+
+from rlt_contracts import SamplingParams
+from scheduler_harness import FakeDevice, make_scheduler, run_until_idle
+
+
+def test_rounds_cover_every_position_and_emit_all_tokens():
+    scheduler = make_scheduler(num_speculative_tokens=3, max_num_seqs=4)
+    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 3)
+    for i in range(3):
+        scheduler.add_request(f"r{i}", [1] * (5 + 7 * i), SamplingParams(max_tokens=9 + 4 * i))
+    steps, finals = run_until_idle(scheduler, device)
+    for i in range(3):
+        assert sum(len(d.token_ids) for d in finals[f"r{i}"]) == 9 + 4 * i
+        assert finals[f"r{i}"][-1].finish_reason == "length"
+    for step in steps:
+        assert not (step.decode_ticks and step.speculative_rounds)
+        if step.prefill:  # prompt steps tick, so prompts are never held up by a round
+            assert step.speculative_rounds == 0
+    assert sum(s.speculative_rounds for s in steps) > 0
+    stats = scheduler.stats
+    assert stats.spec_draft_tokens == stats.spec_accepted_tokens == 0  # the fake reports none
+    assert scheduler.kv.pages == {}  # every block freed
+
+
+def test_rounds_in_flight_that_finish_a_request_get_no_followers():
+    """Every round makes at least one token: with nothing accepted (one token per round), the
+    scheduler, one step ahead of the device, schedules exactly the rounds the request needs."""
+    scheduler = make_scheduler(num_speculative_tokens=3)
+    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 4, accepts=False)
+    scheduler.add_request("r", [1, 2], SamplingParams(max_tokens=17))
+    steps, finals = run_until_idle(scheduler, device)
+    assert sum(len(d.token_ids) for d in finals["r"]) == 17
+    # token 0 from the prompt step, which also ran one tick; then 16 tokens, one per round
+    assert sum(s.speculative_rounds for s in steps) == 16
+
+
+def test_penalized_and_constrained_requests_do_not_draft_and_the_limit_pauses_rounds():
+    scheduler = make_scheduler(num_speculative_tokens=2, speculative_disable_batch_size=1)
+    penalized = scheduler.add_request("p", [1], SamplingParams(repetition_penalty=1.2))
+    plain = scheduler.add_request("q", [1], SamplingParams(max_tokens=12))
+    assert penalized.rule.num_speculative_tokens == 0
+    assert plain.rule.num_speculative_tokens == 2
+    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 2)
+    steps, finals = run_until_idle(scheduler, device)
+    assert sum(len(d.token_ids) for d in finals["q"]) == 12
+    # two decode: ticks; once "p" (16 tokens by default) or "q" ends, the other speculates
+    assert any(s.decode_ticks for s in steps) and any(s.speculative_rounds for s in steps)

@@ -409,12 +409,8 @@ class ModelRunner:
                 f"{count} decoding rows exceed the {program.max_slots} a speculative round holds"
             )
         slots = self.speculative_graphs.bucket(count) if self.speculative_graphs else count
-        rows = [r.row for r in decoding]
-        if slots > count:  # padding slots point at one row that is not decoding
-            taken = set(rows)
-            rows += [next(r for r in range(len(taken) + 1) if r not in taken)] * (slots - count)
         gate = any(r.rule.exit.uses_gate for r in decoding)
-        program.begin_step(rows, count, rounds)
+        program.begin_step([r.row for r in decoding], slots, rounds)
         if self.speculative_graphs is not None:
             for _ in range(rounds):
                 self.speculative_graphs.round(slots, pending.mode, gate)

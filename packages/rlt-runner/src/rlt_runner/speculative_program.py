@@ -55,11 +55,12 @@ from rlt_contracts import (
     SpeculativeSampler,
 )
 
-from rlt_runner.decode_program import RING_COLUMNS, record_columns
+from rlt_runner.decode_program import RING_COLUMNS
 from rlt_runner.exit_rules import apply_exit_rules
 from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
+from rlt_runner.speculative_accept import accept_round
 from rlt_runner.speculative_state import Slots, TokenState
 from rlt_runner.transfers import upload
 
@@ -152,20 +153,24 @@ class SpeculativeProgram:
             verify = verify_loops + self.num_drafts * self.depth
         return self.width * self.draft_loops + verify
 
-    def begin_step(self, slot_rows: list[int], num_valid: int, rounds: int) -> None:
-        """Map slots [0, len(slot_rows)) to rows (one small upload); slots from `num_valid` on
-        are padding. The step's `rounds` record from round 0. Under `force_acceptance` the
-        rounds' accepted counts are drawn here (host) and uploaded with the map."""
-        count = len(slot_rows)
-        valid = [1] * num_valid + [0] * (count - num_valid)
-        columns = [slot_rows, valid]
+    def begin_step(self, rows: list[int], num_slots: int, rounds: int) -> None:
+        """Map slots [0, len(rows)) to these rows and pad to `num_slots` with a row that is not
+        among them (its state is left as it is), in one small upload; the step's `rounds`
+        record from round 0. Under `force_acceptance` the rounds' accepted counts are drawn
+        here (host) and uploaded with the map."""
+        count = len(rows)
+        if num_slots > count:  # rows are fewer than the table's: one of the others exists
+            taken = set(rows)
+            filler = next(row for row in range(count + 1) if row not in taken)
+            rows = rows + [filler] * (num_slots - count)
+        columns = [rows, [1] * count + [0] * (num_slots - count)]
         if self.forcing:
-            columns += self._forced_counts(rounds, count)
+            columns += self._forced_counts(rounds, num_slots)
         values = upload(columns, torch.int64, self.rows.device)
-        self.slot_row[:count].copy_(values[0])
-        self.slot_valid[:count].copy_(values[1].bool())
+        self.slot_row[:num_slots].copy_(values[0])
+        self.slot_valid[:num_slots].copy_(values[1].bool())
         if self.forcing:
-            self.forced_accepted[:rounds, :count].copy_(values[2:])
+            self.forced_accepted[:rounds, :num_slots].copy_(values[2:])
         self.round_index.zero_()
 
     def force_acceptance(self, rate: float | None, *, seed: int = 0) -> None:
@@ -243,11 +248,11 @@ class SpeculativeProgram:
                 self.model.coda(state.hidden),
                 counter=state.output_index,
                 mode=mode,
-                **self._sampling(slots.index, mode),
+                **self.sampling_of(slots.index, mode),
             )
             token = proposal.token_ids
             if proposal.probabilities is not None:
-                self._draft_probabilities()[:n, s] = proposal.probabilities
+                self.draft_probabilities_buffer()[:n, s] = proposal.probabilities
             state = TokenState.fresh(
                 self.model.embed(token), state.position + 1, state.output_index + 1
             )
@@ -347,88 +352,15 @@ class SpeculativeProgram:
             self._finalize(state.kv_slots, exits, loop_index)
         state.advance(runs, exits, loop_index, hidden, decision)
 
-    # -- accept and commit ---------------------------------------------------------------------
     def accept(self, slots: Slots, mode: SamplingMode) -> None:
-        """Coda and verification of every position, records, the rows' new state; the next
-        round records after this one."""
-        rows, n, width = self.rows, slots.count, self.width
-        index = slots.index
-        override = None
-        if self.forcing:
-            override = self.forced_accepted.index_select(0, self.round_index)[0, :n]
-        result = self.sampler.verify_rows(
-            self.model.coda(self.hidden[:n].reshape(n * width, -1)),
-            draft_tokens=self.token[:n, 1:],
-            draft_probabilities=self._draft_probabilities()[:n] if mode.random else None,
-            drafted=slots.drafted,
-            counter=slots.outputs,
-            mode=mode,
-            accepted_override=override,
-            **self._sampling(index, mode),
-        )
-        tokens, offsets = result.token_ids, self.offsets
-        is_stop = (tokens[:, :, None] == rows.stop_ids[index][:, None, :]).any(dim=2)
-        at_max = slots.outputs[:, None] + offsets + 1 >= rows.max_tokens[index][:, None]
-        ends = (is_stop | at_max) & (offsets <= result.accepted[:, None])
-        stopped = ends.any(dim=1) & slots.live
-        last = torch.where(ends.any(dim=1), ends.to(torch.int32).argmax(dim=1), result.accepted)
-        count = torch.where(slots.live, last + 1, 0)
-        kept = offsets < count[:, None]
-        self._record(n, kept, tokens, result, mode)
-        self.counts.narrow(1, 0, n).index_copy_(
-            0,
-            self.round_index,
-            torch.stack([result.accepted, slots.drafted], dim=1).to(torch.float64)[None],
-        )
-        if mode.penalized:  # the counts later tokens' penalties read
-            rows.logits_state.output_counts.index_put_(
-                (index.repeat_interleave(width), tokens.reshape(-1)),
-                kept.reshape(-1).to(torch.int32),
-                accumulate=True,
-            )
-        final = tokens.gather(1, last[:, None]).squeeze(1)
-        self._commit(slots, final, count, stopped)
+        """Coda and verification of every position, records, the rows' new state
+        (speculative_accept.py); the next round records after this one."""
+        accept_round(self, slots, mode)
         self.round_index += 1
 
-    def _commit(self, slots: Slots, final, count, stopped) -> None:
-        """Write the rows' new state (only live rows change; the others get their own values
-        back): the last emitted token is the next input (embedded), or the row stops."""
-        rows, index, live = self.rows, slots.index, slots.live
-        carry_on = live & ~stopped
-
-        def put(buffer: torch.Tensor, value: torch.Tensor, where: torch.Tensor) -> None:
-            old = buffer[index]
-            mask = where.view(-1, *([1] * (old.dim() - 1)))
-            buffer.index_copy_(0, index, torch.where(mask, value, old))
-
-        put(rows.hidden, self.model.embed(final), carry_on)
-        put(rows.token, final, live)
-        put(rows.position, rows.position[index] + count, carry_on)
-        put(rows.outputs, rows.outputs[index] + count, live)
-        put(rows.loops, torch.zeros_like(count), live)
-        put(rows.pending_exit, torch.zeros_like(count), live)
-        put(rows.survival, torch.ones_like(rows.survival[index]), live)
-        put(rows.active, ~stopped, live)
-        put(rows.parked, carry_on & self.cohort, live)
-        put(rows.held, rows.hold_after_output[index], carry_on)
-
-    def _record(self, n: int, kept, tokens, result, mode: SamplingMode) -> None:
-        columns = [
-            torch.where(kept, tokens, -1).to(torch.float64)[..., None],
-            torch.where(kept, self.depths[:n], 0).to(torch.float64)[..., None],
-        ]
-        if mode.top_logprobs is not None:
-            columns += [
-                result.logprobs.to(torch.float64)[..., None],
-                result.top_token_ids.to(torch.float64),
-                result.top_logprobs.to(torch.float64),
-            ]
-        values = torch.cat(columns, dim=2).transpose(0, 1)  # [width, n, columns]
-        target = self.round_index * self.width + self.offsets
-        self.ring.narrow(1, 0, n).narrow(2, 0, record_columns(mode)).index_copy_(0, target, values)
-
     # -- helpers -------------------------------------------------------------------------------
-    def _sampling(self, index: torch.Tensor, mode: SamplingMode) -> dict:
+    def sampling_of(self, index: torch.Tensor, mode: SamplingMode) -> dict:
+        """The sampler's per-row keywords for rows `index` in `mode`."""
         rows = self.rows
         params = dict(
             temperature=rows.temperature[index],
@@ -442,7 +374,8 @@ class SpeculativeProgram:
             params["adjustments"] = rows.adjustments(index)
         return params
 
-    def _draft_probabilities(self) -> torch.Tensor:
+    def draft_probabilities_buffer(self) -> torch.Tensor:
+        """[L, K, V] fp32 draft distributions, allocated on first use."""
         if self.draft_probabilities is None:
             vocab = self.model.shape.vocab_size
             self.draft_probabilities = torch.zeros(

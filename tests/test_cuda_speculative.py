@@ -15,30 +15,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from oracle.dense_ouro import DenseOuro
 from oracle.generation import GenerationOracle, OracleRequest
 from rlt import SamplingParams
 from test_async_pipeline import assert_same, scenario
-from test_cuda_engine import scenario_without_sync
+from test_cuda_engine import PROMPTS, no_tf32, scenario_without_sync  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.cuda
 
-PROMPTS = [
-    [5, 17, 200, 3, 99, 42, 7],
-    [250, 11],
-    [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3],
-    [7],
-]
 SPECULATIVE = dict(num_speculative_tokens=3, speculative_draft_loops=2)
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])

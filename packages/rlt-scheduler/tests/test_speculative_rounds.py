@@ -22,8 +22,6 @@ def test_rounds_cover_every_position_and_emit_all_tokens():
         if step.prefill:  # prompt steps tick, so prompts are never held up by a round
             assert step.speculative_rounds == 0
     assert sum(s.speculative_rounds for s in steps) > 0
-    stats = scheduler.stats
-    assert stats.spec_draft_tokens == stats.spec_accepted_tokens == 0  # the fake reports none
     assert scheduler.kv.pages == {}  # every block freed
 
 

@@ -42,10 +42,10 @@ def filtered_logits(adjusted: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 
 def probabilities(
-    adjusted: torch.Tensor, greedy_token_ids: torch.Tensor, batch: SamplingBatch
+    filtered: torch.Tensor, greedy_token_ids: torch.Tensor, batch: SamplingBatch
 ) -> torch.Tensor:
-    """fp32 [N, V]: the distribution each row samples from (`filtered_logits` softmaxed for
-    random rows; a one-hot on the argmax for greedy rows)."""
-    probs = torch.softmax(filtered_logits(adjusted, batch), dim=-1)
+    """fp32 [N, V]: the distribution each row samples from, given its `filtered_logits`
+    (softmaxed for random rows; a one-hot on the argmax for greedy rows)."""
+    probs = torch.softmax(filtered, dim=-1)
     point = torch.zeros_like(probs).scatter_(1, greedy_token_ids[:, None], 1.0)
     return torch.where((batch.temperature == 0.0)[:, None], point, probs)

@@ -71,7 +71,7 @@ def propose(logits: torch.Tensor, batch: SamplingBatch, noise: Noise) -> Proposa
     gumbel = noise(batch.seed, batch.counter + DRAFT_STREAM, logits.shape[-1])
     sampled = gumbel.add_(filtered).argmax(dim=-1)
     token_ids = torch.where(batch.temperature == 0.0, greedy_token_ids, sampled)
-    return Proposal(token_ids, probabilities(adjusted, greedy_token_ids, batch))
+    return Proposal(token_ids, probabilities(filtered, greedy_token_ids, batch))
 
 
 def verify(
@@ -94,6 +94,7 @@ def verify(
     positions = _per_position(batch, width)
     adjusted, greedy_token_ids = adjusted_logits(target_logits, positions)
     random_rows = batch.temperature > 0.0
+    offsets = torch.arange(num_drafts, device=drafted.device)
     if batch.all_greedy:
         target = greedy_token_ids.view(n, width)
         accept = draft_tokens == target[:, :num_drafts]
@@ -106,11 +107,10 @@ def verify(
             positions.temperature == 0.0, greedy_token_ids, gumbel.add_(filtered).argmax(dim=-1)
         )
         target = sampled.view(n, width)
-        probs = probabilities(adjusted, greedy_token_ids, positions).view(n, width, vocab)
+        probs = probabilities(filtered, greedy_token_ids, positions).view(n, width, vocab)
         draft_index = draft_tokens[:, :, None]
         p_draft = probs[:, :num_drafts].gather(2, draft_index).squeeze(2)
         q_draft = draft_probabilities.gather(2, draft_index).squeeze(2)
-        offsets = torch.arange(num_drafts, device=drafted.device)
         counters = batch.counter[:, None] + offsets + ACCEPT_STREAM
         uniform = counter_uniform(
             batch.seed.repeat_interleave(num_drafts), counters.reshape(-1), 1
@@ -120,7 +120,6 @@ def verify(
             uniform * q_draft < p_draft,
             draft_tokens == target[:, :num_drafts],
         )
-    offsets = torch.arange(num_drafts, device=drafted.device)
     accept &= offsets[None, :] < drafted[:, None]
     accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
     if accepted_override is not None:

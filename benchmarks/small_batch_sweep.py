@@ -60,7 +60,7 @@ def bench_gemms(model, rows_list, timer) -> list[dict]:
             if rows == 1:
                 impls["cublas_mv"] = lambda w, x=x: torch.mv(w, x[0])
             for config in all_configs():
-                if config.single_row and rows != 1:
+                if not config.takes(rows):
                     continue
                 impls[_config_name(config)] = lambda w, x=x, c=config: sbl.launch(x, w, c)
             for impl, fn in impls.items():
@@ -83,10 +83,10 @@ def all_configs():
     from rlt_models.small_batch_linear import CONFIGS, TileConfig
 
     extra = (
-        TileConfig(4, 256, 2, 4, single_row=True),
-        TileConfig(4, 1024, 4, 2, single_row=True),
-        TileConfig(2, 1024, 2, 3, single_row=True),
-        TileConfig(8, 128, 2, 6, single_row=True),
+        TileConfig(4, 256, 2, 4, fma=True),
+        TileConfig(4, 1024, 4, 2, fma=True),
+        TileConfig(2, 1024, 2, 3, fma=True),
+        TileConfig(8, 128, 2, 6, fma=True),
         TileConfig(16, 128, 4, 6),
         TileConfig(16, 64, 2, 8),
     )
@@ -109,7 +109,7 @@ def fixed_split(split, **_):
 
 
 def _config_name(config) -> str:
-    kind = "row" if config.single_row else "tile"
+    kind = "fma" if config.fma else "tile"
     return f"{kind}_n{config.block_n}_k{config.block_k}_w{config.num_warps}_s{config.num_stages}"
 
 

@@ -55,6 +55,7 @@ from rlt_contracts import (
     SpeculativeSampler,
 )
 
+from rlt_runner import speculative_kernels
 from rlt_runner.decode_program import RING_COLUMNS
 from rlt_runner.exit_rules import apply_exit_rules
 from rlt_runner.graph_capture import WARMUP_RUNS
@@ -92,7 +93,10 @@ class SpeculativeProgram:
         max_slots: int,
         max_rounds: int,
         max_model_len: int,
+        fused_bookkeeping: bool | None = None,
     ) -> None:
+        """fused_bookkeeping: the per-loop bookkeeping in Triton kernels
+        (speculative_kernels.py); None = on CUDA when Triton is there."""
         depth = model.shape.num_loops
         if not 1 <= draft_loops < depth:
             raise ValueError(f"draft_loops must be in [1, {depth - 1}], got {draft_loops}")
@@ -141,6 +145,9 @@ class SpeculativeProgram:
         self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
         self._forced_rate: float | None = None
         self._forced_random = random.Random(0)
+        if fused_bookkeeping is None:
+            fused_bookkeeping = device.type == "cuda" and speculative_kernels.available()
+        self.kernels = speculative_kernels.SpeculativeKernels(self) if fused_bookkeeping else None
 
     @property
     def loops_per_round(self) -> int:
@@ -238,7 +245,7 @@ class SpeculativeProgram:
         token = rows.token[slots.index]
         for s in range(self.width):
             on = slots.position_valid[:, s]
-            state.kv_slots = self._kv_slots(slots.tables, state.position)
+            state.kv_slots = self._position_slots(slots.tables, state.position)
             self._advance(slots, state, on, self.draft_loops, self.draft_loops, gate, max_context)
             self.token[:n, s] = token
             state.store(self, n, s)
@@ -267,20 +274,31 @@ class SpeculativeProgram:
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
         state.kv_slots = self._kv_slots(tables, state.position)
         rules = slots.rules.repeat(width)
-        pages = tables.shape[-1]
+        max_context = max_context or tables.shape[-1] * self.kv.block_size
+        context_lengths = (slots.position + width).to(torch.int32)
+        kernels = self.kernels
         for loop in range(self.draft_loops + 1, self.depth + 1):
-            runs = on & ~state.exited & (state.loops == loop - 1)
+            if kernels is not None:
+                kernels.prepare(state, on, loop)
+                write_slots = kernels.write_slot[: n * width]
+            else:
+                runs = on & ~state.exited & (state.loops == loop - 1)
+                write_slots = torch.where(runs, state.kv_slots[:, loop - 1], self.kv.scratch_slot)
             batch = PagedAttentionBatch(
                 query_start=self.slot_starts[: n + 1],
-                context_lengths=(slots.position + width).to(torch.int32),
+                context_lengths=context_lengths,
                 block_tables=slots.tables[:, loop - 1],
-                write_slots=torch.where(runs, state.kv_slots[:, loop - 1], self.kv.scratch_slot),
+                write_slots=write_slots,
                 max_query_len=width,
-                max_context_len=max_context or pages * self.kv.block_size,
+                max_context_len=max_context,
             )
-            loop_index = torch.full_like(state.loops, loop)
-            self._run_loop(state, rules, runs, loop_index, batch, gate)
-        state.store_all(self, n)
+            if kernels is not None:
+                self._run_loop_fused(state, rules, batch, gate)
+            else:
+                loop_index = torch.full_like(state.loops, loop)
+                self._run_loop(state, rules, runs, loop_index, batch, gate)
+        if kernels is None:  # the fused kernels wrote the buffers' views in place
+            state.store_all(self, n)
 
     def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
         """SHARED: position s runs all its loops before position s + 1 starts."""
@@ -294,7 +312,7 @@ class SpeculativeProgram:
                     self.model.embed(self.token[:n, s]), slots.position + s, slots.outputs + s
                 )
                 loops = self.depth
-            state.kv_slots = self._kv_slots(slots.tables, state.position)
+            state.kv_slots = self._position_slots(slots.tables, state.position)
             on = slots.position_valid[:, s]
             self._advance(slots, state, on, self.depth, loops, gate, max_context)
             state.store(self, n, s)
@@ -313,6 +331,21 @@ class SpeculativeProgram:
         `on` whose token has not exited and has run fewer than `loop_cap` loops."""
         n = slots.count
         pages = slots.tables.shape[-1]
+        max_context = max_context or pages * self.kv.block_size
+        if self.kernels is not None:
+            on = on.contiguous()
+            for _ in range(iterations):
+                self.kernels.prepare(state, on, loop_cap, slots.tables)
+                batch = PagedAttentionBatch(
+                    query_start=self.single_query_starts[: n + 1],
+                    context_lengths=self.kernels.context[:n],
+                    block_tables=self.kernels.loop_tables[:n],
+                    write_slots=self.kernels.write_slot[:n],
+                    max_query_len=1,
+                    max_context_len=max_context,
+                )
+                self._run_loop_fused(state, slots.rules, batch, gate)
+            return
         for _ in range(iterations):
             runs = on & ~state.exited & (state.loops < loop_cap)
             loop_index = state.loops + 1
@@ -325,7 +358,7 @@ class SpeculativeProgram:
                 block_tables=tables,
                 write_slots=torch.where(runs, own, self.kv.scratch_slot),
                 max_query_len=1,
-                max_context_len=max_context or pages * self.kv.block_size,
+                max_context_len=max_context,
             )
             self._run_loop(state, slots.rules, runs, loop_index, batch, gate)
 
@@ -351,6 +384,16 @@ class SpeculativeProgram:
         if self.rows.num_planes > 1:
             self._finalize(state.kv_slots, exits, loop_index)
         state.advance(runs, exits, loop_index, hidden, decision)
+
+    def _run_loop_fused(self, state, rules, batch, gate: bool) -> None:
+        """`_run_loop` with its bookkeeping in the decide and copy kernels (after `prepare`)."""
+        hidden, gate_probability = self.model.recurrent_step(
+            state.hidden,
+            state.position.clamp(max=self.max_position),
+            self.attention.bind(self.kv.tensors, batch),
+            compute_gate=gate,
+        )
+        self.kernels.decide(state, rules, hidden, gate_probability)
 
     def accept(self, slots: Slots, mode: SamplingMode) -> None:
         """Coda and verification of every position, records, the rows' new state
@@ -387,6 +430,13 @@ class SpeculativeProgram:
         if self.layout is KVLayout.LAST_EXITED:
             return (loop_index - 1).clamp(max=self.rows.num_planes - 1)
         return torch.zeros_like(loop_index)
+
+    def _position_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """One position per slot: its KV slot in every plane (the fused `prepare` computes
+        them itself, into this buffer)."""
+        if self.kernels is not None:
+            return torch.empty(tables.shape[:2], dtype=torch.int64, device=tables.device)
+        return self._kv_slots(tables, position)
 
     def _kv_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """[N, planes] int64: the KV slot of each token's position in every plane of its

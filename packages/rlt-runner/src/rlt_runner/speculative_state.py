@@ -131,7 +131,8 @@ class TokenState:
 
     @classmethod
     def load_column(cls, program: SpeculativeProgram, count: int, column: int) -> TokenState:
-        return cls._from(program, lambda buffer: buffer[:count, column], column, count)
+        """Column `column` of slots [0, count), copied (the fused kernels update in place)."""
+        return cls._from(program, lambda buffer: buffer[:count, column].clone(), column, count)
 
     @classmethod
     def load(cls, program: SpeculativeProgram, count: int) -> TokenState:
@@ -147,7 +148,8 @@ class TokenState:
         if column is None:
             position, output = base_position.reshape(-1), base_output.reshape(-1)
         else:
-            position, output = base_position[:, column], base_output[:, column]
+            position = base_position[:, column].contiguous()
+            output = base_output[:, column].contiguous()
         values = {name: take(getattr(program, buffer)) for name, buffer in _BUFFERS.items()}
         return cls(position=position, output_index=output, **values)
 

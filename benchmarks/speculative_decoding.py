@@ -131,12 +131,26 @@ def main(argv=None) -> int:
             print(json.dumps(results["phases"][-1]), flush=True)
             flush(args, results)
     results["wall_s"] = round(time.perf_counter() - started, 1)
+    results["gemv_choices"] = gemv_choices()
     flush(args, results)
     del model
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return 0
+
+
+def gemv_choices() -> dict:
+    """The small-batch GEMV selections the engines made ({} off CUDA)."""
+    from rlt_models.small_batch_linear import small_batch_linear
+
+    return {
+        f"{rows}x{n}x{k}": "cublas"
+        if config is None
+        else f"{'fma' if config.fma else 'tile'}_n{config.block_n}_k{config.block_k}"
+        f"_w{config.num_warps}_s{config.num_stages}"
+        for (rows, n, k, *_), config in small_batch_linear.choices.items()
+    }
 
 
 def flush(args, results) -> None:

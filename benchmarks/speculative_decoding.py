@@ -20,7 +20,9 @@ each lasting its device-clock spacing, as offline_throughput.py), output_tokens_
 end, host clock), spec_mean_accepted_tokens (tokens a drafting round emitted on average:
 EngineStats.spec_mean_accepted_length), spec_alpha (the per-draft acceptance: accepted drafts
 over drafts reached, i.e. whose predecessors were all accepted), speedup
-(decode tok/s over the workload's plain arm), mean loops per decoded token.
+(decode tok/s over the workload's plain arm), mean loops per decoded token. With `--repeats N`
+the arms run N times in turn (plain, K,D, ..., plain, K,D, ...: a drift of the machine hits
+every arm alike); decode_output_tokens_per_s is then the median, the runs are listed.
 
 --phase-timing: per (K, D), the GPU time of one decode tick over one row (one loop of one
 token), of one token at fixed depth (T ticks), and of a round's phases (draft, verify, accept)
@@ -39,6 +41,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,6 +85,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--step-log", action="store_true", help="per arm: [prompt tokens, tokens, device ms]"
+    )
+    parser.add_argument(
+        "--decode-ticks-per-step",
+        type=int,
+        default=None,
+        help="EngineConfig.decode_ticks_per_step of every arm (default: the engine's)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every arm this many times, arms alternating; report the median",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON results")
@@ -168,6 +183,10 @@ def engine_config(args, path: Path, concurrency: int, trace: Path | None, **opti
     """An engine for `concurrency` requests; `trace`: the mix's depths (None: fixed depth)."""
     from rlt.engine import EngineConfig
 
+    steps = {}
+    if args.decode_ticks_per_step is not None:
+        steps["decode_ticks_per_step"] = args.decode_ticks_per_step
+
     policy = dict(exit_policy="trace", exit_trace=str(trace)) if trace is not None else {}
     return EngineConfig(
         model=path,
@@ -179,6 +198,7 @@ def engine_config(args, path: Path, concurrency: int, trace: Path | None, **opti
         max_model_len=args.prompt_len + args.output_len,
         num_kv_blocks=-(-(args.prompt_len + args.output_len + 16) // 16) * 4 * concurrency + 64,
         prefill_cuda_graphs=False,  # prefill is not what is measured; capture costs time
+        **steps,
         **policy,
         **options,
     )
@@ -195,7 +215,6 @@ def run_workload(
         if limit == "default"
         else {"speculative_disable_batch_size": None if limit == "none" else int(limit)}
     )
-    baseline = None
     arms = [("plain", {}, [None])]
     for k, d in configs:
         runs = ([] if args.no_real else [None]) + alphas
@@ -206,34 +225,45 @@ def run_workload(
                 runs,
             )
         )
-    for name, options, runs in arms:
-        mix = trace if workload == "mix" else None
-        engine = LLMEngine(engine_config(args, path, concurrency, mix, **options), model=model)
-        try:
-            warm_up(engine, prompts[:concurrency], args)
-            for alpha in runs:
-                program = engine.core.runner.speculation
-                if program is not None:
-                    program.force_acceptance(alpha, seed=args.seed)
-                arm = measure(engine, prompts[:concurrency], args)
-                arm.update(
-                    workload=workload,
-                    concurrency=concurrency,
-                    arm=name if alpha is None else f"{name}@{alpha}",
-                    num_speculative_tokens=options.get("num_speculative_tokens", 0),
-                    speculative_draft_loops=options.get("speculative_draft_loops"),
-                    forced_alpha=alpha,
-                )
-                if name == "plain":
-                    baseline = arm["decode_output_tokens_per_s"]
-                arm["speedup"] = (
-                    round(arm["decode_output_tokens_per_s"] / baseline, 3) if baseline else None
-                )
-                results["arms"].append(arm)
-                print(json.dumps(arm), flush=True)
-        finally:
-            engine.shutdown()
-            gc.collect()
+    measured: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):  # arms alternate, so drifts hit every arm alike
+        for name, options, runs in arms:
+            mix = trace if workload == "mix" else None
+            config = engine_config(args, path, concurrency, mix, **options)
+            engine = LLMEngine(config, model=model)
+            try:
+                warm_up(engine, prompts[:concurrency], args)
+                for alpha in runs:
+                    program = engine.core.runner.speculation
+                    if program is not None:
+                        program.force_acceptance(alpha, seed=args.seed)
+                    arm = measure(engine, prompts[:concurrency], args)
+                    arm.update(
+                        workload=workload,
+                        concurrency=concurrency,
+                        arm=name if alpha is None else f"{name}@{alpha}",
+                        num_speculative_tokens=options.get("num_speculative_tokens", 0),
+                        speculative_draft_loops=options.get("speculative_draft_loops"),
+                        forced_alpha=alpha,
+                    )
+                    measured.setdefault(arm["arm"], []).append(arm)
+                    print(json.dumps(arm), flush=True)
+            finally:
+                engine.shutdown()
+                gc.collect()
+    baseline = None
+    for label, runs in measured.items():
+        arm = dict(runs[-1])
+        speeds = [run["decode_output_tokens_per_s"] for run in runs]
+        if None not in speeds:
+            arm["decode_output_tokens_per_s"] = statistics.median(speeds)
+        arm["decode_output_tokens_per_s_runs"] = speeds
+        if label == "plain":
+            baseline = arm["decode_output_tokens_per_s"]
+        arm["speedup"] = (
+            round(arm["decode_output_tokens_per_s"] / baseline, 3) if baseline else None
+        )
+        results["arms"].append(arm)
 
 
 def warm_up(engine, prompts, args) -> None:

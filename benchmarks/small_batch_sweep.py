@@ -9,7 +9,9 @@ none of them between calls, as in a loop), median of graph replays timed with CU
   (b) attention: the split-KV decode kernels at 1-16 rows over a ~1.1K context, for a grid of
       (num_splits, block_n, num_warps, num_stages), us per layer call (store + split + combine);
   (c) loop: one fused recurrent step with the selection the engine makes today against the best
-      of (a) and (b) forced in.
+      of (a) and (b) forced in, and against each projection's fastest fma kernel, fastest
+      tensor-core tile, and cuBLAS, forced in (a kernel's cost inside a loop includes what it
+      does to its neighbours: cuBLAS breaks the programmatic-dependent-launch chain).
 
   python3 benchmarks/small_batch_sweep.py --out sweep.json    # H200, a few minutes
 """
@@ -35,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,2,4,8,16", help="batch sizes (comma separated)")
     parser.add_argument("--context", type=int, default=1088)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument(
+        "--skip-attention", action="store_true", help="no split sweep: loops keep the default"
+    )
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -210,22 +215,29 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
         batch = paged.batch(rows)
         bucket = 1 << (rows - 1).bit_length()
         model.fused_path = "triton"
-        for variant in ("engine", "sweep_best"):
+        for variant in ("engine", "sweep_best", "fma_best", "tile_best", "cublas"):
             sbl.small_batch_linear.choices.clear()
             sdk.choose_splits = original_choose
             chosen = {}
-            if variant == "sweep_best":
+            if variant != "engine":  # each projection's fastest impl of the variant's kind
+                kind = {"sweep_best": "", "fma_best": "fma_", "tile_best": "tile_"}.get(variant)
                 for name, shape in shapes.items():
-                    best = min(
-                        (g for g in gemms if g["rows"] == rows and g["projection"] == name),
-                        key=lambda g: g["us"],
-                    )
+                    entries = [g for g in gemms if g["rows"] == rows and g["projection"] == name]
+                    if kind is None:
+                        best = next(g for g in entries if g["impl"] == "cublas")
+                    else:
+                        best = min(
+                            (g for g in entries if g["impl"].startswith(kind)),
+                            key=lambda g: g["us"],
+                        )
                     chosen[name] = best["impl"]
                     key = (bucket, *shape, model.dtype, hidden.device)
                     sbl.small_batch_linear.choices[key] = configs.get(best["impl"])
-                best_split = min((a for a in attention if a["rows"] == rows), key=lambda a: a["us"])
-                chosen["attention"] = best_split["config"]
-                sdk.choose_splits = partial(fixed_split, sdk.SplitConfig(**best_split["split"]))
+                splits = [a for a in attention if a["rows"] == rows]
+                if variant == "sweep_best" and splits:
+                    best_split = min(splits, key=lambda a: a["us"])
+                    chosen["attention"] = best_split["config"]
+                    sdk.choose_splits = partial(fixed_split, sdk.SplitConfig(**best_split["split"]))
             bound = TritonPagedAttention().bind(paged.kv, batch)
             run, _ = timer.capture(
                 partial(model.recurrent_step, hidden, positions, bound, compute_gate=True)
@@ -257,7 +269,7 @@ def main(argv=None) -> int:
     timer = Timer("cuda", args.replays, 5)
     with torch.no_grad():
         gemms = bench_gemms(model, rows_list, timer)
-        attention = bench_attention(model, paged, rows_list, timer)
+        attention = [] if args.skip_attention else bench_attention(model, paged, rows_list, timer)
         if args.out:  # keep the sweeps if the loop part fails
             args.out.write_text(json.dumps({"gemm": gemms, "attention": attention}))
         loops = bench_loops(model, paged, rows_list, timer, gemms, attention)
@@ -278,6 +290,8 @@ def main(argv=None) -> int:
             best = min(entries, key=lambda g: g["us"])
             print(f"rows {rows} {name}: cublas {cublas['us']} us, best {best['impl']} {best['us']}")
         entries = [a for a in attention if a["rows"] == rows]
+        if not entries:
+            continue
         default = next(a for a in entries if a["config"] == "default")
         best = min(entries, key=lambda a: a["us"])
         print(

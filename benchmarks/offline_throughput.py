@@ -384,7 +384,7 @@ def gemv_choices() -> dict:
         f"{rows}x{n}x{k}": "cublas"
         if config is None
         else f"{config.block_n}x{config.block_k}/w{config.num_warps}/s{config.num_stages}"
-        + ("/fma" if config.fma else "")
+        + ("/row" if config.single_row else "")
         for (rows, n, k, *_), config in small_batch_linear.choices.items()
     }
 

@@ -9,7 +9,7 @@ none of them between calls, as in a loop), median of graph replays timed with CU
   (b) attention: the split-KV decode kernels at 1-16 rows over a ~1.1K context, for a grid of
       (num_splits, block_n, num_warps, num_stages), us per layer call (store + split + combine);
   (c) loop: one fused recurrent step with the selection the engine makes today against the best
-      of (a) and (b) forced in, and against each projection's fastest fma kernel, fastest
+      of (a) and (b) forced in, and against each projection's fastest one-row kernel (one row only), fastest
       tensor-core tile, and cuBLAS, forced in (a kernel's cost inside a loop includes what it
       does to its neighbours: cuBLAS breaks the programmatic-dependent-launch chain).
 
@@ -65,7 +65,7 @@ def bench_gemms(model, rows_list, timer) -> list[dict]:
             if rows == 1:
                 impls["cublas_mv"] = lambda w, x=x: torch.mv(w, x[0])
             for config in all_configs():
-                if not config.takes(rows):
+                if config.single_row and rows != 1:
                     continue
                 impls[_config_name(config)] = lambda w, x=x, c=config: sbl.launch(x, w, c)
             for impl, fn in impls.items():
@@ -88,10 +88,10 @@ def all_configs():
     from rlt_models.small_batch_linear import CONFIGS, TileConfig
 
     extra = (
-        TileConfig(4, 256, 2, 4, fma=True),
-        TileConfig(4, 1024, 4, 2, fma=True),
-        TileConfig(2, 1024, 2, 3, fma=True),
-        TileConfig(8, 128, 2, 6, fma=True),
+        TileConfig(4, 256, 2, 4, single_row=True),
+        TileConfig(4, 1024, 4, 2, single_row=True),
+        TileConfig(2, 1024, 2, 3, single_row=True),
+        TileConfig(8, 128, 2, 6, single_row=True),
         TileConfig(16, 128, 4, 6),
         TileConfig(16, 64, 2, 8),
     )
@@ -114,7 +114,7 @@ def fixed_split(split, **_):
 
 
 def _config_name(config) -> str:
-    kind = "fma" if config.fma else "tile"
+    kind = "row" if config.single_row else "tile"
     return f"{kind}_n{config.block_n}_k{config.block_k}_w{config.num_warps}_s{config.num_stages}"
 
 
@@ -215,12 +215,13 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
         batch = paged.batch(rows)
         bucket = 1 << (rows - 1).bit_length()
         model.fused_path = "triton"
-        for variant in ("engine", "sweep_best", "fma_best", "tile_best", "cublas"):
+        variants = ("engine", "sweep_best", "row_best", "tile_best", "cublas")
+        for variant in variants if rows == 1 else [v for v in variants if v != "row_best"]:
             sbl.small_batch_linear.choices.clear()
             sdk.choose_splits = original_choose
             chosen = {}
             if variant != "engine":  # each projection's fastest impl of the variant's kind
-                kind = {"sweep_best": "", "fma_best": "fma_", "tile_best": "tile_"}.get(variant)
+                kind = {"sweep_best": "", "row_best": "row_", "tile_best": "tile_"}.get(variant)
                 for name, shape in shapes.items():
                     entries = [g for g in gemms if g["rows"] == rows and g["projection"] == name]
                     if kind is None:

@@ -162,7 +162,7 @@ def gemv_choices() -> dict:
     return {
         f"{rows}x{n}x{k}": "cublas"
         if config is None
-        else f"{'fma' if config.fma else 'tile'}_n{config.block_n}_k{config.block_k}"
+        else f"{'row' if config.single_row else 'tile'}_n{config.block_n}_k{config.block_k}"
         f"_w{config.num_warps}_s{config.num_stages}"
         for (rows, n, k, *_), config in small_batch_linear.choices.items()
     }

@@ -13,15 +13,11 @@ pytestmark = pytest.mark.skipif(sbl.triton is None, reason="triton is not instal
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(
-    "config", [sbl.CONFIGS[0], sbl.CONFIGS[1], sbl.CONFIGS[6], sbl.CONFIGS[-2]]
-)
-@pytest.mark.parametrize(
-    ("rows", "n", "k"), [(1, 48, 80), (3, 33, 300), (5, 66, 520), (16, 64, 256)]
-)
+@pytest.mark.parametrize("config", [sbl.CONFIGS[0], sbl.CONFIGS[1], sbl.CONFIGS[6]])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 48, 80), (3, 33, 300), (16, 64, 256)])
 def test_kernel_matches_the_fp32_product(config, rows, n, k):
-    if not config.takes(sbl._rows_bucket(rows)):
-        pytest.skip("the fma kernels take at most FMA_MAX_ROWS rows")
+    if config.single_row and rows != 1:
+        pytest.skip("the single-row kernel takes one row")
     if DEVICE == "cpu" and not sbl.INTERPRETED:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 before import")
     generator = torch.Generator().manual_seed(rows * n + k)
@@ -34,17 +30,13 @@ def test_kernel_matches_the_fp32_product(config, rows, n, k):
     assert torch.allclose(out.float(), reference, rtol=2e-3, atol=2e-3 * k**0.5)
 
 
-@pytest.mark.parametrize(
-    ("config", "rows"),
-    [(sbl.CONFIGS[0], 1), (sbl.CONFIGS[6], 1), (sbl.CONFIGS[-1], 3)],
-    ids=["tile", "fma_one_row", "fma_few_rows"],
-)
-def test_needed_flag_skips_the_product(config, rows):
+@pytest.mark.parametrize("config", [sbl.CONFIGS[0], sbl.CONFIGS[6]], ids=["tile", "single_row"])
+def test_needed_flag_skips_the_product(config):
     """`needed` = 1: the same product as without the flag; 0: zeros (no weight is read)."""
     if DEVICE == "cpu" and not sbl.INTERPRETED:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1 before import")
     generator = torch.Generator().manual_seed(7)
-    x = torch.randn(rows, 96, generator=generator).half().to(DEVICE)
+    x = torch.randn(1, 96, generator=generator).half().to(DEVICE)
     w = torch.randn(40, 96, generator=generator).half().to(DEVICE)
     plain = sbl.launch(x, w, config)
     flag = torch.ones(1, dtype=torch.int32, device=DEVICE)

@@ -3,10 +3,8 @@
 At batch 1 to 16 a projection is a matrix-vector product bounded by reading the weight once
 (Ouro-1.4B: 2.47 GB per loop). cuBLAS reaches ~2.6 TB/s there on an H200, well under the
 ~4.3 TB/s a copy achieves. The kernels below stream the weight in [BLOCK_N, BLOCK_K] tiles with
-several loads in flight per CTA and keep the few rows of x either in a 16-row `tl.dot` tile
-(tensor cores: BLOCK_N >= 16, so a 2048-wide output has at most 128 CTAs) or in registers
-(`fma` kernels: CUDA-core products, BLOCK_N down to 2, one CTA per 2-4 output features; one row,
-or up to FMA_MAX_ROWS rows that share every weight tile, as a speculative verify pass has).
+several loads in flight per CTA and keep the few rows of x in a 16-row `tl.dot` tile (or, for
+one row, in registers).
 
 Selection is by measurement, never by assumption: the first call for a (rows bucket, N, K,
 dtype) times cuBLAS and each kernel configuration on the device and remembers the fastest; a
@@ -57,31 +55,15 @@ MAX_COPIES = 16
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# The fma kernels' product tile [rows, BLOCK_N, BLOCK_K] lives in registers: above this many
-# fp32 values per thread it spills, so such a config is not a candidate at that many rows.
-FMA_MAX_ROWS = 8
-FMA_MAX_VALUES_PER_THREAD = 128
-
-
 @dataclass(frozen=True)
 class TileConfig:
-    """fma: the CUDA-core kernel (no tensor cores, more CTAs: BLOCK_N may go down to 2), for
-    up to FMA_MAX_ROWS rows; otherwise the 16-row tensor-core tile."""
+    """single_row: the one-row kernel (no tensor cores, more CTAs: BLOCK_N may go down to 4)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    fma: bool = False
-
-    def takes(self, rows: int) -> bool:
-        """Whether this config can compute `rows` rows (a power-of-two bucket) unspilled."""
-        if not self.fma:
-            return rows <= MAX_ROWS
-        if rows == 1:
-            return True
-        values = rows * self.block_n * self.block_k // (32 * self.num_warps)
-        return rows <= FMA_MAX_ROWS and values <= FMA_MAX_VALUES_PER_THREAD
+    single_row: bool = False
 
 
 CONFIGS = (
@@ -90,19 +72,14 @@ CONFIGS = (
     TileConfig(16, 512, 4, 3),
     TileConfig(64, 128, 4, 4),
     TileConfig(32, 128, 4, 5),
-    TileConfig(4, 512, 4, 4, fma=True),
-    TileConfig(8, 512, 4, 3, fma=True),
-    TileConfig(8, 256, 4, 4, fma=True),
-    TileConfig(16, 256, 8, 4, fma=True),
+    TileConfig(4, 512, 4, 4, single_row=True),
+    TileConfig(8, 512, 4, 3, single_row=True),
+    TileConfig(8, 256, 4, 4, single_row=True),
+    TileConfig(16, 256, 8, 4, single_row=True),
     # fastest in the H200 sweep: one row, 2 output features per CTA over 1K-wide K steps (all
     # four Ouro-1.4B projections), and a 16-wide tile with a deep pipeline (qkv, 2-8 rows)
-    TileConfig(2, 1024, 2, 3, fma=True),
+    TileConfig(2, 1024, 2, 3, single_row=True),
     TileConfig(16, 64, 2, 8),
-    # few rows on CUDA cores: 2-4 output features per CTA (1K CTAs at N = 2048, where the
-    # tensor-core tile has 128), sized to stay in registers at 4 and 8 rows
-    TileConfig(2, 512, 2, 4, fma=True),
-    TileConfig(4, 256, 2, 4, fma=True),
-    TileConfig(2, 256, 1, 4, fma=True),
 )
 
 if triton is not None:
@@ -199,58 +176,6 @@ if triton is not None:
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
-    @triton.jit
-    def _few_rows_fma_kernel(
-        x_ptr,
-        w_ptr,
-        out_ptr,
-        rows,
-        n,
-        k,
-        stride_x,
-        stride_w,
-        stride_out,
-        needed_ptr,
-        ROWS: tl.constexpr,  # power of two >= rows
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
-        PREDICATED: tl.constexpr,
-    ):
-        """As the single-row kernel, with ROWS rows multiplying each weight tile in registers
-        (a [ROWS, BLOCK_N, BLOCK_K] product reduced over K)."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, ROWS)
-        row_ok = offs_m < rows
-        col_ok = offs_n < n
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-        x_rows = x_ptr + offs_m[:, None] * stride_x
-        out_tile = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
-        out_mask = row_ok[:, None] & col_ok[None, :]
-        if PREDICATED:  # as above
-            if USE_PDL:
-                wait_for_prior_grid()
-            if tl.load(needed_ptr) == 0:
-                tl.store(out_tile, tl.zeros((ROWS, BLOCK_N), out_ptr.dtype.element_ty), out_mask)
-                return
-        offs_k = tl.arange(0, BLOCK_K)  # first tile before the wait, as above
-        w = tl.load(
-            w_rows + offs_k[None, :], mask=col_ok[:, None] & (offs_k < k)[None, :], other=0.0
-        )
-        if USE_PDL and not PREDICATED:
-            wait_for_prior_grid()
-        x = tl.load(
-            x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k)[None, :], other=0.0
-        )
-        acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        for start in range(BLOCK_K, k, BLOCK_K):
-            offs_k = start + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < k
-            x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
 
 def launch(
     x: torch.Tensor,
@@ -258,40 +183,18 @@ def launch(
     config: TileConfig,
     needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); an fma config
-    takes M <= FMA_MAX_ROWS. `needed` (device int32 [1]): where 0, the kernel reads no weight
-    and writes zeros."""
+    """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); the single-row
+    kernel needs M == 1. `needed` (device int32 [1]): where 0, the kernel reads no weight and
+    writes zeros."""
     rows, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = dependent_launch.enabled(x)
-    if config.fma and rows > FMA_MAX_ROWS:
-        raise ValueError(f"the fma kernels take at most {FMA_MAX_ROWS} rows, got {rows}")
-    if config.fma and rows > 1:
-        _few_rows_fma_kernel[(triton.cdiv(n, config.block_n),)](
-            x,
-            weight,
-            out,
-            rows,
-            n,
-            k,
-            x.stride(0),
-            weight.stride(0),
-            out.stride(0),
-            out if needed is None else needed,
-            ROWS=_rows_bucket(rows),
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            USE_PDL=pdl,
-            PREDICATED=needed is not None,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **dependent_launch.launch_options(pdl),
-        )
-        return out
-    if config.fma:
+    if config.single_row:
+        if rows != 1:
+            raise ValueError(f"the single-row kernel takes 1 row, got {rows}")
         _single_row_linear_kernel[(triton.cdiv(n, config.block_n),)](
             x,
             weight,
@@ -379,7 +282,7 @@ class SmallBatchLinear:
         best, best_ms = None, _time_over(weights, lambda w: F.linear(x, w))
         cublas_ms = best_ms
         for config in CONFIGS:
-            if not config.takes(rows):
+            if config.single_row and rows != 1:
                 continue
             out = launch(x, weight, config).float()
             if (out - reference).abs().max().item() > 0.02 * scale:

@@ -9,9 +9,10 @@ none of them between calls, as in a loop), median of graph replays timed with CU
   (b) attention: the split-KV decode kernels at 1-16 rows over a ~1.1K context, for a grid of
       (num_splits, block_n, num_warps, num_stages), us per layer call (store + split + combine);
   (c) loop: one fused recurrent step with the selection the engine makes today against the best
-      of (a) and (b) forced in, and against each projection's fastest one-row kernel (one row only), fastest
-      tensor-core tile, and cuBLAS, forced in (a kernel's cost inside a loop includes what it
-      does to its neighbours: cuBLAS breaks the programmatic-dependent-launch chain).
+      of (a) and (b) forced in, and against each projection's fastest one-row kernel (at one
+      row), fastest tensor-core tile, and cuBLAS, forced in (a kernel's cost inside a loop
+      includes what it does to its neighbours: cuBLAS breaks the programmatic-dependent-launch
+      chain).
 
   python3 benchmarks/small_batch_sweep.py --out sweep.json    # H200, a few minutes
 """

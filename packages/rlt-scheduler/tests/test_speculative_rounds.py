@@ -48,3 +48,17 @@ def test_penalized_and_constrained_requests_do_not_draft_and_the_limit_pauses_ro
     assert sum(len(d.token_ids) for d in finals["q"]) == 12
     # two decode: ticks; once "p" (16 tokens by default) or "q" ends, the other speculates
     assert any(s.decode_ticks for s in steps) and any(s.speculative_rounds for s in steps)
+
+
+
+def test_rounds_that_could_finish_a_request_are_not_followed_by_more():
+    """Every draft accepted (K + 1 = 4 tokens per round): the scheduler, one step ahead of the
+    device, never queues a round once the rounds in flight could reach max_tokens, so no round
+    runs only padding after the last token (the bound n - r would queue a fifth step here)."""
+    scheduler = make_scheduler(num_speculative_tokens=3)
+    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 4)
+    scheduler.add_request("r", [1, 2], SamplingParams(max_tokens=33))
+    steps, finals = run_until_idle(scheduler, device)
+    # token 0 from the prompt step, then 32 tokens: 8 rounds of 4
+    assert [len(d.token_ids) for d in finals["r"]] == [1, 8, 8, 8, 8]
+    assert sum(s.speculative_rounds for s in steps) == 8

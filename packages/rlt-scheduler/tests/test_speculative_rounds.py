@@ -50,7 +50,6 @@ def test_penalized_and_constrained_requests_do_not_draft_and_the_limit_pauses_ro
     assert any(s.decode_ticks for s in steps) and any(s.speculative_rounds for s in steps)
 
 
-
 def test_rounds_that_could_finish_a_request_are_not_followed_by_more():
     """Every draft accepted (K + 1 = 4 tokens per round): the scheduler, one step ahead of the
     device, never queues a round once the rounds in flight could reach max_tokens, so no round

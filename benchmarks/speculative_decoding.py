@@ -269,12 +269,17 @@ def run_workload(
 def warm_up(engine, prompts, args) -> None:
     """Kernels, graphs of the sampling modes used, allocator: the same shapes as measured."""
     from rlt import SamplingParams
+    from rlt_contracts import SamplingMode
 
     program = engine.core.runner.speculation
+    graphs = engine.core.runner.speculative_graphs
     params = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
     for forced in (None, 0.5) if program is not None else (None,):
         if program is not None:
             program.force_acceptance(forced, seed=args.seed)
+        if graphs is not None:  # rows finish one by one: every slot bucket replays
+            for gate in (False, True):
+                graphs.capture_buckets(SamplingMode(), gate)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"warmup-{i}", prompt, params)
         while engine.has_unfinished_requests():

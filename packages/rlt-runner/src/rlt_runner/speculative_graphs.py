@@ -36,6 +36,13 @@ class SpeculativeGraphs:
             for gate in (False, True):
                 self._capture(slots, SamplingMode(), gate)
 
+    def capture_buckets(self, mode: SamplingMode, gate: bool) -> None:
+        """Capture the (mode, gate) round of every bucket not captured yet, under the program's
+        current forcing (so a later replay never captures in the middle of a step)."""
+        for slots in reversed(self.buckets):
+            if (slots, mode, gate, self.program.forcing) not in self._graphs:
+                self._capture(slots, mode, gate)
+
     def bucket(self, num_slots: int) -> int:
         return next(size for size in self.buckets if size >= num_slots)
 

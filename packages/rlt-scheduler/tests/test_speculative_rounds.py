@@ -26,45 +26,28 @@ def test_rounds_cover_every_position_and_emit_all_tokens():
 
 
 def test_rounds_in_flight_that_finish_a_request_get_no_followers():
-    """With nothing accepted every round makes one token: the scheduler, one step ahead of the
-    device, never queues more rounds than the request has tokens left, and where every draft in
-    flight accepted would leave no draft to make, it ticks (the tail ends in ticks)."""
+    """Every round makes at least one token: with nothing accepted (one token per round), the
+    scheduler, one step ahead of the device, schedules exactly the rounds the request needs."""
     scheduler = make_scheduler(num_speculative_tokens=3)
     device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 4, accepts=False)
     scheduler.add_request("r", [1, 2], SamplingParams(max_tokens=17))
     steps, finals = run_until_idle(scheduler, device)
     assert sum(len(d.token_ids) for d in finals["r"]) == 17
     # token 0 from the prompt step, which also ran one tick; then 16 tokens, one per round
-    # while drafting can pay off, the last ones from ticks
-    rounds = sum(s.speculative_rounds for s in steps)
-    assert 0 < rounds < 16
-    last = max(i for i, s in enumerate(steps) if s.speculative_rounds)
-    assert any(s.decode_ticks for s in steps[last + 1 :])
+    assert sum(s.speculative_rounds for s in steps) == 16
 
 
 def test_penalized_and_constrained_requests_do_not_draft_and_the_limit_pauses_rounds():
     scheduler = make_scheduler(num_speculative_tokens=2, speculative_disable_batch_size=1)
-    penalized = scheduler.add_request(
-        "p", [1], SamplingParams(repetition_penalty=1.2, max_tokens=5)
-    )
+    penalized = scheduler.add_request("p", [1], SamplingParams(repetition_penalty=1.2))
     plain = scheduler.add_request("q", [1], SamplingParams(max_tokens=12))
     assert penalized.rule.num_speculative_tokens == 0
     assert plain.rule.num_speculative_tokens == 2
     device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 2)
     steps, finals = run_until_idle(scheduler, device)
     assert sum(len(d.token_ids) for d in finals["q"]) == 12
-    # two decode: ticks (the limit); once "p" ends, "q" speculates
+    # two decode: ticks; once "p" (16 tokens by default) or "q" ends, the other speculates
     assert any(s.decode_ticks for s in steps) and any(s.speculative_rounds for s in steps)
-
-
-def test_a_request_that_cannot_draft_decodes_alone_with_ticks():
-    """A round in which no request drafts costs more loop passes than its tokens' ticks."""
-    scheduler = make_scheduler(num_speculative_tokens=2)
-    scheduler.add_request("p", [1], SamplingParams(repetition_penalty=1.2, max_tokens=9))
-    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 2)
-    steps, finals = run_until_idle(scheduler, device)
-    assert sum(len(d.token_ids) for d in finals["p"]) == 9
-    assert not any(s.speculative_rounds for s in steps)
 
 
 def test_rounds_that_could_finish_a_request_are_not_followed_by_more():
@@ -78,16 +61,3 @@ def test_rounds_that_could_finish_a_request_are_not_followed_by_more():
     # token 0 from the prompt step, then 32 tokens: 8 rounds of 4
     assert [len(d.token_ids) for d in finals["r"]] == [1, 8, 8, 8, 8]
     assert sum(s.speculative_rounds for s in steps) == 8
-
-
-def test_a_step_whose_rounds_could_not_draft_ticks_instead():
-    """With one token left at best (every draft in flight accepted), a round would draft
-    nothing and cost more than the token's ticks: that step ticks."""
-    scheduler = make_scheduler(num_speculative_tokens=3)
-    device = FakeDevice(scheduler.kv, depth=lambda request_id, index: 4)
-    scheduler.add_request("r", [1, 2], SamplingParams(max_tokens=10))
-    steps, finals = run_until_idle(scheduler, device)
-    assert [len(d.token_ids) for d in finals["r"]] == [1, 8, 1]
-    decode_steps = [s for s in steps if not s.prefill and (s.decode_ticks or s.speculative_rounds)]
-    assert [s.speculative_rounds for s in decode_steps[:1]] == [2]
-    assert decode_steps[-1].speculative_rounds == 0 and decode_steps[-1].decode_ticks > 0

@@ -26,10 +26,6 @@ scheduler decides:
   request, 128 tokens, K = 3 at alpha 0.9: the pessimistic bound n - r queued a whole 2-round
   step, 18 ms, after the last token, 4.6% of the decode time). A request that stops early (a
   stop id) can still leave rounds in flight, as ticks do.
-- ticks, not rounds, when no decoding request could draft in the next round (at best, every
-  draft in flight accepted, each has at most one token left, or it drafts 0): such a round
-  costs (K + 1) D + T - D loop passes for the one token T ticks make (on an H200 at 32
-  requests, the last token of three requests took one 13 ms round against 7 ms of ticks).
 """
 
 from __future__ import annotations
@@ -99,10 +95,10 @@ def decode_work(
     if prompts_pending:  # one tick: a round would hold every prompt chunk up (module doc)
         return DecodeWork(ticks=ticks)
     most = max_rounds_per_step(config, model_depth)
-    in_flight = [(r, unconfirmed_rounds.get(r.identity, 0)) for r in decoding]
-    needed = max((rounds_until_done_at_best(r, n) for r, n in in_flight), default=0)
-    if needed and not any(drafts_at_best(r, n) for r, n in in_flight):
-        return DecodeWork(ticks=ticks)  # a round without drafts costs more than its ticks
+    needed = max(
+        (rounds_until_done_at_best(r, unconfirmed_rounds.get(r.identity, 0)) for r in decoding),
+        default=0,
+    )
     return DecodeWork(rounds=min(most, needed))
 
 
@@ -112,14 +108,6 @@ def rounds_until_done_at_best(request: ScheduledRequest, in_flight: int) -> int:
     left = request.sampling.max_tokens - request.num_outputs
     per_round = request.rule.num_speculative_tokens + 1
     return max(0, -(-left // per_round) - in_flight)
-
-
-def drafts_at_best(request: ScheduledRequest, in_flight: int) -> int:
-    """Drafts `request` could make in its next round if the `in_flight` rounds accepted every
-    draft (the runner caps drafts so that every emitted token fits max_tokens)."""
-    drafts = request.rule.num_speculative_tokens
-    left = request.sampling.max_tokens - request.num_outputs - in_flight * (drafts + 1)
-    return max(0, min(drafts, left - 1))
 
 
 def max_rounds_per_step(config: SchedulerConfig, model_depth: int) -> int:

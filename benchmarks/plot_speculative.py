@@ -2,9 +2,9 @@
 
 Left: decode speed-up over plain decoding at one request (Ouro-1.4B shape, fixed depth) against
 the forced per-draft acceptance alpha, one line per (K drafts, D draft loops), from
-`benchmarks/results/speculative_h200/c1_grid.json`. Right: K = 4, D = 1 at alpha 0.9 against
-the number of concurrent requests, decode and end to end (`concurrency_sweep.json`), with the
-1.0 line; the default disable limit pauses speculation above 16 requests.
+`benchmarks/results/speculative_h200/c1_grid_fused.json`. Right: K = 3, D = 1 at alpha 0.9
+against the number of concurrent requests, decode and end to end (`concurrency_sweep_k3.json`),
+with the 1.0 line; the default disable limit pauses speculation above 16 requests.
 
   uv run --with matplotlib python benchmarks/plot_speculative.py
 """
@@ -25,8 +25,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = json.loads((RESULTS / "c1_grid.json").read_text())["arms"]
-    sweep = json.loads((RESULTS / "concurrency_sweep.json").read_text())["arms"]
+    grid = json.loads((RESULTS / "c1_grid_fused.json").read_text())["arms"]
+    sweep = json.loads((RESULTS / "concurrency_sweep_k3.json").read_text())["arms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     configs = sorted(
         {
@@ -55,7 +55,11 @@ def main() -> None:
     left.axhline(1.6, color="red", linewidth=0.8, linestyle=":", label="target 1.6x")
     left.set_xlabel("forced per-draft acceptance alpha")
     left.set_ylabel("decode tok/s / plain decode tok/s")
-    left.set_title("1 request, Ouro-1.4B shape, fixed depth (plain 207.6 tok/s)")
+    plain_c1 = next(a for a in grid if not a["num_speculative_tokens"])
+    left.set_title(
+        f"1 request, Ouro-1.4B shape, fixed depth "
+        f"(plain {plain_c1['decode_output_tokens_per_s']} tok/s)"
+    )
     left.legend(fontsize=8)
     spec = sorted((a for a in sweep if a["num_speculative_tokens"]), key=lambda a: a["concurrency"])
     plain = {a["concurrency"]: a for a in sweep if not a["num_speculative_tokens"]}
@@ -73,7 +77,7 @@ def main() -> None:
     right.set_xticks(xs, [str(x) for x in xs])
     right.set_xlabel("concurrent requests (speculation never paused)")
     right.set_ylabel("speculative / plain")
-    right.set_title("K=4, D=1, alpha 0.9")
+    right.set_title("K=3, D=1, alpha 0.9")
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT, dpi=110)

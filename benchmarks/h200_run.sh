@@ -57,7 +57,7 @@ case "$mode" in
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
   speculative)
-    [ "${SPEC_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_cuda_speculative.py \
+    [ "${SPEC_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_cuda_speculative.py tests/test_speculative_kernels.py \
       2>&1 | tee "$OUT/spec_tests.log" | tail -25
     python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --out "$OUT/speculative.json" "$@" ;;
@@ -67,17 +67,19 @@ case "$mode" in
       python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_speculative.py \
         tests/test_cuda_engine.py packages/rlt-attention/tests/test_split_decode.py \
         packages/rlt-models/tests/test_small_batch_linear.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -3
-      "${b[@]}" --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
+      python3 -m pytest -q -p no:cacheprovider tests/test_speculative_kernels.py 2>&1 \
+        | tee -a "$OUT/cuda_tests.log" | tail -1
+      "${b[@]}" --concurrency 1 --drafts 2,3,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
         --phase-timing --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
       "${b[@]}" --concurrency 1 --drafts 3,4 --draft-loops 1 --alphas 0.9 --mix \
         --out "$OUT/spec_mix.json" >"$OUT/spec_mix.log" 2>&1
     else
-      "${b[@]}" --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
+      "${b[@]}" --concurrency 1 --drafts 2,3,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
         --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
-      "${b[@]}" --concurrency 4,16,32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \
+      "${b[@]}" --concurrency 4,16,32 --drafts 3 --draft-loops 1 --alphas 0.9 --no-real \
         --out "$OUT/spec_sweep.json" >"$OUT/spec_sweep.log" 2>&1
-      "${b[@]}" --concurrency 32 --drafts 4 --draft-loops 1 --alphas 0.9 --no-real \
-        --disable-batch-size default --out "$OUT/spec_c32_default.json" >/dev/null 2>&1
+      "${b[@]}" --concurrency 32 --drafts 3 --draft-loops 1 --alphas 0.9 --no-real \
+        --disable-batch-size default --repeats 2 --step-log --out "$OUT/spec_c32_default.json" >/dev/null 2>&1
       python3 benchmarks/speculative_acceptance.py --device cuda --dtype bfloat16 --num-prompts 12 \
         --output-len 48 --draft-loops 1,2 --out "$OUT/acceptance_h200.json" >/dev/null 2>&1
     fi

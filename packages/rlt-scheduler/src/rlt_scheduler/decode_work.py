@@ -26,6 +26,13 @@ scheduler decides:
   request, 128 tokens, K = 3 at alpha 0.9: the pessimistic bound n - r queued a whole 2-round
   step, 18 ms, after the last token, 4.6% of the decode time). A request that stops early (a
   stop id) can still leave rounds in flight, as ticks do.
+- ticks, not rounds, when no decoding request can draft in the next round for certain: it
+  drafts 0, or at most one token is left after the fewest tokens the steps in flight surely
+  make. Such a round costs (K + 1) D + T - D loop passes for the token T ticks make (on an
+  H200 at 32 requests, the last token of three requests took one 13 ms round against 7 ms of
+  ticks). A rule that ticked when no request could draft *if every draft in flight were
+  accepted* was tried and reverted: at one request it ticked whole steps where drafts were
+  still useful (3% slower).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 
 from rlt_contracts import ExecutionIdentity, RequestStage, SamplingParams
 
-from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.config import SchedulerConfig, SchedulingMode
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
 
@@ -94,12 +101,33 @@ def decode_work(
     prompts_pending = admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
     if prompts_pending:  # one tick: a round would hold every prompt chunk up (module doc)
         return DecodeWork(ticks=ticks)
+    in_flight = [
+        (r, unconfirmed_rounds.get(r.identity, 0), unconfirmed_ticks.get(r.identity, 0))
+        for r in decoding
+    ]
+    if decoding and not any(can_draft(config, *entry) for entry in in_flight):
+        return DecodeWork(ticks=ticks)  # a round without drafts costs more than its ticks
     most = max_rounds_per_step(config, model_depth)
-    needed = max(
-        (rounds_until_done_at_best(r, unconfirmed_rounds.get(r.identity, 0)) for r in decoding),
-        default=0,
-    )
+    needed = max((rounds_until_done_at_best(r, rounds) for r, rounds, _ in in_flight), default=0)
     return DecodeWork(rounds=min(most, needed))
+
+
+def can_draft(
+    config: SchedulerConfig, request: ScheduledRequest, rounds_in_flight: int, ticks_in_flight: int
+) -> bool:
+    """Whether `request`'s next round could make a draft at all: it drafts, and more than one
+    token is left even if the steps in flight make the most tokens they surely make (a round
+    drafts at most max_tokens - outputs - 1; every round makes a token, and in refill mode a
+    decoding row loops in every tick, so T ticks finish a token)."""
+    if not request.rule.num_speculative_tokens:
+        return False
+    left = request.sampling.max_tokens - request.num_outputs - rounds_in_flight
+    if config.mode is SchedulingMode.REFILL:
+        depth = request.bounds.max_loops
+        to_finish = depth - request.loops_into_token
+        if ticks_in_flight >= to_finish:
+            left -= 1 + (ticks_in_flight - to_finish) // depth
+    return left >= 2
 
 
 def rounds_until_done_at_best(request: ScheduledRequest, in_flight: int) -> int:

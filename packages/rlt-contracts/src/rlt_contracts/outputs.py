@@ -165,7 +165,9 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
-    """What a frontend needs to know about the served model."""
+    """What a frontend needs to know about the served model. (0.1.8) weight_dtype: the stack's
+    projections ("bfloat16", "float8_e4m3fn", ...); kv_cache_dtype; kv_capacity_tokens: tokens
+    the KV pool holds at full depth (empty / 0 where unknown, e.g. a PD coordinator)."""
 
     name: str
     path: str
@@ -173,6 +175,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     num_loops: int
     eos_token_ids: tuple[int, ...]
+    weight_dtype: str = ""
+    kv_cache_dtype: str = ""
+    kv_capacity_tokens: int = 0
 
 
 __all__ = [

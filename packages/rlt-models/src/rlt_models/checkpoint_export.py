@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rlt_models.fp8 import Fp8Projection
 from rlt_models.loading import DTYPES, SINGLE_FILE
 from rlt_models.ouro import OuroModel
 from rlt_models.weights import checkpoint_tensor_shapes, parameter_sources
@@ -26,14 +27,23 @@ def checkpoint_tensors(model: OuroModel) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor by its Hugging Face name, in checkpoint order.
 
     The tensors are detached views of the model's parameters (same device and dtype): q/k/v
-    are row blocks of `qkv_proj` [q + 2 kv, d], gate/up of `gate_up_proj` [2 f, d].
+    are row blocks of `qkv_proj` [q + 2 kv, d], gate/up of `gate_up_proj` [2 f, d]. An fp8
+    projection is exported dequantized to the model dtype (the values its reference path
+    multiplies by), so the written checkpoint is the fp8 model's exact float twin.
     """
     shapes = checkpoint_tensor_shapes(model.config)
     params = dict(model.named_parameters())
+    projections = {
+        name: module for name, module in model.named_modules() if isinstance(module, Fp8Projection)
+    }
     tensors: dict[str, torch.Tensor] = {}
     for param_name, names in parameter_sources(model.config).items():
         rows = [shapes[name][0] for name in names]
-        parts = params[param_name].detach().split(rows, dim=0)
+        if param_name in projections:
+            weight = projections[param_name].dequantized(model.dtype)
+        else:
+            weight = params[param_name].detach()
+        parts = weight.split(rows, dim=0)
         tensors.update(zip(names, parts, strict=True))
     return {name: tensors[name] for name in shapes}
 

@@ -110,7 +110,10 @@ class OuroConfig:
             )
         _reject_unsupported(raw)
         known = (
-            {f for f in cls.__dataclass_fields__} | _IGNORED_KEYS | _CHECKED_KEYS | {"model_type"}
+            {f for f in cls.__dataclass_fields__}
+            | _IGNORED_KEYS
+            | _CHECKED_KEYS
+            | {"model_type", "quantization_config"}  # the latter: rlt_models.fp8_checkpoint
         )
         unknown = sorted(set(raw) - known)
         if unknown:

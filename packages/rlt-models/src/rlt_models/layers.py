@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_models.fp8 import project
+
 
 def empty_parameter(*shape: int) -> nn.Parameter:
     """An uninitialised, frozen parameter: weights always come from a checkpoint (no random
@@ -88,8 +90,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
         ops = ops or DEFAULT_OPS
-        gate, up = ops.linear(x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        return ops.linear(ops.silu(gate) * up, self.down_proj)
+        gate, up = project(ops.linear, x, self.gate_up_proj).split(self.intermediate_size, dim=-1)
+        return project(ops.linear, ops.silu(gate) * up, self.down_proj)
 
 
 class ModelOps(NamedTuple):

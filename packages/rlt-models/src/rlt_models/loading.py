@@ -12,6 +12,15 @@ from safetensors import SafetensorError, safe_open
 
 from rlt_models.config import OuroConfig
 from rlt_models.errors import CheckpointError
+from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
+from rlt_models.fp8_checkpoint import (
+    Fp8Scheme,
+    check_quantized_tensor,
+    quantized_names,
+    read_scheme,
+    scale_name,
+    scale_vector,
+)
 from rlt_models.ouro import OuroModel
 from rlt_models.weights import checkpoint_tensor_shapes, parameter_sources
 
@@ -76,22 +85,41 @@ def iter_checkpoint_tensors(
                     raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
 
 
+QUANTIZATIONS = (None, "fp8")
+
+
 def load_model(
     model_dir: str | Path,
     *,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> OuroModel:
     """Build `OuroModel` from a checkpoint directory, checking names and shapes strictly.
 
     Missing, unexpected or mis-shaped tensors raise `CheckpointError` naming the tensor.
+    `quantization` "fp8": the stack's projections (and the LM head with `quantize_lm_head`)
+    become fp8 with per-channel scales (`rlt_models.fp8`); a checkpoint that is already fp8
+    (compressed-tensors, `rlt_models.fp8_checkpoint`) loads as fp8 whatever is asked.
+    `dtype` is the activations' (and every unquantized weight's) dtype.
     """
     model_dir = Path(model_dir)
     config = OuroConfig.from_pretrained(model_dir)
+    scheme = read_scheme(json.loads((model_dir / "config.json").read_text()))
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
     tensors = dict(iter_checkpoint_tensors(model_dir, device="cpu"))
-    return build_model(config, tensors, dtype=target_dtype, device=device, source=str(model_dir))
+    return build_model(
+        config,
+        tensors,
+        dtype=target_dtype,
+        device=device,
+        source=str(model_dir),
+        quantization=quantization,
+        quantize_lm_head=quantize_lm_head,
+        scheme=scheme,
+    )
 
 
 def build_model(
@@ -101,32 +129,95 @@ def build_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     source: str = "checkpoint",
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
+    scheme: Fp8Scheme | None = None,
 ) -> OuroModel:
     """`OuroModel` from checkpoint tensors keyed by their Hugging Face names (checked strictly;
-    q/k/v and gate/up are fused here). `tensors` is not modified."""
+    q/k/v and gate/up are fused here). `scheme`: the tensors are an fp8 checkpoint's.
+    `tensors` is not modified."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantize_lm_head and quantization is None and scheme is None:
+        raise ValueError("quantize_lm_head needs quantization='fp8' (or an fp8 checkpoint)")
+    stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
+    _check_tensors(config, tensors, stored_fp8, source)
+    with torch.device(device):
+        model = OuroModel(config).to(dtype)
+    quantized = set()
+    if quantization == "fp8" or scheme is not None:
+        quantized = {n for n in parameter_sources(config) if n.endswith(_PROJECTION_PARAMS)}
+        if quantize_lm_head or (scheme is not None and scheme.lm_head):
+            quantized.add("lm_head")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for param_name, source_names in parameter_sources(config).items():
+            if param_name in quantized:
+                _install_fp8(model, param_name, source_names, tensors, stored_fp8, device)
+                continue
+            merged = torch.cat([tensors[name] for name in source_names], dim=0)
+            params[param_name].copy_(merged.to(device=device, dtype=dtype))
+    model.quantization = "fp8" if quantized else None
+    model.quantized_lm_head = "lm_head" in quantized
+    return model.eval()
+
+
+# runtime parameters of the stack that fp8 quantizes (q/k/v and gate/up fused)
+_PROJECTION_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _check_tensors(
+    config: OuroConfig, tensors: dict[str, torch.Tensor], stored_fp8: set[str], source: str
+) -> None:
     expected = checkpoint_tensor_shapes(config)
+    scales = {scale_name(name): name for name in stored_fp8}
     for name, tensor in tensors.items():
+        if name in scales:
+            continue  # checked where it is used, against its weight's rows
         if name not in expected:
+            if name.endswith("input_scale"):
+                raise CheckpointError(
+                    f"tensor {name!r} in {source}: static activation scales are not supported"
+                )
             raise CheckpointError(f"unexpected tensor {name!r} in {source} (not an Ouro weight)")
+        if name in stored_fp8:
+            check_quantized_tensor(name, tensor, expected[name])
+            continue
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
             )
         if not tensor.is_floating_point():
             raise CheckpointError(f"tensor {name!r} has non-float dtype {tensor.dtype}")
-    missing = sorted(set(expected) - set(tensors))
+        if tensor.dtype == FP8:
+            raise CheckpointError(
+                f"tensor {name!r} is {FP8}, but config.json declares no fp8 quantization for it"
+            )
+    missing = sorted((set(expected) | set(scales)) - set(tensors))
     if missing:
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s) {shown}{more} in {source}")
-    with torch.device(device):
-        model = OuroModel(config).to(dtype)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for param_name, source_names in parameter_sources(config).items():
-            merged = torch.cat([tensors[name] for name in source_names], dim=0)
-            params[param_name].copy_(merged.to(device=device, dtype=dtype))
-    return model.eval()
+
+
+def _install_fp8(model, param_name, source_names, tensors, stored_fp8, device) -> None:
+    """Replace `param_name` by an `Fp8Projection`: the checkpoint's fp8 rows and scales
+    concatenated, or the float rows quantized here (per channel, so the same either way)."""
+    if all(name in stored_fp8 for name in source_names):
+        data = torch.cat([tensors[name] for name in source_names], dim=0)
+        scale = torch.cat(
+            [
+                scale_vector(scale_name(name), tensors[scale_name(name)], tensors[name].shape[0])
+                for name in source_names
+            ]
+        )
+    else:
+        merged = torch.cat([tensors[name].float() for name in source_names], dim=0)
+        data, scale = quantize_per_channel(merged)
+    owner_path, _, attr = param_name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    delattr(owner, attr)
+    setattr(owner, attr, Fp8Projection(data.to(device), scale.to(device)))
 
 
 def _open(path: Path, device: str = "cpu") -> ExitStack:

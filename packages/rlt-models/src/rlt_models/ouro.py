@@ -30,6 +30,7 @@ from torch import nn
 
 from rlt_models import batch_invariant, fused_ops
 from rlt_models.config import OuroConfig
+from rlt_models.fp8 import Fp8Projection, project
 from rlt_models.layers import (
     DEFAULT_OPS,
     ModelOps,
@@ -73,13 +74,13 @@ class OuroDecoderLayer(nn.Module):
         ops: ModelOps = DEFAULT_OPS,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = ops.linear(self.input_layernorm(x), self.qkv_proj)
+        qkv = project(ops.linear, self.input_layernorm(x), self.qkv_proj)
         q, k, v = qkv.split(self.qkv_split, dim=-1)
         q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = attention(self.layer_index, q, k, v).reshape(n, -1)
-        x = x + self.input_layernorm_2(ops.linear(attn, self.o_proj))
+        x = x + self.input_layernorm_2(project(ops.linear, attn, self.o_proj))
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x), ops))
 
     def forward_fused(
@@ -107,7 +108,7 @@ class OuroDecoderLayer(nn.Module):
             linear = small_batch_linear if impl == "triton" else F.linear
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size, _ = self.qkv_split
-        qkv = linear(normed, self.qkv_proj)
+        qkv = project(linear, normed, self.qkv_proj)
         fused_ops.rotary_qk_(qkv, cos, sin, heads, kv_heads, head_dim, impl=impl)
         q = qkv[:, :q_size].view(n, heads, head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim)
@@ -116,17 +117,17 @@ class OuroDecoderLayer(nn.Module):
         eps = self.input_layernorm.eps
         x, m = fused_ops.add_rms_norm(
             x,
-            linear(attn, self.o_proj),
+            project(linear, attn, self.o_proj),
             self.input_layernorm_2.weight,
             self.post_attention_layernorm.weight,
             eps,
             impl=impl,
         )
-        gate_up = linear(m, self.mlp.gate_up_proj)
+        gate_up = project(linear, m, self.mlp.gate_up_proj)
         act = fused_ops.silu_mul(gate_up, self.mlp.intermediate_size, impl=impl)
         return fused_ops.add_rms_norm(
             x,
-            linear(act, self.mlp.down_proj),
+            project(linear, act, self.mlp.down_proj),
             self.post_attention_layernorm_2.weight,
             next_norm_weight,
             eps,
@@ -175,6 +176,9 @@ class OuroModel(nn.Module):
         )
         self.fused_path = "auto"
         self.batch_invariant = False
+        # set by `build_model`: "fp8" when the projections are `Fp8Projection`s, else None
+        self.quantization: str | None = None
+        self.quantized_lm_head = False
 
     @property
     def ops(self) -> ModelOps:
@@ -281,5 +285,7 @@ class OuroModel(nn.Module):
         [1]): where 0, the small-batch Triton head skips reading its weight and returns zeros
         (cuBLAS and the batch-invariant GEMM always compute)."""
         if self.batch_invariant:
-            return batch_invariant.linear(hidden, self.lm_head)
+            return project(batch_invariant.linear, hidden, self.lm_head)
+        if isinstance(self.lm_head, Fp8Projection):
+            return self.lm_head(hidden, small_batch_linear)
         return small_batch_linear(hidden, self.lm_head, needed=needed)

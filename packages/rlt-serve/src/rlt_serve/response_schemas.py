@@ -138,6 +138,13 @@ class ModelCard(BaseModel):
     owned_by: str = "rlt"
     max_model_len: int = Field(description="rlt: context length in tokens.")
     num_loops: int = Field(description="rlt: model depth (loops per token at most).")
+    weight_dtype: str | None = Field(
+        None, description="rlt: dtype of the shared stack's projections (e.g. float8_e4m3fn)."
+    )
+    kv_cache_dtype: str | None = Field(None, description="rlt: dtype of the KV cache.")
+    kv_capacity_tokens: int | None = Field(
+        None, description="rlt: tokens the KV pool holds at full depth."
+    )
 
 
 class ModelList(BaseModel):

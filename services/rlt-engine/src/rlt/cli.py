@@ -32,6 +32,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
     )
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: the stack's projections in float8_e4m3fn with per-channel scales",
+    )
+    group.add_argument("--quantize-lm-head", action="store_true", help="with fp8, the LM head too")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--kv-layout", default=d.kv_layout, choices=["last_exited", "shared"])
     group.add_argument(

@@ -49,6 +49,9 @@ class EngineParts:
     attention_reason: str
     memory_plan: KVMemoryPlan
     max_model_len: int
+    weight_dtype: str = ""  # the stack's projections (ModelInfo)
+    kv_cache_dtype: str = ""
+    kv_capacity_tokens: int = 0  # tokens the pool holds at full depth
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
@@ -84,9 +87,16 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
     model_dir = resolve_model_dir(config.model)
     device = resolve_device(config.device)
     if model is None:
-        model = load_model(
-            model_dir, dtype=None if config.dtype == "auto" else config.dtype, device=device
-        )
+        try:
+            model = load_model(
+                model_dir,
+                dtype=None if config.dtype == "auto" else config.dtype,
+                device=device,
+                quantization=config.quantization,
+                quantize_lm_head=config.quantize_lm_head,
+            )
+        except ValueError as exc:  # quantize_lm_head without fp8
+            raise ConfigurationError("quantize_lm_head", str(exc)) from exc
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape
@@ -199,6 +209,20 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
             runner.close()
             raise
         logger.info("PD %s instance, transport agent %s", config.role, pd.agent)
+    weight_dtype = weight_dtype_name(model)
+    kv_dtype = str(model.dtype).removeprefix("torch.")
+    kv_tokens = memory_plan.num_blocks // num_planes * config.block_size
+    logger.info(
+        "weights: projections %s, LM head %s; KV cache %s: %d blocks of %d positions at %d "
+        "plane(s) = %d tokens",
+        weight_dtype,
+        "float8_e4m3fn" if model.quantized_lm_head else kv_dtype,
+        kv_dtype,
+        memory_plan.num_blocks,
+        config.block_size,
+        num_planes,
+        kv_tokens,
+    )
     return EngineParts(
         core=core,
         model=model,
@@ -208,10 +232,20 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         attention_reason=selection.reason,
         memory_plan=memory_plan,
         max_model_len=max_model_len,
+        weight_dtype=weight_dtype,
+        kv_cache_dtype=kv_dtype,
+        kv_capacity_tokens=kv_tokens,
         pd=pd,
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
     )
+
+
+def weight_dtype_name(model: OuroModel) -> str:
+    """The dtype of the stack's projections: float8_e4m3fn when quantized, else the model's."""
+    if model.quantization == "fp8":
+        return "float8_e4m3fn"
+    return str(model.dtype).removeprefix("torch.")
 
 
 def speculation_settings(config: EngineConfig, model_depth: int) -> SpeculationSettings | None:

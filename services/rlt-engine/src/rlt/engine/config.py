@@ -31,6 +31,9 @@ class EngineConfig:
 
     model: checkpoint directory (None = the bundled default model).
     dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
+    quantization: None, or "fp8": the stack's projections as float8_e4m3fn with per-channel
+      scales, quantized at load (a compressed-tensors fp8 checkpoint loads as fp8 anyway).
+    quantize_lm_head: with fp8, the LM head too (else it stays in `dtype`).
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
     kv_layout: "last_exited" (per-depth planes) or "shared" (one overwritten plane).
     scheduling_mode: "refill" or "no_refill".
@@ -98,6 +101,8 @@ class EngineConfig:
 
     model: str | Path | None = None
     dtype: str = "auto"
+    quantization: str | None = None
+    quantize_lm_head: bool = False
     device: str = "auto"
     kv_layout: str = "last_exited"
     scheduling_mode: str = "refill"
@@ -140,6 +145,14 @@ class EngineConfig:
         if self.dtype not in DTYPE_NAMES:
             raise ConfigurationError(
                 "dtype", f"must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}"
+            )
+        if self.quantization not in (None, "fp8"):
+            raise ConfigurationError(
+                "quantization", f"must be None or 'fp8', got {self.quantization!r}"
+            )
+        if self.quantize_lm_head not in (False, True):
+            raise ConfigurationError(
+                "quantize_lm_head", f"must be True or False, got {self.quantize_lm_head!r}"
             )
         if not (self.device in DEVICE_TYPES or str(self.device).startswith("cuda:")):
             raise ConfigurationError(

@@ -88,6 +88,9 @@ class LLMEngine:
             vocab_size=shape.vocab_size,
             num_loops=shape.num_loops,
             eos_token_ids=shape.eos_token_ids,
+            weight_dtype=self.parts.weight_dtype,
+            kv_cache_dtype=self.parts.kv_cache_dtype,
+            kv_capacity_tokens=self.parts.kv_capacity_tokens,
         )
 
     # -- requests ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 from rlt import LLM, SamplingParams
 from rlt_runner import speculative_kernels
+from rlt_runner.speculative_bookkeeping import TorchBookkeeping
 
 pytestmark = pytest.mark.skipif(
     not speculative_kernels.available(), reason="triton is not installed"
@@ -38,7 +39,9 @@ def generate(path, fused: bool, params, **options):
         **options,
     )
     program = llm.engine.core.runner.speculation
-    program.kernels = speculative_kernels.SpeculativeKernels(program) if fused else None
+    program.bookkeeping = (
+        speculative_kernels.SpeculativeKernels(program) if fused else TorchBookkeeping(program)
+    )
     outputs = llm.generate(PROMPTS, params)
     stats = llm.engine.core.stats()
     assert llm.engine.core.leak_report() == []

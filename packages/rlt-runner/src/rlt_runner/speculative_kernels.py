@@ -191,7 +191,10 @@ def _check_dense(state) -> None:
 
 
 class SpeculativeKernels:
-    """Launchers with outputs sized for every token of a round (slots x (K + 1))."""
+    """Launchers with outputs sized for every token of a round (slots x (K + 1)); the same
+    interface as `speculative_bookkeeping.TorchBookkeeping`, updating the state in place."""
+
+    in_place = True
 
     def __init__(self, program) -> None:
         rows = program.rows
@@ -207,10 +210,22 @@ class SpeculativeKernels:
         self.copy_src = torch.full((tokens, extra), -1, dtype=torch.int64, device=device)
         self.copy_dst = torch.full((tokens, extra), -1, dtype=torch.int64, device=device)
 
-    def prepare(self, state, on, loop: int, tables: torch.Tensor | None = None) -> None:
-        """Verify (tables None): the positions at loop `loop`, kv_slots given. Draft loop
-        (`tables` [N, planes, pages] of each token's row): each token at its next loop up to
-        `loop`; kv_slots, context lengths and `loop_tables` written."""
+    def prepare_verify(self, state, on, loop: int) -> torch.Tensor:
+        """Every position at loop `loop` (kv_slots given): the write slots."""
+        count = self._prepare(state, on, loop, None)
+        return self.write_slot[:count]
+
+    def prepare_draft(self, state, on, cap: int, tables: torch.Tensor):
+        """Each position at its next loop up to `cap` (`tables` [N, planes, pages] of each
+        token's row): kv_slots written; (context lengths, block-table rows, write slots)."""
+        count = self._prepare(state, on.contiguous(), cap, tables)
+        return self.context[:count], self.loop_tables[:count], self.write_slot[:count]
+
+    def position_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """A buffer for the positions' slots in every plane, which `prepare_draft` fills."""
+        return torch.empty(tables.shape[:2], dtype=torch.int64, device=tables.device)
+
+    def _prepare(self, state, on, loop: int, tables: torch.Tensor | None) -> int:
         program, rows = self.program, self.program.rows
         _check_dense(state)
         count = state.loops.shape[0]
@@ -236,6 +251,7 @@ class SpeculativeKernels:
             VERIFY=verify,
             BLOCK_P=min(triton.next_power_of_2(rows.max_pages), 1024),
         )
+        return count
 
     def decide(self, state, rules: ExitRules, hidden: torch.Tensor, gate) -> None:
         """The exit rule after this loop, the state advanced in place, then the copies."""

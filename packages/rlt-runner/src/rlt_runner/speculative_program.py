@@ -57,11 +57,11 @@ from rlt_contracts import (
 
 from rlt_runner import speculative_kernels
 from rlt_runner.decode_program import RING_COLUMNS
-from rlt_runner.exit_rules import apply_exit_rules
 from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.speculative_accept import accept_round
+from rlt_runner.speculative_bookkeeping import TorchBookkeeping, kv_slots_of
 from rlt_runner.speculative_state import Slots, TokenState
 from rlt_runner.transfers import upload
 
@@ -96,7 +96,8 @@ class SpeculativeProgram:
         fused_bookkeeping: bool | None = None,
     ) -> None:
         """fused_bookkeeping: the per-loop bookkeeping in Triton kernels
-        (speculative_kernels.py); None = on CUDA when Triton is there."""
+        (speculative_kernels.py) instead of torch ops (speculative_bookkeeping.py); None = on
+        CUDA when Triton is there."""
         depth = model.shape.num_loops
         if not 1 <= draft_loops < depth:
             raise ValueError(f"draft_loops must be in [1, {depth - 1}], got {draft_loops}")
@@ -147,7 +148,11 @@ class SpeculativeProgram:
         self._forced_random = random.Random(0)
         if fused_bookkeeping is None:
             fused_bookkeeping = device.type == "cuda" and speculative_kernels.available()
-        self.kernels = speculative_kernels.SpeculativeKernels(self) if fused_bookkeeping else None
+        self.bookkeeping = (
+            speculative_kernels.SpeculativeKernels(self)
+            if fused_bookkeeping
+            else TorchBookkeeping(self)
+        )
 
     @property
     def loops_per_round(self) -> int:
@@ -245,7 +250,7 @@ class SpeculativeProgram:
         token = rows.token[slots.index]
         for s in range(self.width):
             on = slots.position_valid[:, s]
-            state.kv_slots = self._position_slots(slots.tables, state.position)
+            state.kv_slots = self.bookkeeping.position_slots(slots.tables, state.position)
             self._advance(slots, state, on, self.draft_loops, self.draft_loops, gate, max_context)
             self.token[:n, s] = token
             state.store(self, n, s)
@@ -272,32 +277,21 @@ class SpeculativeProgram:
         state = TokenState.load(self, n)
         on = slots.position_valid.reshape(-1)
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
-        state.kv_slots = self._kv_slots(tables, state.position)
+        state.kv_slots = kv_slots_of(tables, state.position, self.kv.block_size)
         rules = slots.rules.repeat(width)
         max_context = max_context or tables.shape[-1] * self.kv.block_size
         context_lengths = (slots.position + width).to(torch.int32)
-        kernels = self.kernels
         for loop in range(self.draft_loops + 1, self.depth + 1):
-            if kernels is not None:
-                kernels.prepare(state, on, loop)
-                write_slots = kernels.write_slot[: n * width]
-            else:
-                runs = on & ~state.exited & (state.loops == loop - 1)
-                write_slots = torch.where(runs, state.kv_slots[:, loop - 1], self.kv.scratch_slot)
             batch = PagedAttentionBatch(
                 query_start=self.slot_starts[: n + 1],
                 context_lengths=context_lengths,
                 block_tables=slots.tables[:, loop - 1],
-                write_slots=write_slots,
+                write_slots=self.bookkeeping.prepare_verify(state, on, loop),
                 max_query_len=width,
                 max_context_len=max_context,
             )
-            if kernels is not None:
-                self._run_loop_fused(state, rules, batch, gate)
-            else:
-                loop_index = torch.full_like(state.loops, loop)
-                self._run_loop(state, rules, runs, loop_index, batch, gate)
-        if kernels is None:  # the fused kernels wrote the buffers' views in place
+            self._run_loop(state, rules, batch, gate)
+        if not self.bookkeeping.in_place:
             state.store_all(self, n)
 
     def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
@@ -312,7 +306,7 @@ class SpeculativeProgram:
                     self.model.embed(self.token[:n, s]), slots.position + s, slots.outputs + s
                 )
                 loops = self.depth
-            state.kv_slots = self._position_slots(slots.tables, state.position)
+            state.kv_slots = self.bookkeeping.position_slots(slots.tables, state.position)
             on = slots.position_valid[:, s]
             self._advance(slots, state, on, self.depth, loops, gate, max_context)
             state.store(self, n, s)
@@ -330,70 +324,31 @@ class SpeculativeProgram:
         """`iterations` loops of one position per slot (a tick's model call), for the slots
         `on` whose token has not exited and has run fewer than `loop_cap` loops."""
         n = slots.count
-        pages = slots.tables.shape[-1]
-        max_context = max_context or pages * self.kv.block_size
-        if self.kernels is not None:
-            on = on.contiguous()
-            for _ in range(iterations):
-                self.kernels.prepare(state, on, loop_cap, slots.tables)
-                batch = PagedAttentionBatch(
-                    query_start=self.single_query_starts[: n + 1],
-                    context_lengths=self.kernels.context[:n],
-                    block_tables=self.kernels.loop_tables[:n],
-                    write_slots=self.kernels.write_slot[:n],
-                    max_query_len=1,
-                    max_context_len=max_context,
-                )
-                self._run_loop_fused(state, slots.rules, batch, gate)
-            return
+        max_context = max_context or slots.tables.shape[-1] * self.kv.block_size
         for _ in range(iterations):
-            runs = on & ~state.exited & (state.loops < loop_cap)
-            loop_index = state.loops + 1
-            plane = self._plane(loop_index)
-            tables = slots.tables.gather(1, plane.view(n, 1, 1).expand(n, 1, pages)).squeeze(1)
-            own = state.kv_slots.gather(1, plane[:, None]).squeeze(1)
+            context, tables, write_slots = self.bookkeeping.prepare_draft(
+                state, on, loop_cap, slots.tables
+            )
             batch = PagedAttentionBatch(
                 query_start=self.single_query_starts[: n + 1],
-                context_lengths=torch.where(runs, state.position + 1, 1).to(torch.int32),
+                context_lengths=context,
                 block_tables=tables,
-                write_slots=torch.where(runs, own, self.kv.scratch_slot),
+                write_slots=write_slots,
                 max_query_len=1,
                 max_context_len=max_context,
             )
-            self._run_loop(state, slots.rules, runs, loop_index, batch, gate)
+            self._run_loop(state, slots.rules, batch, gate)
 
-    def _run_loop(self, state, rules, runs, loop_index, batch, gate: bool) -> None:
-        """One model call over `state`'s tokens (attention metadata `batch`), then the exit
-        rules on the loop that ran, the KV of tokens that exit copied into the deeper planes
-        (LAST_EXITED), and the running tokens' state advanced."""
+    def _run_loop(self, state: TokenState, rules, batch: PagedAttentionBatch, gate: bool) -> None:
+        """One model call over `state`'s tokens (attention metadata `batch`, after a prepare),
+        then the bookkeeping's decide: exit rules, LAST_EXITED copies, the state advanced."""
         hidden, gate_probability = self.model.recurrent_step(
             state.hidden,
             state.position.clamp(max=self.max_position),
             self.attention.bind(self.kv.tensors, batch),
             compute_gate=gate,
         )
-        decision = apply_exit_rules(
-            rules,
-            loop_index,
-            gate_probability,
-            survival=state.survival,
-            pending_exit=state.pending,
-            output_index=state.output_index,
-        )
-        exits = decision.exits & runs
-        if self.rows.num_planes > 1:
-            self._finalize(state.kv_slots, exits, loop_index)
-        state.advance(runs, exits, loop_index, hidden, decision)
-
-    def _run_loop_fused(self, state, rules, batch, gate: bool) -> None:
-        """`_run_loop` with its bookkeeping in the decide and copy kernels (after `prepare`)."""
-        hidden, gate_probability = self.model.recurrent_step(
-            state.hidden,
-            state.position.clamp(max=self.max_position),
-            self.attention.bind(self.kv.tensors, batch),
-            compute_gate=gate,
-        )
-        self.kernels.decide(state, rules, hidden, gate_probability)
+        self.bookkeeping.decide(state, rules, hidden, gate_probability)
 
     def accept(self, slots: Slots, mode: SamplingMode) -> None:
         """Coda and verification of every position, records, the rows' new state
@@ -425,36 +380,3 @@ class SpeculativeProgram:
                 self.max_slots, self.num_drafts, vocab, device=self.rows.device
             )
         return self.draft_probabilities
-
-    def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
-        if self.layout is KVLayout.LAST_EXITED:
-            return (loop_index - 1).clamp(max=self.rows.num_planes - 1)
-        return torch.zeros_like(loop_index)
-
-    def _position_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One position per slot: its KV slot in every plane (the fused `prepare` computes
-        them itself, into this buffer)."""
-        if self.kernels is not None:
-            return torch.empty(tables.shape[:2], dtype=torch.int64, device=tables.device)
-        return self._kv_slots(tables, position)
-
-    def _kv_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """[N, planes] int64: the KV slot of each token's position in every plane of its
-        table rows `tables` [N, planes, pages] (pages past the table clamp to its last)."""
-        block_size = self.kv.block_size
-        count, planes, pages = tables.shape
-        page = (position // block_size).clamp(max=pages - 1)
-        blocks = tables.gather(2, page.view(count, 1, 1).expand(count, planes, 1)).squeeze(2)
-        return blocks.to(torch.int64) * block_size + (position % block_size)[:, None]
-
-    def _finalize(self, kv_slots, exits, loop_index) -> None:
-        """LAST_EXITED: a token exiting at loop e < T gets its plane e-1 KV copied into planes
-        e..T-1 (kv_slots [N, planes] of each token's position)."""
-        scratch = self.kv.scratch_slot
-        copies = exits & (loop_index < self.depth)
-        deeper = self.plane_ids[None, 1:] >= loop_index[:, None]  # [N, planes - 1]
-        needed = copies[:, None] & deeper
-        own = kv_slots.gather(1, (loop_index - 1).clamp(min=0)[:, None])
-        sources = torch.where(needed, own, scratch)
-        targets = torch.where(needed, kv_slots[:, 1:], scratch)
-        self.kv.copy_slots(sources.reshape(-1), targets.reshape(-1))

@@ -256,7 +256,7 @@ class SpeculativeKernels:
     def decide(self, state, rules: ExitRules, hidden: torch.Tensor, gate) -> None:
         """The exit rule after this loop, the state advanced in place, then the copies."""
         program, rows = self.program, self.program.rows
-        count, width = hidden.shape
+        count, hidden_size = hidden.shape
         _decide_kernel[(count,)](
             self.run,
             self.loop_index,
@@ -277,12 +277,12 @@ class SpeculativeKernels:
             state.kv_slots,
             self.copy_src,
             self.copy_dst,
-            width,
+            hidden_size,
             rules.trace.shape[1],
             HAS_GATE=gate is not None,
             DEPTH=program.depth,
             NUM_PLANES=rows.num_planes,
-            BLOCK_D=min(triton.next_power_of_2(width), 1024),
+            BLOCK_D=min(triton.next_power_of_2(hidden_size), 1024),
         )
         if rows.num_planes > 1:
             key, value = program.kv.tensors.key_cache, program.kv.tensors.value_cache

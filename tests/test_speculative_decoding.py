@@ -308,10 +308,10 @@ def test_sampled_outputs_follow_the_plain_distribution(checkpoint):
         SamplingParams(max_tokens=4, temperature=1.0, top_k=12, seed=s, ignore_eos=True)
         for s in seeds
     ]
-    options = dict(ENGINE, max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=1024)
+    options = dict(ENGINE, max_num_seqs=64, max_num_batched_tokens=256, num_kv_blocks=1024)
     prompt = [[5, 17, 200, 3]] * len(params)
     plain = [o.token_ids for o in LLM(checkpoint, **options).generate(prompt, params)]
-    llm = LLM(checkpoint, **options, **speculative(3, 1))
+    llm = LLM(checkpoint, **options, **speculative(3, 1, speculative_disable_batch_size=None))
     spec = [o.token_ids for o in llm.generate(prompt, params)]
     stats = llm.get_stats()
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens

@@ -10,8 +10,8 @@ call itself is ~1.1 ms. These three kernels do the same work:
            index, its KV write slot (the scratch slot when it does not run); for a draft loop
            (one position per slot, each at its own loop) also its KV slot in every plane, its
            context length and its block-table row at the loop's plane
-  decide   one program per token, after the model call: the exit rule (HAZARD /
-           DELAYED_HAZARD / TRACE, hazard product in fp64), the token's state advanced in place
+  decide   one program per token, after the model call: the exit rule (the tick's
+           `tick_kernels.exit_rule`), the token's state advanced in place
            (hidden, loops, survival, pending, exited, depth) and, under LAST_EXITED, the
            (source, target) slot pairs of its finalization copies (-1: none)
   copy     `tick_kernels._copy_kernel` over those pairs
@@ -30,6 +30,8 @@ from rlt_runner.exit_rules import ExitRules
 triton = tick_kernels.triton
 if triton is not None:
     import triton.language as tl
+
+    from rlt_runner.tick_kernels import exit_rule
 
     @triton.jit
     def _prepare_kernel(
@@ -119,27 +121,20 @@ if triton is not None:
         loop_index = tl.load(loop_index_ptr + token)
         survival = tl.load(survival_ptr + token)
         pending = tl.load(pending_ptr + token)
-        kind = tl.load(kind_ptr + token)
-        at_max = loop_index >= tl.load(max_loops_ptr + token)
-        delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
-        if HAS_GATE:
-            survival_new = survival * (1.0 - tl.load(gate_ptr + token).to(tl.float64))
-            threshold = tl.load(threshold_ptr + token)
-            triggered = (
-                (threshold < 1.0)
-                & (loop_index >= tl.load(min_loops_ptr + token))
-                & (1.0 - survival_new >= threshold)
-            )
-            pending_new = tl.where((pending == 0) & triggered, loop_index + 1, pending)
-            hazard_exit = at_max | triggered
-        else:
-            survival_new = survival
-            pending_new = pending
-            hazard_exit = at_max
-        trace_index = tl.minimum(tl.load(output_index_ptr + token), trace_capacity - 1)
-        trace_depth = tl.load(trace_ptr + token * trace_capacity + trace_index).to(tl.int64)
-        exits = tl.where(
-            kind == 0, hazard_exit, tl.where(kind == 1, delayed_exit, loop_index >= trace_depth)
+        exits, survival_new, pending_new = exit_rule(
+            token,
+            loop_index,
+            survival,
+            pending,
+            tl.load(output_index_ptr + token),
+            gate_ptr,
+            kind_ptr,
+            min_loops_ptr,
+            max_loops_ptr,
+            threshold_ptr,
+            trace_ptr,
+            trace_capacity,
+            HAS_GATE,
         )
         exits = exits & run
         tl.store(survival_ptr + token, tl.where(run, survival_new, survival))

@@ -98,6 +98,49 @@ if triton is not None:
         tl.store(coda_flag_ptr, 0)
 
     @triton.jit
+    def exit_rule(
+        index,
+        loop_index,
+        survival,
+        pending,
+        output_index,
+        gate_ptr,
+        kind_ptr,
+        min_loops_ptr,
+        max_loops_ptr,
+        threshold_ptr,
+        trace_ptr,
+        trace_capacity,
+        HAS_GATE: tl.constexpr,
+    ):
+        """Entry `index`'s exit rule after loop `loop_index` (HAZARD / DELAYED_HAZARD / TRACE,
+        hazard product in fp64): (exits, survival after the loop, pending exit after it). The
+        tick's and the speculative round's decide kernels both call it."""
+        kind = tl.load(kind_ptr + index)
+        at_max = loop_index >= tl.load(max_loops_ptr + index)
+        delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
+        if HAS_GATE:
+            survival_new = survival * (1.0 - tl.load(gate_ptr + index).to(tl.float64))
+            threshold = tl.load(threshold_ptr + index)
+            triggered = (
+                (threshold < 1.0)
+                & (loop_index >= tl.load(min_loops_ptr + index))
+                & (1.0 - survival_new >= threshold)
+            )
+            pending_new = tl.where((pending == 0) & triggered, loop_index + 1, pending)
+            hazard_exit = at_max | triggered
+        else:
+            survival_new = survival
+            pending_new = pending
+            hazard_exit = at_max
+        trace_index = tl.minimum(output_index, trace_capacity - 1)
+        trace_depth = tl.load(trace_ptr + index * trace_capacity + trace_index).to(tl.int64)
+        exits = tl.where(
+            kind == 0, hazard_exit, tl.where(kind == 1, delayed_exit, loop_index >= trace_depth)
+        )
+        return exits, survival_new, pending_new
+
+    @triton.jit
     def _decide_kernel(
         run_ptr,
         loop_index_ptr,
@@ -122,29 +165,20 @@ if triton is not None:
         loop_index = tl.load(loop_index_ptr + row)
         survival = tl.load(survival_ptr + row)
         pending = tl.load(pending_ptr + row)
-        outputs = tl.load(outputs_ptr + row)
-        kind = tl.load(kind_ptr + row)
-        at_max = loop_index >= tl.load(max_loops_ptr + row)
-        delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
-        if HAS_GATE:
-            gate = tl.load(gate_ptr + row).to(tl.float64)
-            survival_new = survival * (1.0 - gate)
-            threshold = tl.load(threshold_ptr + row)
-            triggered = (
-                (threshold < 1.0)
-                & (loop_index >= tl.load(min_loops_ptr + row))
-                & (1.0 - survival_new >= threshold)
-            )
-            pending_new = tl.where((pending == 0) & triggered, loop_index + 1, pending)
-            hazard_exit = at_max | triggered
-        else:
-            survival_new = survival
-            pending_new = pending
-            hazard_exit = at_max
-        trace_index = tl.minimum(outputs, trace_capacity - 1)
-        trace_depth = tl.load(trace_ptr + row * trace_capacity + trace_index).to(tl.int64)
-        exits = tl.where(
-            kind == 0, hazard_exit, tl.where(kind == 1, delayed_exit, loop_index >= trace_depth)
+        exits, survival_new, pending_new = exit_rule(
+            row,
+            loop_index,
+            survival,
+            pending,
+            tl.load(outputs_ptr + row),
+            gate_ptr,
+            kind_ptr,
+            min_loops_ptr,
+            max_loops_ptr,
+            threshold_ptr,
+            trace_ptr,
+            trace_capacity,
+            HAS_GATE,
         )
         exits = exits & run
         tl.store(exits_ptr + row, exits.to(tl.uint8))

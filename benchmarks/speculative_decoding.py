@@ -48,7 +48,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offline_throughput import SHAPES, decode_phase, ensure_checkpoint  # noqa: E402
+from offline_throughput import (  # noqa: E402
+    SHAPES,
+    decode_phase,
+    ensure_checkpoint,
+    gemv_choices,
+)
 
 MIX = (0.55, 0.40, 0.05)  # depths 2 / 3 / 4: mean 2.5 loops
 WARMUP_TOKENS = 8
@@ -153,19 +158,6 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return 0
-
-
-def gemv_choices() -> dict:
-    """The small-batch GEMV selections the engines made ({} off CUDA)."""
-    from rlt_models.small_batch_linear import small_batch_linear
-
-    return {
-        f"{rows}x{n}x{k}": "cublas"
-        if config is None
-        else f"{'row' if config.single_row else 'tile'}_n{config.block_n}_k{config.block_k}"
-        f"_w{config.num_warps}_s{config.num_stages}"
-        for (rows, n, k, *_), config in small_batch_linear.choices.items()
-    }
 
 
 def flush(args, results) -> None:

@@ -68,10 +68,6 @@ class Fp8Projection(nn.Module):
     def scale(self) -> torch.Tensor:
         return self.scale_bits.view(torch.float32)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data_bytes.shape
-
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.weight, self.scale, dtype)
 

@@ -87,16 +87,13 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
     model_dir = resolve_model_dir(config.model)
     device = resolve_device(config.device)
     if model is None:
-        try:
-            model = load_model(
-                model_dir,
-                dtype=None if config.dtype == "auto" else config.dtype,
-                device=device,
-                quantization=config.quantization,
-                quantize_lm_head=config.quantize_lm_head,
-            )
-        except ValueError as exc:  # quantize_lm_head without fp8
-            raise ConfigurationError("quantize_lm_head", str(exc)) from exc
+        model = load_model(
+            model_dir,
+            dtype=None if config.dtype == "auto" else config.dtype,
+            device=device,
+            quantization=config.quantization,
+            quantize_lm_head=config.quantize_lm_head,
+        )
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape

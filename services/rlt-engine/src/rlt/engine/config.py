@@ -154,6 +154,10 @@ class EngineConfig:
             raise ConfigurationError(
                 "quantize_lm_head", f"must be True or False, got {self.quantize_lm_head!r}"
             )
+        if self.quantize_lm_head and self.quantization is None:
+            raise ConfigurationError(
+                ("quantize_lm_head", "quantization"), "quantize_lm_head needs quantization='fp8'"
+            )
         if not (self.device in DEVICE_TYPES or str(self.device).startswith("cuda:")):
             raise ConfigurationError(
                 "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"

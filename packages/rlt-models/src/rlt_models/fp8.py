@@ -8,9 +8,8 @@ row uses the whole fp8 range, and W ~ diag(s) Q. Rows are independent, so quanti
 `Fp8Projection` holds one such weight. Its reference product (`forward`) dequantizes to the
 activation dtype and calls the given linear (F.linear, the small-batch GEMV or the batch-
 invariant GEMM): on the CPU in fp32 this is exactly the model whose weights are the dequantized
-values, which is what the tests compare against. On CUDA it is correct but reads more bytes
-than bf16 (the fp8 GEMV and W8A8 kernels are the speed path; until they run, fp8 is a memory
-saving only).
+values, which is what the tests compare against. On CUDA the engine's projections run the
+kernels of `fp8_linear` instead (weight-only GEMV, W8A8), chosen by measurement.
 
 The bytes live in buffers of integer dtype (uint8 for Q, int32 for the bits of s), so a
 `model.to(dtype)` can never round them; `.to(device)` moves them as usual.
@@ -77,11 +76,3 @@ class Fp8Projection(nn.Module):
         """x [M, K] @ dequantized(W).T with `linear` (the reference path)."""
         return linear(x, self.dequantized(x.dtype))
 
-
-def project(
-    linear: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor | Fp8Projection
-) -> torch.Tensor:
-    """x @ weight.T for a plain weight or an `Fp8Projection`, through `linear`."""
-    if isinstance(weight, Fp8Projection):
-        return weight(x, linear)
-    return linear(x, weight)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlt_models.fp8 import project
+from rlt_models.fp8_linear import project
 
 
 def empty_parameter(*shape: int) -> nn.Parameter:

@@ -30,7 +30,7 @@ from torch import nn
 
 from rlt_models import batch_invariant, fused_ops
 from rlt_models.config import OuroConfig
-from rlt_models.fp8 import Fp8Projection, project
+from rlt_models.fp8_linear import project
 from rlt_models.layers import (
     DEFAULT_OPS,
     ModelOps,
@@ -286,6 +286,4 @@ class OuroModel(nn.Module):
         (cuBLAS and the batch-invariant GEMM always compute)."""
         if self.batch_invariant:
             return project(batch_invariant.linear, hidden, self.lm_head)
-        if isinstance(self.lm_head, Fp8Projection):
-            return self.lm_head(hidden, small_batch_linear)
-        return small_batch_linear(hidden, self.lm_head, needed=needed)
+        return project(small_batch_linear, hidden, self.lm_head, needed)

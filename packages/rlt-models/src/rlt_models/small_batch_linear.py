@@ -97,11 +97,13 @@ if triton is not None:
         stride_w,
         stride_out,
         needed_ptr,  # int32 [1] (PREDICATED): 0 = write zeros, read no weight
+        scale_ptr,  # fp32 [N] (SCALED): per-output-channel scales of an fp8 weight
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         PREDICATED: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -128,13 +130,16 @@ if triton is not None:
         x = tl.load(
             x_rows + offs_k[None, :], mask=row_ok[:, None] & (offs_k < k)[None, :], other=0.0
         )
-        acc = tl.dot(x, tl.trans(w))
+        # an fp8 weight is widened to x's dtype in registers (exact: e4m3 fits in bf16/fp16)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)))
         for start in range(BLOCK_K, k, BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k
             x = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALED:
+            acc *= tl.load(scale_ptr + offs_n, mask=col_ok, other=0.0)[None, :]
         tl.store(out_tile, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
@@ -146,10 +151,12 @@ if triton is not None:
         k,
         stride_w,
         needed_ptr,
+        scale_ptr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
         PREDICATED: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < n
@@ -174,6 +181,8 @@ if triton is not None:
             x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_rows + offs_k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if SCALED:
+            acc *= tl.load(scale_ptr + offs_n, mask=col_ok, other=0.0)
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -182,10 +191,12 @@ def launch(
     weight: torch.Tensor,
     config: TileConfig,
     needed: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M <= 16, K] @ weight[N, K].T with the Triton kernel (no selection); the single-row
     kernel needs M == 1. `needed` (device int32 [1]): where 0, the kernel reads no weight and
-    writes zeros."""
+    writes zeros. `scale` (fp32 [N]): `weight` is float8_e4m3fn and the product is
+    x @ (scale[:, None] * weight).T, the scale applied once per output in the epilogue."""
     rows, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
@@ -203,10 +214,12 @@ def launch(
             k,
             weight.stride(0),
             out if needed is None else needed,
+            out if scale is None else scale,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             USE_PDL=pdl,
             PREDICATED=needed is not None,
+            SCALED=scale is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
             **dependent_launch.launch_options(pdl),
@@ -223,11 +236,13 @@ def launch(
         weight.stride(0),
         out.stride(0),
         out if needed is None else needed,
+        out if scale is None else scale,
         BLOCK_M=16,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=pdl,
         PREDICATED=needed is not None,
+        SCALED=scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **dependent_launch.launch_options(pdl),

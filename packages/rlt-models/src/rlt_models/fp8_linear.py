@@ -1,0 +1,200 @@
+"""Projections whose weight may be fp8: the reference everywhere, kernels chosen by measurement on CUDA.
+
+`project(linear, x, weight)` is how every projection of the model is called. A plain weight
+goes to `linear` (F.linear, the small-batch selector or the batch-invariant GEMM). An
+`Fp8Projection` goes to the reference (dequantize, then `linear`: exact on the CPU in fp32)
+unless `linear` is the small-batch selector on CUDA, the engine's fast path; then
+`Fp8Linear` picks, per (rows bucket, N, K, dtype, device), the fastest of
+
+- **weight-only** (rows <= 16): the small-batch Triton kernels streaming the fp8 weight, each
+  element widened to the activation dtype in registers, fp32 accumulation, the channel scale
+  applied once per output in the epilogue. Half the bytes of bf16 at batch 1, where a loop is
+  bound by reading its weights; bf16 activations, so no activation rounding at all.
+- **W8A8**: each row of x quantized to e4m3 with its own scale (one Triton kernel,
+  scale = max|x_row| / 448), then `torch._scaled_mm` on the fp8 tensor cores with the row
+  scales and the channel scales (bf16 out). Twice the bf16 tensor-core rate where a projection
+  is compute bound (prefill, large decode batches); the activation rounding costs about 2**-5
+  relative per element.
+- **dequantize**: the reference (a bf16 copy of the weight per call; always correct).
+
+Each candidate is timed as `small_batch_linear` times its own (a CUDA graph of one call per
+weight over copies that exceed twice the L2 cache, median of replays) and must compute the
+same product first (weight-only within 2% of the output's largest magnitude, as bf16 does;
+W8A8 within 10%, the activation rounding). The first call for a shape must not run inside
+CUDA-graph capture; the engine's warm-up runs every decode shape eagerly first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlt_models import small_batch_linear as sbl
+from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
+
+triton, tl = sbl.triton, (sbl.tl if sbl.triton is not None else None)
+
+WEIGHT_ONLY, W8A8, DEQUANTIZE = "weight_only", "w8a8", "dequantize"
+# output error allowed in the correctness check, relative to the largest output magnitude
+TOLERANCE = {WEIGHT_ONLY: 0.02, W8A8: 0.1, DEQUANTIZE: 0.02}
+
+
+@dataclass(frozen=True)
+class Fp8Choice:
+    """How one fp8 shape is computed; `tile` only for WEIGHT_ONLY."""
+
+    kind: str
+    tile: sbl.TileConfig | None = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, k, stride_x, BLOCK_K: tl.constexpr):
+        """Row r of x -> e4m3 with scale max|x_r| / 448 (the whole row in registers)."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_K)
+        ok = offs < k
+        x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        tl.store(q_ptr + row * k + offs, (x / scale).to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (CUDA) -> (Q [M, K] e4m3, s [M, 1] fp32) with x ~ s * Q, one kernel."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(rows,)](
+        x, q, scale, k, x.stride(0), BLOCK_K=block_k, num_warps=8 if block_k >= 4096 else 4
+    )
+    return q, scale
+
+
+def w8a8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (scale * data).T with x quantized per row: `torch._scaled_mm` on fp8 tensor cores."""
+    q, row_scale = quantize_rows(x)
+    return torch._scaled_mm(
+        q, data.t(), scale_a=row_scale, scale_b=scale[None, :], out_dtype=x.dtype
+    )
+
+
+def run(choice: Fp8Choice, x, data, scale, needed=None) -> torch.Tensor:
+    if choice.kind == WEIGHT_ONLY:
+        return sbl.launch(x, data, choice.tile, needed, scale=scale)
+    if choice.kind == W8A8:
+        return w8a8(x, data, scale)
+    return F.linear(x, (data.float() * scale[:, None]).to(x.dtype))
+
+
+def _rows_bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
+class Fp8Linear:
+    """Chooses per (rows bucket, N, K, dtype, device) how an fp8 product runs (module doc)."""
+
+    def __init__(self) -> None:
+        self.choices: dict[tuple, Fp8Choice] = {}
+
+    def __call__(
+        self, x: torch.Tensor, weight: Fp8Projection, needed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.eligible(x):
+            return weight(x, F.linear)
+        data, scale = weight.weight, weight.scale
+        key = (_rows_bucket(x.shape[0]), *data.shape, x.dtype, x.device)
+        if key not in self.choices:
+            self.choices[key] = self._measure(key[0], data, scale, x.dtype)
+        return run(self.choices[key], x, data, scale, needed)
+
+    @staticmethod
+    def eligible(x: torch.Tensor) -> bool:
+        return (
+            triton is not None
+            and x.is_cuda
+            and not sbl.INTERPRETED
+            and x.dim() == 2
+            and x.shape[0] > 0
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.stride(1) == 1
+        )
+
+    @staticmethod
+    def candidates(rows: int, data: torch.Tensor, dtype: torch.dtype) -> list[Fp8Choice]:
+        found = [Fp8Choice(DEQUANTIZE)]
+        if rows <= sbl.MAX_ROWS:
+            found += [
+                Fp8Choice(WEIGHT_ONLY, tile)
+                for tile in sbl.CONFIGS
+                if rows == 1 or not tile.single_row
+            ]
+        n, k = data.shape
+        capability = torch.cuda.get_device_capability(data.device)
+        if dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and capability >= (8, 9):
+            found.append(Fp8Choice(W8A8))
+        return found
+
+    def _measure(self, rows, data, scale, dtype) -> Fp8Choice:
+        """The fastest candidate that computes the product, timed over cold weights."""
+        x = torch.randn(rows, data.shape[1], dtype=dtype, device=data.device)
+        reference = F.linear(x.float(), data.float() * scale[:, None])
+        largest = reference.abs().max().item() + 1e-6
+        weights = _cold_copies(data, scale)
+        best, best_ms = None, float("inf")
+        for choice in self.candidates(rows, data, dtype):
+            try:
+                out = run(choice, x, data, scale).float()
+            except RuntimeError:  # e.g. a _scaled_mm layout this torch build refuses
+                continue
+            if (out - reference).abs().max().item() > TOLERANCE[choice.kind] * largest:
+                continue
+            ms = sbl._time_over(weights, _timed(choice, x))
+            if ms < best_ms:
+                best, best_ms = choice, ms
+        return best or Fp8Choice(DEQUANTIZE)
+
+
+def _timed(choice: Fp8Choice, x: torch.Tensor) -> Callable:
+    return lambda weight: run(choice, x, *weight)
+
+
+def _cold_copies(data: torch.Tensor, scale: torch.Tensor) -> list[tuple]:
+    """(data, scale) plus random fp8 copies of its shape, together over twice the L2 cache
+    (fewer where memory is short), as `small_batch_linear` times bf16 weights."""
+    properties = torch.cuda.get_device_properties(data.device)
+    l2_bytes = getattr(properties, "L2_cache_size", 0) or 64 << 20
+    wanted = min(sbl.MAX_COPIES, -(-sbl.COLD_L2_FACTOR * l2_bytes // data.numel())) - 1
+    free_bytes, _ = torch.cuda.mem_get_info(data.device)
+    extra = max(0, min(wanted, free_bytes // 4 // (3 * data.numel())))
+    copies = [(data, scale)]
+    for _ in range(extra):
+        copies.append(quantize_per_channel(torch.randn_like(data, dtype=torch.bfloat16)))
+    return copies
+
+
+fp8_linear = Fp8Linear()
+
+
+def project(
+    linear: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor | Fp8Projection,
+    needed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T for a plain weight or an `Fp8Projection` (module doc). `needed` (device
+    int32 [1]) is passed to the small-batch selector only, where a Triton choice may skip the
+    product and return zeros."""
+    if isinstance(weight, Fp8Projection):
+        if linear is sbl.small_batch_linear:
+            return fp8_linear(x, weight, needed)
+        return weight(x, linear)
+    if linear is sbl.small_batch_linear:
+        return linear(x, weight, needed=needed)
+    return linear(x, weight)
+

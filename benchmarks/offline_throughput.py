@@ -11,8 +11,9 @@ Every arm builds its own engine on the same checkpoint and replays the same seed
                    (the `trace` exit policy); e.g. trace:0.55,0.40,0.05 (mean 2.5, "mix 2.5")
 Suffixes (combinable): @no_refill (cohort scheduling), @eager (no CUDA graphs),
 @eager_prefill (decode graphs only: prefill_cuda_graphs=False), @sync (async_scheduling=False),
-@ticks=N (decode_ticks_per_step=N), @noprofile (skip the --profile-steps window for this arm);
-e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4.
+@ticks=N (decode_ticks_per_step=N), @noprofile (skip the --profile-steps window for this arm),
+@fp8 (quantization="fp8": fp8 weights of the stack), @kv_fp8 (kv_cache_dtype="fp8");
+e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4, fixed@fp8@kv_fp8.
 
 Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counter):
   output_tokens_per_s         end to end: output tokens of all requests / wall_s, wall_s from
@@ -169,10 +170,14 @@ def parse_arm(spec: str):
         "prefill_cuda_graphs": "eager_prefill" not in flags,
         "async_scheduling": "sync" not in flags,
     }
+    if "fp8" in flags:
+        engine["quantization"] = "fp8"
+    if "kv_fp8" in flags:
+        engine["kv_cache_dtype"] = "fp8"
     for flag in flags:
         if flag.startswith("ticks="):
             engine["decode_ticks_per_step"] = int(flag.removeprefix("ticks="))
-        elif flag not in ("no_refill", "eager", "eager_prefill", "sync", "noprofile"):
+        elif flag not in ("no_refill", "eager", "eager_prefill", "sync", "noprofile", "fp8", "kv_fp8"):
             raise SystemExit(f"unknown arm suffix @{flag} in {spec!r}")
     profile = "noprofile" not in flags
     if name == "fixed":

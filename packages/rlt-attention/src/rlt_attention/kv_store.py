@@ -12,17 +12,27 @@ from dataclasses import dataclass
 import torch
 from rlt_contracts import KVCacheTensors
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
 
 @dataclass(frozen=True)
 class SlotViews:
     """Slot-major views of the runner's KV tensors (no copy; writes go to the runner's storage).
 
     key_slots / value_slots: [L, num_blocks * block_size, Hkv, D], cache dtype and device, where
-    slot = block_id * block_size + offset.
+    slot = block_id * block_size + offset. key_scale / value_scale: fp32 [L] for an fp8 cache
+    (stored = round(x / scale[layer]); `dequantized` reads back stored * scale[layer]), else None.
     """
 
     key_slots: torch.Tensor
     value_slots: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.key_scale is not None
 
     @property
     def num_slots(self) -> int:
@@ -46,10 +56,23 @@ def slot_views(kv_cache: KVCacheTensors) -> SlotViews:
         )
     if key_cache.dtype != value_cache.dtype or key_cache.device != value_cache.device:
         raise ValueError("key/value caches must share dtype and device")
+    scales = (kv_cache.key_scale, kv_cache.value_scale)
+    if (key_cache.dtype == FP8) != (scales[0] is not None) or (scales[0] is None) != (
+        scales[1] is None
+    ):
+        raise ValueError(f"a {FP8} cache needs key and value scales, and only such a cache has them")
+    for scale in scales:
+        if scale is not None and (
+            scale.shape != (key_cache.shape[0],) or scale.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"KV scales must be fp32 [{key_cache.shape[0]}] (one per layer), got "
+                f"{scale.dtype} {tuple(scale.shape)}"
+            )
     layers, blocks, block_size, kv_heads, head_dim = key_cache.shape
     shape = (layers, blocks * block_size, kv_heads, head_dim)
     try:
-        return SlotViews(key_cache.view(shape), value_cache.view(shape))
+        return SlotViews(key_cache.view(shape), value_cache.view(shape), *scales)
     except RuntimeError as exc:
         raise ValueError(f"KV caches must be viewable as {shape} without a copy: {exc}") from exc
 
@@ -63,12 +86,33 @@ def store_kv(
 ) -> None:
     """Write key/value [N, Hkv, D] at `write_slots` [N] int64 of layer `layer_index`.
 
-    Values are cast to the cache dtype. Asynchronous on CUDA (no host sync); the caller's stream
+    Values are cast to the cache dtype (an fp8 cache: divided by the layer's scale, saturated
+    to +-448, rounded to nearest). Asynchronous on CUDA (no host sync); the caller's stream
     orders the following read after it. Slots must be distinct (index_copy_ leaves duplicates'
     winner unspecified).
     """
     if write_slots.shape[0] == 0:
         return
+    if views.fp8:  # index_copy_ has no fp8 kernel on the CPU: the bytes are copied as uint8
+        for slots, scale, x in (
+            (views.key_slots, views.key_scale, key),
+            (views.value_slots, views.value_scale, value),
+        ):
+            stored = quantize(x, scale[layer_index])
+            slots[layer_index].view(torch.uint8).index_copy_(
+                0, write_slots, stored.view(torch.uint8)
+            )
+        return
     cache_dtype = views.key_slots.dtype
     views.key_slots[layer_index].index_copy_(0, write_slots, key.to(cache_dtype))
     views.value_slots[layer_index].index_copy_(0, write_slots, value.to(cache_dtype))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale saturated to e4m3's range and rounded to nearest (the fp8 cache's write)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantized(slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache entries as fp32: times the layer's scale (0-d) for an fp8 cache."""
+    return slots.float() if scale is None else slots.float() * scale

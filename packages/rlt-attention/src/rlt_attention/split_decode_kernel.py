@@ -31,6 +31,7 @@ import triton.language as tl
 
 from rlt_attention import dependent_launch
 from rlt_attention.dependent_launch import wait_for_prior_grid
+from rlt_attention.triton_kernel import quantize_fp8
 
 
 @triton.jit
@@ -49,6 +50,8 @@ def _split_decode_kernel(
     new_value_ptr,  # [N, Hkv, D]
     write_slots_ptr,  # [N] int64: where they are stored
     tickets_ptr,  # [S, Hkv] int32, all 0 between calls (FUSED_COMBINE)
+    key_scale_ptr,  # fp32 [1] (KV_FP8): the layer's key scale
+    value_scale_ptr,  # fp32 [1] (KV_FP8): the layer's value scale
     scale_log2,  # D^-0.5 * log2(e)
     num_splits,  # host int: splits per (group, kv head) = grid axis 2
     stride_query_row,
@@ -78,6 +81,7 @@ def _split_decode_kernel(
     FUSED_COMBINE: tl.constexpr,  # the last split to finish merges all splits (no 2nd kernel)
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits (FUSED_COMBINE)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
+    KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -118,7 +122,10 @@ def _split_decode_kernel(
         mask=row_mask,
         other=0.0,
     )
-    q = q.to(cache_dtype)
+    if KV_FP8:  # keys and values are widened to the query dtype; the scales fold in once
+        scale_log2 = scale_log2 * tl.load(key_scale_ptr)
+    else:
+        q = q.to(cache_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -132,7 +139,7 @@ def _split_decode_kernel(
             new_key_ptr + query_begin * stride_new_key_row + kv_head * stride_new_key_head + offs_d,
             mask=dim_valid,
             other=0.0,
-        ).to(cache_dtype)
+        )
         new_value = tl.load(
             new_value_ptr
             + query_begin * stride_new_value_row
@@ -140,7 +147,13 @@ def _split_decode_kernel(
             + offs_d,
             mask=dim_valid,
             other=0.0,
-        ).to(cache_dtype)
+        )
+        if KV_FP8:  # read back below as stored, so that every read of the slot agrees
+            new_key = quantize_fp8(new_key, tl.load(key_scale_ptr))
+            new_value = quantize_fp8(new_value, tl.load(value_scale_ptr))
+        else:
+            new_key = new_key.to(cache_dtype)
+            new_value = new_value.to(cache_dtype)
         if (key_start <= own_position) & (own_position < key_end):
             slot = tl.load(write_slots_ptr + query_begin)
             slot_block = slot // PAGE_SIZE
@@ -176,6 +189,7 @@ def _split_decode_kernel(
         k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if STORE_NEW:
             k = tl.where((key_position == own_position)[:, None], new_key[None, :], k)
+        k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         visible = key_valid[None, :] & (key_position[None, :] <= row_position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -192,8 +206,11 @@ def _split_decode_kernel(
         v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if STORE_NEW:
             v = tl.where((key_position == own_position)[:, None], new_value[None, :], v)
+        v = v.to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         row_max = new_max
+    if KV_FP8:  # partials merge linearly: each split's accumulator carries the value scale
+        acc = acc * tl.load(value_scale_ptr)
     if DIRECT_OUTPUT:
         tl.store(
             out_ptr
@@ -388,6 +405,8 @@ def launch_split_decode_attention(
     write_slots: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
     queries_per_group: int = 1,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of groups of at most `queries_per_group` queries (1: decode rows), split over
     the keys; `split.block_m` must hold queries_per_group x G rows.
@@ -400,6 +419,8 @@ def launch_split_decode_attention(
     - tickets [S, Hkv] int32, zero between calls (the kernel leaves them zero): the last split of
       each (group, kv head) to finish merges the partials itself; without tickets a combine
       kernel (S, H, queries_per_group) runs after the split kernel when num_splits > 1.
+    - key_scale / value_scale (fp32 [1]): the layer's scales of an fp8 cache (read, and the
+      call's own keys stored, as `kv_store.quantize` / `dequantized` do).
     The call's own keys and the fused merge need one query per group.
     """
     num_groups = context_lengths.shape[0]
@@ -448,6 +469,8 @@ def launch_split_decode_attention(
         new_value,
         write_slots,
         tickets if fused_combine else context_lengths,
+        query if key_scale is None else key_scale,
+        query if value_scale is None else value_scale,
         head_dim**-0.5 * math.log2(math.e),
         num_splits,
         query.stride(0),
@@ -477,6 +500,7 @@ def launch_split_decode_attention(
         FUSED_COMBINE=fused_combine,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         USE_PDL=pdl,
+        KV_FP8=key_scale is not None,
         num_warps=split.num_warps,
         num_stages=split.num_stages,
         **dependent_launch.launch_options(pdl),

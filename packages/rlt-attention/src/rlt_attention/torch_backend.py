@@ -18,7 +18,7 @@ import torch
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
 from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
-from rlt_attention.kv_store import SlotViews, slot_views, store_kv
+from rlt_attention.kv_store import SlotViews, dequantized, slot_views, store_kv
 
 TORCH_CAPABILITIES = AttentionCapabilities(
     name="torch",
@@ -31,6 +31,7 @@ TORCH_CAPABILITIES = AttentionCapabilities(
     # index tensors are fresh allocations: a captured graph would replay stale indices.
     supports_cuda_graphs=False,
     supports_batch_invariance=True,
+    supports_fp8_kv=True,
 )
 
 # Batch-invariant mode: key positions per bmm step. A multiple of 64, so that the elementwise
@@ -174,15 +175,17 @@ class _TorchBoundAttention(_BoundAttention):
         queries_per_kv = num_heads // kv_heads
         index = self._index
 
-        def gather(cache_slots: torch.Tensor) -> torch.Tensor:
+        def gather(cache_slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
             # [S, Cmax, Hkv, D] fp32; positions outside the context are zeroed so that whatever
             # their slot holds (NaN, another request's data) cannot reach the output.
             gathered = cache_slots[layer_index].index_select(0, index.key_slots)
-            gathered = gathered.view(num_groups, max_ctx, kv_heads, head_dim).float()
+            gathered = gathered.view(num_groups, max_ctx, kv_heads, head_dim)
+            gathered = dequantized(gathered, scale if scale is None else scale[layer_index])
             return gathered.masked_fill_(index.key_outside_context, 0.0)
 
-        keys = gather(self._views.key_slots).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
-        values = gather(self._views.value_slots).permute(0, 2, 1, 3)  # [S, Hkv, Cmax, D]
+        views = self._views
+        keys = gather(views.key_slots, views.key_scale).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
+        values = gather(views.value_slots, views.value_scale).permute(0, 2, 1, 3)  # [S, Hkv, Cmax, D]
 
         # one spare row after the groups' rows takes the padding rows (PaddedGroupIndex)
         padded = query.new_zeros((num_groups * max_q + 1, num_heads, head_dim), dtype=torch.float32)
@@ -268,10 +271,13 @@ class _BatchInvariantAttention(_BoundAttention):
         )
         self._hidden = hidden.permute(0, 2, 1, 3)[:, None, :, :, None, :]
 
-    def _gather(self, cache_slots: torch.Tensor, layer_index: int) -> torch.Tensor:
+    def _gather(
+        self, cache_slots: torch.Tensor, scale: torch.Tensor | None, layer_index: int
+    ) -> torch.Tensor:
         """[blocks, Cpad, Hkv, D] fp32 of every block's keys (or values); zero outside each
         block's context."""
-        gathered = cache_slots[layer_index].index_select(0, self._key_slots.reshape(-1)).float()
+        gathered = cache_slots[layer_index].index_select(0, self._key_slots.reshape(-1))
+        gathered = dequantized(gathered, scale if scale is None else scale[layer_index])
         gathered = gathered.view(self._blocks, -1, *cache_slots.shape[2:])
         return gathered.masked_fill_(self._outside[:, :, None, None], 0.0)
 
@@ -287,7 +293,7 @@ class _BatchInvariantAttention(_BoundAttention):
         q = padded.view(blocks, QUERY_BLOCK, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q = q.reshape(blocks * kv_heads, 1, rows, head_dim).expand(-1, chunks, -1, -1)
         q = q.reshape(pieces, rows, head_dim).contiguous()
-        keys = self._gather(self._views.key_slots, layer_index)  # [blocks, Cpad, Hkv, D]
+        keys = self._gather(self._views.key_slots, self._views.key_scale, layer_index)  # [blocks, Cpad, Hkv, D]
         keys = keys.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
         keys = keys.reshape(pieces, head_dim, KEY_CHUNK).contiguous()
         score = torch.bmm(q, keys) * head_dim**-0.5  # [pieces, QB * G, C]
@@ -296,7 +302,7 @@ class _BatchInvariantAttention(_BoundAttention):
         # Every row sees position 0, so its max is finite.
         row_max = score.amax(dim=(2, 5), keepdim=True)
         probs = torch.exp(score - row_max).view(pieces, rows, KEY_CHUNK)
-        values = self._gather(self._views.value_slots, layer_index)
+        values = self._gather(self._views.value_slots, self._views.value_scale, layer_index)
         values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
         values = values.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim + 1)
         values = values.permute(0, 3, 1, 2, 4).reshape(pieces, KEY_CHUNK, head_dim + 1)

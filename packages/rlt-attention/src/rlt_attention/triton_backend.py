@@ -40,6 +40,7 @@ TRITON_CAPABILITIES = AttentionCapabilities(
     supports_multi_token_queries=True,
     supports_cuda_graphs=True,
     supports_batch_invariance=True,  # argued (see TritonPagedAttention), not measured on a GPU
+    supports_fp8_kv=True,
 )
 
 # Split-KV calls: the (query, head) rows one tile of the split kernel holds (q x G <= this).
@@ -199,13 +200,21 @@ class _TritonBoundAttention:
         """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
         store_in_split = self._store_in_split
+        views = self._views
+        scales = {}
+        if views.fp8:  # the layer's scales as [1] views: no host sync
+            scales = {
+                "key_scale": views.key_scale[layer_index : layer_index + 1],
+                "value_scale": views.value_scale[layer_index : layer_index + 1],
+            }
         if not store_in_split:
             triton_kernel.launch_store_kv(
-                self._views.key_slots[layer_index],
-                self._views.value_slots[layer_index],
+                views.key_slots[layer_index],
+                views.value_slots[layer_index],
                 self._batch.write_slots,
                 key,
                 value,
+                **scales,
             )
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -239,6 +248,7 @@ class _TritonBoundAttention:
                 write_slots=self._batch.write_slots if store_in_split else None,
                 tickets=self._tickets,
                 queries_per_group=self._shape.max_query_len,
+                **scales,
             )
             return out
         triton_kernel.launch_paged_attention(
@@ -257,5 +267,6 @@ class _TritonBoundAttention:
                 block_m=self._block_m,
                 block_n=self._block_n,
             ),
+            **scales,
         )
         return out

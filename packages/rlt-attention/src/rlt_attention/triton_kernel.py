@@ -31,6 +31,10 @@ from rlt_attention import dependent_launch
 from rlt_attention.dependent_launch import wait_for_prior_grid
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's interpreter rounds some fp32 -> e4m3 conversions wrongly (125.46 -> 64, measured with
+# triton 3.x on the CPU): there the fp8 cache's writes round on the e4m3 grid first (exact in fp32),
+# and the conversion only sees representable values. Compiled kernels use the hardware rounding.
+SOFTWARE_E4M3_ROUNDING = tl.constexpr(INTERPRETED)
 
 
 @triton.jit
@@ -42,6 +46,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [S, max_pages] int32
     query_start_ptr,  # [S + 1] int32
     context_lengths_ptr,  # [S] int32
+    key_scale_ptr,  # fp32 [1] (KV_FP8): the layer's key scale
+    value_scale_ptr,  # fp32 [1] (KV_FP8): the layer's value scale
     scale_log2,  # D^-0.5 * log2(e): scores are exponentiated with exp2
     stride_query_row,
     stride_query_head,
@@ -63,6 +69,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # key positions per step (>= 16 for tl.dot)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
+    KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -90,7 +97,10 @@ def _paged_attention_kernel(
     query_row = row * stride_query_row + head * stride_query_head
     row_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(query_ptr + query_row[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
-    q = q.to(key_cache_ptr.dtype.element_ty)
+    if KV_FP8:  # keys and values are widened to the query dtype; the scales fold in once
+        scale_log2 = scale_log2 * tl.load(key_scale_ptr)
+    else:
+        q = q.to(key_cache_ptr.dtype.element_ty)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -110,6 +120,7 @@ def _paged_attention_kernel(
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         key_row = block * stride_key_block + offset * stride_key_offset + kv_head * stride_key_head
         k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (key_position[None, :] <= query_position[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -123,10 +134,13 @@ def _paged_attention_kernel(
             block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
         )
         v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         row_max = new_max
 
     out = acc / row_sum[:, None]
+    if KV_FP8:
+        out = out * tl.load(value_scale_ptr)
     out_row = row * stride_out_row + head * stride_out_head
     tl.store(
         out_ptr + out_row[:, None] + offs_d[None, :],
@@ -182,10 +196,13 @@ def launch_paged_attention(
     *,
     max_query_len: int,
     tiles: TileConfig,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Write attention of `query` [N, H, D] over one layer's paged cache into `out` [N, H, D].
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] (one layer), last dim contiguous.
+    key_scale / value_scale: fp32 [1] device tensors, the layer's scales of an fp8 cache.
     block_tables [S, P] int32, query_start [S + 1] int32, context_lengths [S] int32, same device.
     Launch grid: (S * ceil(max_query_len / BLOCK_Q), Hkv); no host sync.
     """
@@ -205,6 +222,8 @@ def launch_paged_attention(
         block_tables,
         query_start,
         context_lengths,
+        query if key_scale is None else key_scale,
+        query if value_scale is None else value_scale,
         head_dim**-0.5 * math.log2(math.e),
         query.stride(0),
         query.stride(1),
@@ -226,9 +245,32 @@ def launch_paged_attention(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         USE_PDL=pdl,
+        KV_FP8=key_scale is not None,
         num_warps=tiles.num_warps,
         **dependent_launch.launch_options(pdl),
     )
+
+
+@triton.jit
+def quantize_fp8(x, scale):
+    """x / scale saturated to e4m3's +-448, rounded to nearest even e4m3 (as
+    `kv_store.quantize`)."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    if SOFTWARE_E4M3_ROUNDING:
+        x = _round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the e4m3 grid in fp32 arithmetic: 3 mantissa bits, so
+    the spacing is 2**(exponent - 3), and 2**-9 for subnormals (exponent floor -6)."""
+    magnitude = tl.abs(x)
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    spacing = ((tl.maximum(exponent, -6) + 124) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude / spacing  # exact: a power-of-two division
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2**23: round half to even
+    return tl.where(x < 0, -steps * spacing, steps * spacing)
 
 
 @triton.jit
@@ -238,6 +280,8 @@ def _store_kv_kernel(
     key_slots_ptr,  # [num_slots, Hkv, D] of one layer, cache dtype
     value_slots_ptr,  # same layout
     write_slots_ptr,  # [N] int64
+    key_scale_ptr,  # fp32 [1] (KV_FP8): stored = x / scale, saturated to +-448
+    value_scale_ptr,
     stride_key_row,
     stride_key_head,
     stride_value_row,
@@ -251,6 +295,7 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
+    KV_FP8: tl.constexpr,
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -267,6 +312,9 @@ def _store_kv_kernel(
         value_ptr + row * stride_value_row + heads[:, None] * stride_value_head + offs_d[None, :],
         mask=mask,
     )
+    if KV_FP8:
+        key = quantize_fp8(key, tl.load(key_scale_ptr))
+        value = quantize_fp8(value, tl.load(value_scale_ptr))
     tl.store(
         key_slots_ptr
         + slot * stride_key_slot
@@ -291,10 +339,13 @@ def launch_store_kv(
     write_slots: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """One launch writing key/value [N, Hkv, D] at write_slots [N] int64 of one layer's slot
     views [num_slots, Hkv, D], cast to the cache dtype: the writes of `kv_store.store_kv` (two
-    index_copy_) in one kernel. Slots must be distinct (else the winner is unspecified)."""
+    index_copy_) in one kernel. Slots must be distinct (else the winner is unspecified).
+    key_scale / value_scale (fp32 [1]): an fp8 cache's layer scales, as `kv_store.quantize`."""
     num_rows, kv_heads, head_dim = key.shape
     if num_rows == 0:
         return
@@ -311,6 +362,8 @@ def launch_store_kv(
         key_slots,
         value_slots,
         write_slots,
+        key if key_scale is None else key_scale,
+        key if value_scale is None else value_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -324,6 +377,7 @@ def launch_store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         USE_PDL=pdl,
+        KV_FP8=key_scale is not None,
         num_warps=4,
         **dependent_launch.launch_options(pdl),
     )

@@ -40,6 +40,7 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     supports_multi_token_queries: bool = True  # prefill chunks (several queries per sequence)
     supports_cuda_graphs: bool = False
     supports_batch_invariance: bool = False
+    supports_fp8_kv: bool = False  # reads and writes a float8_e4m3fn cache with per-layer scales
 
 
 class AttentionRequirements(msgspec.Struct, frozen=True):
@@ -63,6 +64,7 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
     kv_layout: KVLayout
     cuda_graphs: bool = False
     batch_invariant: bool = False
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
 
 
 class UnmetRequirement(msgspec.Struct, frozen=True):
@@ -115,6 +117,13 @@ def unmet_requirements(
                 f"{caps.name} has no batch-invariant mode (batch_invariant=False allows it)",
             )
         )
+    if req.kv_cache_dtype == "fp8" and not caps.supports_fp8_kv:
+        unmet.append(
+            UnmetRequirement(
+                "kv_cache_dtype",
+                f"{caps.name} cannot read an fp8 KV cache (kv_cache_dtype='auto' allows it)",
+            )
+        )
     if req.num_heads % req.num_kv_heads:
         unmet.append(
             UnmetRequirement(
@@ -130,10 +139,16 @@ class KVCacheTensors:
 
     A slot is `block_id * block_size + offset`; one block holds `block_size` positions of one
     plane for every layer.
+
+    key_scale / value_scale: None, or fp32 [L] on the cache's device when the cache is
+    float8_e4m3fn: layer l stores x as round(x / scale[l]) and reads it back as stored * scale[l]
+    (one scale per layer, shared by every loop plane, so planes can be copied as raw bytes).
     """
 
     key_cache: Tensor
     value_cache: Tensor
+    key_scale: Tensor | None = None
+    value_scale: Tensor | None = None
 
     @property
     def block_size(self) -> int:

@@ -45,6 +45,8 @@ class PDCompatibility(msgspec.Struct, frozen=True):
 
     model_identity: a digest of the checkpoint's config and weights file names and sizes.
     block_bytes: K+V bytes of one block of one layer; hidden_bytes: one row's hidden state.
+    kv_cache_dtype: the cache's element type; kv_scales: an fp8 cache's per-layer key scales
+    then value scales (bytes mean the same on both sides only with equal scales).
     """
 
     model_identity: str
@@ -57,6 +59,8 @@ class PDCompatibility(msgspec.Struct, frozen=True):
     head_dim: int
     block_bytes: int
     hidden_bytes: int
+    kv_cache_dtype: str = ""
+    kv_scales: tuple[float, ...] = ()
 
     def mismatches(self, other: PDCompatibility) -> list[str]:
         """Names of the fields that differ, with both values (empty: compatible)."""

@@ -19,6 +19,13 @@
 #                                                  depth mix; (b) concurrencies 4/16/32 and the
 #                                                  default disable limit at 32, then the bundled
 #                                                  model's real acceptance
+#   bash benchmarks/h200_run.sh fp8 a|b           issue 22 in two calls: (a) every CUDA-marked test,
+#                                                  then the kernel suites that run on CUDA when it
+#                                                  is there (attention, models, tick and round
+#                                                  kernels), then fp8 weights at one request
+#                                                  (fixed and the 2.5-loop mix, beside bf16); (b)
+#                                                  fp8 KV and fp8 weights + KV at 128 requests
+#                                                  beside bf16, then quality on the H200
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
@@ -84,6 +91,23 @@ case "$mode" in
         --output-len 48 --draft-loops 1,2 --out "$OUT/acceptance_h200.json" >/dev/null 2>&1
     fi
     tail -2 "$OUT"/*.log ;;
+  fp8)
+    b=(python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir /tmp/rlt-bench-checkpoints
+       --device cuda --dtype bfloat16 --prompt-len 1024 --output-len 128 --prefill-chunk-size 1024)
+    mix=trace:0.55,0.40,0.05
+    if [ "${1:-a}" = a ]; then
+      timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider -m cuda tests packages services \
+        2>&1 | tee "$OUT/cuda_tests.log" | tail -3
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not cuda" packages/rlt-attention/tests \
+        packages/rlt-models/tests tests/test_speculative_kernels.py tests/test_tick_kernels.py 2>&1 \
+        | tee "$OUT/kernel_tests.log" | tail -3
+      "${b[@]}" --num-requests 4 --max-num-seqs 1 --max-num-batched-tokens 1100 --arm fixed \
+        --arm fixed@fp8 --arm $mix --arm $mix@fp8 --json-out "$OUT/fp8_c1.json" >"$OUT/fp8_c1.log" 2>&1
+    else
+      "${b[@]}" --num-requests 256 --max-num-seqs 128 --max-num-batched-tokens 4096 --arm fixed \
+        --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
+    fi
+    tail -12 "$OUT"/fp8_*.log ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

@@ -161,6 +161,9 @@ def ensure_checkpoint(args) -> Path:
     return path
 
 
+SUFFIXES = ("no_refill", "eager", "eager_prefill", "sync", "noprofile", "fp8", "kv_fp8")
+
+
 def parse_arm(spec: str):
     """-> (sampling kwargs, engine kwargs, trace depth probabilities or None, profile?)."""
     name, *flags = spec.split("@")
@@ -177,7 +180,7 @@ def parse_arm(spec: str):
     for flag in flags:
         if flag.startswith("ticks="):
             engine["decode_ticks_per_step"] = int(flag.removeprefix("ticks="))
-        elif flag not in ("no_refill", "eager", "eager_prefill", "sync", "noprofile", "fp8", "kv_fp8"):
+        elif flag not in SUFFIXES:
             raise SystemExit(f"unknown arm suffix @{flag} in {spec!r}")
     profile = "noprofile" not in flags
     if name == "fixed":

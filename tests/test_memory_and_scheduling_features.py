@@ -34,10 +34,12 @@ def seeded(count):
 
 
 # -- prefix caching ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_prefix_cache_hits_give_cold_run_outputs(llm_factory, layout):
-    cold = run(llm_factory(kv_layout=layout), PROMPTS, adaptive())
-    llm = llm_factory(kv_layout=layout, enable_prefix_caching=True)
+def test_prefix_cache_hits_give_cold_run_outputs(llm_factory, layout, kv):
+    """Also with an fp8 KV cache: cached pages hold the same bytes a cold run writes."""
+    cold = run(llm_factory(kv_layout=layout, kv_cache_dtype=kv), PROMPTS, adaptive())
+    llm = llm_factory(kv_layout=layout, enable_prefix_caching=True, kv_cache_dtype=kv)
     first = run(llm, PROMPTS[:1], adaptive())  # publishes the shared prefix pages
     hot = run(llm, PROMPTS, adaptive())
     assert first == cold[:1] and hot == cold
@@ -138,13 +140,15 @@ def test_bounded_bypass_protects_a_long_waiting_request(llm_factory):
 
 
 # -- preemption ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_preemption_under_memory_pressure_is_lossless(llm_factory, layout):
+def test_preemption_under_memory_pressure_is_lossless(llm_factory, layout, kv):
     prompts = PROMPTS + [[60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
     greedy = [adaptive(10)] * len(prompts)
     sampled = seeded(len(prompts))
-    roomy = llm_factory(kv_layout=layout)
+    roomy = llm_factory(kv_layout=layout, kv_cache_dtype=kv)
     tight = llm_factory(
+        kv_cache_dtype=kv,
         kv_layout=layout,
         num_kv_blocks=56 if layout == "last_exited" else 14,
         incremental_kv=True,

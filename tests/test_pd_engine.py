@@ -1,7 +1,7 @@
 """PD disaggregation at the engine level, two engines in one process joined by a loopback KV
 port (exact tensor copies, the same evidence rules as the NIXL port): the decode engine's
 output equals a single engine's, tokens and exit depths, greedy and seeded, both layouts, both
-scheduling modes, chunked prefill, prompts ending mid-block, prefix-cache hits on D; aborts on
+scheduling modes, an fp8 KV cache (its bytes move as they are), chunked prefill, prompts ending mid-block, prefix-cache hits on D; aborts on
 either side leave both engines with no block or row held."""
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def reference(llm_factory, prompts, all_params, **options) -> list:
         dict(kv_layout="last_exited"),
         dict(kv_layout="shared"),
         dict(scheduling_mode="no_refill"),
+        dict(kv_cache_dtype="fp8"),
+        dict(kv_cache_dtype="fp8", kv_layout="shared"),
     ],
-    ids=["last_exited", "shared", "no_refill"],
+    ids=["last_exited", "shared", "no_refill", "fp8_kv", "fp8_kv_shared"],
 )
 def test_pd_output_equals_a_single_engine(llm_factory, options):
     all_params = [params(i) for i in range(len(PROMPTS))]

@@ -40,9 +40,7 @@ def _fp8_pair(case):
     key8 = quantize(case.kv_cache.key_cache, k_scale.view(shape))
     value8 = quantize(case.kv_cache.value_cache, v_scale.view(shape))
     fp8 = KVCacheTensors(key8, value8, k_scale, v_scale)
-    plain = KVCacheTensors(
-        key8.float() * k_scale.view(shape), value8.float() * v_scale.view(shape)
-    )
+    plain = KVCacheTensors(key8.float() * k_scale.view(shape), value8.float() * v_scale.view(shape))
     layer = case.layer_index
     key = quantize(case.key, k_scale[layer]).float() * k_scale[layer]
     value = quantize(case.value, v_scale[layer]).float() * v_scale[layer]
@@ -125,4 +123,3 @@ def test_selection_refuses_a_backend_without_fp8_kv():
     with pytest.raises(ConfigurationError, match="fp8 KV cache"):
         select_attention_backend(requirements, "flash_attn")
     assert select_attention_backend(requirements, "auto").name in ("triton", "torch")
-

@@ -75,9 +75,7 @@ def test_quantize_rows_and_w8a8_match_the_reference():
     x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16) * 3
     q, scale = fl.quantize_rows(x)
     assert scale.shape == (37, 1)
-    torch.testing.assert_close(
-        scale[:, 0], x.float().abs().amax(dim=1) / 448, rtol=1e-6, atol=0
-    )
+    torch.testing.assert_close(scale[:, 0], x.float().abs().amax(dim=1) / 448, rtol=1e-6, atol=0)
     # e4m3 rounds to 3 mantissa bits: relative error at most 2**-4 per element
     assert ((q.float() * scale - x.float()).abs() <= x.float().abs() * 2**-4 + 1e-6).all()
     weight = _weight(96, 256, 9).to("cuda")

@@ -60,7 +60,9 @@ def slot_views(kv_cache: KVCacheTensors) -> SlotViews:
     if (key_cache.dtype == FP8) != (scales[0] is not None) or (scales[0] is None) != (
         scales[1] is None
     ):
-        raise ValueError(f"a {FP8} cache needs key and value scales, and only such a cache has them")
+        raise ValueError(
+            f"a {FP8} cache needs key and value scales, and only such a cache has them"
+        )
     for scale in scales:
         if scale is not None and (
             scale.shape != (key_cache.shape[0],) or scale.dtype != torch.float32

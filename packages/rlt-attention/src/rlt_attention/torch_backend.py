@@ -185,7 +185,9 @@ class _TorchBoundAttention(_BoundAttention):
 
         views = self._views
         keys = gather(views.key_slots, views.key_scale).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
-        values = gather(views.value_slots, views.value_scale).permute(0, 2, 1, 3)  # [S, Hkv, Cmax, D]
+        values = gather(views.value_slots, views.value_scale).permute(
+            0, 2, 1, 3
+        )  # [S, Hkv, Cmax, D]
 
         # one spare row after the groups' rows takes the padding rows (PaddedGroupIndex)
         padded = query.new_zeros((num_groups * max_q + 1, num_heads, head_dim), dtype=torch.float32)
@@ -293,7 +295,9 @@ class _BatchInvariantAttention(_BoundAttention):
         q = padded.view(blocks, QUERY_BLOCK, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q = q.reshape(blocks * kv_heads, 1, rows, head_dim).expand(-1, chunks, -1, -1)
         q = q.reshape(pieces, rows, head_dim).contiguous()
-        keys = self._gather(self._views.key_slots, self._views.key_scale, layer_index)  # [blocks, Cpad, Hkv, D]
+        keys = self._gather(
+            self._views.key_slots, self._views.key_scale, layer_index
+        )  # [blocks, Cpad, Hkv, D]
         keys = keys.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
         keys = keys.reshape(pieces, head_dim, KEY_CHUNK).contiguous()
         score = torch.bmm(q, keys) * head_dim**-0.5  # [pieces, QB * G, C]

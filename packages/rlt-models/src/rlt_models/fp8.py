@@ -75,4 +75,3 @@ class Fp8Projection(nn.Module):
     ) -> torch.Tensor:
         """x [M, K] @ dequantized(W).T with `linear` (the reference path)."""
         return linear(x, self.dequantized(x.dtype))
-

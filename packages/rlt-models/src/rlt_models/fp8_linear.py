@@ -1,4 +1,4 @@
-"""Projections whose weight may be fp8: the reference everywhere, kernels chosen by measurement on CUDA.
+"""Projections whose weight may be fp8: the reference anywhere, measured kernels on CUDA.
 
 `project(linear, x, weight)` is how every projection of the model is called. A plain weight
 goes to `linear` (F.linear, the small-batch selector or the batch-invariant GEMM). An
@@ -197,4 +197,3 @@ def project(
     if linear is sbl.small_batch_linear:
         return linear(x, weight, needed=needed)
     return linear(x, weight)
-

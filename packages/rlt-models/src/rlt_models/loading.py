@@ -21,6 +21,7 @@ from rlt_models.fp8_checkpoint import (
     scale_name,
     scale_vector,
 )
+from rlt_models.kv_scales import checkpoint_kv_scales, kv_scale_names
 from rlt_models.ouro import OuroModel
 from rlt_models.weights import checkpoint_tensor_shapes, parameter_sources
 
@@ -159,6 +160,7 @@ def build_model(
             params[param_name].copy_(merged.to(device=device, dtype=dtype))
     model.quantization = "fp8" if quantized else None
     model.quantized_lm_head = "lm_head" in quantized
+    model.checkpoint_kv_scales = checkpoint_kv_scales(config, tensors, source)
     return model.eval()
 
 
@@ -171,9 +173,10 @@ def _check_tensors(
 ) -> None:
     expected = checkpoint_tensor_shapes(config)
     scales = {scale_name(name): name for name in stored_fp8}
+    kv_scales = kv_scale_names(config)
     for name, tensor in tensors.items():
-        if name in scales:
-            continue  # checked where it is used, against its weight's rows
+        if name in scales or name in kv_scales:
+            continue  # checked where it is used (its weight's rows; checkpoint_kv_scales)
         if name not in expected:
             if name.endswith("input_scale"):
                 raise CheckpointError(

@@ -179,6 +179,8 @@ class OuroModel(nn.Module):
         # set by `build_model`: "fp8" when the projections are `Fp8Projection`s, else None
         self.quantization: str | None = None
         self.quantized_lm_head = False
+        # the checkpoint's per-layer (key, value) fp8 KV scales, if it has them (kv_scales.py)
+        self.checkpoint_kv_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @property
     def ops(self) -> ModelOps:

@@ -1,6 +1,6 @@
 """rlt-runner: device state, KV storage and batch execution (module M5)."""
 
-from rlt_runner.kv_storage import KVStorage
+from rlt_runner.kv_storage import FP8, KVScales, KVStorage
 from rlt_runner.memory import (
     ActivationProfile,
     KVMemoryPlan,
@@ -18,6 +18,8 @@ __all__ = [
     "ActivationProfile",
     "DecodeRows",
     "KVMemoryPlan",
+    "FP8",
+    "KVScales",
     "KVStorage",
     "ModelRunner",
     "PendingStep",

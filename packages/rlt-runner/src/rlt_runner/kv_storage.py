@@ -2,12 +2,32 @@
 
 key/value tensors [L, num_blocks, block_size, Hkv, D]; a slot is block * block_size + offset.
 Logical validity (which blocks a request holds) belongs to rlt-kv; this class only moves data.
+With `scales` the cache is float8_e4m3fn with one key and one value scale per layer (shared by
+every plane): copies, snapshots and transfers move its bytes as they are.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from rlt_contracts import KVCacheTensors
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Per-layer scales of an fp8 KV cache (host floats; layer l stores x / scale[l])."""
+
+    key: tuple[float, ...]
+    value: tuple[float, ...]
+
+    def tensor(self, which: str, num_layers: int, device: torch.device) -> torch.Tensor:
+        values = getattr(self, which)
+        if len(values) != num_layers or not all(v > 0 for v in values):
+            raise ValueError(f"{which} scales: {num_layers} positive values expected, got {values}")
+        return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 class KVStorage:
@@ -21,16 +41,27 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scales: KVScales | None = None,
     ) -> None:
+        """`dtype`: the cache's element type (float8_e4m3fn needs `scales`)."""
+        if (dtype == FP8) != (scales is not None):
+            raise ValueError(f"a {FP8} KV cache needs per-layer scales, and only such a cache")
         # One extra block past the logical pool: scratch for padding rows (never allocated).
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
+        self.scales = scales
         self.tensors = KVCacheTensors(
             key_cache=torch.zeros(shape, dtype=dtype, device=device),
             value_cache=torch.zeros(shape, dtype=dtype, device=device),
+            key_scale=None if scales is None else scales.tensor("key", num_layers, device),
+            value_scale=None if scales is None else scales.tensor("value", num_layers, device),
         )
+
+    def scales_tuple(self) -> tuple[float, ...]:
+        """An fp8 cache's key scales then value scales (empty for a model-dtype cache)."""
+        return () if self.scales is None else (*self.scales.key, *self.scales.value)
 
     @staticmethod
     def bytes_per_block(

@@ -42,7 +42,7 @@ from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 from rlt_runner.bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
-from rlt_runner.kv_storage import KVStorage
+from rlt_runner.kv_storage import FP8, KVScales, KVStorage
 from rlt_runner.prefill import run_prefill
 from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.readback import PendingStep, finish_readback, start_readback
@@ -105,8 +105,10 @@ class ModelRunner:
         prefill_graph_tokens: int = 0,
         max_prefill_chunk: int = 0,
         speculation: SpeculationSettings | None = None,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """`cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
+        """`kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it
+        has `dtype`). `cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
         `prefill_graph_tokens` > 0 (with `cuda_graphs`): prompts as graphs too, SHARED waves
         or depth-major steps of up to that many tokens in chunks of up to `max_prefill_chunk`
         (larger steps run eagerly). `speculation`: steps may run speculative rounds (the
@@ -124,8 +126,9 @@ class ModelRunner:
             block_size=block_size,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
-            dtype=dtype,
+            dtype=dtype if kv_scales is None else FP8,
             device=device,
+            scales=kv_scales,
         )
         # A speculative round's verify pass reads K positions past the last valid one (never
         # allocated: their table entries stay the scratch block).

@@ -39,6 +39,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8: the stack's projections in float8_e4m3fn with per-channel scales",
     )
     group.add_argument("--quantize-lm-head", action="store_true", help="with fp8, the LM head too")
+    group.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=["auto", "fp8"],
+        help="fp8: KV cache in float8_e4m3fn with per-layer scales (about 2x the tokens)",
+    )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--kv-layout", default=d.kv_layout, choices=["last_exited", "shared"])
     group.add_argument(

@@ -13,8 +13,12 @@ from rlt_attention import select_attention_backend
 from rlt_contracts import AttentionRequirements, ConfigurationError, KVLayout, PDRole
 from rlt_kv import KVCacheManager
 from rlt_models import OuroModel, load_model, load_tokenizer
+from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
+from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
+    FP8,
     KVMemoryPlan,
+    KVScales,
     KVStorage,
     ModelRunner,
     SpeculationSettings,
@@ -115,6 +119,7 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         kv_layout=layout,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
         batch_invariant=model.batch_invariant,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     selection = select_attention_backend(requirements, config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)
@@ -122,8 +127,10 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         logger.warning("attention backend %s: %s", selection.name, selection.warning)
     num_planes = layout.storage_planes(shape.num_loops)
     pages_per_request = -(-max_model_len // config.block_size)
+    kv_scales = fp8_kv_scales(model, model_dir) if config.kv_cache_dtype == "fp8" else None
+    kv_dtype = model.dtype if kv_scales is None else FP8
     bytes_per_block = KVStorage.bytes_per_block(
-        shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, model.dtype
+        shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
     )
 
     prefill_graph_tokens = (
@@ -152,6 +159,7 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
             prefill_graph_tokens=prefill_graph_tokens,
             max_prefill_chunk=config.prefill_chunk_size,
             speculation=speculation,
+            kv_scales=kv_scales,
         )
 
     activation = None
@@ -207,14 +215,15 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
             raise
         logger.info("PD %s instance, transport agent %s", config.role, pd.agent)
     weight_dtype = weight_dtype_name(model)
-    kv_dtype = str(model.dtype).removeprefix("torch.")
+    model_dtype = str(model.dtype).removeprefix("torch.")
+    kv_dtype_name = str(kv_dtype).removeprefix("torch.")
     kv_tokens = memory_plan.num_blocks // num_planes * config.block_size
     logger.info(
         "weights: projections %s, LM head %s; KV cache %s: %d blocks of %d positions at %d "
         "plane(s) = %d tokens",
         weight_dtype,
-        "float8_e4m3fn" if model.quantized_lm_head else kv_dtype,
-        kv_dtype,
+        "float8_e4m3fn" if model.quantized_lm_head else model_dtype,
+        kv_dtype_name,
         memory_plan.num_blocks,
         config.block_size,
         num_planes,
@@ -230,12 +239,36 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         memory_plan=memory_plan,
         max_model_len=max_model_len,
         weight_dtype=weight_dtype,
-        kv_cache_dtype=kv_dtype,
+        kv_cache_dtype=kv_dtype_name,
         kv_capacity_tokens=kv_tokens,
         pd=pd,
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
     )
+
+
+def fp8_kv_scales(model: OuroModel, model_dir: Path) -> KVScales:
+    """The fp8 KV cache's per-layer scales: the checkpoint's, else calibrated on the sample
+    text through the checkpoint's tokenizer (rlt_models.kv_scales)."""
+    if model.checkpoint_kv_scales is not None:
+        keys, values = model.checkpoint_kv_scales
+        source = "checkpoint"
+    else:
+        tokenizer = load_tokenizer(model_dir)
+        token_ids = tokenizer.encode(
+            SAMPLE_TEXT, truncation=True, max_length=MAX_CALIBRATION_TOKENS
+        )
+        keys, values = calibrate_kv_scales(model, token_ids)
+        source = f"calibrated on {len(token_ids)} sample tokens"
+    logger.info(
+        "fp8 KV scales (%s): keys %s..%s, values %s..%s",
+        source,
+        min(keys),
+        max(keys),
+        min(values),
+        max(values),
+    )
+    return KVScales(keys, values)
 
 
 def weight_dtype_name(model: OuroModel) -> str:

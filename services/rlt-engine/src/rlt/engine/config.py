@@ -34,6 +34,9 @@ class EngineConfig:
     quantization: None, or "fp8": the stack's projections as float8_e4m3fn with per-channel
       scales, quantized at load (a compressed-tensors fp8 checkpoint loads as fp8 anyway).
     quantize_lm_head: with fp8, the LM head too (else it stays in `dtype`).
+    kv_cache_dtype: "auto" (the model dtype) or "fp8": the KV cache as float8_e4m3fn with one
+      key and one value scale per layer (the checkpoint's k_scale/v_scale, else calibrated at
+      load: rlt_models.kv_scales), about twice the tokens in the same memory.
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
     kv_layout: "last_exited" (per-depth planes) or "shared" (one overwritten plane).
     scheduling_mode: "refill" or "no_refill".
@@ -103,6 +106,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str | None = None
     quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     kv_layout: str = "last_exited"
     scheduling_mode: str = "refill"
@@ -149,6 +153,10 @@ class EngineConfig:
         if self.quantization not in (None, "fp8"):
             raise ConfigurationError(
                 "quantization", f"must be None or 'fp8', got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigurationError(
+                "kv_cache_dtype", f"must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}"
             )
         if self.quantize_lm_head not in (False, True):
             raise ConfigurationError(

@@ -92,6 +92,8 @@ def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDPart
         head_dim=head_dim,
         block_bytes=2 * block_size * heads * head_dim * element,
         hidden_bytes=hidden.shape[1] * hidden.element_size(),
+        kv_cache_dtype=str(keys.dtype).removeprefix("torch."),
+        kv_scales=runner.kv.scales_tuple(),
     )
     agent = agent_name(role)
     transport = KVTransport(agent, keys, values, hidden, compatibility)

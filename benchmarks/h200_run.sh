@@ -104,10 +104,12 @@ case "$mode" in
       "${b[@]}" --num-requests 4 --max-num-seqs 1 --max-num-batched-tokens 1100 --arm fixed \
         --arm fixed@fp8 --arm $mix --arm $mix@fp8 --json-out "$OUT/fp8_c1.json" >"$OUT/fp8_c1.log" 2>&1
     else
+      python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out "$OUT/fp8_gemv_sweep.json" \
+        >"$OUT/fp8_gemv_sweep.log" 2>&1
       "${b[@]}" --num-requests 256 --max-num-seqs 128 --max-num-batched-tokens 4096 --arm fixed \
         --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     fi
-    tail -12 "$OUT"/fp8_*.log ;;
+    tail -n 14 "$OUT"/fp8_*.log ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

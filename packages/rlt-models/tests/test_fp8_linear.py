@@ -76,8 +76,10 @@ def test_quantize_rows_and_w8a8_match_the_reference():
     q, scale = fl.quantize_rows(x)
     assert scale.shape == (37, 1)
     torch.testing.assert_close(scale[:, 0], x.float().abs().amax(dim=1) / 448, rtol=1e-6, atol=0)
-    # e4m3 rounds to 3 mantissa bits: relative error at most 2**-4 per element
-    assert ((q.float() * scale - x.float()).abs() <= x.float().abs() * 2**-4 + 1e-6).all()
+    # e4m3 rounds to 3 mantissa bits: at most 2**-4 relative for normals, and 2**-10 x scale
+    # absolute below 2**-6 x scale (subnormals)
+    bound = x.float().abs() * 2**-4 + scale * 2**-10
+    assert ((q.float() * scale - x.float()).abs() <= bound).all()
     weight = _weight(96, 256, 9).to("cuda")
     out = fl.w8a8(x, weight.weight, weight.scale)
     reference = _reference(x, weight)

@@ -38,6 +38,17 @@ from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
 triton, tl = sbl.triton, (sbl.tl if sbl.triton is not None else None)
 
 WEIGHT_ONLY, W8A8, DEQUANTIZE = "weight_only", "w8a8", "dequantize"
+# Weight-only tiles beside the bf16 ones: an fp8 tile of the same shape has half the bytes in
+# flight, so wider K steps (or more rows per CTA) keep as many loads outstanding.
+FP8_TILES = (
+    sbl.TileConfig(2, 2048, 2, 3, single_row=True),
+    sbl.TileConfig(4, 1024, 2, 3, single_row=True),
+    sbl.TileConfig(4, 2048, 4, 3, single_row=True),
+    sbl.TileConfig(8, 1024, 4, 3, single_row=True),
+    sbl.TileConfig(16, 512, 4, 3),
+    sbl.TileConfig(32, 512, 4, 3),
+    sbl.TileConfig(16, 128, 2, 8),
+)
 # output error allowed in the correctness check, relative to the largest output magnitude
 TOLERANCE = {WEIGHT_ONLY: 0.02, W8A8: 0.1, DEQUANTIZE: 0.02}
 
@@ -131,7 +142,7 @@ class Fp8Linear:
         if rows <= sbl.MAX_ROWS:
             found += [
                 Fp8Choice(WEIGHT_ONLY, tile)
-                for tile in sbl.CONFIGS
+                for tile in sbl.CONFIGS + FP8_TILES
                 if rows == 1 or not tile.single_row
             ]
         n, k = data.shape

@@ -1,0 +1,89 @@
+"""fp8 against bf16 projections at few rows, per Ouro-1.4B shape, timed as a decode loop runs them.
+
+For every projection shape of the Ouro-1.4B stack (qkv, o, gate_up, down) and row count, the
+same loop-like timing as `small_batch_linear` (a CUDA graph of one call per cold weight copy,
+copies over twice the L2 cache, median of replays): cuBLAS bf16, the fastest bf16 Triton tile,
+every fp8 weight-only tile, W8A8 and the dequantize reference; the fp8 selector's choice; and
+the bandwidth each reaches (weight bytes / time). Run on a GPU:
+
+    python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out fp8_gemv_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages" / "rlt-models" / "src"))
+
+from rlt_models import fp8_linear as fl  # noqa: E402
+from rlt_models import small_batch_linear as sbl  # noqa: E402
+from rlt_models.fp8 import Fp8Projection, quantize_per_channel  # noqa: E402
+
+# (name, N, K) of Ouro-1.4B: hidden 2048, 16 heads of 128, intermediate 5632
+SHAPES = (("qkv", 6144, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632))
+
+
+def sweep(rows: int, name: str, n: int, k: int) -> dict:
+    bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    data, scale = quantize_per_channel(bf16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    bf16_copies = sbl._cold_copies(bf16)
+    fp8_copies = fl._cold_copies(data, scale)
+    result = {"rows": rows, "shape": name, "n": n, "k": k}
+    result["bf16_cublas_ms"] = sbl._time_over(bf16_copies, lambda w: F.linear(x, w))
+    bf16_tiles = {}
+    for tile in sbl.CONFIGS:
+        if tile.single_row and rows != 1:
+            continue
+        bf16_tiles[str(tile)] = sbl._time_over(bf16_copies, lambda w, t=tile: sbl.launch(x, w, t))
+    result["bf16_best_tile_ms"] = min(bf16_tiles.values())
+    fp8_times = {}
+    for choice in fl.Fp8Linear.candidates(rows, data, torch.bfloat16):
+        label = choice.kind if choice.tile is None else f"{choice.kind} {choice.tile}"
+        fp8_times[label] = sbl._time_over(fp8_copies, fl._timed(choice, x))
+    result["fp8_ms"] = fp8_times
+    result["fp8_best"] = min(fp8_times, key=fp8_times.get)
+    result["fp8_best_ms"] = fp8_times[result["fp8_best"]]
+    selector = fl.Fp8Linear()
+    selector(x, Fp8Projection(data, scale))
+    (chosen,) = selector.choices.values()
+    result["selector_choice"] = str(chosen)
+    bf16_best = min(result["bf16_cublas_ms"], result["bf16_best_tile_ms"])
+    result["bf16_gbps"] = n * k * 2 / bf16_best / 1e6
+    result["fp8_gbps"] = n * k / result["fp8_best_ms"] / 1e6
+    result["fp8_speedup"] = bf16_best / result["fp8_best_ms"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", default="1,4,16")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, n, k in SHAPES:
+            r = sweep(rows, name, n, k)
+            results.append(r)
+            bf16_ms = min(r["bf16_cublas_ms"], r["bf16_best_tile_ms"])
+            print(
+                f"rows {rows:3d} {name:8s} bf16 {bf16_ms:.4f} ms ({r['bf16_gbps']:.0f} GB/s)  "
+                f"fp8 {r['fp8_best_ms']:.4f} ms ({r['fp8_gbps']:.0f} GB/s) "
+                f"{r['fp8_speedup']:.2f}x  best {r['fp8_best']}  selector {r['selector_choice']}",
+                flush=True,
+            )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -124,6 +124,8 @@ def _split_decode_kernel(
     )
     if KV_FP8:  # keys and values are widened to the query dtype; the scales fold in once
         scale_log2 = scale_log2 * tl.load(key_scale_ptr)
+        if q.dtype == tl.bfloat16:  # e4m3 widens to fp16 in one instruction (not to bf16)
+            q = q.to(tl.float16)
     else:
         q = q.to(cache_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)

@@ -99,6 +99,8 @@ def _paged_attention_kernel(
     q = tl.load(query_ptr + query_row[:, None] + offs_d[None, :], mask=row_mask, other=0.0)
     if KV_FP8:  # keys and values are widened to the query dtype; the scales fold in once
         scale_log2 = scale_log2 * tl.load(key_scale_ptr)
+        if q.dtype == tl.bfloat16:  # e4m3 widens to fp16 in one instruction (not to bf16)
+            q = q.to(tl.float16)
     else:
         q = q.to(key_cache_ptr.dtype.element_ty)
 

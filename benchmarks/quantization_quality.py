@@ -2,10 +2,13 @@
 
 Arms (`--arms`, comma separated): `fp32` / `bf16` (the model in that dtype) and `fp8` /
 `fp8-bf16` (fp8 projections, activations and the rest of the weights in fp32 / bf16;
-`--quantize-lm-head` quantizes the LM head too). The first arm is the reference. Per arm:
+`--quantize-lm-head` quantizes the LM head too); `fp8kv` and `fp8+fp8kv`: the fp8 KV cache
+(`kv_cache_dtype="fp8"`, the engine's calibrated per-layer scales) with fp32 / fp8 weights. The
+first arm is the reference. Per arm:
 
   perplexity   teacher-forced at full depth (the Hugging Face forward: every position through
-               all T loops, one dense KV cache per loop) over the held-out passages
+               all T loops, one dense KV cache per loop; with an fp8 KV cache, keys and values
+               rounded as the cache stores them) over the held-out passages
                (`benchmarks/data/heldout_passages.json`, never trained on)
   generation   greedy continuations through the engine at each `--thresholds` exit threshold
                (min_loops 1): prompts are `--prompt-tokens`-token windows of the passages,
@@ -28,11 +31,13 @@ from collections import Counter
 from pathlib import Path
 
 PASSAGES = Path(__file__).resolve().parent / "data" / "heldout_passages.json"
-ARMS = {
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "fp8": ("float32", "fp8"),
-    "fp8-bf16": ("bfloat16", "fp8"),
+ARMS = {  # name: (dtype, quantization, kv_cache_dtype)
+    "fp32": ("float32", None, "auto"),
+    "bf16": ("bfloat16", None, "auto"),
+    "fp8": ("float32", "fp8", "auto"),
+    "fp8-bf16": ("bfloat16", "fp8", "auto"),
+    "fp8kv": ("float32", None, "fp8"),
+    "fp8+fp8kv": ("float32", "fp8", "fp8"),
 }
 
 
@@ -67,11 +72,21 @@ def prompts_from(passages: list[list[int]], length: int, count: int) -> list[lis
     return prompts
 
 
-def perplexity(model, passages: list[list[int]]) -> float:
-    """exp(mean NLL) of every next token, each passage through all loops at once."""
+def perplexity(model, passages: list[list[int]], kv_scales=None) -> float:
+    """exp(mean NLL) of every next token, each passage through all loops at once.
+    `kv_scales` (rlt_runner.KVScales): keys/values go through the fp8 cache's rounding."""
     import torch
+    from rlt_attention.kv_store import quantize
     from rlt_models import DenseCausalAttention, DenseKVCache
 
+    class RoundedKV(DenseCausalAttention):
+        def __call__(self, layer, query, key, value):
+            k, v = (torch.tensor(getattr(kv_scales, w)[layer]) for w in ("key", "value"))
+            key = (quantize(key, k).float() * k).to(key.dtype)
+            value = (quantize(value, v).float() * v).to(value.dtype)
+            return super().__call__(layer, query, key, value)
+
+    attention_type = DenseCausalAttention if kv_scales is None else RoundedKV
     total, count = 0.0, 0
     with torch.no_grad():
         for tokens in passages:
@@ -79,7 +94,7 @@ def perplexity(model, passages: list[list[int]]) -> float:
             positions = torch.arange(len(tokens), device=model.device)
             hidden = model.embed(ids)
             for _ in range(model.shape.num_loops):
-                attention = DenseCausalAttention(DenseKVCache(model.shape.num_layers))
+                attention = attention_type(DenseKVCache(model.shape.num_layers))
                 hidden, _ = model.recurrent_step(hidden, positions, attention, compute_gate=False)
             logprobs = torch.log_softmax(model.coda(hidden).float(), dim=-1)
             nll = -logprobs[:-1].gather(1, ids[1:, None]).sum()
@@ -133,11 +148,12 @@ def main(argv=None) -> int:
     reference: dict[float, list] = {}
     tokenizer = passages = prompts = None
     for name in args.arms.split(","):
-        dtype, quantization = ARMS[name]
+        dtype, quantization, kv_cache_dtype = ARMS[name]
         config = EngineConfig(
             device=args.device,
             dtype=dtype,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             quantize_lm_head=args.quantize_lm_head and quantization is not None,
             max_num_seqs=32,
         )
@@ -147,8 +163,11 @@ def main(argv=None) -> int:
             passages = passage_tokens(tokenizer)
             prompts = prompts_from(passages, args.prompt_tokens, args.num_prompts)
         started = time.perf_counter()
-        arm = dict(arm=name, dtype=dtype, quantization=quantization)
-        arm["perplexity"] = round(perplexity(engine.parts.model, passages), 4)
+        arm = dict(arm=name, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        kv_scales = engine.core.runner.kv.scales
+        arm["perplexity"] = round(perplexity(engine.parts.model, passages, kv_scales), 4)
+        if kv_scales is not None:
+            arm["kv_scales"] = {"key": kv_scales.key, "value": kv_scales.value}
         for threshold in [float(t) for t in args.thresholds.split(",")]:
             outputs = generate(engine, prompts, threshold, args.output_len)
             reference.setdefault(threshold, outputs)

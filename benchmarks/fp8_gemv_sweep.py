@@ -4,7 +4,8 @@ For every projection shape of the Ouro-1.4B stack (qkv, o, gate_up, down) and ro
 same loop-like timing as `small_batch_linear` (a CUDA graph of one call per cold weight copy,
 copies over twice the L2 cache, median of replays): cuBLAS bf16, the fastest bf16 Triton tile,
 every fp8 weight-only tile, W8A8 and the dequantize reference; the fp8 selector's choice; and
-the bandwidth each reaches (weight bytes / time). Run on a GPU:
+the bandwidth each reaches (weight bytes / time). Times are per call: a graph's time over its
+number of copies (fp8 weights are half the bytes, so they get twice the copies). Run on a GPU:
 
     python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out fp8_gemv_sweep.json
 """
@@ -37,17 +38,25 @@ def sweep(rows: int, name: str, n: int, k: int) -> dict:
     bf16_copies = sbl._cold_copies(bf16)
     fp8_copies = fl._cold_copies(data, scale)
     result = {"rows": rows, "shape": name, "n": n, "k": k}
-    result["bf16_cublas_ms"] = sbl._time_over(bf16_copies, lambda w: F.linear(x, w))
+    result["bf16_copies"], result["fp8_copies"] = len(bf16_copies), len(fp8_copies)
+
+    def per_call_bf16(fn) -> float:
+        return sbl._time_over(bf16_copies, fn) / len(bf16_copies)
+
+    def per_call_fp8(fn) -> float:
+        return sbl._time_over(fp8_copies, fn) / len(fp8_copies)
+
+    result["bf16_cublas_ms"] = per_call_bf16(lambda w: F.linear(x, w))
     bf16_tiles = {}
     for tile in sbl.CONFIGS:
         if tile.single_row and rows != 1:
             continue
-        bf16_tiles[str(tile)] = sbl._time_over(bf16_copies, lambda w, t=tile: sbl.launch(x, w, t))
+        bf16_tiles[str(tile)] = per_call_bf16(lambda w, t=tile: sbl.launch(x, w, t))
     result["bf16_best_tile_ms"] = min(bf16_tiles.values())
     fp8_times = {}
     for choice in fl.Fp8Linear.candidates(rows, data, torch.bfloat16):
         label = choice.kind if choice.tile is None else f"{choice.kind} {choice.tile}"
-        fp8_times[label] = sbl._time_over(fp8_copies, fl._timed(choice, x))
+        fp8_times[label] = per_call_fp8(fl._timed(choice, x))
     result["fp8_ms"] = fp8_times
     result["fp8_best"] = min(fp8_times, key=fp8_times.get)
     result["fp8_best_ms"] = fp8_times[result["fp8_best"]]

@@ -251,6 +251,11 @@ def test_choose_splits_heuristic():
         ).block_m
         == 16
     )
+    # an fp8 cache: the large grid takes the fp8 key step, the small grid keeps its own
+    step = split_decode_kernel._fp8_step
+    fp8 = config(32, 16, 1088, kv_fp8=True)
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == step
+    assert config(1, 16, 1088, kv_fp8=True) == one_row
     with pytest.raises(ValueError, match="num_splits"):
         TritonPagedAttention(num_splits=0)
 

@@ -23,6 +23,7 @@ before importing it to run them (slowly) on CPU tensors.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -327,6 +328,23 @@ DEFAULT_SM_COUNT = 132
 MAX_SPLITS = 64
 # programs (groups x kv heads) up to which decode uses many short splits (`choose_splits`)
 SMALL_GRID = 64
+# An fp8 cache's large-grid key step (block_n, num_warps, num_stages): its keys and values are
+# widened in registers, which ends cp.async pipelining, so a step must carry more keys to keep
+# as many bytes in flight; measured on an H200 (benchmarks/fp8_kv_attention_sweep.py).
+# RLT_FP8_SPLIT_DECODE="block_n,num_warps,num_stages" overrides it (read at import; sweeps).
+FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
+FP8_LARGE_GRID_STEP = (128, 4, 3)
+
+
+def _fp8_large_grid_step() -> tuple[int, int, int]:
+    given = os.environ.get(FP8_SPLIT_ENV)
+    if not given:
+        return FP8_LARGE_GRID_STEP
+    block_n, num_warps, num_stages = (int(v) for v in given.split(","))
+    return block_n, num_warps, num_stages
+
+
+_fp8_step = _fp8_large_grid_step()
 
 
 @dataclass(frozen=True)
@@ -352,6 +370,7 @@ def choose_splits(
     num_splits: int | None = None,
     block_n: int | None = None,
     queries_per_group: int = 1,
+    kv_fp8: bool = False,
 ) -> SplitConfig:
     """Splits per (group, kv head) and the key step, from bind-time host ints only (a graph
     captured with full-width tables keeps a fixed grid). `num_splits` / `block_n` override the
@@ -365,11 +384,15 @@ def choose_splits(
       2-9% faster per layer call than the rule below at 1-4 rows;
     - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
     Splits are capped at MAX_SPLITS and at one key step each. `queries_per_group`: the call's
-    max_query_len (a group's q queries x G heads are the tile's rows)."""
+    max_query_len (a group's q queries x G heads are the tile's rows). `kv_fp8`: the large
+    grid takes FP8_LARGE_GRID_STEP's key step, warps and stages instead."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     programs = max(1, num_groups * num_kv_heads)
     small_grid = programs <= SMALL_GRID and block_d <= 128
     num_stages = 3
+    fp8_step = kv_fp8 and not small_grid and block_n is None and block_d <= 128
+    if fp8_step:
+        block_n, fp8_warps, num_stages = _fp8_step
     if block_n is None:
         if small_grid:
             block_n = 16 if programs <= SMALL_GRID // 2 else 32
@@ -389,6 +412,8 @@ def choose_splits(
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
     if small_grid:
         num_warps, num_stages = (2 if block_n == 16 else 4), 2
+    if fp8_step:
+        num_warps = fp8_warps
     return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages)
 
 

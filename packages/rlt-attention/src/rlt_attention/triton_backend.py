@@ -242,6 +242,7 @@ class _TritonBoundAttention:
                     num_splits=self._num_splits,
                     block_n=self._block_n,
                     queries_per_group=self._shape.max_query_len,
+                    kv_fp8=views.fp8,
                 ),
                 new_key=key if store_in_split else None,
                 new_value=value if store_in_split else None,

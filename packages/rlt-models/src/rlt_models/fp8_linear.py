@@ -45,6 +45,10 @@ FP8_TILES = (
     sbl.TileConfig(4, 1024, 2, 3, single_row=True),
     sbl.TileConfig(4, 2048, 4, 3, single_row=True),
     sbl.TileConfig(8, 1024, 4, 3, single_row=True),
+    # N = 2048 (o, down) gives few CTAs: narrower ones, more of them, deeper pipelines
+    sbl.TileConfig(2, 1024, 2, 4, single_row=True),
+    sbl.TileConfig(2, 512, 1, 6, single_row=True),
+    sbl.TileConfig(4, 512, 2, 6, single_row=True),
     sbl.TileConfig(16, 512, 4, 3),
     sbl.TileConfig(32, 512, 4, 3),
     sbl.TileConfig(16, 128, 2, 8),
@@ -161,7 +165,7 @@ class Fp8Linear:
         for choice in self.candidates(rows, data, dtype):
             try:
                 out = run(choice, x, data, scale).float()
-            except RuntimeError:  # e.g. a _scaled_mm layout this torch build refuses
+            except Exception:  # noqa: BLE001 - a layout _scaled_mm refuses, a tile Triton rejects
                 continue
             if (out - reference).abs().max().item() > TOLERANCE[choice.kind] * largest:
                 continue

@@ -1,0 +1,162 @@
+"""Split-KV decode attention over an fp8 cache against bf16, per key-step configuration.
+
+The decode attention of one loop at 128 requests (Ouro-1.4B: 24 layers, 16 heads of 128,
+G = 1), each request with a `--context`-token history in its own fragmented pages: one CUDA
+graph calls the split-KV kernel once per layer (each layer's KV is read once, far beyond the
+L2 cache, as a loop reads it), median of replays. bf16 runs the engine's heuristic
+(`choose_splits`); fp8 runs every (splits per program, block_n, warps, stages) candidate and
+the heuristic's current choice. Reports microseconds per loop and KV bytes per second, the
+best fp8 configuration and its `RLT_FP8_SPLIT_DECODE` value. Run on a GPU:
+
+    python3 benchmarks/fp8_kv_attention_sweep.py --out fp8_kv_attention_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages" / "rlt-attention" / "src"))
+
+from rlt_attention import split_decode_kernel as sdk  # noqa: E402
+from rlt_attention.kv_store import quantize  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 24, 16, 128, 16
+
+
+def time_graph(calls, replays: int = 10) -> float:
+    calls()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    times = []
+    for i in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        if i >= 2:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) * 1000  # us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=128)
+    parser.add_argument("--context", type=int, default=1100)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows, context = args.rows, args.context
+    pages = -(-context // BLOCK)
+    blocks = rows * pages
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (LAYERS, blocks, BLOCK, HEADS, HEAD_DIM)
+    key = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    value = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    scale = torch.full((LAYERS,), 2.0**-6, device="cuda")
+    key8 = torch.empty(shape, device="cuda", dtype=torch.float8_e4m3fn)
+    value8 = torch.empty_like(key8)
+    for layer in range(LAYERS):  # a layer at a time: the fp32 temporaries stay small
+        key8[layer] = quantize(key[layer], scale[layer])
+        value8[layer] = quantize(value[layer], scale[layer])
+    tables = torch.randperm(blocks, device="cuda", generator=generator).to(torch.int32)
+    tables = tables.view(rows, pages)
+    query = torch.randn(rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    query_start = torch.arange(rows + 1, device="cuda", dtype=torch.int32)
+    lengths = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(query)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    heuristic = {
+        fp8: sdk.choose_splits(
+            num_groups=rows,
+            num_kv_heads=HEADS,
+            max_context_len=context,
+            queries_per_kv=1,
+            head_dim=HEAD_DIM,
+            sm_count=sm_count,
+            kv_fp8=fp8,
+        )
+        for fp8 in (False, True)
+    }
+
+    def loop(split, fp8: bool):
+        def calls():
+            for layer in range(LAYERS):
+                scales = {}
+                if fp8:
+                    scales = dict(
+                        key_scale=scale[layer : layer + 1], value_scale=scale[layer : layer + 1]
+                    )
+                sdk.launch_split_decode_attention(
+                    out,
+                    query,
+                    (key8 if fp8 else key)[layer],
+                    (value8 if fp8 else value)[layer],
+                    tables,
+                    query_start,
+                    lengths,
+                    split=split,
+                    **scales,
+                )
+
+        return calls
+
+    kv_bytes = {
+        fp8: 2 * LAYERS * rows * context * HEADS * HEAD_DIM * (1 if fp8 else 2)
+        for fp8 in (False, True)
+    }
+    results = []
+
+    def record(name, split, fp8):
+        us = time_graph(loop(split, fp8))
+        results.append(
+            dict(
+                kv="fp8" if fp8 else "bf16",
+                config=name,
+                split=asdict(split),
+                us_per_loop=round(us, 1),
+                kv_tb_per_s=round(kv_bytes[fp8] / (us * 1e-6) / 1e12, 3),
+            )
+        )
+        line = results[-1]
+        print(
+            f"{line['kv']:5s} {name:24s} {us:9.1f} us  {line['kv_tb_per_s']:.2f} TB/s", flush=True
+        )
+
+    record("heuristic", heuristic[False], False)
+    record("heuristic", heuristic[True], True)
+    base = heuristic[True]
+    # the heuristic's splits (its RLT_FP8_SPLIT_DECODE override sets the key step only)
+    for block_n, warps, stages in itertools.product((64, 128, 256), (4, 8), (2, 3, 4)):
+        split = replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
+        record(f"n{block_n}_w{warps}_st{stages}", split, True)
+    fp8_results = [r for r in results if r["kv"] == "fp8"]
+    best = min(fp8_results, key=lambda r: r["us_per_loop"])
+    bf16 = results[0]["us_per_loop"]
+    summary = dict(
+        rows=rows,
+        context=context,
+        device=torch.cuda.get_device_name(),
+        bf16_us_per_loop=bf16,
+        fp8_heuristic_us_per_loop=fp8_results[0]["us_per_loop"],
+        fp8_best=best,
+        fp8_best_speedup_over_bf16=round(bf16 / best["us_per_loop"], 3),
+        env=",".join(str(best["split"][k]) for k in ("block_n", "num_warps", "num_stages")),
+    )
+    print(json.dumps(summary), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(summary=summary, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

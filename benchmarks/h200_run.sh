@@ -26,9 +26,10 @@
 #                                                  (fixed and the 2.5-loop mix, beside bf16); (b)
 #                                                  the GEMV sweep, then fp8 KV and fp8 weights
 #                                                  + KV at 128 requests beside bf16; (c) the fp8
-#                                                  kernels' tests, both sweeps (the attention
-#                                                  sweep's best key step is exported as
-#                                                  RLT_FP8_SPLIT_DECODE), c1 and c128 side by
+#                                                  kernels' tests, the attention sweep (its
+#                                                  best key step is exported as
+#                                                  RLT_FP8_SPLIT_DECODE; GEMV_SWEEP=1 adds the
+#                                                  GEMV sweep), c1 and c128 side by
 #                                                  side, then speculation at 32 requests with
 #                                                  the default disable limit
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
@@ -117,15 +118,16 @@ case "$mode" in
       export RLT_FP8_SPLIT_DECODE=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary']['env'])" \
         "$OUT/fp8_kv_attention_sweep.json")
       echo "RLT_FP8_SPLIT_DECODE=$RLT_FP8_SPLIT_DECODE" | tee "$OUT/fp8_split_env.txt"
-      python3 benchmarks/fp8_gemv_sweep.py --rows 1,4 --out "$OUT/fp8_gemv_sweep.json" >"$OUT/fp8_gemv_sweep.log" 2>&1
+      [ "${GEMV_SWEEP:-0}" = 0 ] || python3 benchmarks/fp8_gemv_sweep.py --rows 1,4 \
+        --out "$OUT/fp8_gemv_sweep.json" >"$OUT/fp8_gemv_sweep.log" 2>&1
       "${b[@]}" --num-requests 4 --max-num-seqs 1 --max-num-batched-tokens 1100 --arm fixed \
         --arm fixed@fp8 --arm $mix --arm $mix@fp8 --json-out "$OUT/fp8_c1.json" >"$OUT/fp8_c1.log" 2>&1
       "${b[@]}" --num-requests 256 --max-num-seqs 128 --max-num-batched-tokens 4096 --arm fixed \
         --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
-      timeout "${SPEC_S:-170}" python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda \
+      timeout "${SPEC_S:-150}" python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda \
         --dtype bfloat16 --concurrency 32 --drafts 3 --draft-loops 1 --alphas 0.9 --no-real \
         --disable-batch-size default --repeats 2 --out "$OUT/spec_c32_default.json" >"$OUT/spec_c32.log" 2>&1
-      tail -n 4 "$OUT/spec_c32.log" "$OUT/fp8_kv_attention_sweep.log" "$OUT/fp8_gemv_sweep.log"
+      tail -n 4 "$OUT/spec_c32.log" "$OUT/fp8_kv_attention_sweep.log"
     else
       python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out "$OUT/fp8_gemv_sweep.json" \
         >"$OUT/fp8_gemv_sweep.log" 2>&1

@@ -4,7 +4,7 @@
 goes to `linear` (F.linear, the small-batch selector or the batch-invariant GEMM). An
 `Fp8Projection` goes to the reference (dequantize, then `linear`: exact on the CPU in fp32)
 unless `linear` is the small-batch selector on CUDA, the engine's fast path; then
-`Fp8Linear` picks, per (rows bucket, N, K, dtype, device), the fastest of
+`Fp8Linear` picks, per (rows bucket, N, K, dtype, device) up to 16 rows, the fastest of
 
 - **weight-only** (rows <= 16): the small-batch Triton kernels streaming the fp8 weight, each
   element widened to the activation dtype in registers, fp32 accumulation, the channel scale
@@ -17,7 +17,11 @@ unless `linear` is the small-batch selector on CUDA, the engine's fast path; the
   relative per element.
 - **dequantize**: the reference (a bf16 copy of the weight per call; always correct).
 
-Each candidate is timed as `small_batch_linear` times its own (a CUDA graph of one call per
+Beyond 16 rows (prefill chunks, large decode batches) it takes W8A8 where `_scaled_mm` applies
+and the reference elsewhere, without measuring: prefill shapes change while the engine serves,
+and a measurement synchronizes the device (the dequantizing reference writes a bf16 copy of the
+weight and then runs the bf16 GEMM, strictly more work than W8A8's one fp8 read). Up to 16 rows
+each candidate is timed as `small_batch_linear` times its own (a CUDA graph of one call per
 weight over copies that exceed twice the L2 cache, median of replays) and must compute the
 same product first (weight-only within 2% of the output's largest magnitude, as bf16 does;
 W8A8 within 10%, the activation rounding). The first call for a shape must not run inside
@@ -63,6 +67,9 @@ class Fp8Choice:
 
     kind: str
     tile: sbl.TileConfig | None = None
+
+
+W8A8_CHOICE, DEQUANTIZE_CHOICE = Fp8Choice(W8A8), Fp8Choice(DEQUANTIZE)
 
 
 if triton is not None:
@@ -123,7 +130,11 @@ class Fp8Linear:
         if not self.eligible(x):
             return weight(x, F.linear)
         data, scale = weight.weight, weight.scale
-        key = (_rows_bucket(x.shape[0]), *data.shape, x.dtype, x.device)
+        rows = x.shape[0]
+        if rows > sbl.MAX_ROWS:  # no measurement: prefill shapes vary while serving
+            choice = W8A8_CHOICE if self.w8a8_eligible(data, x.dtype) else DEQUANTIZE_CHOICE
+            return run(choice, x, data, scale)
+        key = (_rows_bucket(rows), *data.shape, x.dtype, x.device)
         if key not in self.choices:
             self.choices[key] = self._measure(key[0], data, scale, x.dtype)
         return run(self.choices[key], x, data, scale, needed)
@@ -142,18 +153,27 @@ class Fp8Linear:
 
     @staticmethod
     def candidates(rows: int, data: torch.Tensor, dtype: torch.dtype) -> list[Fp8Choice]:
-        found = [Fp8Choice(DEQUANTIZE)]
+        found = [DEQUANTIZE_CHOICE]
         if rows <= sbl.MAX_ROWS:
             found += [
                 Fp8Choice(WEIGHT_ONLY, tile)
                 for tile in sbl.CONFIGS + FP8_TILES
                 if rows == 1 or not tile.single_row
             ]
-        n, k = data.shape
-        capability = torch.cuda.get_device_capability(data.device)
-        if dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and capability >= (8, 9):
-            found.append(Fp8Choice(W8A8))
+        if Fp8Linear.w8a8_eligible(data, dtype):
+            found.append(W8A8_CHOICE)
         return found
+
+    @staticmethod
+    def w8a8_eligible(data: torch.Tensor, dtype: torch.dtype) -> bool:
+        """`_scaled_mm` with row-wise scales: bf16 out, dims multiples of 16, sm_89+."""
+        n, k = data.shape
+        return (
+            dtype == torch.bfloat16
+            and n % 16 == 0
+            and k % 16 == 0
+            and torch.cuda.get_device_capability(data.device) >= (8, 9)
+        )
 
     def _measure(self, rows, data, scale, dtype) -> Fp8Choice:
         """The fastest candidate that computes the product, timed over cold weights."""
@@ -172,7 +192,7 @@ class Fp8Linear:
             ms = sbl._time_over(weights, _timed(choice, x))
             if ms < best_ms:
                 best, best_ms = choice, ms
-        return best or Fp8Choice(DEQUANTIZE)
+        return best or DEQUANTIZE_CHOICE
 
 
 def _timed(choice: Fp8Choice, x: torch.Tensor) -> Callable:

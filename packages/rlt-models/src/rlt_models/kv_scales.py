@@ -30,7 +30,7 @@ from rlt_models.errors import CheckpointError
 FP8_MAX = 448.0
 HEADROOM = 2.0
 # calibration tokens at most (one dense forward of this many positions per loop)
-MAX_CALIBRATION_TOKENS = 512
+MAX_CALIBRATION_TOKENS = 256
 
 KVScaleTuple = tuple[tuple[float, ...], tuple[float, ...]]
 

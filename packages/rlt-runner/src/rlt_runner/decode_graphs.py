@@ -45,9 +45,16 @@ class DecodeGraphs:
         self.replays = 0
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, SamplingMode, bool], torch.cuda.CUDAGraph] = {}
-        for rows in reversed(self.buckets):
-            for gate in (False, True):
-                self._capture(rows, SamplingMode(), gate)
+        keys = [(rows, gate) for rows in reversed(self.buckets) for gate in (False, True)]
+        for done, (rows, gate) in enumerate(keys, 1):  # start-up progress, one line each
+            self._capture(rows, SamplingMode(), gate)
+            logger.info(
+                "CUDA graphs: decode tick %d/%d (%d rows, gate %s)", done, len(keys), rows, gate
+            )
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
 
     @property
     def max_rows(self) -> int:

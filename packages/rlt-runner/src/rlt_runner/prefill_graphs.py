@@ -146,7 +146,10 @@ class PrefillGraphs:
         stall of every running request if it happened while serving; later captures of
         another chunk count reuse them (~0.1-0.17 s each, `benchmarks/prefill_capture_cost.py`)."""
         width = MIN_TOKENS
-        while self._graph(min(width, self.max_tokens), 1) is not None and width < self.max_tokens:
+        while self._graph(min(width, self.max_tokens), 1) is not None:
+            logger.info("CUDA graphs: prefill step of %d tokens", min(width, self.max_tokens))
+            if width >= self.max_tokens:
+                break
             width *= 2
 
     def _graph(self, width: int, groups: int) -> torch.cuda.CUDAGraph | None:

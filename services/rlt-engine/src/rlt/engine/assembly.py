@@ -31,6 +31,7 @@ from rlt_scheduler import Scheduler, make_exit_policy, max_rounds_per_step
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
+from rlt.engine.startup import StartupClock
 from rlt.engine.structured_output import XGrammarCompiler
 
 if TYPE_CHECKING:
@@ -88,16 +89,18 @@ def resolve_device(name: str) -> torch.device:
 def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> EngineParts:
     """The engine's parts. `model`: already loaded from `config.model` with its dtype on its
     device (benchmarks share one between engines); None loads it."""
+    clock = StartupClock()
     model_dir = resolve_model_dir(config.model)
     device = resolve_device(config.device)
     if model is None:
-        model = load_model(
-            model_dir,
-            dtype=None if config.dtype == "auto" else config.dtype,
-            device=device,
-            quantization=config.quantization,
-            quantize_lm_head=config.quantize_lm_head,
-        )
+        with clock.phase("weights", lambda: _weights_line(model, device)):
+            model = load_model(
+                model_dir,
+                dtype=None if config.dtype == "auto" else config.dtype,
+                device=device,
+                quantization=config.quantization,
+                quantize_lm_head=config.quantize_lm_head,
+            )
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape
@@ -127,7 +130,10 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         logger.warning("attention backend %s: %s", selection.name, selection.warning)
     num_planes = layout.storage_planes(shape.num_loops)
     pages_per_request = -(-max_model_len // config.block_size)
-    kv_scales = fp8_kv_scales(model, model_dir) if config.kv_cache_dtype == "fp8" else None
+    kv_scales = None
+    if config.kv_cache_dtype == "fp8":
+        with clock.phase("fp8 KV scales"):
+            kv_scales = fp8_kv_scales(model, model_dir)
     kv_dtype = model.dtype if kv_scales is None else FP8
     bytes_per_block = KVStorage.bytes_per_block(
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
@@ -164,7 +170,8 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
 
     activation = None
     if device.type == "cuda" and config.num_kv_blocks is None:
-        activation = _profile_activations(config, model, make_runner, max_model_len, num_planes)
+        with clock.phase("memory profiling", lambda: str(activation)):
+            activation = _profile_activations(config, model, make_runner, max_model_len, num_planes)
     memory_plan = plan_kv_blocks(
         device=device,
         bytes_per_block=bytes_per_block,
@@ -199,7 +206,12 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         prefix_caching=kv.prefix_caching,
         constraint_compiler=constraint_compiler,
     )
-    runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
+    graphs = config.cuda_graphs and device.type == "cuda"
+    with clock.phase(
+        "CUDA graphs and kernel selection" if graphs else "runner",
+        lambda: _graphs_line(runner) if graphs else "",
+    ):
+        runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
     if runner.graphs is None and device.type == "cuda":
         log = logger.warning if config.cuda_graphs else logger.info
         log("decode runs eagerly: %s", runner.graphs_disabled_reason)
@@ -218,17 +230,24 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
     model_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype_name = str(kv_dtype).removeprefix("torch.")
     kv_tokens = memory_plan.num_blocks // num_planes * config.block_size
+    full_requests = memory_plan.num_blocks // (pages_per_request * num_planes)
     logger.info(
-        "weights: projections %s, LM head %s; KV cache %s: %d blocks of %d positions at %d "
-        "plane(s) = %d tokens",
-        weight_dtype,
-        "float8_e4m3fn" if model.quantized_lm_head else model_dtype,
+        "start-up: KV pool: %s %d blocks of %d positions x %d plane(s) = %d tokens "
+        "(%.2f GiB); %d requests of max_model_len %d fit at once (max_num_seqs %d); weights: "
+        "projections %s, LM head %s",
         kv_dtype_name,
         memory_plan.num_blocks,
         config.block_size,
         num_planes,
         kv_tokens,
+        memory_plan.num_blocks * bytes_per_block / 2**30,
+        full_requests,
+        max_model_len,
+        config.max_num_seqs,
+        weight_dtype,
+        "float8_e4m3fn" if model.quantized_lm_head else model_dtype,
     )
+    clock.ready()
     return EngineParts(
         core=core,
         model=model,
@@ -245,6 +264,26 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
     )
+
+
+def _weights_line(model: OuroModel | None, device: torch.device) -> str:
+    if model is None:  # the load failed: its exception is on its way
+        return ""
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return f"{size / 1e9:.2f} GB on {device} (projections {weight_dtype_name(model)})"
+
+
+def _graphs_line(runner: ModelRunner) -> str:
+    if runner.graphs is None:
+        return f"none ({runner.graphs_disabled_reason})"
+    parts = [f"{runner.graphs.captured} decode ticks"]
+    if runner.prefill_graphs is not None:
+        parts.append(f"{runner.prefill_graphs.captured} prefill steps")
+    if runner.shared_waves is not None:
+        parts.append("SHARED prefill waves")
+    if runner.speculative_graphs is not None:
+        parts.append("speculative rounds")
+    return ", ".join(parts)
 
 
 def fp8_kv_scales(model: OuroModel, model_dir: Path) -> KVScales:

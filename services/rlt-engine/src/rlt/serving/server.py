@@ -124,6 +124,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started:
+            logger.info("start-up: ready at http://%s:%d", self.config.host, self.config.port)
 
     def handle_exit(self, sig: int, frame) -> None:
         """Signal handler (main thread): first signal drains, second aborts, third forces."""

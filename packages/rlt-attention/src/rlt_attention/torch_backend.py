@@ -184,10 +184,9 @@ class _TorchBoundAttention(_BoundAttention):
             return gathered.masked_fill_(index.key_outside_context, 0.0)
 
         views = self._views
-        keys = gather(views.key_slots, views.key_scale).permute(0, 2, 3, 1)  # [S, Hkv, D, Cmax]
-        values = gather(views.value_slots, views.value_scale).permute(
-            0, 2, 1, 3
-        )  # [S, Hkv, Cmax, D]
+        # keys [S, Hkv, D, Cmax], values [S, Hkv, Cmax, D]
+        keys = gather(views.key_slots, views.key_scale).permute(0, 2, 3, 1)
+        values = gather(views.value_slots, views.value_scale).permute(0, 2, 1, 3)
 
         # one spare row after the groups' rows takes the padding rows (PaddedGroupIndex)
         padded = query.new_zeros((num_groups * max_q + 1, num_heads, head_dim), dtype=torch.float32)
@@ -295,9 +294,8 @@ class _BatchInvariantAttention(_BoundAttention):
         q = padded.view(blocks, QUERY_BLOCK, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q = q.reshape(blocks * kv_heads, 1, rows, head_dim).expand(-1, chunks, -1, -1)
         q = q.reshape(pieces, rows, head_dim).contiguous()
-        keys = self._gather(
-            self._views.key_slots, self._views.key_scale, layer_index
-        )  # [blocks, Cpad, Hkv, D]
+        views = self._views
+        keys = self._gather(views.key_slots, views.key_scale, layer_index)  # [blocks, Cpad, Hkv, D]
         keys = keys.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim).permute(0, 3, 1, 4, 2)
         keys = keys.reshape(pieces, head_dim, KEY_CHUNK).contiguous()
         score = torch.bmm(q, keys) * head_dim**-0.5  # [pieces, QB * G, C]
@@ -306,7 +304,7 @@ class _BatchInvariantAttention(_BoundAttention):
         # Every row sees position 0, so its max is finite.
         row_max = score.amax(dim=(2, 5), keepdim=True)
         probs = torch.exp(score - row_max).view(pieces, rows, KEY_CHUNK)
-        values = self._gather(self._views.value_slots, self._views.value_scale, layer_index)
+        values = self._gather(views.value_slots, views.value_scale, layer_index)
         values = torch.cat([values, values.new_ones(*values.shape[:3], 1)], dim=-1)
         values = values.view(blocks, chunks, KEY_CHUNK, kv_heads, head_dim + 1)
         values = values.permute(0, 3, 1, 2, 4).reshape(pieces, KEY_CHUNK, head_dim + 1)

@@ -12,33 +12,16 @@ import shutil
 
 import pytest
 import torch
-from rlt import LLM, SamplingParams
+from rlt import LLM
 from rlt_contracts import PDCompatibility
 from rlt_models import CheckpointError, DenseCausalAttention, DenseKVCache, load_model
 from rlt_models.kv_scales import HEADROOM, calibrate_kv_scales
 from rlt_models.loading import SINGLE_FILE
 from safetensors.torch import load_file, save_file
+from test_fp8_engine import ENGINE as BASE_ENGINE
+from test_fp8_engine import PROMPTS, params
 
-PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 11], [64, 128, 9, 31, 77, 18, 200, 201, 45], [7]]
-ENGINE = dict(
-    dtype="float32",
-    device="cpu",
-    block_size=4,
-    num_kv_blocks=256,
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    prefill_chunk_size=5,
-    kv_cache_dtype="fp8",
-)
-
-
-def params() -> list[SamplingParams]:
-    return [
-        SamplingParams(max_tokens=9, exit_threshold=0.55, min_loops=1, ignore_eos=True),
-        SamplingParams(max_tokens=6, exit_threshold=1.0, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=8, exit_threshold=0.7, temperature=0.8, seed=3, top_p=0.9),
-        SamplingParams(max_tokens=7, exit_threshold=0.4, min_loops=1, ignore_eos=True),
-    ]
+ENGINE = {**BASE_ENGINE, "kv_cache_dtype": "fp8"}
 
 
 def generate(path, prompts, sampling, **options):

@@ -2,7 +2,8 @@
 client.
 
 - echo=true prepends each prompt's text (a token prompt decoded) to its choice, streaming or
-  not; with logprobs the prompt's tokens come first with null log-probabilities.
+  not; with logprobs the prompt's tokens come first with their full-depth log-probabilities
+  (null for the first token), equal to the engine's prompt scoring.
 - top_logprobs hold the requested alternatives plus the sampled token when it is not among
   them (completions: logprobs=0 gives the sampled token alone; chat: top_logprobs >= 1).
 """
@@ -10,6 +11,8 @@ client.
 from __future__ import annotations
 
 import pytest
+from oracle.dense_ouro import DenseOuro
+from oracle.generation import GenerationOracle
 from serving_harness import run_server, sse_events
 
 
@@ -36,14 +39,25 @@ def test_echo_prepends_each_prompt(http, server, prompts):
     assert echoed.json()["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
 
 
-def test_echo_with_logprobs_gives_null_entries_for_the_prompt(http):
+def test_echo_with_logprobs_scores_the_prompt(http, tiny_checkpoint):
     body = {"prompt": "It is a", "echo": True, "logprobs": 2, **GREEDY}
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
-    prompt_tokens = len(http.post("/tokenize", json={"prompt": "It is a"}).json()["tokens"])
+    prompt = http.post("/tokenize", json={"prompt": "It is a"}).json()["tokens"]
+    prompt_tokens = len(prompt)
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == prompt_tokens + 5
-    assert logprobs["token_logprobs"][:prompt_tokens] == [None] * prompt_tokens
-    assert logprobs["top_logprobs"][:prompt_tokens] == [None] * prompt_tokens
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    oracle = GenerationOracle(
+        DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), "last_exited"
+    )
+    # the server's fp32 against the fp64 oracle: 1e-4 on log-probabilities of magnitude ~6
+    assert logprobs["token_logprobs"][1:prompt_tokens] == pytest.approx(
+        oracle.prompt_logprobs(tuple(prompt))[1:], abs=1e-4
+    )
+    for i in range(1, prompt_tokens):  # the 2 alternatives plus the prompt token itself
+        top = logprobs["top_logprobs"][i]
+        assert 2 <= len(top) <= 3 and max(top.values()) <= 0
+        assert top[logprobs["tokens"][i]] == logprobs["token_logprobs"][i]
     assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"][prompt_tokens:])
     assert "".join(logprobs["tokens"][:prompt_tokens]) == "It is a"
     assert logprobs["text_offset"][prompt_tokens] == len("It is a")
@@ -68,7 +82,8 @@ def test_the_openai_client_reads_echo_with_logprobs(client):
         model="tiny", prompt="It is", echo=True, logprobs=1, **greedy
     )
     assert echoed.choices[0].text == "It is" + plain.choices[0].text
-    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+    token_logprobs = echoed.choices[0].logprobs.token_logprobs
+    assert token_logprobs[0] is None and all(isinstance(lp, float) for lp in token_logprobs[1:])
 
 
 def test_completion_top_logprobs_include_the_sampled_token(http):

@@ -100,7 +100,7 @@ class GenerationOracle:
             d.dtype,
         )
         result = OracleResult()
-        final = self._prefill(request.prompt, kv)
+        final = self._prefill(request.prompt, kv)[-1:]
         self._emit(result, d.lm_head(final)[0], depth)
         while True:
             reason = self._finish_reason(request, result)
@@ -129,7 +129,23 @@ class GenerationOracle:
                 kv.copy_position(loop - 1, range(loop, depth), position)
             self._emit(result, d.lm_head(x)[0], loop)
 
+    def prompt_logprobs(self, prompt: tuple[int, ...]) -> list[float | None]:
+        """log p(prompt[i] | prompt[:i]) under every position's final prefill state (None for
+        token 0): what prompt scoring at full depth reports, in this layout's semantics."""
+        d = self.dense
+        kv = _PlaneKV(
+            d.loops if self.layout == "last_exited" else 1,
+            d.num_layers,
+            len(prompt),
+            d.num_kv_heads,
+            d.head_dim,
+            d.dtype,
+        )
+        logprobs = torch.log_softmax(d.lm_head(self._prefill(prompt, kv)[:-1]), dim=-1)
+        return [None] + [float(logprobs[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+
     def _prefill(self, prompt: tuple[int, ...], kv: _PlaneKV) -> torch.Tensor:
+        """Every prompt position's final state [P, d]."""
         d = self.dense
         if self.layout == "last_exited":
             h = d.embed(torch.tensor(prompt))
@@ -137,13 +153,15 @@ class GenerationOracle:
             for loop in range(1, d.loops + 1):
                 h, new_kv, _ = d.loop(h, positions, [None] * d.num_layers)
                 kv.store(loop - 1, 0, new_kv)
-            return h[-1:]
+            return h
+        states = []
         for position, token in enumerate(prompt):
             x = d.embed(torch.tensor([token]))
             for _ in range(d.loops):
                 x, new_kv, _ = d.loop(x, torch.tensor([position]), kv.past(0, position))
                 kv.store(0, position, new_kv)
-        return x
+            states.append(x)
+        return torch.cat(states)
 
     def _trigger(
         self, request: OracleRequest, loop: int, survival: float, result: OracleResult

@@ -28,6 +28,7 @@ from rlt_contracts.execution import (
     GeneratedTokens,
     ModelRunnerOutput,
     PrefillProgress,
+    PromptLogprobs,
     SpeculationCounts,
 )
 from rlt_contracts.kv import (
@@ -139,6 +140,7 @@ __all__ = [
     "PagedAttentionBatch",
     "PrefillChunk",
     "PrefillProgress",
+    "PromptLogprobs",
     "PrefixMatch",
     "RequestBlocks",
     "RequestOutputDelta",

@@ -44,6 +44,18 @@ class PrefillProgress(msgspec.Struct, frozen=True, array_like=True):
     end_position: int
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """Prompt tokens [first_token, first_token + len(token_logprobs)) of a request scored at
+    full depth (`SamplingParams.prompt_logprobs`): token i's log-probability under the state of
+    position i - 1, and the `prompt_logprobs` most likely (token id, log-probability) pairs
+    there. Reported with the completion evidence of the chunk that computed them (0.1.10)."""
+
+    identity: ExecutionIdentity
+    first_token: int
+    token_logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+
+
 class FailedOperation(enum.StrEnum):
     """What failed, and so what the named requests lost (R04, R06).
 
@@ -97,7 +109,8 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     failures: what failed in the step, each naming the requests it aborts (FailedOperation);
       a SNAPSHOT or RESTORE failure leaves the other requests' results valid.
     speculative_rounds: the rounds the step ran (0.1.7); speculation: their draft and
-      acceptance counts (None for a step without rounds). A speculative step's loop_slots count
+      acceptance counts (None for a step without rounds). prompt_logprobs: scored prompt
+      tokens of the step's chunks (0.1.10). A speculative step's loop_slots count
       the rows x loops of its draft passes and the positions x loops of its verify passes.
     """
 
@@ -109,6 +122,7 @@ class ModelRunnerOutput(msgspec.Struct, frozen=True):
     loop_slots: int = 0
     speculative_rounds: int = 0
     speculation: SpeculationCounts | None = None
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
     @property
     def step_failed(self) -> bool:

@@ -35,6 +35,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       logprobs: None for no log-probabilities; n >= 0 returns the chosen token's log-probability
         plus the n most likely alternatives (at most 20). Always of the RAW model distribution:
         before penalties, logit_bias, min_tokens, temperature and every filter.
+      prompt_logprobs: None, or n >= 0: the log-probability of every prompt token after the
+        first under the model at full depth (each position's state after all loops, as prefill
+        computes it, equal to the Hugging Face forward), plus the n most likely alternatives
+        at each position (at most 20). Such a prompt is computed in full (no prefix-cache hit:
+        cached positions have no state to score) and eagerly (no prefill CUDA graph).
 
     Logits adjustments and filters (vLLM's names, ranges and semantics; greedy rows get the
     adjustments too, before their argmax). Order, as in vLLM's V1 sampler: min_tokens mask,
@@ -89,6 +94,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -126,12 +132,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _check_int("stop_token_ids", token_id, low=0)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", "must be a boolean")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0)
-            if self.logprobs > MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(
-                    "logprobs", f"at most {MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None:
+                _check_int(name, count, low=0)
+                if count > MAX_TOP_LOGPROBS:
+                    raise InvalidRequestError(
+                        name, f"at most {MAX_TOP_LOGPROBS} alternatives, got {count}"
+                    )
         self._check_logits_adjustments()
         for name in (
             "include_stop_str_in_output",

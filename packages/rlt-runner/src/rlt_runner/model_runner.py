@@ -45,6 +45,7 @@ from rlt_runner.decode_program import DecodeProgram
 from rlt_runner.kv_storage import FP8, KVScales, KVStorage
 from rlt_runner.prefill import run_prefill
 from rlt_runner.prefill_graphs import PrefillGraphs
+from rlt_runner.prompt_scoring import score_chunk
 from rlt_runner.readback import PendingStep, finish_readback, start_readback
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.shared_prefill import SharedPrefillGraphs
@@ -350,24 +351,28 @@ class ModelRunner:
         return record
 
     def _run_chunks(self, chunks: list[PrefillChunk], pending: PendingStep) -> None:
-        run_prefill(
+        records = [self.rows.record(c.identity) for c in chunks]
+        scored = frozenset(
+            i for i, r in enumerate(records) if r.sampling.prompt_logprobs is not None
+        )
+        states = run_prefill(
             self.model,
             self.attention,
             self.kv,
             self.rows,
             self.layout,
             [
-                (
-                    self.rows.record(c.identity).row,
-                    c.start_position,
-                    c.token_ids,
-                    c.completes_prompt,
-                )
-                for c in chunks
+                (r.row, c.start_position, c.token_ids, c.completes_prompt)
+                for r, c in zip(records, chunks, strict=True)
             ],
             graphs=self.prefill_graphs,
             shared_waves=self.shared_waves,
+            keep_states=scored,
         )
+        for i in sorted(scored):
+            score = score_chunk(self.model, states[i], records[i], chunks[i].start_position)
+            if score is not None:
+                pending.prompt_scores.append((records[i], *score))
         # Submission only: collect reports these once the step's completion is established.
         pending.queued_progress = tuple(PrefillProgress(c.identity, c.end_position) for c in chunks)
 

@@ -11,6 +11,8 @@ every plane (no per-loop uploads, no host reads):
   CUDA graphs each position is one graph replay (shared_prefill.py), else eager calls.
 
 A chunk that completes its prompt leaves the state of its last position in the row's `hidden`.
+`keep_states` names chunks whose every position's final state is returned (prompt scoring:
+those steps run eagerly).
 """
 
 from __future__ import annotations
@@ -83,20 +85,25 @@ def run_prefill(
     *,
     graphs: PrefillGraphs | None = None,
     shared_waves: SharedPrefillGraphs | None = None,
-) -> None:
+    keep_states: frozenset[int] = frozenset(),
+) -> dict[int, torch.Tensor]:
     """Run chunks (row, start_position, token_ids, completes_prompt) at full depth; with CUDA
-    graphs on, `graphs` (depth-major steps) or `shared_waves` (the SHARED layout's waves)."""
+    graphs on, `graphs` (depth-major steps) or `shared_waves` (the SHARED layout's waves).
+    Returns {chunk index: final states [len, d]} for the chunks in `keep_states` (eager)."""
     if not chunks:
-        return
+        return {}
+    if keep_states:
+        graphs = shared_waves = None
     if layout is KVLayout.SHARED and shared_waves is not None:
         shared_waves.run(chunks)
     elif layout is KVLayout.SHARED:
-        _position_by_position(model, attention, kv, rows, chunks)
+        return _position_by_position(model, attention, kv, rows, chunks, keep_states)
     elif graphs is None or not graphs.run(chunks):
-        _depth_major(model, attention, kv, rows, layout, chunks)
+        return _depth_major(model, attention, kv, rows, layout, chunks, keep_states)
+    return {}
 
 
-def _depth_major(model, attention, kv, rows, layout, chunks) -> None:
+def _depth_major(model, attention, kv, rows, layout, chunks, keep_states) -> dict:
     groups = PrefillGroups(
         rows,
         [row for row, _, _, _ in chunks],
@@ -110,9 +117,14 @@ def _depth_major(model, attention, kv, rows, layout, chunks) -> None:
         bound = attention.bind(kv.tensors, groups.batch(layout.plane_of_loop(loop)))
         hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
+    starts = [0]
+    for _, _, tokens, _ in chunks:
+        starts.append(starts[-1] + len(tokens))
+    return {i: hidden[starts[i] : starts[i + 1]] for i in keep_states}
 
 
-def _position_by_position(model, attention, kv, rows, chunks) -> None:
+def _position_by_position(model, attention, kv, rows, chunks, keep_states) -> dict:
+    kept: dict[int, list[torch.Tensor]] = {i: [] for i in keep_states}
     for offset in range(max(len(tokens) for _, _, tokens, _ in chunks)):
         wave = [c for c in chunks if offset < len(c[2])]
         groups = PrefillGroups(
@@ -129,6 +141,11 @@ def _position_by_position(model, attention, kv, rows, chunks) -> None:
             hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
         last = [done and offset == len(tokens) - 1 for _, _, tokens, done in wave]
         _keep_final_states(rows, groups, hidden, last)
+        in_wave = [i for i, c in enumerate(chunks) if offset < len(c[2])]
+        for j, i in enumerate(in_wave):
+            if i in kept:
+                kept[i].append(hidden[j])
+    return {i: torch.stack(states) for i, states in kept.items()}
 
 
 def _keep_final_states(rows: DecodeRows, groups: PrefillGroups, hidden, keep: list[bool]) -> None:

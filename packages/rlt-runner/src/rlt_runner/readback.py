@@ -33,6 +33,7 @@ from rlt_contracts import (
 )
 
 from rlt_runner.decode_program import record_columns
+from rlt_runner.prompt_scoring import unpack
 from rlt_runner.row_state import RowRecord
 from rlt_runner.transfers import download
 
@@ -57,6 +58,8 @@ class PendingStep:
       (its per-round (accepted, drafted) counts follow the ring in `host`);
     loop_slots: rows x loops the step's decode ran (padding included);
     queued_progress: prompt chunks submitted (reported only with completion evidence);
+    prompt_scores: (record, first scored token, rows on their way to the host) per scored chunk
+      (prompt_scoring.py), reported with the same evidence;
     failures: operations that failed (their requests are named); step_failed: the whole step
       failed, so it reports nothing else.
     """
@@ -71,6 +74,7 @@ class PendingStep:
     drafts: int = 0
     loop_slots: int = 0
     queued_progress: tuple[PrefillProgress, ...] = ()
+    prompt_scores: list[tuple[RowRecord, int, torch.Tensor]] = field(default_factory=list)
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     completion: StepCompletion = StepCompletion.UNKNOWN
@@ -158,6 +162,10 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
         loop_slots=pending.loop_slots,
         speculative_rounds=pending.speculative_rounds,
         speculation=speculation,
+        prompt_logprobs=tuple(
+            unpack(record.identity, first, host, record.sampling.prompt_logprobs or 0)
+            for record, first, host in pending.prompt_scores
+        ),
     )
     return output, waited
 

@@ -144,10 +144,11 @@ class Admitter:
         return floor > self.kv.capacity().free_blocks
 
     def _prefix_of(self, request: ScheduledRequest) -> PrefixMatch:
-        """Reusable cached prefix of a new request (a resumed one restores its snapshot)."""
-        return (
-            self.kv.match_prefix(request.prompt_token_ids) if not request.preempted else NO_PREFIX
-        )
+        """Reusable cached prefix of a new request (a resumed one restores its snapshot; a
+        prompt to score is computed in full: cached positions have no states to score)."""
+        if request.preempted or request.sampling.prompt_logprobs is not None:
+            return NO_PREFIX
+        return self.kv.match_prefix(request.prompt_token_ids)
 
     def waits_for_sibling(self, request: ScheduledRequest) -> bool:
         """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""

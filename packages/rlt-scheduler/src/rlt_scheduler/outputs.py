@@ -22,6 +22,7 @@ from rlt_contracts import (
     KVPort,
     ModelRunnerOutput,
     PrefillProgress,
+    PromptLogprobs,
     RequestStage,
     SchedulerOutput,
 )
@@ -60,6 +61,16 @@ def apply_prefill_progress(
     request.computed_prompt_tokens = progress.end_position
     if request.stage is not RequestStage.WAITING:
         kv.publish_prefix(request.identity, request.prompt_token_ids, progress.end_position)
+
+
+def record_prompt_logprobs(request: ScheduledRequest, scores: PromptLogprobs) -> None:
+    """Scored prompt tokens arrive chunk by chunk, in order (a gap is a runner bug)."""
+    if scores.first_token != len(request.prompt_scores) + 1:
+        raise RuntimeError(
+            f"{request.identity}: prompt token {scores.first_token} scored, "
+            f"{len(request.prompt_scores) + 1} expected next"
+        )
+    request.prompt_scores.extend(zip(scores.token_logprobs, scores.top_logprobs, strict=True))
 
 
 def check_output_index(request: ScheduledRequest, generated: GeneratedTokens) -> None:

@@ -51,6 +51,8 @@ class ScheduledRequest:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # prompt_logprobs: token i's (log-probability, top) at index i - 1, filled chunk by chunk
+    prompt_scores: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     known_to_runner: bool = False
     bypass_count: int = 0  # admissions of later requests while this one waited (bounded bypass)
     snapshot_tokens: int | None = None  # preempted: positions its device snapshot covers
@@ -133,12 +135,15 @@ class ScheduledRequest:
         carries the request's timings)."""
         start, self.delivered_tokens = self.delivered_tokens, self.num_outputs
         wants_logprobs = self.sampling.logprobs is not None
+        scored = self.sampling.prompt_logprobs is not None and start == 0 and self.num_outputs > 0
         return RequestOutputDelta(
             request_id=self.identity.request_id,
             token_ids=tuple(self.output_token_ids[start:]),
             exit_depths=tuple(self.exit_depths[start:]),
             logprobs=tuple(self.logprobs[start:]) if wants_logprobs else None,
             top_logprobs=tuple(self.top_logprobs[start:]) if wants_logprobs else None,
+            prompt_logprobs=(None, *(lp for lp, _ in self.prompt_scores)) if scored else None,
+            prompt_top_logprobs=(None, *(top for _, top in self.prompt_scores)) if scored else None,
             finished=self.finished,
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.prompt_length,

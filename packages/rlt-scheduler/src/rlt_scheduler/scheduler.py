@@ -379,6 +379,10 @@ class Scheduler:
             request = self._current(progress.identity)
             if request is not None:
                 outputs.apply_prefill_progress(request, progress, self.kv, self.stats)
+        for scores in result.prompt_logprobs:
+            request = self._current(scores.identity)
+            if request is not None:
+                outputs.record_prompt_logprobs(request, scores)
         now = time.monotonic() if result.generated else 0.0
         for generated in result.generated:
             request = self._current(generated.identity)

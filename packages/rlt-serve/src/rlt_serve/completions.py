@@ -31,8 +31,14 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         check_prompt(prompt, info, param=param)
         check_max_tokens(len(prompt), body.max_tokens, info, param="max_tokens")
+    want_logprobs = body.logprobs is not None
     params = sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=ctx.loop_defaults
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        # echo with logprobs scores the prompt at full depth (OpenAI's and vLLM's echo)
+        prompt_logprobs=body.logprobs if body.echo and want_logprobs else None,
+        defaults=ctx.loop_defaults,
     )
     echoed = prompt_texts(body.prompt, prompts, ctx.tokenizer) if body.echo else None
     response_id = new_id("cmpl")
@@ -50,10 +56,6 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     )
     n = body.n
     want_ids = body.return_token_ids
-    want_logprobs = body.logprobs is not None
-
-    def prompt_logprobs(index: int) -> CompletionLogprobs | None:
-        return _prompt_logprobs(ctx, prompts[index]) if want_logprobs else None
 
     if not body.stream:
         async with generation:
@@ -68,7 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             if want_logprobs:
                 logprobs = _logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs, len(prefix))
                 if echoed is not None:
-                    logprobs = _joined(prompt_logprobs(c.prompt_index), logprobs)
+                    logprobs = _joined(_prompt_logprobs(ctx, prompts[c.prompt_index], c), logprobs)
             choices.append(
                 CompletionChoice(
                     index=c.index,
@@ -105,7 +107,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             CompletionChoice(
                 index=p * n + i,
                 text=text,
-                logprobs=prompt_logprobs(p),
+                logprobs=None,  # the prompt's come with the first generated token's
                 finish_reason=None,
                 exit_depths=[],
                 token_ids=[] if want_ids else None,
@@ -126,6 +128,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 text_offsets[choice.index],
             )
             text_offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+            if echoed is not None and delta.prompt_logprobs is not None:
+                logprobs = _joined(
+                    _prompt_logprobs(ctx, prompts[choice.prompt_index], choice), logprobs
+                )
         yield response_of(
             CompletionChoice(
                 index=choice.index,
@@ -177,14 +183,25 @@ def _logprobs(
     )
 
 
-def _prompt_logprobs(ctx: ServerContext, prompt: Sequence[int]) -> CompletionLogprobs:
-    """Echoed prompt tokens: their text and offsets, with null log-probabilities (prompt
-    log-probabilities are not computed)."""
+def _prompt_logprobs(ctx: ServerContext, prompt: Sequence[int], choice) -> CompletionLogprobs:
+    """Echoed prompt tokens: their text, offsets and full-depth log-probabilities with the top
+    alternatives (null for the first token, which nothing predicts), as OpenAI and vLLM
+    return them."""
     tokens = [ctx.token_text(t) for t in prompt]
+    scored = choice.prompt_logprobs or (None,) * len(tokens)
+    tops = choice.prompt_top_logprobs or (None,) * len(tokens)
+    top_entries = []
+    for token, logprob, top in zip(tokens, scored, tops, strict=True):
+        if logprob is None:
+            top_entries.append(None)
+            continue
+        entry = {ctx.token_text(t): lp for t, lp in top or ()}
+        entry[token] = logprob
+        top_entries.append(entry)
     return CompletionLogprobs(
         tokens=tokens,
-        token_logprobs=[None] * len(tokens),
-        top_logprobs=[None] * len(tokens),
+        token_logprobs=list(scored),
+        top_logprobs=top_entries,
         text_offset=_offsets(tokens, 0),
     )
 

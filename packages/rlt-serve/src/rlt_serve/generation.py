@@ -63,6 +63,9 @@ class Choice:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # per prompt token (None for the first) when the request scored its prompt
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
     last_token_time: float | None = None
@@ -223,6 +226,9 @@ class Generation:
         if delta.logprobs is not None:
             choice.logprobs.extend(delta.logprobs)
             choice.top_logprobs.extend(delta.top_logprobs or ((),) * len(delta.logprobs))
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+            choice.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finished:
             choice.finish_reason = str(delta.finish_reason or "abort")
             choice.error = delta.error

@@ -200,6 +200,11 @@ class LLMEngine:
         if delta.logprobs is not None and output.logprobs is not None:
             output.logprobs.extend(delta.logprobs)
             output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
+        if delta.prompt_logprobs is not None:
+            output.prompt_logprobs = list(delta.prompt_logprobs)
+            output.prompt_top_logprobs = [
+                None if top is None else list(top) for top in delta.prompt_top_logprobs
+            ]
         detokenizer = self._detokenizers[delta.request_id]
         if detokenizer is not None:
             # The scheduler ends a request on a stop token with that token last in the delta

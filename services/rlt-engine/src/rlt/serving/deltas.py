@@ -46,6 +46,7 @@ class OutputCursor:
             return None
         self.target_sent = self.target_sent or target is not None
         text = output.text[self.text : text_end]
+        scored = start == 0 and end > 0 and output.prompt_logprobs is not None
         self.tokens, self.text = end, max(self.text, text_end)
         wants_logprobs = output.logprobs is not None
         return RequestOutputDelta(
@@ -57,6 +58,12 @@ class OutputCursor:
             top_logprobs=(
                 tuple(tuple(top) for top in output.top_logprobs[start:end])
                 if wants_logprobs and output.top_logprobs is not None
+                else None
+            ),
+            prompt_logprobs=tuple(output.prompt_logprobs) if scored else None,
+            prompt_top_logprobs=(
+                tuple(None if t is None else tuple(t) for t in output.prompt_top_logprobs)
+                if scored
                 else None
             ),
             finished=output.finished,
@@ -84,6 +91,8 @@ def merge_deltas(first: RequestOutputDelta, second: RequestOutputDelta) -> Reque
         text=first.text + second.text,
         logprobs=logprobs,
         top_logprobs=top,
+        prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
+        prompt_top_logprobs=first.prompt_top_logprobs or second.prompt_top_logprobs,
         finished=second.finished,
         finish_reason=second.finish_reason,
         num_prompt_tokens=second.num_prompt_tokens or first.num_prompt_tokens,

@@ -1,0 +1,53 @@
+"""Prompt logprobs at full depth (`SamplingParams.prompt_logprobs`).
+
+A scored chunk runs eagerly (prefill.py keeps its positions' final states); here those states go
+through the LM head, and position p, whose state has seen tokens 0..p at full depth, scores
+prompt token p + 1 (the last prompt position scores nothing: it samples token 0). Per chunk the
+device computes log_softmax in fp32, gathers the next tokens' log-probabilities and the top n,
+and packs them as fp64 rows [logprob, n top logprobs, n top ids] (ids < 2**53 are exact) into
+one download that the step's read-back collects with the rest (no extra wait).
+
+Worked example: a 7-token prompt in chunks [0, 4) and [4, 7) scores tokens 1..4 with the first
+chunk's states 0..3 and tokens 5..6 with the second's states 4..5; the response reports
+[None, lp1, ..., lp6].
+"""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import ExecutionIdentity, LoopedLanguageModel, PromptLogprobs
+
+from rlt_runner.row_state import RowRecord
+from rlt_runner.transfers import download, upload
+
+
+def score_chunk(
+    model: LoopedLanguageModel, states: torch.Tensor, record: RowRecord, start: int
+) -> tuple[int, torch.Tensor] | None:
+    """(first scored token, packed host rows on their way) for one chunk's final `states`
+    [len, d] at positions [start, start + len); None if it scores nothing."""
+    end = min(start + states.shape[0], record.prompt_length - 1)
+    if end <= start:
+        return None
+    targets = upload(list(record.prompt_token_ids[start + 1 : end + 1]), torch.int64, states.device)
+    logprobs = torch.log_softmax(model.coda(states[: end - start]).float(), dim=-1)
+    columns = [logprobs.gather(1, targets[:, None])]
+    top = record.sampling.prompt_logprobs
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        columns += [values, ids]
+    return start + 1, download(torch.cat([c.double() for c in columns], dim=1))
+
+
+def unpack(identity: ExecutionIdentity, first_token: int, host: torch.Tensor, top: int):
+    """The downloaded rows of `score_chunk` as the contract's `PromptLogprobs`."""
+    rows = host.tolist()
+    return PromptLogprobs(
+        identity=identity,
+        first_token=first_token,
+        token_logprobs=tuple(row[0] for row in rows),
+        top_logprobs=tuple(
+            tuple(zip((int(i) for i in row[1 + top :]), row[1 : 1 + top], strict=True))
+            for row in rows
+        ),
+    )

@@ -24,6 +24,46 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def worker_count() -> int:
+    """Worker processes of a plain `pytest` run: $RLT_TEST_WORKERS, else the CPUs this process
+    may use (at most 4); fewer than 2 means no workers."""
+    if "RLT_TEST_WORKERS" in os.environ:
+        return int(os.environ["RLT_TEST_WORKERS"])
+    return min(usable_cpus(), 4)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Spread a run over worker processes (pytest-xdist, `--dist loadgroup`) where xdist is
+    installed (the workspace's `dev` group; members' own environments run serially) and the
+    command line does not choose: `-n 0` or `-p no:xdist` run in one process, `-n N` picks N.
+    Not set in addopts because pytest refuses `-n` where the plugin is missing. Runs before
+    xdist's own pytest_cmdline_main (conftest hooks are registered after the plugin's)."""
+    option = config.option
+    if (
+        not config.pluginmanager.hasplugin("xdist")
+        or hasattr(config, "workerinput")  # an xdist worker itself
+        or getattr(option, "numprocesses", None) is not None
+        or getattr(option, "dist", "no") != "no"
+        or option.usepdb
+        or option.collectonly
+    ):
+        return
+    workers = worker_count()
+    if workers >= 2:
+        option.numprocesses = workers
+        option.dist = "loadgroup"
+        # The CPUs shared out: torch's intra-op pool in each worker (and in the servers its
+        # tests start, which inherit the environment) is sized to its share, not to all of them.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // workers)))
+
+
 def cuda_available() -> bool:
     """Whether torch is installed and sees a CUDA device (False in torch-free environments)."""
     if importlib.util.find_spec("torch") is None:

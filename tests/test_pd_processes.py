@@ -163,11 +163,19 @@ def instance_key(monkeypatch):
     monkeypatch.setenv("RLT_INSTANCE_API_KEY", "pd-test-key")
 
 
+_REFERENCES: dict[tuple, list[tuple[list[int], list[int]]]] = {}
+
+
 def reference(model: str, flags: dict) -> list[tuple[list[int], list[int]]]:
-    options = {**ENGINE_FLAGS, **flags, "device": "cpu"}
-    with LLM(model, **options) as llm:
-        params = [SamplingParams(**request_params(i)) for i in range(len(PROMPTS))]
-        return [(o.token_ids, o.exit_depths) for o in llm.generate(PROMPTS, params)]
+    """A single engine's outputs for PROMPTS (computed once per model and flags)."""
+    key = (model, tuple(sorted(flags.items())))
+    if key not in _REFERENCES:
+        options = {**ENGINE_FLAGS, **flags, "device": "cpu"}
+        with LLM(model, **options) as llm:
+            params = [SamplingParams(**request_params(i)) for i in range(len(PROMPTS))]
+            outputs = llm.generate(PROMPTS, params)
+        _REFERENCES[key] = [(o.token_ids, o.exit_depths) for o in outputs]
+    return _REFERENCES[key]
 
 
 @pytest.mark.parametrize(

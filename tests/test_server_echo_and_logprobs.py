@@ -163,3 +163,65 @@ def test_the_openai_client_reads_chat_top_logprobs(client):
     )
     for entry in reply.choices[0].logprobs.content:
         assert entry.token in [t.token for t in entry.top_logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_without_generating(http, stream):
+    """OpenAI's scoring call (lm-evaluation-harness's loglikelihood): echo, logprobs, max_tokens
+    0. The choice is the prompt alone with its scores; usage counts no completion token."""
+    body = {"prompt": ["It is a", "a truth"], "echo": True, "logprobs": 1, "max_tokens": 0}
+    full = http.post("/v1/completions", json={**body, "max_tokens": 1}).json()
+    if stream:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = sse_events(response.iter_lines())
+        chunks = [e for e in events[:-1] if e["choices"]]
+        usage = events[-2]["usage"]
+        for index, prompt in enumerate(["It is a", "a truth"]):
+            mine = [e["choices"][0] for e in chunks if e["choices"][0]["index"] == index]
+            assert "".join(c["text"] for c in mine) == prompt
+            assert mine[-1]["finish_reason"] == "length"
+            (scored,) = [c["logprobs"] for c in mine if c["logprobs"]]
+            want = full["choices"][index]["logprobs"]
+            assert scored["token_logprobs"] == want["token_logprobs"][: len(scored["tokens"])]
+    else:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        usage = result["usage"]
+        for choice, want in zip(result["choices"], full["choices"], strict=True):
+            prompt_tokens = len(choice["logprobs"]["tokens"])
+            assert choice["text"] == want["text"][: len(choice["text"])]
+            assert choice["exit_depths"] == [] and choice["finish_reason"] == "length"
+            assert choice["logprobs"]["token_logprobs"] == (
+                want["logprobs"]["token_logprobs"][:prompt_tokens]
+            )
+            assert len(want["logprobs"]["tokens"]) == prompt_tokens + 1
+    assert usage["completion_tokens"] == 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] > 0
+
+
+def test_max_tokens_zero_without_scoring_is_refused(http):
+    response = http.post("/v1/completions", json={"prompt": "It is", "max_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs_field(http):
+    body = {"prompt": "It is a truth", "prompt_logprobs": 2, **GREEDY}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    echoed = http.post(
+        "/v1/completions", json={**body, "prompt_logprobs": None, "echo": True, "logprobs": 2}
+    ).json()["choices"][0]["logprobs"]
+    prompt = http.post("/tokenize", json={"prompt": "It is a truth"}).json()["tokens"]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert choice["logprobs"] is None  # no logprobs asked for the generated tokens
+    for i, entry in enumerate(entries[1:], 1):
+        token = entry[str(prompt[i])]
+        assert token["logprob"] == echoed["token_logprobs"][i]
+        assert token["rank"] >= 1 and token["decoded_token"] == echoed["tokens"][i]
+        ranks = sorted(e["rank"] for key, e in entry.items() if key != str(prompt[i]))
+        assert ranks[:2] == [1, 2] or token["rank"] <= 2
+    refused = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -47,12 +47,14 @@ class PrefillProgress(msgspec.Struct, frozen=True, array_like=True):
 class PromptLogprobs(msgspec.Struct, frozen=True):
     """Prompt tokens [first_token, first_token + len(token_logprobs)) of a request scored at
     full depth (`SamplingParams.prompt_logprobs`): token i's log-probability under the state of
-    position i - 1, and the `prompt_logprobs` most likely (token id, log-probability) pairs
-    there. Reported with the completion evidence of the chunk that computed them (0.1.10)."""
+    position i - 1, its rank there (1 = the most likely), and the `prompt_logprobs` most likely
+    (token id, log-probability) pairs. Reported with the completion evidence of the chunk that
+    computed them (0.1.10)."""
 
     identity: ExecutionIdentity
     first_token: int
     token_logprobs: tuple[float, ...]
+    token_ranks: tuple[int, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
 
 

@@ -88,9 +88,9 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     exit_depths[i]: loops the hidden state that produced token i went through. Token 0 comes from
       prefill and always has the full model depth.
     logprobs / top_logprobs: aligned with token_ids when the request asked for logprobs.
-    prompt_logprobs / prompt_top_logprobs: with `SamplingParams.prompt_logprobs`, on the delta
-      that carries token 0: one entry per prompt token, None for the first (nothing predicts
-      it), as OpenAI and vLLM report them (0.1.10).
+    prompt_logprobs / prompt_token_ranks / prompt_top_logprobs: with
+      `SamplingParams.prompt_logprobs`, on the delta that carries token 0: one entry per prompt
+      token, None for the first (nothing predicts it), as OpenAI and vLLM report them (0.1.10).
     resolved_seed: the seed actually used (differs from the request when it asked for None).
     kv_target: PD decode instance only: where the prefill instance must write this request's
       KV, on the first delta after the request was admitted (no tokens yet).
@@ -105,6 +105,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_token_ranks: tuple[int | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None

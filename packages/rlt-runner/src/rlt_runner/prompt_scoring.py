@@ -4,7 +4,7 @@ A scored chunk runs eagerly (prefill.py keeps its positions' final states); here
 through the LM head, and position p, whose state has seen tokens 0..p at full depth, scores
 prompt token p + 1 (the last prompt position scores nothing: it samples token 0). Per chunk the
 device computes log_softmax in fp32, gathers the next tokens' log-probabilities and the top n,
-and packs them as fp64 rows [logprob, n top logprobs, n top ids] (ids < 2**53 are exact) into
+and packs them as fp64 rows [logprob, rank, n top logprobs, n top ids] (exact integers) into
 one download that the step's read-back collects with the rest (no extra wait).
 
 Worked example: a 7-token prompt in chunks [0, 4) and [4, 7) scores tokens 1..4 with the first
@@ -31,7 +31,8 @@ def score_chunk(
         return None
     targets = upload(list(record.prompt_token_ids[start + 1 : end + 1]), torch.int64, states.device)
     logprobs = torch.log_softmax(model.coda(states[: end - start]).float(), dim=-1)
-    columns = [logprobs.gather(1, targets[:, None])]
+    chosen = logprobs.gather(1, targets[:, None])
+    columns = [chosen, (logprobs > chosen).sum(dim=1, keepdim=True) + 1]
     top = record.sampling.prompt_logprobs
     if top:
         values, ids = logprobs.topk(top, dim=-1)
@@ -46,8 +47,9 @@ def unpack(identity: ExecutionIdentity, first_token: int, host: torch.Tensor, to
         identity=identity,
         first_token=first_token,
         token_logprobs=tuple(row[0] for row in rows),
+        token_ranks=tuple(int(row[1]) for row in rows),
         top_logprobs=tuple(
-            tuple(zip((int(i) for i in row[1 + top :]), row[1 : 1 + top], strict=True))
+            tuple(zip((int(i) for i in row[2 + top :]), row[2 : 2 + top], strict=True))
             for row in rows
         ),
     )

@@ -70,7 +70,9 @@ def record_prompt_logprobs(request: ScheduledRequest, scores: PromptLogprobs) ->
             f"{request.identity}: prompt token {scores.first_token} scored, "
             f"{len(request.prompt_scores) + 1} expected next"
         )
-    request.prompt_scores.extend(zip(scores.token_logprobs, scores.top_logprobs, strict=True))
+    request.prompt_scores.extend(
+        zip(scores.token_logprobs, scores.token_ranks, scores.top_logprobs, strict=True)
+    )
 
 
 def check_output_index(request: ScheduledRequest, generated: GeneratedTokens) -> None:

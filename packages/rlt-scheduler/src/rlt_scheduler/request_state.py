@@ -51,8 +51,10 @@ class ScheduledRequest:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    # prompt_logprobs: token i's (log-probability, top) at index i - 1, filled chunk by chunk
-    prompt_scores: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    # prompt_logprobs: token i's (log-probability, rank, top) at index i - 1, chunk by chunk
+    prompt_scores: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(
+        default_factory=list
+    )
     known_to_runner: bool = False
     bypass_count: int = 0  # admissions of later requests while this one waited (bounded bypass)
     snapshot_tokens: int | None = None  # preempted: positions its device snapshot covers
@@ -142,8 +144,9 @@ class ScheduledRequest:
             exit_depths=tuple(self.exit_depths[start:]),
             logprobs=tuple(self.logprobs[start:]) if wants_logprobs else None,
             top_logprobs=tuple(self.top_logprobs[start:]) if wants_logprobs else None,
-            prompt_logprobs=(None, *(lp for lp, _ in self.prompt_scores)) if scored else None,
-            prompt_top_logprobs=(None, *(top for _, top in self.prompt_scores)) if scored else None,
+            prompt_logprobs=(None, *(s[0] for s in self.prompt_scores)) if scored else None,
+            prompt_token_ranks=(None, *(s[1] for s in self.prompt_scores)) if scored else None,
+            prompt_top_logprobs=(None, *(s[2] for s in self.prompt_scores)) if scored else None,
             finished=self.finished,
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.prompt_length,

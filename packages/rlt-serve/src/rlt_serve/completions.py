@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from rlt_contracts import RequestOutputDelta
@@ -12,9 +13,16 @@ from rlt_contracts import RequestOutputDelta
 from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
+from rlt_serve.prompt_scores import echo_logprobs, prompt_scores_wanted, vllm_prompt_logprobs
 from rlt_serve.prompts import check_max_tokens, check_prompt, completion_prompts, prompt_texts
 from rlt_serve.request_schemas import CompletionRequest
-from rlt_serve.response_schemas import CompletionChoice, CompletionLogprobs, CompletionResponse
+from rlt_serve.response_schemas import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    LoopUsage,
+    Usage,
+)
 from rlt_serve.streaming import stream_generation
 from rlt_serve.unicode_input import check_valid_unicode
 
@@ -27,18 +35,22 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     check_supported(body)
     info = ctx.model_info
     prompts = completion_prompts(body.prompt, ctx.tokenizer)
+    scoring = prompt_scores_wanted(body)
+    # max_tokens 0 scores only: the engine's token 0 is left out of the response
+    scoring_only = body.max_tokens == 0
+    max_tokens = max(body.max_tokens, 1)
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         check_prompt(prompt, info, param=param)
-        check_max_tokens(len(prompt), body.max_tokens, info, param="max_tokens")
+        check_max_tokens(len(prompt), max_tokens, info, param="max_tokens")
     want_logprobs = body.logprobs is not None
     params = sampling_params(
         body,
-        max_tokens=body.max_tokens,
+        max_tokens=max_tokens,
         logprobs=body.logprobs,
-        # echo with logprobs scores the prompt at full depth (OpenAI's and vLLM's echo)
-        prompt_logprobs=body.logprobs if body.echo and want_logprobs else None,
+        prompt_logprobs=scoring,
         defaults=ctx.loop_defaults,
+        field_names={"prompt_logprobs": "prompt_logprobs" if body.prompt_logprobs else "logprobs"},
     )
     echoed = prompt_texts(body.prompt, prompts, ctx.tokenizer) if body.echo else None
     response_id = new_id("cmpl")
@@ -66,19 +78,28 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         choices = []
         for c in generation.final_choices():
             prefix = echoed[c.prompt_index] if echoed is not None else ""
+            prompt = prompts[c.prompt_index]
+            kept = 0 if scoring_only else len(c.token_ids)
             logprobs = None
             if want_logprobs:
-                logprobs = _logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs, len(prefix))
+                logprobs = _logprobs(
+                    ctx, c.token_ids[:kept], c.logprobs[:kept], c.top_logprobs, len(prefix)
+                )
                 if echoed is not None:
-                    logprobs = _joined(_prompt_logprobs(ctx, prompts[c.prompt_index], c), logprobs)
+                    logprobs = _joined(echo_logprobs(ctx, prompt, c), logprobs)
             choices.append(
                 CompletionChoice(
                     index=c.index,
-                    text=prefix + c.text,
+                    text=prefix + (c.text if kept else ""),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
-                    exit_depths=c.exit_depths,
-                    token_ids=c.token_ids if want_ids else None,
+                    finish_reason=_finish_reason(c, scoring_only),
+                    exit_depths=c.exit_depths[:kept],
+                    token_ids=c.token_ids[:kept] if want_ids else None,
+                    prompt_logprobs=(
+                        vllm_prompt_logprobs(ctx, prompt, c)
+                        if body.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
         response = CompletionResponse(
@@ -86,7 +107,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             created=created,
             model=ctx.served_model_name,
             choices=choices,
-            usage=generation.usage(info.num_loops),
+            usage=_usage(generation, info.num_loops, scoring_only),
         )
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -118,6 +139,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ]
 
     def chunk(choice: Choice, delta: RequestOutputDelta) -> Iterable[CompletionResponse]:
+        if scoring_only:  # the engine's token 0 is not part of the response
+            delta = _without_tokens(delta)
+        prompt = prompts[choice.prompt_index]
         logprobs = None
         if want_logprobs and delta.logprobs is not None:
             logprobs = _logprobs(
@@ -129,17 +153,17 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             )
             text_offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
             if echoed is not None and delta.prompt_logprobs is not None:
-                logprobs = _joined(
-                    _prompt_logprobs(ctx, prompts[choice.prompt_index], choice), logprobs
-                )
+                logprobs = _joined(echo_logprobs(ctx, prompt, choice), logprobs)
+        scored = body.prompt_logprobs is not None and delta.prompt_logprobs is not None
         yield response_of(
             CompletionChoice(
                 index=choice.index,
                 text=delta.text,
                 logprobs=logprobs,
-                finish_reason=choice.finish_reason if delta.finished else None,
+                finish_reason=(_finish_reason(choice, scoring_only) if delta.finished else None),
                 exit_depths=list(delta.exit_depths),
                 token_ids=list(delta.token_ids) if want_ids else None,
+                prompt_logprobs=vllm_prompt_logprobs(ctx, prompt, choice) if scored else None,
             )
         )
 
@@ -150,7 +174,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 created=created,
                 model=ctx.served_model_name,
                 choices=[],
-                usage=generation.usage(info.num_loops),
+                usage=_usage(generation, info.num_loops, scoring_only),
             )
 
     return stream_generation(generation, opening=opening, chunks=chunk, closing=closing)
@@ -183,27 +207,36 @@ def _logprobs(
     )
 
 
-def _prompt_logprobs(ctx: ServerContext, prompt: Sequence[int], choice) -> CompletionLogprobs:
-    """Echoed prompt tokens: their text, offsets and full-depth log-probabilities with the top
-    alternatives (null for the first token, which nothing predicts), as OpenAI and vLLM
-    return them."""
-    tokens = [ctx.token_text(t) for t in prompt]
-    scored = choice.prompt_logprobs or (None,) * len(tokens)
-    tops = choice.prompt_top_logprobs or (None,) * len(tokens)
-    top_entries = []
-    for token, logprob, top in zip(tokens, scored, tops, strict=True):
-        if logprob is None:
-            top_entries.append(None)
-            continue
-        entry = {ctx.token_text(t): lp for t, lp in top or ()}
-        entry[token] = logprob
-        top_entries.append(entry)
-    return CompletionLogprobs(
-        tokens=tokens,
-        token_logprobs=list(scored),
-        top_logprobs=top_entries,
-        text_offset=_offsets(tokens, 0),
+def _usage(generation: Generation, model_depth: int, scoring_only: bool) -> Usage:
+    """The generation's usage; scoring only (max_tokens 0) generated nothing it returns."""
+    usage = generation.usage(model_depth)
+    if not scoring_only:
+        return usage
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=0,
+        total_tokens=usage.prompt_tokens,
+        loops=LoopUsage(total_loops=0, mean_loops_per_token=0.0, model_depth=model_depth),
     )
+
+
+def _without_tokens(delta: RequestOutputDelta) -> RequestOutputDelta:
+    """`delta` without its tokens, text and their logprobs (scoring only)."""
+    return msgspec.structs.replace(
+        delta,
+        token_ids=(),
+        exit_depths=(),
+        text="",
+        logprobs=() if delta.logprobs is not None else None,
+        top_logprobs=() if delta.top_logprobs is not None else None,
+    )
+
+
+def _finish_reason(choice: Choice, scoring_only: bool) -> str | None:
+    """Scoring only: "length" (no token was asked for), unless the request failed."""
+    if scoring_only and choice.finish_reason in ("stop", "length"):
+        return "length"
+    return choice.finish_reason
 
 
 def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:

@@ -65,6 +65,7 @@ class Choice:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     # per prompt token (None for the first) when the request scored its prompt
     prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_token_ranks: tuple[int | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
     finish_reason: str | None = None
     error: str | None = None
@@ -228,6 +229,7 @@ class Generation:
             choice.top_logprobs.extend(delta.top_logprobs or ((),) * len(delta.logprobs))
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
+            choice.prompt_token_ranks = delta.prompt_token_ranks
             choice.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finished:
             choice.finish_reason = str(delta.finish_reason or "abort")

@@ -215,7 +215,10 @@ class CompletionRequest(_CommonOpenAIFields):
 
     prompt: Prompt
     max_tokens: int | None = Field(
-        16, description="Tokens to generate (>= 1); prompt + max_tokens - 1 must fit the context."
+        16,
+        description="Tokens to generate (>= 1; 0 with echo and logprobs, or with "
+        "prompt_logprobs, scores the prompt without generating); prompt + max_tokens - 1 must "
+        "fit the context.",
     )
     logprobs: int | None = Field(
         None,
@@ -225,7 +228,12 @@ class CompletionRequest(_CommonOpenAIFields):
     echo: bool | None = Field(
         False,
         description="Prepend the prompt's text to the choice's text (with logprobs: its tokens "
-        "come first, with null log-probabilities).",
+        "come first with their full-depth log-probabilities, null for the first).",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        description="vLLM: score every prompt token at full depth and return it with this "
+        "many most likely alternatives (0..20) in the choice's prompt_logprobs.",
     )
     best_of: int | None = Field(
         None,

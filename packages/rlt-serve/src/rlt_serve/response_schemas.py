@@ -31,10 +31,17 @@ class Usage(BaseModel):
     loops: LoopUsage | None = Field(None, description="rlt extension.")
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of one token at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(BaseModel):
-    """Per token of the choice's text. With echo=true the prompt's tokens come first, with
-    null `token_logprobs` and `top_logprobs` entries (prompt log-probabilities are not
-    computed)."""
+    """Per token of the choice's text. With echo=true the prompt's tokens come first with
+    their full-depth log-probabilities (null for the first prompt token)."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -52,6 +59,11 @@ class CompletionChoice(BaseModel):
         "comes from prefill at the full depth). In a stream: those of this chunk's tokens."
     )
     token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None,
+        description="vLLM: with prompt_logprobs=N, per prompt token (null for the first) the "
+        "token and its N most likely alternatives at full depth, keyed by token id.",
+    )
 
 
 class CompletionResponse(BaseModel):

@@ -202,6 +202,7 @@ class LLMEngine:
             output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
         if delta.prompt_logprobs is not None:
             output.prompt_logprobs = list(delta.prompt_logprobs)
+            output.prompt_token_ranks = list(delta.prompt_token_ranks)
             output.prompt_top_logprobs = [
                 None if top is None else list(top) for top in delta.prompt_top_logprobs
             ]

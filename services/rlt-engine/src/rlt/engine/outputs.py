@@ -13,8 +13,8 @@ class RequestOutput:
 
     token_ids / exit_depths / logprobs are aligned: exit_depths[i] is the number of loops the
     hidden state that produced token i went through (token 0 comes from prefill at full depth).
-    prompt_logprobs / prompt_top_logprobs (`SamplingParams.prompt_logprobs`): one entry per
-    prompt token, None for the first, at full depth; set with token 0.
+    prompt_logprobs / prompt_token_ranks / prompt_top_logprobs (`SamplingParams.prompt_logprobs`):
+    one entry per prompt token, None for the first, at full depth; set with token 0.
     text is detokenized as the request's text options say (SamplingParams: by default special
     tokens are skipped, and a matched stop string or the stop token's text is not included).
     """
@@ -27,6 +27,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -61,6 +61,7 @@ class OutputCursor:
                 else None
             ),
             prompt_logprobs=tuple(output.prompt_logprobs) if scored else None,
+            prompt_token_ranks=tuple(output.prompt_token_ranks) if scored else None,
             prompt_top_logprobs=(
                 tuple(None if t is None else tuple(t) for t in output.prompt_top_logprobs)
                 if scored
@@ -92,6 +93,7 @@ def merge_deltas(first: RequestOutputDelta, second: RequestOutputDelta) -> Reque
         logprobs=logprobs,
         top_logprobs=top,
         prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs,
+        prompt_token_ranks=first.prompt_token_ranks or second.prompt_token_ranks,
         prompt_top_logprobs=first.prompt_top_logprobs or second.prompt_top_logprobs,
         finished=second.finished,
         finish_reason=second.finish_reason,

@@ -131,6 +131,7 @@ def test_completion_body_and_extensions(http, fake):
             "finish_reason": "length",
             "exit_depths": [4, 2, 3],
             "token_ids": [111, 107, 33],
+            "prompt_logprobs": None,  # vLLM's field, null unless asked for
         }
     ]
     assert body["usage"] == {

@@ -38,7 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     scoring = prompt_scores_wanted(body)
     # max_tokens 0 scores only: the engine's token 0 is left out of the response
     scoring_only = body.max_tokens == 0
-    max_tokens = max(body.max_tokens, 1)
+    max_tokens = 1 if scoring_only else body.max_tokens
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         check_prompt(prompt, info, param=param)

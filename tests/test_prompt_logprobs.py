@@ -67,3 +67,17 @@ def test_scoring_changes_no_generated_token_and_skips_the_prefix_cache(checkpoin
     assert [o.token_ids for o in mixed] == [o.token_ids for o in reference]
     assert llm.engine.core.leak_report() == []
     llm.shutdown()
+
+
+def test_scoring_through_a_prefill_decode_pair_is_refused(checkpoint):
+    """The prompt is computed on the prefill instance, which reports no scores: a clear error,
+    not a response without them."""
+    from rlt_contracts import InvalidRequestError, KVTransferParams, PDRole
+
+    llm = LLM(checkpoint, **ENGINE)
+    transfer = KVTransferParams(PDRole.DECODE, "t0", prefill_agent="P")
+    with pytest.raises(InvalidRequestError, match="prefill/decode") as error:
+        llm.engine.add_request("r", PROMPTS[0], scored(), kv_transfer=transfer)
+    assert error.value.field == "prompt_logprobs"
+    assert not llm.engine.has_unfinished_requests()
+    llm.shutdown()

@@ -131,6 +131,13 @@ class LLMEngine:
         tokenizer = self._tokenizer_or_none()
         if tokenizer is None and any(r.sampling.stop for r in requests):
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        if any(
+            r.kv_transfer is not None and r.sampling.prompt_logprobs is not None for r in requests
+        ):
+            # the prompt is computed on the prefill instance, which reports no scores
+            raise InvalidRequestError(
+                "prompt_logprobs", "prompt scoring is not available through a prefill/decode pair"
+            )
         for request in self.core.add_requests(requests):
             params = request.sampling
             request_id = request.identity.request_id

@@ -80,6 +80,10 @@ if importlib.util.find_spec("torch") is not None and not cuda_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):
+        # On xdist workers (every worker sorts alike): the `slow` tests first, so that they are
+        # dealt out across the workers at the start rather than left to one worker at the end.
+        items.sort(key=lambda item: "slow" not in item.keywords)
     cuda_items = [item for item in items if "cuda" in item.keywords]
     if not cuda_items or cuda_available():
         return

@@ -27,6 +27,8 @@ from rlt import LLM, SamplingParams
 
 pytest.importorskip("nixl")
 
+pytestmark = pytest.mark.slow  # each test starts a PD group of processes
+
 ENGINE_FLAGS = dict(
     dtype="float32",
     block_size=4,

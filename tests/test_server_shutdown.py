@@ -120,6 +120,7 @@ def run_signal_test(checkpoint, signum: int) -> None:
             process.wait()
 
 
+@pytest.mark.slow
 def test_sigterm_shuts_down_cleanly_with_exit_code_0(tiny_checkpoint):
     run_signal_test(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), signal.SIGTERM)
 
@@ -168,6 +169,7 @@ class OutputReader:
         return "".join(self.lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_aborts_the_drain_cleanly_and_exits_128_plus_it(tiny_checkpoint, second):
     checkpoint = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)

@@ -193,8 +193,9 @@ def test_max_tokens_zero_with_echo_scores_without_generating(http, stream):
             prompt_tokens = len(choice["logprobs"]["tokens"])
             assert choice["text"] == want["text"][: len(choice["text"])]
             assert choice["exit_depths"] == [] and choice["finish_reason"] == "length"
-            assert choice["logprobs"]["token_logprobs"] == (
-                want["logprobs"]["token_logprobs"][:prompt_tokens]
+            assert (
+                choice["logprobs"]["token_logprobs"]
+                == (want["logprobs"]["token_logprobs"][:prompt_tokens])
             )
             assert len(want["logprobs"]["tokens"]) == prompt_tokens + 1
     assert usage["completion_tokens"] == 0
@@ -225,3 +226,20 @@ def test_vllm_prompt_logprobs_field(http):
         assert ranks[:2] == [1, 2] or token["rank"] <= 2
     refused = http.post("/v1/completions", json={**body, "prompt_logprobs": 21})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_scores_every_choice_of_several_prompts(http):
+    """n = 2 choices of 2 prompts: each choice carries its own prompt's scores (siblings
+    compute the prompt each, as a scored prompt takes no prefix-cache hit)."""
+    prompts = ["It is a", "a truth universally"]
+    body = {"prompt": prompts, "n": 2, "echo": True, "logprobs": 1, "max_tokens": 2}
+    choices = http.post("/v1/completions", json={**body, "temperature": 0.8, "seed": 3}).json()[
+        "choices"
+    ]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        scored = [c["logprobs"] for c in choices[2 * p : 2 * p + 2]]
+        length = len(http.post("/tokenize", json={"prompt": prompt}).json()["tokens"])
+        first, second = (s["token_logprobs"][:length] for s in scored)
+        assert first == second and first[0] is None
+        assert all(isinstance(lp, float) for lp in first[1:])

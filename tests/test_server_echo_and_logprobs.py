@@ -243,3 +243,17 @@ def test_echo_scores_every_choice_of_several_prompts(http):
         first, second = (s["token_logprobs"][:length] for s in scored)
         assert first == second and first[0] is None
         assert all(isinstance(lp, float) for lp in first[1:])
+
+
+def test_chat_prompt_logprobs_score_the_rendered_prompt(http):
+    messages = [{"role": "user", "content": "It is a truth"}]
+    body = {"messages": messages, "prompt_logprobs": 1, **GREEDY}
+    result = http.post("/v1/chat/completions", json=body).json()
+    entries = result["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == result["usage"]["prompt_tokens"]
+    assert all(min(e["rank"] for e in entry.values()) == 1 for entry in entries[1:])
+    streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+    plain = http.post("/v1/chat/completions", json={"messages": messages, **GREEDY}).json()
+    assert plain["prompt_logprobs"] is None

@@ -11,8 +11,10 @@ from rlt_contracts import RequestOutputDelta
 
 from rlt_serve.chat_template import chat_prompt, chat_stop_token_ids, message_text
 from rlt_serve.context import ServerContext, new_id
+from rlt_serve.errors import invalid
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
+from rlt_serve.prompt_scores import vllm_prompt_logprobs
 from rlt_serve.prompts import check_max_tokens, check_prompt
 from rlt_serve.request_schemas import ChatCompletionRequest
 from rlt_serve.response_schemas import (
@@ -55,11 +57,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if max_tokens is None:  # what is left of the context
         max_tokens = max(info.max_model_len - len(prompt) + 1, 1)
     check_max_tokens(len(prompt), max_tokens, info, param=max_tokens_field)
+    if body.prompt_logprobs is not None and body.stream:
+        raise invalid("prompt_logprobs", "prompt_logprobs: not available with stream=true")
     field_names = {"logprobs": "top_logprobs", "max_tokens": max_tokens_field, "prompt": "messages"}
     params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs,
         extra_stop_token_ids=chat_stop_token_ids(ctx.tokenizer, info.vocab_size),
         defaults=ctx.loop_defaults,
         field_names=field_names,
@@ -86,10 +91,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         failure = generation.failure()
         if failure is not None:
             return failure.response()
+        final = generation.final_choices()
         response = ChatCompletionResponse(
             id=response_id,
             created=created,
             model=ctx.served_model_name,
+            prompt_logprobs=(
+                vllm_prompt_logprobs(ctx, prompt, final[0])
+                if body.prompt_logprobs is not None
+                else None
+            ),
             choices=[
                 ChatChoice(
                     index=choice.index,
@@ -103,7 +114,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                     exit_depths=choice.exit_depths,
                     token_ids=choice.token_ids if want_ids else None,
                 )
-                for choice in generation.final_choices()
+                for choice in final
             ],
             usage=generation.usage(info.num_loops),
         )

@@ -306,6 +306,12 @@ class ChatCompletionRequest(_CommonOpenAIFields):
     top_logprobs: int | None = Field(
         None, description="With logprobs=true: this many most likely alternatives (0..20)."
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        description="vLLM: score every token of the rendered prompt at full depth and return "
+        "it with this many most likely alternatives (0..20) in the response's prompt_logprobs "
+        "(not streamed).",
+    )
     best_of: int | None = Field(
         None,
         description="vLLM extension: sequences generated (n..128, default n); the n of "

@@ -110,6 +110,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM: with prompt_logprobs=N, the rendered prompt's scores."
+    )
 
 
 class ChatDelta(BaseModel):

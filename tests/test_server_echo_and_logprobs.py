@@ -257,3 +257,30 @@ def test_chat_prompt_logprobs_score_the_rendered_prompt(http):
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
     plain = http.post("/v1/chat/completions", json={"messages": messages, **GREEDY}).json()
     assert plain["prompt_logprobs"] is None
+
+
+def test_lm_evaluation_harness_loglikelihood_request(http, tiny_checkpoint):
+    """The request lm-evaluation-harness's `local-completions` sends for a loglikelihood task
+    (token ids of context + continuation, echo, logprobs 1, max_tokens 1, temperature 0) and
+    its parsing (the continuation's entries: token_logprobs[ctxlen:-1], greedy if each equals
+    its top entry's maximum) give the fp64 oracle's log-likelihood at full depth."""
+    context, continuation = [5, 17, 200, 3, 99], [42, 7, 8]
+    body = {
+        "prompt": [context + continuation],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 1,
+        "temperature": 0,
+        "seed": 1234,
+    }
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    ctxlen = len(context)
+    token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    oracle = GenerationOracle(
+        DenseOuro(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)), "last_exited"
+    )
+    want = oracle.prompt_logprobs(tuple(context + continuation))[ctxlen:]
+    assert sum(token_logprobs) == pytest.approx(sum(want), abs=1e-4)
+    greedy = [lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs, strict=True)]
+    assert len(greedy) == len(continuation)

@@ -208,7 +208,7 @@ class FakeEngine:
             connected = []
             for metadata in body.peers:
                 peer = json.loads(base64.b64decode(metadata))
-                theirs = PDCompatibility(**peer["compatibility"])
+                theirs = msgspec.convert(peer["compatibility"], PDCompatibility)
                 problems = self.compatibility.mismatches(theirs)
                 if problems:
                     return _error(

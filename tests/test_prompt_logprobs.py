@@ -35,7 +35,10 @@ def scored(top: int = 2) -> SamplingParams:
 
 @pytest.mark.parametrize("chunk", [3, 16])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_prompt_logprobs_equal_the_oracle(checkpoint, layout, chunk):
+def test_prompt_logprobs_equal_the_oracle(checkpoint, layout, chunk, monkeypatch):
+    from rlt_runner import prompt_scoring
+
+    monkeypatch.setattr(prompt_scoring, "SLICE_ROWS", 4)  # chunks of 16 span several slices
     llm = LLM(checkpoint, **ENGINE, kv_layout=layout, prefill_chunk_size=chunk)
     outputs = llm.generate(PROMPTS, [scored()] * len(PROMPTS))
     assert llm.engine.core.leak_report() == []

@@ -20,6 +20,10 @@ from rlt_contracts import ExecutionIdentity, LoopedLanguageModel, PromptLogprobs
 from rlt_runner.row_state import RowRecord
 from rlt_runner.transfers import download, upload
 
+# positions scored per LM-head call: their fp32 log-probabilities ([rows, V], 25 MB per 128 rows
+# at Ouro's 49,152 tokens) stay within what the memory profile's prefill chunk leaves
+SLICE_ROWS = 128
+
 
 def score_chunk(
     model: LoopedLanguageModel, states: torch.Tensor, record: RowRecord, start: int
@@ -30,14 +34,18 @@ def score_chunk(
     if end <= start:
         return None
     targets = upload(list(record.prompt_token_ids[start + 1 : end + 1]), torch.int64, states.device)
-    logprobs = torch.log_softmax(model.coda(states[: end - start]).float(), dim=-1)
-    chosen = logprobs.gather(1, targets[:, None])
-    columns = [chosen, (logprobs > chosen).sum(dim=1, keepdim=True) + 1]
     top = record.sampling.prompt_logprobs
-    if top:
-        values, ids = logprobs.topk(top, dim=-1)
-        columns += [values, ids]
-    return start + 1, download(torch.cat([c.double() for c in columns], dim=1))
+    rows = []
+    for first in range(0, end - start, SLICE_ROWS):  # bounded fp32 [rows, V] temporaries
+        last = min(first + SLICE_ROWS, end - start)
+        logprobs = torch.log_softmax(model.coda(states[first:last]).float(), dim=-1)
+        chosen = logprobs.gather(1, targets[first:last, None])
+        columns = [chosen, (logprobs > chosen).sum(dim=1, keepdim=True) + 1]
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            columns += [values, ids]
+        rows.append(torch.cat([c.double() for c in columns], dim=1))
+    return start + 1, download(torch.cat(rows) if len(rows) > 1 else rows[0])
 
 
 def unpack(identity: ExecutionIdentity, first_token: int, host: torch.Tensor, top: int):

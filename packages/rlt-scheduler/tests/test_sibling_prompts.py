@@ -118,6 +118,21 @@ def test_without_a_prefix_cache_siblings_run_independently():
     assert scheduler.waiting_request_ids() == []
 
 
+def test_siblings_scoring_their_prompt_run_at_once_without_cache_hits():
+    """A prompt to score (prompt_logprobs) is computed in full by every sibling: none waits for
+    another, none takes a cache hit, each prefills the whole prompt."""
+    scheduler, kv = make(prefix_caching=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    scheduler.add_requests(
+        [EngineRequest(f"s-{i}", PROMPT, params, sibling_group="s") for i in range(3)]
+    )
+    steps, finals = run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    assert len(steps[0].new_requests) == 3
+    assert sorted(finals) == ["s-0", "s-1", "s-2"]
+    assert kv.hits == [0, 0, 0]
+    assert prefilled_tokens(steps) == 3 * 64
+
+
 def test_an_aborted_computing_sibling_hands_the_prompt_to_the_next():
     scheduler, kv = make(prefix_caching=True)
     scheduler.add_requests(siblings(PROMPT, 3))

@@ -39,8 +39,9 @@ def waits_for_sibling(
     """The sibling that computes the group's prompt has not read it back yet: admitting
     `request` now would compute it a second time, since those pages are published only once
     the results are read back (completion evidence, R18). Never with no prefix cache to
-    publish into, and never for a preempted request (it restores its own snapshot)."""
-    if not prefix_caching or request.preempted:
+    publish into, never for a preempted request (it restores its own snapshot), and never for a
+    prompt to score (it computes every position itself: no cache hit)."""
+    if not prefix_caching or request.preempted or request.sampling.prompt_logprobs is not None:
         return False
     return any(
         other.computes_group_prompt and other.computed_prompt_tokens < other.prompt_length

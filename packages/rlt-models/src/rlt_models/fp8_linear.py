@@ -114,10 +114,6 @@ def run(choice: Fp8Choice, x, data, scale, needed=None) -> torch.Tensor:
     return F.linear(x, (data.float() * scale[:, None]).to(x.dtype))
 
 
-def _rows_bucket(rows: int) -> int:
-    return 1 << (rows - 1).bit_length()
-
-
 class Fp8Linear:
     """Chooses per (rows bucket, N, K, dtype, device) how an fp8 product runs (module doc)."""
 
@@ -134,7 +130,7 @@ class Fp8Linear:
         if rows > sbl.MAX_ROWS:  # no measurement: prefill shapes vary while serving
             choice = W8A8_CHOICE if self.w8a8_eligible(data, x.dtype) else DEQUANTIZE_CHOICE
             return run(choice, x, data, scale)
-        key = (_rows_bucket(rows), *data.shape, x.dtype, x.device)
+        key = (sbl._rows_bucket(rows), *data.shape, x.dtype, x.device)
         if key not in self.choices:
             self.choices[key] = self._measure(key[0], data, scale, x.dtype)
         return run(self.choices[key], x, data, scale, needed)

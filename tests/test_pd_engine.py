@@ -1,8 +1,9 @@
 """PD disaggregation at the engine level, two engines in one process joined by a loopback KV
 port (exact tensor copies, the same evidence rules as the NIXL port): the decode engine's
 output equals a single engine's, tokens and exit depths, greedy and seeded, both layouts, both
-scheduling modes, an fp8 KV cache (its bytes move as they are), chunked prefill, prompts ending mid-block, prefix-cache hits on D; aborts on
-either side leave both engines with no block or row held."""
+scheduling modes, an fp8 KV cache (its bytes move as they are), chunked prefill, prompts
+ending mid-block, prefix-cache hits on D; aborts on either side leave both engines with no
+block or row held."""
 
 from __future__ import annotations
 

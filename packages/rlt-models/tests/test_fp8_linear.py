@@ -100,8 +100,8 @@ def test_selection_is_correct_and_graph_capturable_without_syncs(rows):
         (choice,) = selector.choices.values()
     else:  # no measurement: W8A8 where _scaled_mm applies
         assert selector.choices == {}
-        choice = fl.W8A8_CHOICE if selector.w8a8_eligible(weight.weight, x.dtype) else None
-        choice = choice or fl.DEQUANTIZE_CHOICE
+        eligible = selector.w8a8_eligible(weight.weight, x.dtype)
+        choice = fl.W8A8_CHOICE if eligible else fl.DEQUANTIZE_CHOICE
     reference = _reference(x, weight)
     bound = fl.TOLERANCE[choice.kind] * reference.abs().max()
     assert (eager.float() - reference).abs().max() <= bound

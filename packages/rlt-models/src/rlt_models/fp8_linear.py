@@ -30,6 +30,7 @@ CUDA-graph capture; the engine's warm-up runs every decode shape eagerly first.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,6 +107,13 @@ def w8a8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     )
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once (W8A8 eligibility is checked per call
+    beyond 16 rows)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def run(choice: Fp8Choice, x, data, scale, needed=None) -> torch.Tensor:
     if choice.kind == WEIGHT_ONLY:
         return sbl.launch(x, data, choice.tile, needed, scale=scale)
@@ -168,7 +176,7 @@ class Fp8Linear:
             dtype == torch.bfloat16
             and n % 16 == 0
             and k % 16 == 0
-            and torch.cuda.get_device_capability(data.device) >= (8, 9)
+            and _capability(data.device) >= (8, 9)
         )
 
     def _measure(self, rows, data, scale, dtype) -> Fp8Choice:

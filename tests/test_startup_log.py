@@ -13,9 +13,7 @@ from rlt import LLM
 def test_engine_start_logs_each_phase_with_its_seconds(tiny_checkpoint, caplog):
     checkpoint = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
     with caplog.at_level(logging.INFO):
-        llm = LLM(
-            checkpoint, device="cpu", dtype="float32", kv_cache_dtype="fp8", max_model_len=64
-        )
+        llm = LLM(checkpoint, device="cpu", dtype="float32", kv_cache_dtype="fp8", max_model_len=64)
         llm.shutdown()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up:")]
     timed = re.compile(r"^start-up: (.+?)(: .*)? in \d+\.\d s$")

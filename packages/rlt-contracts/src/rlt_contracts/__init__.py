@@ -14,6 +14,20 @@ from rlt_contracts.attention import (
     unmet_requirements,
 )
 from rlt_contracts.client import BatchSubmitter, EngineClient
+from rlt_contracts.engine_core import (
+    CoreAbort,
+    CoreAdd,
+    CoreClientGone,
+    CoreInput,
+    CoreOutputs,
+    CorePDConnect,
+    CoreReady,
+    CoreReply,
+    CoreShutdown,
+    PDStaticInfo,
+    WireError,
+    raise_wire_error,
+)
 from rlt_contracts.errors import (
     CapacityError,
     ConfigurationError,
@@ -88,6 +102,18 @@ from rlt_contracts.structured import (
 )
 
 __all__ = [
+    "CoreAbort",
+    "CoreAdd",
+    "CoreClientGone",
+    "CoreInput",
+    "CoreOutputs",
+    "CorePDConnect",
+    "CoreReady",
+    "CoreReply",
+    "CoreShutdown",
+    "PDStaticInfo",
+    "WireError",
+    "raise_wire_error",
     "TokenMask",
     "TokenConstraint",
     "StructuredOutputKind",

@@ -17,6 +17,7 @@ from rlt_contracts import (
     KVLayout,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     RequestOutputDelta,
     RequestTimings,
     SamplingParams,
@@ -44,6 +45,8 @@ from rlt_contracts import (
         ({"min_loops": 3, "max_loops": 2}, "max_loops"),
         ({"exit_threshold": 1.01}, "exit_threshold"),
         ({"priority": "high"}, "priority"),
+        ({"score_at_exit_depth": True}, "score_at_exit_depth"),  # without prompt_logprobs
+        ({"prompt_logprobs": 0, "score_at_exit_depth": 1}, "score_at_exit_depth"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -114,6 +117,22 @@ def test_runner_output_round_trips_through_msgpack():
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=ModelRunnerOutput) == out
     assert not SchedulerOutput(step_id=1).has_work
     assert SchedulerOutput(step_id=2, decode_ticks=1).has_work
+
+
+def test_prompt_exit_depths_round_trip_and_default_to_full_depth():
+    """Exit-depth scoring (0.1.11): the request flag, the runner's per-token depths and the
+    delta's per-prompt-token depths are optional and survive msgpack."""
+    params = SamplingParams(prompt_logprobs=1, score_at_exit_depth=True)
+    assert not SamplingParams(prompt_logprobs=1).score_at_exit_depth
+    scores = PromptLogprobs(ExecutionIdentity("a", 0), 1, (-0.5,), (1,), (((3, -0.5),),), (2,))
+    delta = RequestOutputDelta(
+        "a", (5,), (2,), prompt_logprobs=(None, -0.5), prompt_exit_depths=(None, 2)
+    )
+    for value, kind in ((params, SamplingParams), (scores, PromptLogprobs)):
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=kind) == value
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(delta), type=RequestOutputDelta) == delta
+    assert PromptLogprobs(scores.identity, 1, (-0.5,), (1,), ((),)).exit_depths == ()
+    assert RequestOutputDelta("a", (5,), (4,)).prompt_exit_depths is None
 
 
 def test_decode_rule_round_trips_and_bounds_tokens_per_tick():

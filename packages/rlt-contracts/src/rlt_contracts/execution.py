@@ -49,13 +49,18 @@ class PromptLogprobs(msgspec.Struct, frozen=True):
     full depth (`SamplingParams.prompt_logprobs`): token i's log-probability under the state of
     position i - 1, its rank there (1 = the most likely), and the `prompt_logprobs` most likely
     (token id, log-probability) pairs. Reported with the completion evidence of the chunk that
-    computed them (0.1.10)."""
+    computed them (0.1.10).
+
+    exit_depths: with `SamplingParams.score_at_exit_depth`, aligned with token_logprobs: the
+    loops the scoring state went through (token i's entry: position i - 1's exit depth under
+    the request's exit rule); empty when the tokens were scored at full depth (0.1.11)."""
 
     identity: ExecutionIdentity
     first_token: int
     token_logprobs: tuple[float, ...]
     token_ranks: tuple[int, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    exit_depths: tuple[int, ...] = ()
 
 
 class FailedOperation(enum.StrEnum):

@@ -86,11 +86,16 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
       Engines that do not detokenize leave it empty.
 
     exit_depths[i]: loops the hidden state that produced token i went through. Token 0 comes from
-      prefill and always has the full model depth.
+      prefill and has the full model depth, except under `SamplingParams.score_at_exit_depth`:
+      then the last prompt position ran as decoding would, and token 0 has its exit depth.
     logprobs / top_logprobs: aligned with token_ids when the request asked for logprobs.
     prompt_logprobs / prompt_token_ranks / prompt_top_logprobs: with
       `SamplingParams.prompt_logprobs`, on the delta that carries token 0: one entry per prompt
       token, None for the first (nothing predicts it), as OpenAI and vLLM report them (0.1.10).
+    prompt_exit_depths: with `SamplingParams.score_at_exit_depth`, on the same delta: per prompt
+      token, the loops of the state that scored it (position i - 1's exit depth under the
+      request's exit rule), None for the first; None when the prompt is scored at full depth
+      or not at all (0.1.11).
     resolved_seed: the seed actually used (differs from the request when it asked for None).
     kv_target: PD decode instance only: where the prefill instance must write this request's
       KV, on the first delta after the request was admitted (no tokens yet).
@@ -107,6 +112,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_token_ranks: tuple[int | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+    prompt_exit_depths: tuple[int | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0

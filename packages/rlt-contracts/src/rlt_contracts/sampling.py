@@ -40,6 +40,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         computes it, equal to the Hugging Face forward), plus the n most likely alternatives
         at each position (at most 20). Such a prompt is computed in full (no prefix-cache hit:
         cached positions have no state to score) and eagerly (no prefill CUDA graph).
+      score_at_exit_depth: with prompt_logprobs only (else InvalidRequestError): score every
+        prompt position at the loop where this request's exit rule fires (the loop fields
+        below and the engine's exit policy), not at full depth, as a decode that is fed the
+        prompt token by token from position 0 would: each position stops at its exit depth and
+        later positions read its KV as decoding leaves it (KV layout semantics). Token 0 then
+        comes from the last prompt position's exit state. Such a prompt's pages are not
+        published for prefix reuse (they hold decode KV, not prefill's) (0.1.11).
 
     Logits adjustments and filters (vLLM's names, ranges and semantics; greedy rows get the
     adjustments too, before their argmax). Order, as in vLLM's V1 sampler: min_tokens mask,
@@ -95,6 +102,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    score_at_exit_depth: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -140,6 +148,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                     raise InvalidRequestError(
                         name, f"at most {MAX_TOP_LOGPROBS} alternatives, got {count}"
                     )
+        if not isinstance(self.score_at_exit_depth, bool):
+            raise InvalidRequestError("score_at_exit_depth", "must be a boolean")
+        if self.score_at_exit_depth and self.prompt_logprobs is None:
+            raise InvalidRequestError(
+                "score_at_exit_depth", "only applies to a scored prompt: set prompt_logprobs too"
+            )
         self._check_logits_adjustments()
         for name in (
             "include_stop_str_in_output",

@@ -11,6 +11,9 @@ Semantics (anchor-vllm-rlt.md 2a-2c), restated independently of the engine:
   k >= min_loops and 1 - survival >= threshold). LAST_EXITED copies the exit-depth entry into
   the deeper planes.
 - Greedy decoding; EOS (unless ignore_eos) and stop ids end with "stop", max_tokens with "length".
+- `prompt_at_exit_depth` (score_at_exit_depth): no prefill; the prompt is decoded teacher-forced
+  from position 0, every position looping under the exit rule exactly as an output token does,
+  and token 0 comes from the last prompt position's exit state (its exit depth).
 
 The oracle also reports how close each decision came to flipping (gate CDF vs threshold, and
 the top-2 logit gap), so tests can assert the engine comparison is well conditioned.
@@ -35,6 +38,7 @@ class OracleRequest:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     exit_policy: str = "ouro"  # or "ouro_delayed"
+    prompt_at_exit_depth: bool = False
 
 
 @dataclass
@@ -44,6 +48,10 @@ class OracleResult:
     finish_reason: str = ""
     min_gate_margin: float = float("inf")
     min_logit_margin: float = float("inf")
+    # prompt_at_exit_depth: per prompt token, its log-probability and the loops of the state
+    # that scored it (None for token 0)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_exit_depths: list[int | None] = field(default_factory=list)
 
 
 class _PlaneKV:
@@ -100,34 +108,71 @@ class GenerationOracle:
             d.dtype,
         )
         result = OracleResult()
-        final = self._prefill(request.prompt, kv)[-1:]
-        self._emit(result, d.lm_head(final)[0], depth)
+        if request.prompt_at_exit_depth:
+            self._teacher_forced_prompt(request, kv, max_loops, result)
+        else:
+            final = self._prefill(request.prompt, kv)[-1:]
+            self._emit(result, d.lm_head(final)[0], depth)
         while True:
             reason = self._finish_reason(request, result)
             if reason:
                 result.finish_reason = reason
                 return result
             position = prompt_len + len(result.token_ids) - 1
-            x = d.embed(torch.tensor([result.token_ids[-1]]))
-            survival, pending_exit, loop = 1.0, None, 0
-            while True:
-                loop += 1
-                x, new_kv, gate = d.loop(
-                    x, torch.tensor([position]), kv.past(self.plane(loop), position)
-                )
-                kv.store(self.plane(loop), position, new_kv)
-                survival *= 1.0 - float(torch.sigmoid(gate)[0])
-                if self._exits(request, loop, max_loops, survival, result, pending_exit):
-                    break
-                if (
-                    request.exit_policy == "ouro_delayed"
-                    and pending_exit is None
-                    and self._trigger(request, loop, survival, result)
-                ):
-                    pending_exit = loop + 1
-            if self.layout == "last_exited" and loop < depth:
-                kv.copy_position(loop - 1, range(loop, depth), position)
+            x, loop = self._decode_position(
+                request, kv, result.token_ids[-1], position, max_loops, result
+            )
             self._emit(result, d.lm_head(x)[0], loop)
+
+    def _teacher_forced_prompt(
+        self, request: OracleRequest, kv: _PlaneKV, max_loops: int, result: OracleResult
+    ) -> None:
+        """Decode the prompt from position 0, each position fed its prompt token: records the
+        prompt's scores and depths, then token 0 from the last position's exit state."""
+        prompt = request.prompt
+        result.prompt_logprobs.append(None)
+        result.prompt_exit_depths.append(None)
+        for position, token in enumerate(prompt):
+            x, loop = self._decode_position(request, kv, token, position, max_loops, result)
+            logits = self.dense.lm_head(x)[0]
+            if position + 1 < len(prompt):
+                logprobs = torch.log_softmax(logits, dim=-1)
+                result.prompt_logprobs.append(float(logprobs[prompt[position + 1]]))
+                result.prompt_exit_depths.append(loop)
+        self._emit(result, logits, loop)
+
+    def _decode_position(
+        self,
+        request: OracleRequest,
+        kv: _PlaneKV,
+        token: int,
+        position: int,
+        max_loops: int,
+        result: OracleResult,
+    ) -> tuple[torch.Tensor, int]:
+        """Feed `token` at `position` and loop until the exit rule fires (LAST_EXITED: its
+        exit-depth KV copied into the deeper planes); returns (exit state [1, d], depth)."""
+        d, depth = self.dense, self.dense.loops
+        x = d.embed(torch.tensor([token]))
+        survival, pending_exit, loop = 1.0, None, 0
+        while True:
+            loop += 1
+            x, new_kv, gate = d.loop(
+                x, torch.tensor([position]), kv.past(self.plane(loop), position)
+            )
+            kv.store(self.plane(loop), position, new_kv)
+            survival *= 1.0 - float(torch.sigmoid(gate)[0])
+            if self._exits(request, loop, max_loops, survival, result, pending_exit):
+                break
+            if (
+                request.exit_policy == "ouro_delayed"
+                and pending_exit is None
+                and self._trigger(request, loop, survival, result)
+            ):
+                pending_exit = loop + 1
+        if self.layout == "last_exited" and loop < depth:
+            kv.copy_position(loop - 1, range(loop, depth), position)
+        return x, loop
 
     def prompt_logprobs(self, prompt: tuple[int, ...]) -> list[float | None]:
         """log p(prompt[i] | prompt[:i]) under every position's final prefill state (None for

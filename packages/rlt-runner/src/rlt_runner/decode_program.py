@@ -251,19 +251,27 @@ class DecodeProgram:
 
     # -- rows whose prompt completed -----------------------------------------------------------
     def start_rows(
-        self, index: torch.Tensor, prompt_lengths: torch.Tensor, mode: SamplingMode
+        self,
+        index: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+        mode: SamplingMode,
+        *,
+        depths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Coda of rows `index` [n] whose last prompt position left its state in `hidden`:
-        sample token 0 (full depth), make the rows decode from position P (unless token 0
-        already ends them). Returns the record [n, columns] of token 0 (not read back here)."""
+        sample token 0, make the rows decode from position P (unless token 0 already ends
+        them). `depths` [n] int64: the loops of each row's state (None: full depth; prompts
+        run at exit depth pass their last position's). Returns the record [n, columns] of
+        token 0 (not read back here)."""
         rows = self.rows
         counter = torch.zeros_like(prompt_lengths)
         sampled = self._sample(rows.hidden[index], index, counter, mode)
         token = sampled.token_ids
         stops = self._stop_hit(token, index, counter + 1)
-        full_depth = torch.full_like(prompt_lengths, self.depth)
+        if depths is None:
+            depths = torch.full_like(prompt_lengths, self.depth)
         everyone = torch.ones_like(stops)
-        record = _record_values(everyone, full_depth, sampled, mode)
+        record = _record_values(everyone, depths, sampled, mode)
         if mode.penalized:
             rows.logits_state.count_outputs(index, token, torch.ones_like(stops))
         rows.token.index_copy_(0, index, token)

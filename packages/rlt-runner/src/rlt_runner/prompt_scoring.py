@@ -1,11 +1,13 @@
-"""Prompt logprobs at full depth (`SamplingParams.prompt_logprobs`).
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`) from a chunk's per-position states.
 
-A scored chunk runs eagerly (prefill.py keeps its positions' final states); here those states go
-through the LM head, and position p, whose state has seen tokens 0..p at full depth, scores
-prompt token p + 1 (the last prompt position scores nothing: it samples token 0). Per chunk the
-device computes log_softmax in fp32, gathers the next tokens' log-probabilities and the top n,
-and packs them as fp64 rows [logprob, rank, n top logprobs, n top ids] (exact integers) into
-one download that the step's read-back collects with the rest (no extra wait).
+A scored chunk runs eagerly: at full depth prefill.py keeps its positions' final states; at each
+position's exit depth (`score_at_exit_depth`) exit_depth_scoring.py gives their exit states and
+depths. Here those states go through the LM head, and position p, whose state has seen tokens
+0..p, scores prompt token p + 1 (the last prompt position scores nothing: it samples token 0).
+Per chunk the device computes log_softmax in fp32, gathers the next tokens' log-probabilities
+and the top n, and packs them as fp64 rows [logprob, rank, n top logprobs, n top ids(, exit
+depth)] (exact integers) into one download that the step's read-back collects with the rest
+(no extra wait).
 
 Worked example: a 7-token prompt in chunks [0, 4) and [4, 7) scores tokens 1..4 with the first
 chunk's states 0..3 and tokens 5..6 with the second's states 4..5; the response reports
@@ -26,10 +28,16 @@ SLICE_ROWS = 128
 
 
 def score_chunk(
-    model: LoopedLanguageModel, states: torch.Tensor, record: RowRecord, start: int
+    model: LoopedLanguageModel,
+    states: torch.Tensor,
+    record: RowRecord,
+    start: int,
+    *,
+    exit_depths: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor] | None:
-    """(first scored token, packed host rows on their way) for one chunk's final `states`
-    [len, d] at positions [start, start + len); None if it scores nothing."""
+    """(first scored token, packed host rows on their way) for one chunk's `states` [len, d]
+    at positions [start, start + len) (their exit depths [len] int64 when scored at exit
+    depth, packed as the last column); None if it scores nothing."""
     end = min(start + states.shape[0], record.prompt_length - 1)
     if end <= start:
         return None
@@ -44,11 +52,20 @@ def score_chunk(
         if top:
             values, ids = logprobs.topk(top, dim=-1)
             columns += [values, ids]
+        if exit_depths is not None:
+            columns.append(exit_depths[first:last, None])
         rows.append(torch.cat([c.double() for c in columns], dim=1))
     return start + 1, download(torch.cat(rows) if len(rows) > 1 else rows[0])
 
 
-def unpack(identity: ExecutionIdentity, first_token: int, host: torch.Tensor, top: int):
+def unpack(
+    identity: ExecutionIdentity,
+    first_token: int,
+    host: torch.Tensor,
+    top: int,
+    *,
+    with_exit_depths: bool = False,
+) -> PromptLogprobs:
     """The downloaded rows of `score_chunk` as the contract's `PromptLogprobs`."""
     rows = host.tolist()
     return PromptLogprobs(
@@ -57,7 +74,8 @@ def unpack(identity: ExecutionIdentity, first_token: int, host: torch.Tensor, to
         token_logprobs=tuple(row[0] for row in rows),
         token_ranks=tuple(int(row[1]) for row in rows),
         top_logprobs=tuple(
-            tuple(zip((int(i) for i in row[2 + top :]), row[2 : 2 + top], strict=True))
+            tuple(zip((int(i) for i in row[2 + top : 2 + 2 * top]), row[2 : 2 + top], strict=True))
             for row in rows
         ),
+        exit_depths=tuple(int(row[-1]) for row in rows) if with_exit_depths else (),
     )

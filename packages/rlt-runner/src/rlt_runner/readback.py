@@ -163,7 +163,13 @@ def finish_readback(pending: PendingStep) -> tuple[ModelRunnerOutput, float]:
         speculative_rounds=pending.speculative_rounds,
         speculation=speculation,
         prompt_logprobs=tuple(
-            unpack(record.identity, first, host, record.sampling.prompt_logprobs or 0)
+            unpack(
+                record.identity,
+                first,
+                host,
+                record.sampling.prompt_logprobs or 0,
+                with_exit_depths=record.sampling.score_at_exit_depth,
+            )
             for record, first, host in pending.prompt_scores
         ),
     )

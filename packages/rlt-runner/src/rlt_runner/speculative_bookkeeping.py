@@ -33,33 +33,33 @@ def kv_slots_of(tables: torch.Tensor, position: torch.Tensor, block_size: int) -
 class TorchBookkeeping:
     in_place = False
 
-    def __init__(self, program) -> None:
-        self.program = program
+    def __init__(self, loops) -> None:
+        self.loops = loops  # the PositionLoops it serves: kv, rows, depth, plane_ids
         self.runs: torch.Tensor | None = None  # between prepare and decide
         self.loop_index: torch.Tensor | None = None
 
     def prepare_verify(self, state: TokenState, on: torch.Tensor, loop: int) -> torch.Tensor:
         self.runs = on & ~state.exited & (state.loops == loop - 1)
         self.loop_index = torch.full_like(state.loops, loop)
-        scratch = self.program.kv.scratch_slot
+        scratch = self.loops.kv.scratch_slot
         return torch.where(self.runs, state.kv_slots[:, loop - 1], scratch)
 
     def prepare_draft(self, state: TokenState, on: torch.Tensor, cap: int, tables: torch.Tensor):
-        program = self.program
+        loops = self.loops
         n, _, pages = tables.shape
         self.runs = on & ~state.exited & (state.loops < cap)
         self.loop_index = state.loops + 1
-        if program.rows.num_planes > 1:
-            plane = (self.loop_index - 1).clamp(max=program.rows.num_planes - 1)
+        if loops.rows.num_planes > 1:
+            plane = (self.loop_index - 1).clamp(max=loops.rows.num_planes - 1)
         else:
             plane = torch.zeros_like(self.loop_index)
         loop_tables = tables.gather(1, plane.view(n, 1, 1).expand(n, 1, pages)).squeeze(1)
         own = state.kv_slots.gather(1, plane[:, None]).squeeze(1)
         context = torch.where(self.runs, state.position + 1, 1).to(torch.int32)
-        return context, loop_tables, torch.where(self.runs, own, program.kv.scratch_slot)
+        return context, loop_tables, torch.where(self.runs, own, loops.kv.scratch_slot)
 
     def position_slots(self, tables: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return kv_slots_of(tables, position, self.program.kv.block_size)
+        return kv_slots_of(tables, position, self.loops.kv.block_size)
 
     def decide(
         self, state: TokenState, rules: ExitRules, hidden: torch.Tensor, gate: torch.Tensor | None
@@ -76,19 +76,19 @@ class TorchBookkeeping:
             output_index=state.output_index,
         )
         exits = decision.exits & runs
-        if self.program.rows.num_planes > 1:
+        if self.loops.rows.num_planes > 1:
             self._finalize(state.kv_slots, exits, loop_index)
         state.advance(runs, exits, loop_index, hidden, decision)
 
     def _finalize(self, kv_slots, exits, loop_index) -> None:
         """A token exiting at loop e < T gets its plane e-1 KV copied into planes e..T-1
         (kv_slots [N, planes] of each token's position)."""
-        program = self.program
-        scratch = program.kv.scratch_slot
-        copies = exits & (loop_index < program.depth)
-        deeper = program.plane_ids[None, 1:] >= loop_index[:, None]  # [N, planes - 1]
+        loops = self.loops
+        scratch = loops.kv.scratch_slot
+        copies = exits & (loop_index < loops.depth)
+        deeper = loops.plane_ids[None, 1:] >= loop_index[:, None]  # [N, planes - 1]
         needed = copies[:, None] & deeper
         own = kv_slots.gather(1, (loop_index - 1).clamp(min=0)[:, None])
         sources = torch.where(needed, own, scratch)
         targets = torch.where(needed, kv_slots[:, 1:], scratch)
-        program.kv.copy_slots(sources.reshape(-1), targets.reshape(-1))
+        loops.kv.copy_slots(sources.reshape(-1), targets.reshape(-1))

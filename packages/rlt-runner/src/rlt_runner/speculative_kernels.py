@@ -1,6 +1,6 @@
 """Triton kernels of a speculative round's per-loop bookkeeping (CUDA; TRITON_INTERPRET=1 on CPU).
 
-The torch code of `SpeculativeProgram` (`_advance`, `_run_loop`, `_finalize`,
+The torch code of `PositionLoops` (`one_position`, `run_loop`, the bookkeeping's `_finalize`,
 `TokenState.advance`, `apply_exit_rules`) is the reference. Written as whole-batch tensor ops it
 launches about 40 tiny kernels around every model call of a draft or verify loop, each a few
 microseconds inside a graph and none of them a programmatic dependent launch, while the model

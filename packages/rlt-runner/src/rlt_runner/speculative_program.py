@@ -50,7 +50,6 @@ from rlt_contracts import (
     AttentionBackend,
     KVLayout,
     LoopedLanguageModel,
-    PagedAttentionBatch,
     SamplingMode,
     SpeculativeSampler,
 )
@@ -59,9 +58,10 @@ from rlt_runner import speculative_kernels
 from rlt_runner.decode_program import RING_COLUMNS
 from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
+from rlt_runner.position_loops import PositionLoops
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.speculative_accept import accept_round
-from rlt_runner.speculative_bookkeeping import TorchBookkeeping, kv_slots_of
+from rlt_runner.speculative_bookkeeping import kv_slots_of
 from rlt_runner.speculative_state import Slots, TokenState
 from rlt_runner.transfers import upload
 
@@ -115,7 +115,6 @@ class SpeculativeProgram:
         self.draft_loops = draft_loops
         self.depth = depth
         self.max_slots = max_slots
-        self.max_position = max_model_len - 1
         device = rows.device
         L = max_slots
 
@@ -139,20 +138,28 @@ class SpeculativeProgram:
         self.forced_accepted = zeros(max_rounds + WARMUP_RUNS, L)  # benchmarks only
         self.max_rounds = max_rounds
         self.offsets = torch.arange(width, device=device)
-        self.plane_ids = torch.arange(rows.num_planes, device=device)
-        # query_start of one query per slot and of K + 1 queries per slot
-        self.single_query_starts = torch.arange(L + 1, dtype=torch.int32, device=device)
-        self.slot_starts = self.single_query_starts * width
+        # query_start of K + 1 queries per slot
+        self.slot_starts = torch.arange(L + 1, dtype=torch.int32, device=device) * width
         self.forcing = False  # set by `force_acceptance` (benchmarks), never by an engine option
         self._forced_rate: float | None = None
         self._forced_random = random.Random(0)
+        # the loop machinery shared with exit-depth prompt scoring (position_loops.py)
+        self.position_loops = PositionLoops(
+            model, attention, kv, rows, max_position=max_model_len - 1
+        )
         if fused_bookkeeping is None:
             fused_bookkeeping = device.type == "cuda" and speculative_kernels.available()
-        self.bookkeeping = (
-            speculative_kernels.SpeculativeKernels(self)
-            if fused_bookkeeping
-            else TorchBookkeeping(self)
-        )
+        if fused_bookkeeping:  # buffers for every position of a round: max_slots x (K + 1)
+            self.bookkeeping = speculative_kernels.SpeculativeKernels(self)
+
+    @property
+    def bookkeeping(self):
+        """The per-loop bookkeeping of the round's loops (the torch reference or the kernels)."""
+        return self.position_loops.bookkeeping
+
+    @bookkeeping.setter
+    def bookkeeping(self, value) -> None:
+        self.position_loops.bookkeeping = value
 
     @property
     def loops_per_round(self) -> int:
@@ -278,19 +285,18 @@ class SpeculativeProgram:
         on = slots.position_valid.reshape(-1)
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
         state.kv_slots = kv_slots_of(tables, state.position, self.kv.block_size)
-        rules = slots.rules.repeat(width)
-        max_context = max_context or tables.shape[-1] * self.kv.block_size
-        context_lengths = (slots.position + width).to(torch.int32)
-        for loop in range(self.draft_loops + 1, self.depth + 1):
-            batch = PagedAttentionBatch(
-                query_start=self.slot_starts[: n + 1],
-                context_lengths=context_lengths,
-                block_tables=slots.tables[:, loop - 1],
-                write_slots=self.bookkeeping.prepare_verify(state, on, loop),
-                max_query_len=width,
-                max_context_len=max_context,
-            )
-            self._run_loop(state, rules, batch, gate)
+        self.position_loops.depth_major(
+            state,
+            slots.rules.repeat(width),
+            on,
+            group_tables=slots.tables,
+            query_start=self.slot_starts[: n + 1],
+            context_lengths=(slots.position + width).to(torch.int32),
+            max_query_len=width,
+            loops=range(self.draft_loops + 1, self.depth + 1),
+            gate=gate,
+            max_context=max_context or tables.shape[-1] * self.kv.block_size,
+        )
         if not self.bookkeeping.in_place:
             state.store_all(self, n)
 
@@ -323,32 +329,16 @@ class SpeculativeProgram:
     ) -> None:
         """`iterations` loops of one position per slot (a tick's model call), for the slots
         `on` whose token has not exited and has run fewer than `loop_cap` loops."""
-        n = slots.count
-        max_context = max_context or slots.tables.shape[-1] * self.kv.block_size
-        for _ in range(iterations):
-            context, tables, write_slots = self.bookkeeping.prepare_draft(
-                state, on, loop_cap, slots.tables
-            )
-            batch = PagedAttentionBatch(
-                query_start=self.single_query_starts[: n + 1],
-                context_lengths=context,
-                block_tables=tables,
-                write_slots=write_slots,
-                max_query_len=1,
-                max_context_len=max_context,
-            )
-            self._run_loop(state, slots.rules, batch, gate)
-
-    def _run_loop(self, state: TokenState, rules, batch: PagedAttentionBatch, gate: bool) -> None:
-        """One model call over `state`'s tokens (attention metadata `batch`, after a prepare),
-        then the bookkeeping's decide: exit rules, LAST_EXITED copies, the state advanced."""
-        hidden, gate_probability = self.model.recurrent_step(
-            state.hidden,
-            state.position.clamp(max=self.max_position),
-            self.attention.bind(self.kv.tensors, batch),
-            compute_gate=gate,
+        self.position_loops.one_position(
+            state,
+            slots.rules,
+            on,
+            tables=slots.tables,
+            loop_cap=loop_cap,
+            iterations=iterations,
+            gate=gate,
+            max_context=max_context or slots.tables.shape[-1] * self.kv.block_size,
         )
-        self.bookkeeping.decide(state, rules, hidden, gate_probability)
 
     def accept(self, slots: Slots, mode: SamplingMode) -> None:
         """Coda and verification of every position, records, the rows' new state

@@ -59,17 +59,27 @@ def apply_prefill_progress(
     and, unless the request was preempted meanwhile, publish them for prefix reuse."""
     stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
     request.computed_prompt_tokens = progress.end_position
+    if request.sampling.score_at_exit_depth:
+        return  # its pages hold the KV decoding leaves (exit-depth copies), not prefill's
     if request.stage is not RequestStage.WAITING:
         kv.publish_prefix(request.identity, request.prompt_token_ids, progress.end_position)
 
 
 def record_prompt_logprobs(request: ScheduledRequest, scores: PromptLogprobs) -> None:
-    """Scored prompt tokens arrive chunk by chunk, in order (a gap is a runner bug)."""
+    """Scored prompt tokens arrive chunk by chunk, in order (a gap is a runner bug), with their
+    exit depths when the request scores at exit depth (missing depths are a runner bug)."""
     if scores.first_token != len(request.prompt_scores) + 1:
         raise RuntimeError(
             f"{request.identity}: prompt token {scores.first_token} scored, "
             f"{len(request.prompt_scores) + 1} expected next"
         )
+    if request.sampling.score_at_exit_depth:
+        if len(scores.exit_depths) != len(scores.token_logprobs):
+            raise RuntimeError(
+                f"{request.identity}: {len(scores.token_logprobs)} prompt tokens scored at "
+                f"exit depth with {len(scores.exit_depths)} depths"
+            )
+        request.prompt_exit_depths.extend(scores.exit_depths)
     request.prompt_scores.extend(
         zip(scores.token_logprobs, scores.token_ranks, scores.top_logprobs, strict=True)
     )

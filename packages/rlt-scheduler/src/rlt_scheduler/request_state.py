@@ -51,10 +51,12 @@ class ScheduledRequest:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    # prompt_logprobs: token i's (log-probability, rank, top) at index i - 1, chunk by chunk
+    # prompt_logprobs: token i's (log-probability, rank, top) at index i - 1, chunk by chunk;
+    # with score_at_exit_depth, prompt_exit_depths[i - 1]: the loops of the state that scored it
     prompt_scores: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(
         default_factory=list
     )
+    prompt_exit_depths: list[int] = field(default_factory=list)
     known_to_runner: bool = False
     bypass_count: int = 0  # admissions of later requests while this one waited (bounded bypass)
     snapshot_tokens: int | None = None  # preempted: positions its device snapshot covers
@@ -147,6 +149,9 @@ class ScheduledRequest:
             prompt_logprobs=(None, *(s[0] for s in self.prompt_scores)) if scored else None,
             prompt_token_ranks=(None, *(s[1] for s in self.prompt_scores)) if scored else None,
             prompt_top_logprobs=(None, *(s[2] for s in self.prompt_scores)) if scored else None,
+            prompt_exit_depths=(None, *self.prompt_exit_depths)
+            if scored and self.sampling.score_at_exit_depth
+            else None,
             finished=self.finished,
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.prompt_length,

@@ -52,5 +52,7 @@ def waits_for_sibling(
 def computes_group_prompt(request: ScheduledRequest, running: Iterable[ScheduledRequest]) -> bool:
     """Whether `request`, admitted now, computes the prompt for its group: it is the first of
     its group to run (no sibling runs: none computed it, or the one that did is gone and only
-    its published pages remain)."""
+    its published pages remain). A prompt scored at exit depth publishes nothing: never."""
+    if request.sampling.score_at_exit_depth:
+        return False
     return request.sibling_group is not None and not running_siblings(request, running)

@@ -1,0 +1,171 @@
+"""Prompt scoring at each position's exit depth (issue 25 part 2, `score_at_exit_depth`), tiny fp32
+models on the CPU, through `EngineCore` (scheduler + runner; no frontend):
+
+- every prompt token's log-probability and exit depth equal the independent fp64 oracle's
+  teacher-forced decode of the prompt from position 0 under the same exit rule (ouro and
+  ouro_delayed, two thresholds, min/max loops, both KV layouts, prompts in several chunks and
+  mixed in one step with plain and full-depth-scored requests), and so do the generated tokens
+  that follow (token 0 from the last prompt position's exit state, then ordinary decoding);
+- full-depth scoring and plain requests in the same steps are unchanged;
+- the prefix cache neither feeds nor is fed by such a prompt;
+- nothing leaks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from oracle.dense_ouro import DenseOuro
+from oracle.generation import GenerationOracle, OracleRequest
+from rlt.engine.assembly import build_engine
+from rlt.engine.config import EngineConfig
+from rlt_contracts import EngineRequest, SamplingParams
+
+PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11], [250, 11, 64], [64, 128, 9, 31, 77, 18]]
+LOOP_SETTINGS = [  # (exit_threshold, min_loops, max_loops)
+    (0.5, 1, None),
+    (0.7, 2, None),
+    (0.5, 2, 3),
+]
+ENGINE = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=4,
+    num_kv_blocks=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    prefill_chunk_size=5,
+    decode_ticks_per_step=4,
+)
+MAX_TOKENS = 4
+MARGIN = 1e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+
+
+def at_exit_depth(threshold: float, min_loops: int, max_loops: int | None, **extra):
+    return SamplingParams(
+        max_tokens=MAX_TOKENS,
+        prompt_logprobs=1,
+        score_at_exit_depth=True,
+        exit_threshold=threshold,
+        min_loops=min_loops,
+        max_loops=max_loops,
+        ignore_eos=True,
+        **extra,
+    )
+
+
+class Finished:
+    """One request's deltas merged."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.exit_depths: list[int] = []
+        self.prompt_logprobs = None
+        self.prompt_exit_depths = None
+
+    def add(self, delta) -> None:
+        self.token_ids += delta.token_ids
+        self.exit_depths += delta.exit_depths
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_exit_depths = delta.prompt_exit_depths
+
+
+def run(core, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, Finished]:
+    core.add_requests([EngineRequest(rid, tuple(p), params) for rid, p, params in requests])
+    finished = {rid: Finished() for rid, _, _ in requests}
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            finished[delta.request_id].add(delta)
+    assert core.leak_report() == []
+    return finished
+
+
+def make_core(checkpoint, **options):
+    return build_engine(EngineConfig(model=str(checkpoint), **{**ENGINE, **options})).core
+
+
+def assert_equals_teacher_forced(oracle, prompt, params, policy, got: Finished) -> None:
+    want = oracle.generate(
+        OracleRequest(
+            tuple(prompt),
+            MAX_TOKENS,
+            min_loops=params.min_loops,
+            max_loops=params.max_loops,
+            threshold=params.exit_threshold,
+            ignore_eos=True,
+            exit_policy=policy,
+            prompt_at_exit_depth=True,
+        )
+    )
+    # the comparison is well conditioned: no exit decision and no greedy choice within 1e-4
+    # of flipping (fp32 engine against the fp64 oracle, as test_engine_matches_oracle.py)
+    assert want.min_gate_margin > MARGIN and want.min_logit_margin > MARGIN
+    assert got.prompt_exit_depths == tuple(want.prompt_exit_depths)
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(prompt)
+    assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+    assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths)
+
+
+@pytest.mark.parametrize("policy", ["ouro", "ouro_delayed"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_exit_depth_scores_equal_teacher_forced_decoding(checkpoint, layout, policy):
+    core = make_core(checkpoint, kv_layout=layout, exit_policy=policy)
+    oracle = GenerationOracle(DenseOuro(checkpoint), layout)
+    requests = [
+        (f"r{i}-{j}", prompt, at_exit_depth(*loops))
+        for i, loops in enumerate(LOOP_SETTINGS)
+        for j, prompt in enumerate(PROMPTS)
+    ]
+    # in the same steps: a full-depth scored prompt and a plain one, which must not change
+    full_depth = SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=1, ignore_eos=True)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, exit_threshold=0.6, ignore_eos=True)
+    requests += [("full", PROMPTS[0], full_depth), ("plain", PROMPTS[2], plain)]
+    finished = run(core, requests)
+    core.close()
+    depths = set()
+    for rid, prompt, params in requests[:-2]:
+        assert_equals_teacher_forced(oracle, prompt, params, policy, finished[rid])
+        depths.update(finished[rid].prompt_exit_depths[1:])
+    assert len(depths) >= 3  # the positions really exit at different depths
+    full = finished["full"]
+    assert full.prompt_exit_depths is None
+    want = oracle.prompt_logprobs(tuple(PROMPTS[0]))
+    assert full.prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert full.exit_depths[0] == 4
+    reference = oracle.generate(
+        OracleRequest(tuple(PROMPTS[2]), MAX_TOKENS, threshold=0.6, ignore_eos=True,
+                      exit_policy=policy)
+    )  # fmt: skip
+    assert finished["plain"].prompt_logprobs is None
+    assert finished["plain"].token_ids == reference.token_ids
+
+
+def test_the_prefix_cache_neither_feeds_nor_is_fed_by_exit_depth_scoring(checkpoint):
+    """A cached full-depth prompt gives an exit-depth-scored one no hit, and the exit-depth
+    prompt's pages (decode KV) are never published for a later plain request."""
+    scored = at_exit_depth(0.5, 1, None)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, exit_threshold=0.5, ignore_eos=True)
+    pair = [("scored", PROMPTS[0], scored), ("first", PROMPTS[2], scored)]
+    later = [("plain", PROMPTS[2], plain)]
+    cold = make_core(checkpoint)  # the same batches without a cache: the reference
+    reference = {**run(cold, pair), **run(cold, later)}
+    cold.close()
+    core = make_core(checkpoint, enable_prefix_caching=True)
+    run(core, [("warm", PROMPTS[0], plain)])  # publishes the first prompt's pages
+    hits = core.stats().prefix_cache_hit_tokens
+    warmed = run(core, pair)
+    assert core.stats().prefix_cache_hit_tokens == hits  # the cached prompt was not used
+    after = run(core, later)  # the second prompt's pages, computed at exit depth, unpublished
+    assert core.stats().prefix_cache_hit_tokens == hits
+    core.close()
+    for rid in ("scored", "first"):
+        got, want = warmed[rid], reference[rid]
+        assert got.prompt_logprobs == want.prompt_logprobs
+        assert got.prompt_exit_depths == want.prompt_exit_depths
+        assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths)
+    assert after["plain"].token_ids == reference["plain"].token_ids

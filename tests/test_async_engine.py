@@ -1,4 +1,5 @@
-"""`AsyncEngine`: the EngineClient over an LLMEngine on its own thread (no HTTP here).
+"""`AsyncEngine`: the EngineClient over an LLMEngine whose core runs on its own thread (no HTTP
+here).
 
 Covered: streamed deltas add up to LLM.generate's outputs (tokens, exit depths, text, logprobs)
 for concurrent requests; stop strings never leak into streamed text; cancel mid-stream frees
@@ -218,7 +219,7 @@ def test_submit_errors_leave_the_engine_serving(checkpoint):
 
 def test_engine_thread_failure_ends_streams_with_engine_dead_error(checkpoint):
     engine = LLMEngine(EngineConfig(model=checkpoint, **ENGINE_DEFAULTS))
-    real_step = engine.step
+    real_step = engine.core.step
     calls = []
 
     def failing_step():
@@ -227,7 +228,7 @@ def test_engine_thread_failure_ends_streams_with_engine_dead_error(checkpoint):
             raise RuntimeError("simulated device failure")
         return real_step()
 
-    engine.step = failing_step
+    engine.core.step = failing_step
     client = AsyncEngine(engine)
 
     async def main():
@@ -265,7 +266,7 @@ def test_shutdown_aborts_in_flight_requests(checkpoint):
 
     rest = asyncio.run(main())
     assert rest[-1].finished and rest[-1].finish_reason == "abort"
-    assert not client._thread.is_alive()
+    assert client.stopped
     assert_engine_clean(client._engine)
 
 

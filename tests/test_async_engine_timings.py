@@ -1,5 +1,5 @@
 """`AsyncEngine` hands each request's `RequestTimings` to the frontend on its final delta only,
-whether the stream is read live, read late (its deltas merged), or cancelled."""
+whether the stream is read live, read late (everything in one delta), or cancelled."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def test_live_and_late_readers_get_the_timings_on_the_final_delta(client):
         live = [d async for d in client.stream("live")]
         await client.submit(EngineRequest("late", (5, 17, 200, 3), PARAMS))
         deadline = time.monotonic() + 10
-        while "late" in client._active:  # until its final delta was pushed (nobody reads yet)
+        while not client._streams["late"].state.ended:  # its final delta arrived, unread
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        late = [d async for d in client.stream("late")]  # every waiting delta, merged into one
+        late = [d async for d in client.stream("late")]  # everything waiting, in one take
         return live, late
 
     live, late = asyncio.run(main())

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from rlt.engine.detokenizer import IncrementalDetokenizer
-from rlt.engine.outputs import RequestOutput
-from rlt.serving.deltas import OutputCursor
+from rlt.engine.output_processor import OutputKind, RequestState
+from rlt_contracts import EngineRequest, SamplingParams
 from rlt_models import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -124,8 +124,13 @@ def test_spaces_between_special_tokens_follows_vllm_fast_detokenizer(one_by_one)
     assert skipped.text == detokenize(tokenizer, ids, one_by_one=one_by_one).text
 
 
-def test_streaming_cursor_holds_back_only_while_the_stop_string_would_be_cut():
-    output = RequestOutput("r", [1], token_ids=[5, 6], text="hello ab", exit_depths=[4, 2])
-    cut = OutputCursor(("abc",)).advance(output)
-    kept = OutputCursor(("abc",), include_stop_str_in_output=True).advance(output)
+def test_streaming_holds_back_text_only_while_a_stop_string_could_cut_it():
+    def state(**options) -> RequestState:
+        params = SamplingParams(stop=("abc",), **options)
+        request_state = RequestState(EngineRequest("r", (1,), params), OutputKind.DELTA, None)
+        request_state.output.token_ids += [5, 6]
+        request_state.output.text = "hello ab"
+        return request_state
+
+    cut, kept = state().take(), state(include_stop_str_in_output=True).take()
     assert cut.text == "hello " and kept.text == "hello ab"  # "ab" may start a cut "abc"

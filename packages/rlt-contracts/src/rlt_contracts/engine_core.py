@@ -79,6 +79,8 @@ class WireError(msgspec.Struct, frozen=True):
         kind = type(error).__name__ if isinstance(error, errors.RltError) else "RltError"
         if isinstance(error, errors.InvalidRequestError):
             return cls(kind, error.message, error.field)
+        if isinstance(error, errors.ConfigurationError):
+            return cls(kind, error.message, " + ".join(error.options))
         return cls(kind, str(error) if isinstance(error, errors.RltError) else repr(error))
 
 
@@ -88,6 +90,8 @@ def raise_wire_error(error: WireError) -> None:
     cls = getattr(errors, error.kind, None)
     if isinstance(cls, type) and issubclass(cls, errors.InvalidRequestError):
         raise cls(error.field, error.message)
+    if isinstance(cls, type) and issubclass(cls, errors.ConfigurationError):
+        raise cls(tuple(error.field.split(" + ")), error.message)
     if isinstance(cls, type) and issubclass(cls, errors.RltError) and cls is not errors.RltError:
         raise cls(error.message)
     raise errors.RltError(f"{error.kind}: {error.message}")

@@ -353,6 +353,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "before they are aborted",
     )
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="front-end processes (HTTP, tokenization, detokenization) sharing the port over "
+        "the one engine-core process",
+    )
+    group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     loops = parser.add_argument_group("loop defaults (requests may override them)")
@@ -376,6 +383,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 "model", f"{exc.message}; pass a checkpoint directory: rlt serve MODEL_DIR"
             ) from None
+    if args.api_server_count < 1:
+        raise ConfigurationError("api_server_count", f"must be >= 1, got {args.api_server_count}")
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
     loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
@@ -389,6 +398,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_origins=tuple(args.allowed_origin),
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
+        api_server_count=args.api_server_count,
     )
     return serve(engine_config_from_args(args), options)
 

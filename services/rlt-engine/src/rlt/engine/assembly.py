@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from rlt_attention import select_attention_backend
-from rlt_contracts import AttentionRequirements, ConfigurationError, KVLayout, PDRole
+from rlt_contracts import (
+    AttentionRequirements,
+    ConfigurationError,
+    KVLayout,
+    ModelInfo,
+    PDRole,
+)
 from rlt_kv import KVCacheManager
 from rlt_models import OuroModel, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
@@ -374,3 +380,19 @@ def _profile_activations(config, model, make_runner, max_model_len: int, num_pla
         torch.cuda.empty_cache()
     logger.info("profiled activations: %s", profile)
     return profile
+
+
+def model_info(parts: EngineParts) -> ModelInfo:
+    """What front ends show about the model an engine serves."""
+    shape = parts.model.shape
+    return ModelInfo(
+        name=parts.model_dir.name,
+        path=str(parts.model_dir),
+        max_model_len=parts.max_model_len,
+        vocab_size=shape.vocab_size,
+        num_loops=shape.num_loops,
+        eos_token_ids=shape.eos_token_ids,
+        weight_dtype=parts.weight_dtype,
+        kv_cache_dtype=parts.kv_cache_dtype,
+        kv_capacity_tokens=parts.kv_capacity_tokens,
+    )

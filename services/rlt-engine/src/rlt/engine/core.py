@@ -119,16 +119,22 @@ class EngineCore:
         sampling: SamplingParams,
         kv_transfer: KVTransferParams | None = None,
     ) -> ScheduledRequest:
-        self._check_pd_role(kv_transfer)
-        return self.scheduler.add_request(request_id, prompt_token_ids, sampling, kv_transfer)
+        request = EngineRequest(request_id, tuple(prompt_token_ids), sampling, 0.0, kv_transfer)
+        return self.add_requests((request,))[0]
 
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[ScheduledRequest]:
         """Queue several requests, all or none (Scheduler.add_requests)."""
         for request in requests:
-            self._check_pd_role(request.kv_transfer)
+            self._check_pd_role(request)
         return self.scheduler.add_requests(requests)
 
-    def _check_pd_role(self, kv_transfer: KVTransferParams | None) -> None:
+    def _check_pd_role(self, request: EngineRequest) -> None:
+        kv_transfer = request.kv_transfer
+        if kv_transfer is not None and request.sampling.prompt_logprobs is not None:
+            # the prompt is computed on the prefill instance, which reports no scores
+            raise InvalidRequestError(
+                "prompt_logprobs", "prompt scoring is not available through a prefill/decode pair"
+            )
         if kv_transfer is not None and (self.pd is None or kv_transfer.role is not self.pd.role):
             role = self.pd.role.value if self.pd is not None else "none"
             raise InvalidRequestError(

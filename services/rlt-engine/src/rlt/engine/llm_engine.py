@@ -24,9 +24,9 @@ from rlt_contracts import (
 )
 from rlt_models import load_tokenizer
 
-from rlt.engine.assembly import EngineParts, build_engine
+from rlt.engine.assembly import EngineParts, build_engine, model_info
 from rlt.engine.config import EngineConfig
-from rlt.engine.detokenizer import IncrementalDetokenizer
+from rlt.engine.output_processor import OutputKind, OutputProcessor
 from rlt.engine.outputs import RequestOutput
 
 PromptInput = str | Sequence[int]
@@ -45,8 +45,9 @@ class LLMEngine:
         self.config = config
         self.parts: EngineParts = build_engine(config, model=model)
         self.core = self.parts.core
-        self._outputs: dict[str, RequestOutput] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer | None] = {}
+        self._processor = OutputProcessor(
+            self.tokenizer_or_none, self.parts.model.shape.eos_token_ids
+        )
         self._closed = False
 
     def __enter__(self) -> LLMEngine:
@@ -63,8 +64,7 @@ class LLMEngine:
         self._closed = True
         device = self.parts.device
         self.core.close()
-        self._outputs.clear()
-        self._detokenizers.clear()
+        self._processor.states.clear()
         self.parts = self.core = None
         gc.collect()
         if device.type == "cuda":
@@ -80,18 +80,7 @@ class LLMEngine:
         return load_tokenizer(self.parts.model_dir)
 
     def model_info(self) -> ModelInfo:
-        shape = self.parts.model.shape
-        return ModelInfo(
-            name=self.parts.model_dir.name,
-            path=str(self.parts.model_dir),
-            max_model_len=self.parts.max_model_len,
-            vocab_size=shape.vocab_size,
-            num_loops=shape.num_loops,
-            eos_token_ids=shape.eos_token_ids,
-            weight_dtype=self.parts.weight_dtype,
-            kv_cache_dtype=self.parts.kv_cache_dtype,
-            kv_capacity_tokens=self.parts.kv_capacity_tokens,
-        )
+        return model_info(self.parts)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> list[int]:
@@ -128,41 +117,14 @@ class LLMEngine:
         for request in requests:
             if not isinstance(request.sampling, SamplingParams):
                 raise InvalidRequestError("sampling_params", "must be a SamplingParams")
-        tokenizer = self._tokenizer_or_none()
-        if tokenizer is None and any(r.sampling.stop for r in requests):
-            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
-        if any(
-            r.kv_transfer is not None and r.sampling.prompt_logprobs is not None for r in requests
-        ):
-            # the prompt is computed on the prefill instance, which reports no scores
-            raise InvalidRequestError(
-                "prompt_logprobs", "prompt scoring is not available through a prefill/decode pair"
-            )
-        for request in self.core.add_requests(requests):
-            params = request.sampling
-            request_id = request.identity.request_id
-            self._outputs[request_id] = RequestOutput(
-                request_id=request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                logprobs=[] if params.logprobs is not None else None,
-                top_logprobs=[] if params.logprobs is not None else None,
-                seed=params.seed,
-            )
-            self._detokenizers[request_id] = (
-                IncrementalDetokenizer(
-                    tokenizer,
-                    params.stop,
-                    skip_special_tokens=params.skip_special_tokens,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop_token_ids=request.rule.stop_token_ids,
-                    min_tokens=params.min_tokens,
-                )
-                if tokenizer is not None
-                else None
-            )
+        states = self._processor.add(requests, OutputKind.CUMULATIVE)
+        try:
+            self.core.add_requests(requests)
+        except BaseException:
+            self._processor.drop(states)
+            raise
 
-    def _tokenizer_or_none(self):
+    def tokenizer_or_none(self):
         try:
             return self.tokenizer
         except (OSError, ValueError):  # no tokenizer files: token-id prompts still work
@@ -187,50 +149,16 @@ class LLMEngine:
         self._check_open()
         return self.core.stats()
 
-    # -- output processing ---------------------------------------------------------------------
     def _apply(self, deltas: list[RequestOutputDelta]) -> list[RequestOutput]:
-        outputs = []
-        for delta in deltas:
-            output = self._outputs.get(delta.request_id)
-            if output is None:
-                continue
-            self._merge(output, delta)
-            outputs.append(output)
-            if output.finished:
-                del self._outputs[delta.request_id]
-                del self._detokenizers[delta.request_id]
-        return outputs
-
-    def _merge(self, output: RequestOutput, delta: RequestOutputDelta) -> None:
-        output.token_ids.extend(delta.token_ids)
-        output.exit_depths.extend(delta.exit_depths)
-        if delta.logprobs is not None and output.logprobs is not None:
-            output.logprobs.extend(delta.logprobs)
-            output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
-        if delta.prompt_logprobs is not None:
-            output.prompt_logprobs = list(delta.prompt_logprobs)
-            output.prompt_token_ranks = list(delta.prompt_token_ranks)
-            output.prompt_top_logprobs = [
-                None if top is None else list(top) for top in delta.prompt_top_logprobs
-            ]
-        detokenizer = self._detokenizers[delta.request_id]
-        if detokenizer is not None:
-            # The scheduler ends a request on a stop token with that token last in the delta
-            # (a stop string ends it later, from here, with no new token).
-            detokenizer.add_tokens(
-                delta.token_ids,
-                ends_on_stop_token=delta.finished and delta.finish_reason is FinishReason.STOP,
-            )
-            if detokenizer.stopped and not delta.finished:
-                self.core.finish_request(delta.request_id, FinishReason.STOP)
-                late = self.core.take_outputs()
-                delta = next(d for d in late if d.request_id == delta.request_id)
-            if delta.finished:
-                detokenizer.flush()
-            output.text = detokenizer.text
-        output.finished = delta.finished
-        output.finish_reason = delta.finish_reason
-        output.error = delta.error
-        output.timings = delta.timings
-        if delta.kv_target is not None:
-            output.kv_target = delta.kv_target
+        """The output processor's view of a round; a stop string it matched ends its request
+        in the core at once (the core's final delta then completes the output)."""
+        touched, stopped = self._processor.process(deltas)
+        if stopped:
+            for request_id in stopped:
+                self.core.finish_request(request_id, FinishReason.STOP)
+            touched += self._processor.process(self.core.take_outputs())[0]
+        outputs = {}
+        for state in touched:
+            outputs[state.request_id] = state.output
+        self._processor.drop(s for s in touched if s.ended)
+        return list(outputs.values())

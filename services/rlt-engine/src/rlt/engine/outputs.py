@@ -15,6 +15,8 @@ class RequestOutput:
     hidden state that produced token i went through (token 0 comes from prefill at full depth).
     prompt_logprobs / prompt_token_ranks / prompt_top_logprobs (`SamplingParams.prompt_logprobs`):
     one entry per prompt token, None for the first, at full depth; set with token 0.
+    prompt_exit_depths: with `SamplingParams.score_at_exit_depth`, the loop at which each prompt
+    position was scored (None for the first), aligned with prompt_logprobs.
     text is detokenized as the request's text options say (SamplingParams: by default special
     tokens are skipped, and a matched stop string or the stop token's text is not included).
     """
@@ -29,6 +31,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_exit_depths: list[int | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     seed: int | None = None

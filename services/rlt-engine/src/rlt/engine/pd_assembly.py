@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlt_contracts import PDCompatibility, PDRole
+from rlt_contracts import PDCompatibility, PDRole, PDStaticInfo
 from rlt_pd import (
     DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_TRANSFER_CHUNK_BYTES,
@@ -41,6 +41,10 @@ class PDParts:
     port: TransportHandoffPort
     compatibility: PDCompatibility
     metadata: bytes  # the transport's handshake metadata (fixed once memory is registered)
+
+    def static_info(self) -> PDStaticInfo:
+        """What front ends need once (they live in another thread or process)."""
+        return PDStaticInfo(self.role, self.agent, self.metadata, self.compatibility)
 
 
 def model_identity(model_dir: Path) -> str:

@@ -1,18 +1,30 @@
-"""`rlt serve`: wire an `LLMEngine`, its `AsyncEngine` and the rlt-serve app into uvicorn.
+"""`rlt serve`: the engine core in its own process, front ends with the rlt-serve app in uvicorn.
+
+    rlt serve (front end: HTTP, tokenization, output processing)  --ZeroMQ-->  engine core process
+    rlt serve --api-server-count N: a supervisor, N front-end processes sharing one listening
+    socket, one engine core process (rlt.serving.supervisor)
+
+`build_server(engine)` instead runs the core on a thread of this process (tests, embedders);
+both use the same `CoreClient`, `CoreLoop` and messages.
 
 Shutdown: uvicorn turns SIGINT/SIGTERM into a graceful exit. It stops accepting connections
 and waits for in-flight requests. `DrainingServer` gives them `shutdown_timeout` seconds to
-finish, then shuts the `AsyncEngine` down, which aborts whatever still runs: each of those
-requests still ends properly (a stream sends its last chunk with finish_reason "abort" and
-`[DONE]`, a plain request answers with what it has). Should a handler hang anyway, uvicorn
-cancels it after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan shutdown runs
-(the client shutdown again: a no-op that joins the engine thread), and `serve()` returns 0.
+finish, then shuts the core down, which aborts whatever still runs: each of those requests
+still ends properly (a stream sends its last chunk with finish_reason "abort" and `[DONE]`, a
+plain request answers with what it has). Should a handler hang anyway, uvicorn cancels it
+after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan shutdown runs (the client
+shutdown again: a no-op once the core stopped), and `serve()` returns 0.
 
 A second SIGINT or SIGTERM during the drain skips the rest of the grace period: the engine
 aborts what still runs at once, and every request still ends properly (JSON bodies, streams
 with their last chunk and `[DONE]`); `serve()` then returns 128 + that signal's number (130
 for SIGINT, 143 for SIGTERM) to say the drain was cut short. A third signal stops at once
 (uvicorn's forced exit: connections are dropped).
+
+If the core process dies, every in-flight request ends with an error (a JSON 5xx body, or an
+error event in a stream), /health fails, and the server exits with `EXIT_ENGINE_DIED` once
+those answers went out; a supervisor (systemd, Kubernetes) restarts it. If the front end dies,
+the core sees its parent's pipe close and exits too: no process is left behind.
 """
 
 from __future__ import annotations
@@ -22,9 +34,11 @@ import logging
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
-from rlt_contracts import ConfigurationError, InvalidRequestError, SamplingParams
+from rlt_contracts import ConfigurationError, InvalidRequestError, PDStaticInfo, SamplingParams
+from rlt_models import load_tokenizer
 from rlt_serve import (
     DEFAULT_MAX_BODY_BYTES,
     LOOPBACK_HOSTS,
@@ -37,6 +51,8 @@ from rlt_serve.info_routes import package_version
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
 from rlt.serving.async_engine import AsyncEngine
+from rlt.serving.core_client import CoreClient
+from rlt.serving.core_process_client import CoreEndpoint, CoreProcess, ProcessTransport
 from rlt.serving.pd_control import EnginePDControl
 
 logger = logging.getLogger(__name__)
@@ -55,25 +71,33 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 10.0
     log_level: str = "info"
+    api_server_count: int = 1  # front-end processes over the one engine core
 
 
 def build_server(engine: LLMEngine, options: ServeOptions):
-    """(app, async_engine) over an already built engine; the caller runs the app."""
+    """(app, client) over an already built engine whose core then runs on a thread of this
+    process (tests and embedders; `rlt serve` runs the core in its own process)."""
     try:
         tokenizer = engine.tokenizer
     except (OSError, ValueError) as exc:
         raise ConfigurationError("model", f"the server needs the model's tokenizer: {exc}") from exc
+    pd = engine.parts.pd
+    client = AsyncEngine(engine)
+    return build_front_app(client, tokenizer, options, pd.static_info() if pd else None), client
+
+
+def build_front_app(client: CoreClient, tokenizer, options: ServeOptions, pd: PDStaticInfo | None):
+    """The rlt-serve app of one front end over its core client."""
     defaults = options.loop_defaults
     try:  # the loop defaults must suit this model, or every request would fail
         SamplingParams(
             min_loops=defaults.min_loops,
             max_loops=defaults.max_loops,
             exit_threshold=defaults.exit_threshold,
-        ).resolve_max_loops(engine.model_info().num_loops)
+        ).resolve_max_loops(client.model_info().num_loops)
     except InvalidRequestError as exc:
         raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
-    client = AsyncEngine(engine)
-    app = build_app(
+    return build_app(
         client,
         served_model_name=options.served_model_name or client.model_info().name,
         tokenizer=tokenizer,
@@ -83,10 +107,9 @@ def build_server(engine: LLMEngine, options: ServeOptions):
         allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
         allowed_origins=options.allowed_origins,
         engine_error=lambda: client.dead,
-        pd=EnginePDControl(client, engine.parts.pd),
+        pd=EnginePDControl(client, pd),
         version=package_version("rlt"),
     )
-    return app, client
 
 
 HARD_STOP_MARGIN_S = 5.0
@@ -105,27 +128,40 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
 
 
 FORCED_EXIT_BASE = 128  # exit code after a second signal: 128 + its number
+EXIT_ENGINE_DIED = 1  # exit code when the engine core died under the server
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: `grace_s` seconds into a shutdown, or at once on a second
     signal, abort the requests still in flight through the engine client, so they end with
     finish_reason "abort" instead of having their connections cut. `forced_by` is the signal
-    that cut the drain short (None after a full drain)."""
+    that cut the drain short (None after a full drain). `on_start` (a coroutine function)
+    runs on the server's loop before it listens: a front end connects to its core there.
+    `core_died()` ends the server with `EXIT_ENGINE_DIED` once the failed requests answered."""
 
-    def __init__(self, config: uvicorn.Config, client: AsyncEngine, *, grace_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, client: CoreClient, *, grace_s: float, on_start=None
+    ) -> None:
         super().__init__(config)
         self._client = client
         self._grace_s = grace_s
+        self._on_start = on_start
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_task: asyncio.Task | None = None
         self.forced_by: int | None = None
+        self.engine_died = False
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._on_start is not None:
+            await self._on_start()
         await super().startup(sockets)
         if self.started:
             logger.info("start-up: ready at http://%s:%d", self.config.host, self.config.port)
+
+    def core_died(self) -> None:
+        self.engine_died = True
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         """Signal handler (main thread): first signal drains, second aborts, third forces."""
@@ -156,26 +192,57 @@ class DrainingServer(uvicorn.Server):
 
     @property
     def exit_code(self) -> int:
+        if self.engine_died:
+            return EXIT_ENGINE_DIED
         return 0 if self.forced_by is None else FORCED_EXIT_BASE + self.forced_by
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut down; returns the exit code: 0
-    after a full drain, 128 + the signal's number when a second signal cut it short."""
+    """Start the engine core in its own process, serve until SIGINT/SIGTERM, shut down; returns
+    the exit code: 0 after a full drain, 128 + the signal's number when a second signal cut it
+    short, `EXIT_ENGINE_DIED` when the core died. With `api_server_count` > 1 a supervisor
+    runs that many front-end processes over the one core (`rlt.serving.supervisor`)."""
     if options.api_key is None and not is_loopback(options.host):
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", options.host
         )
-    engine = LLMEngine(config)
-    app, client = build_server(engine, options)
-    server = DrainingServer(uvicorn_config(app, options), client, grace_s=options.shutdown_timeout)
+    if options.api_server_count > 1:
+        from rlt.serving.supervisor import supervise
+
+        return supervise(config, options)
+    core = CoreProcess.start(config, log_level=options.log_level)
+    try:
+        return run_front_end(core.endpoint, options, index=0, owns_core=True)
+    finally:
+        core.stop()
+
+
+def run_front_end(
+    endpoint: CoreEndpoint, options: ServeOptions, *, index: int, owns_core: bool, sock=None
+) -> int:
+    """One front end (HTTP, tokenization, output processing) over a running core; `sock`: a
+    listening socket shared by several front ends (None: bind host:port)."""
+    model_info = endpoint.ready.model_info
+    try:
+        tokenizer = load_tokenizer(Path(model_info.path))
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError("model", f"the server needs the model's tokenizer: {exc}") from exc
+    transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
+    client = CoreClient(
+        transport, model_info=model_info, stats=endpoint.ready.stats, tokenizer=lambda: tokenizer
+    )
+    app = build_front_app(client, tokenizer, options, endpoint.ready.pd)
+    server = DrainingServer(
+        uvicorn_config(app, options),
+        client,
+        grace_s=options.shutdown_timeout,
+        on_start=lambda: transport.start(client, on_core_death=lambda: server.core_died()),
+    )
     try:
         with _signals_end_cleanly():
-            server.run()  # (a port it cannot bind ends it with SystemExit(1))
+            server.run(sockets=[sock] if sock is not None else None)  # (SystemExit(1): no bind)
     finally:
-        client.close(timeout=options.shutdown_timeout)
-        if client.stopped:
-            engine.shutdown()  # (a PD instance deregisters its memory from NIXL here)
+        transport.dispose()
     return server.exit_code
 
 

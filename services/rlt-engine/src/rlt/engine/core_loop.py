@@ -1,0 +1,236 @@
+"""`CoreLoop`: the engine core's side of the front-end boundary (M2).
+
+It applies `CoreInput` messages to one `EngineCore`, steps it while requests are unfinished,
+and sorts the results into one `CoreOutputs` per front end (the one that added each request).
+The transport around it (a thread with queues, or a process with ZeroMQ) only moves messages:
+
+    while running:
+        for each message waiting (block while idle):   loop.handle(client, message)
+        loop.step()                                    # one engine step if there is work
+        for client, outputs in loop.take_outputs():    send(client, outputs)
+
+Grammars (structured output) are compiled on a worker thread before their requests reach the
+scheduler, so a new JSON schema (about 0.1 s to compile) never stalls the running requests;
+the add is answered when its requests are queued. A request aborted while its grammar compiles
+is queued and then aborted at once, so it still ends with a final delta.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from rlt_contracts import (
+    CoreAbort,
+    CoreAdd,
+    CoreClientGone,
+    CoreOutputs,
+    CorePDConnect,
+    CoreReply,
+    CoreShutdown,
+    FinishReason,
+    RequestOutputDelta,
+    RltError,
+    WireError,
+)
+
+from rlt.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingAdd:
+    client: str
+    message: CoreAdd
+    compiled: concurrent.futures.Future
+
+
+class CoreLoop:
+    """Not thread-safe: the transport's one thread calls every method."""
+
+    def __init__(self, core: EngineCore, *, constraint_compiler=None, pd_transport=None) -> None:
+        self.core = core
+        self._compiler = constraint_compiler
+        self._pd_transport = pd_transport
+        self._owners: dict[str, str] = {}  # request id -> the client that added it
+        self._deltas: dict[str, list[RequestOutputDelta]] = {}
+        self._replies: dict[str, list[CoreReply]] = {}
+        self._pending: deque[_PendingAdd] = deque()
+        self._aborted_while_pending: dict[str, FinishReason] = {}
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._changed = False  # something happened since the last take_outputs
+        self.stopped = False
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """A step has something to do (otherwise the transport may block for messages)."""
+        return self.core.has_unfinished_requests()
+
+    @property
+    def compiling(self) -> bool:
+        """Adds wait for their grammars: poll again soon even when idle."""
+        return bool(self._pending)
+
+    # -- messages ------------------------------------------------------------------------------
+    def handle(self, client: str, message) -> None:
+        self._changed = True
+        if isinstance(message, CoreAdd):
+            self._add(client, message)
+        elif isinstance(message, CoreAbort):
+            self._abort(message.request_ids, message.finish_reason, client)
+        elif isinstance(message, CorePDConnect):
+            self._reply(client, message.call_id, *self._pd_connect(message.peers))
+        elif isinstance(message, CoreClientGone):
+            gone = [r for r, owner in self._owners.items() if owner == message.client]
+            self._abort(gone, FinishReason.ABORT, message.client)
+            self._deltas.pop(message.client, None)
+            self._replies.pop(message.client, None)
+        elif isinstance(message, CoreShutdown):
+            self.shutdown()
+        else:
+            raise TypeError(f"not a core message: {type(message).__name__}")
+
+    def _add(self, client: str, message: CoreAdd) -> None:
+        specs = {r.sampling.structured_output for r in message.requests} - {None}
+        if specs and self._compiler is not None:
+            if self._compile_pool is None:
+                self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="rlt-grammars"
+                )
+            compiled = self._compile_pool.submit(self._compile_all, specs)
+            self._pending.append(_PendingAdd(client, message, compiled))
+        else:
+            self._queue(client, message)
+
+    def _compile_all(self, specs) -> None:
+        for spec in specs:
+            self._compiler.compile_grammar(spec)
+
+    def poll_compiles(self) -> None:
+        """Queue the adds whose grammars are compiled, in the order they arrived."""
+        while self._pending and self._pending[0].compiled.done():
+            pending = self._pending.popleft()
+            self._changed = True
+            error = pending.compiled.exception()
+            if error is not None:
+                self._drop_pending_aborts(pending.message)
+                self._reply(pending.client, pending.message.call_id, WireError.of(error))
+            else:
+                self._queue(pending.client, pending.message)
+
+    def _queue(self, client: str, message: CoreAdd) -> None:
+        try:
+            self.core.add_requests(message.requests)
+        except RltError as error:
+            self._drop_pending_aborts(message)
+            self._reply(client, message.call_id, WireError.of(error))
+            return
+        for request in message.requests:
+            self._owners[request.request_id] = client
+        self._reply(client, message.call_id)
+        late = [
+            (r.request_id, self._aborted_while_pending.pop(r.request_id))
+            for r in message.requests
+            if r.request_id in self._aborted_while_pending
+        ]
+        for request_id, reason in late:
+            self._abort((request_id,), reason, client)
+
+    def _drop_pending_aborts(self, message: CoreAdd) -> None:
+        for request in message.requests:
+            self._aborted_while_pending.pop(request.request_id, None)
+
+    def _abort(self, request_ids, reason: FinishReason, client: str) -> None:
+        pending_ids = {
+            r.request_id for p in self._pending if p.client == client for r in p.message.requests
+        }
+        for request_id in request_ids:
+            if self._owners.get(request_id) != client:
+                if request_id in pending_ids:
+                    self._aborted_while_pending[request_id] = reason
+                continue  # finished already, or another front end's request
+            if reason is FinishReason.ABORT:
+                self.core.abort_request(request_id)
+            else:
+                self.core.finish_request(request_id, reason)
+        self._route(self.core.take_outputs())
+
+    def _pd_connect(self, peers) -> tuple:
+        if self._pd_transport is None:
+            return (WireError("PDIncompatibleError", "this instance has PD role none"),)
+        from rlt_pd import PDCompatibilityError
+
+        connected, incompatible, failed = [], [], []
+        for metadata in peers:
+            try:
+                connected.append(self._pd_transport.connect(metadata))
+            except PDCompatibilityError as error:
+                incompatible.append(str(error))
+            except RltError as error:
+                failed.append(str(error))
+        return None, [connected, incompatible, failed]
+
+    def _reply(self, client: str, call_id: int, error: WireError | None = None, result=None):
+        self._replies.setdefault(client, []).append(CoreReply(call_id, error, result))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One engine step if any request is unfinished; grammars that finished compiling
+        first."""
+        if self._pending:
+            self.poll_compiles()
+        if self.core.has_unfinished_requests():
+            self._changed = True
+            self._route(self.core.step())
+
+    def _route(self, deltas: list[RequestOutputDelta]) -> None:
+        owners = self._owners
+        for delta in deltas:
+            client = owners.get(delta.request_id)
+            if client is None:
+                continue
+            if delta.finished:
+                del owners[delta.request_id]
+            self._deltas.setdefault(client, []).append(delta)
+
+    def take_outputs(self, clients=()) -> dict[str, CoreOutputs]:
+        """This round's outputs per client, each with the statistics after the round; also an
+        outputs (statistics only) for every client in `clients` when anything changed."""
+        if not self._changed:
+            return {}
+        self._changed = False
+        stats = self.core.stats()
+        deltas, self._deltas = self._deltas, {}
+        replies, self._replies = self._replies, {}
+        targets = set(deltas) | set(replies) | set(clients)
+        return {
+            client: CoreOutputs(
+                tuple(deltas.get(client, ())), tuple(replies.get(client, ())), stats
+            )
+            for client in targets
+        }
+
+    def shutdown(self) -> None:
+        """Abort every request (their final deltas go out with the next take_outputs)."""
+        self._changed = True
+        for pending in self._pending:
+            pending.compiled.cancel()
+            self._reply(pending.client, pending.message.call_id, WireError.of(_shutting_down()))
+        self._pending.clear()
+        self._aborted_while_pending.clear()
+        for request_id in list(self._owners):
+            self.core.abort_request(request_id)
+        self._route(self.core.take_outputs())
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.stopped = True
+
+
+def _shutting_down() -> RltError:
+    from rlt_contracts import EngineDeadError
+
+    return EngineDeadError("the engine is shutting down")

@@ -1,0 +1,122 @@
+"""The engine-core process: a busy loop of schedule -> execute -> update that talks to its front
+ends only in msgspec messages over ZeroMQ (M2).
+
+    front end i (DEALER, identity "fe<i>")  --CoreInput-->   ROUTER (this process)
+                                           <--CoreOutputs--  one per round per front end
+
+One ROUTER socket on an ipc:// address carries both directions; each message is one msgpack
+frame. The loop blocks in `poll` while no request is unfinished and otherwise drains whatever
+arrived before every step, so a message waits at most one step.
+
+Liveness, with no polling of process ids:
+- `parent_alive`: the read end of a pipe whose only write end the parent holds. It becomes
+  readable (EOF) when the parent dies, however it died: the core then aborts everything and
+  exits, so no core outlives its server.
+- `core_alive`: the write end of a pipe whose read ends the front ends watch; the kernel closes
+  it when this process ends, however it ended, and every front end learns at once.
+
+SIGINT and SIGTERM are ignored here: a terminal's Ctrl-C reaches the whole process group, and
+the front end (or the supervisor) decides when the core stops, by `CoreShutdown` after its
+drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+from rlt_contracts import CoreInput, CoreReady, RltError, WireError
+
+from rlt.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+COMPILE_POLL_MS = 5  # an idle core with grammars compiling looks again this often
+
+
+def run_core_process(
+    config: EngineConfig,
+    address: str,
+    ready,  # multiprocessing Connection: ("ready", CoreReady) or ("error", WireError), once
+    parent_alive,  # multiprocessing Connection (read end)
+    core_alive,  # multiprocessing Connection (write end), held until exit
+    log_level: str = "info",
+    parent_only: tuple = (),  # the parent's pipe ends: a forked child closes its copies
+) -> None:
+    """Entry point of the core process (forked, or spawned)."""
+    for end in parent_only:
+        end.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s", force=True
+    )
+    import zmq
+
+    from rlt.engine.assembly import build_engine, model_info
+    from rlt.engine.core_loop import CoreLoop
+
+    try:
+        parts = build_engine(config)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, then fatal
+        if not isinstance(error, RltError):
+            logger.exception("the engine could not be built")
+        ready.send(("error", msgspec.msgpack.encode(WireError.of(error))))
+        sys.exit(1)
+    pd = parts.pd
+    core_loop = CoreLoop(
+        parts.core,
+        constraint_compiler=parts.constraint_compiler,
+        pd_transport=pd.transport if pd is not None else None,
+    )
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind(address)
+    ready_message = CoreReady(
+        model_info=model_info(parts),
+        stats=parts.core.stats(),
+        pd=pd.static_info() if pd is not None else None,
+    )
+    ready.send(("ready", msgspec.msgpack.encode(ready_message)))
+    ready.close()
+    try:
+        _serve(core_loop, socket, parent_alive)
+    finally:
+        socket.close(linger=1000)  # the last outputs (final deltas) still go out
+        context.term()
+        parts.core.close()
+        core_alive.close()
+    os._exit(0)  # skip interpreter teardown (CUDA contexts, NIXL agents): the work is done
+
+
+def _serve(core_loop, socket, parent_alive) -> None:
+    import zmq
+
+    decoder = msgspec.msgpack.Decoder(CoreInput)
+    encoder = msgspec.msgpack.Encoder()
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    poller.register(parent_alive.fileno(), zmq.POLLIN)
+    while not core_loop.stopped:
+        if core_loop.has_work:
+            timeout = 0
+        else:
+            timeout = COMPILE_POLL_MS if core_loop.compiling else None
+        events = dict(poller.poll(timeout))
+        if parent_alive.fileno() in events:
+            logger.info("the process that started this core stopped or died: shutting down")
+            core_loop.shutdown()
+            return
+        while True:
+            try:
+                client, payload = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            core_loop.handle(client.decode(), decoder.decode(payload))
+        if not core_loop.stopped:
+            core_loop.step()
+        for client, outputs in core_loop.take_outputs().items():
+            socket.send_multipart([client.encode(), encoder.encode(outputs)], copy=False)

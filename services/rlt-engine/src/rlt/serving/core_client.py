@@ -1,0 +1,246 @@
+"""`CoreClient`: the `EngineClient` of a front end, over an engine core on another thread or in
+another process (module M1).
+
+Everything front-end happens on one asyncio event loop: submitting (`CoreAdd`, awaited until the
+core answers), output processing (`OutputProcessor`: detokenization, stop strings, the shape
+each consumer reads), streaming, and cancelling (`CoreAbort`). The core's `CoreOutputs` arrive
+on that loop through a transport:
+
+    event loop                                    transport            core
+    ----------                                    ---------            ----
+    submit_many -> processor.add, CoreAdd ------> send  ------------>  CoreLoop.handle
+    _on_outputs(CoreOutputs) <------------------- deliver  <---------  one per round
+      replies resolve submits; deltas go through the processor; each touched stream is woken;
+      ids whose stop string matched go back as CoreAbort(STOP)
+    stream(id): waits, takes what is new from its RequestState (nothing is merged or copied)
+
+Request identity (R17): a stream holds its `RequestState`, not an id, and `cancel` aborts only
+while the state registered for the id is that stream's and unfinished, so a cancel that
+arrives after the id was reused never touches the newer request.
+
+If the core dies (`_on_dead`), every live stream and pending call ends with `EngineDeadError`
+and `dead` says why (the HTTP app turns that into 5xx bodies and a failing /health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from rlt_contracts import (
+    CoreAbort,
+    CoreAdd,
+    CoreOutputs,
+    CorePDConnect,
+    EngineDeadError,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    RequestOutputDelta,
+    raise_wire_error,
+)
+
+from rlt.engine.output_processor import OutputKind, OutputProcessor, RequestState
+
+
+class _Stream:
+    """Wake-ups of one request's consumer; the data stays in its `RequestState`."""
+
+    __slots__ = ("state", "wakeup", "failure")
+
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+        self.wakeup = asyncio.Event()
+        self.failure: BaseException | None = None
+
+
+class CoreClient:
+    """`rlt_contracts.EngineClient` and `BatchSubmitter` over a core transport.
+
+    The transport has `send(message)`, `close()`, and calls `on_outputs(CoreOutputs)` and
+    `on_dead(error)` on the client's event loop. `stream()` claims the deltas of a successful
+    submit once (right after it, or later: they wait).
+    """
+
+    def __init__(
+        self,
+        transport,
+        *,
+        model_info: ModelInfo,
+        stats: EngineStats,
+        tokenizer: Callable[[], object | None],
+        output_kind: OutputKind = OutputKind.DELTA,
+    ) -> None:
+        self._transport = transport
+        self._model_info = model_info
+        self._stats = stats
+        self._processor = OutputProcessor(tokenizer, model_info.eos_token_ids)
+        self._kind = output_kind
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._streams: dict[str, _Stream] = {}  # live or unclaimed, by request id
+        self._unclaimed: dict[str, _Stream] = {}
+        self._dead: BaseException | None = None
+        self._stopping = False
+
+    # -- EngineClient --------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the core stopped (EngineDeadError), or None while it runs."""
+        return self._dead
+
+    async def submit(self, request: EngineRequest) -> None:
+        await self.submit_many((request,))
+
+    async def submit_many(self, requests: Sequence[EngineRequest]) -> None:
+        """Queue every request in one core operation, all or none."""
+        self._check_running()
+        requests = tuple(requests)
+        states = self._processor.add(requests, self._kind)
+        streams = [_Stream(state) for state in states]
+        try:
+            await self._call(lambda call_id: CoreAdd(call_id, requests))
+        except asyncio.CancelledError:
+            # the caller left while the core decided: it may have queued them; end them
+            self._transport_send_quietly(CoreAbort(tuple(r.request_id for r in requests)))
+            self._processor.drop(states)
+            raise
+        except BaseException:
+            self._processor.drop(states)
+            raise
+        for stream in streams:
+            self._streams[stream.state.request_id] = stream
+            self._unclaimed[stream.state.request_id] = stream
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        """Claim the deltas of the latest accepted submit of `request_id` (once)."""
+        stream = self._unclaimed.pop(request_id, None)
+        if stream is None:
+            raise InvalidRequestError(
+                "request_id", f"no submitted, unclaimed request {request_id!r} to stream"
+            )
+        return self._read(stream)
+
+    async def _read(self, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
+        state = stream.state
+        try:
+            while True:
+                if state.readable and state.has_news():
+                    delta = state.take()
+                    yield delta
+                    if delta.finished:
+                        return
+                    continue
+                if stream.failure is not None:
+                    raise stream.failure
+                stream.wakeup.clear()
+                await stream.wakeup.wait()
+        finally:
+            self._forget(stream)
+
+    async def cancel(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.state.ended and self._dead is None:
+            self._transport_send_quietly(CoreAbort((request_id,)))
+
+    async def pd_connect(self, peers: Sequence[bytes]) -> list[list[str]]:
+        """The PD transport connects `peers`: [connected, incompatible, failed]."""
+        return await self._call(lambda call_id: CorePDConnect(call_id, tuple(peers)))
+
+    async def shutdown(self) -> None:
+        """Stop the core: what still runs ends with finish reason "abort"."""
+        self._stopping = True
+        await self._transport.close()
+
+    def live_request_ids(self) -> list[str]:
+        """Requests of this front end that have not ended."""
+        return [r for r, stream in self._streams.items() if not stream.state.ended]
+
+    async def wait_finished(self, request_ids, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until the core reported the end of these requests."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._dead is None and any(
+            (s := self._streams.get(r)) is not None and not s.state.ended for r in request_ids
+        ):
+            if asyncio.get_running_loop().time() > deadline:
+                return
+            await asyncio.sleep(0.01)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    async def _call(self, make_message):
+        self._check_running()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._transport.send(make_message(call_id))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _transport_send_quietly(self, message) -> None:
+        if self._dead is None:
+            try:
+                self._transport.send(message)
+            except EngineDeadError:
+                pass  # the core's death ends every stream anyway
+
+    def _forget(self, stream: _Stream) -> None:
+        request_id = stream.state.request_id
+        if self._streams.get(request_id) is stream and stream.state.ended:
+            del self._streams[request_id]
+            self._processor.drop((stream.state,))
+
+    def on_outputs(self, outputs: CoreOutputs) -> None:
+        """One round of the core (runs on the event loop): statistics first, then replies,
+        then deltas, so a consumer that sees a delta never reads older statistics."""
+        if outputs.stats is not None:
+            self._stats = outputs.stats
+        for reply in outputs.replies:
+            future = self._calls.get(reply.call_id)
+            if future is None or future.done():
+                continue
+            if reply.error is None:
+                future.set_result(reply.result)
+            else:
+                try:
+                    raise_wire_error(reply.error)
+                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
+        if not outputs.deltas:
+            return
+        touched, stopped = self._processor.process(outputs.deltas)
+        for state in touched:
+            stream = self._streams.get(state.request_id)
+            if stream is not None and stream.state is state:
+                stream.wakeup.set()
+        if stopped:
+            self._transport_send_quietly(CoreAbort(tuple(stopped), FinishReason.STOP))
+
+    def on_dead(self, error: BaseException) -> None:
+        """The core is gone: fail every call and stream (runs on the event loop)."""
+        if self._dead is not None:
+            return
+        self._dead = error if isinstance(error, EngineDeadError) else EngineDeadError(str(error))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self._dead)
+        for stream in self._streams.values():
+            if not stream.state.ended:
+                stream.failure = self._dead
+                stream.wakeup.set()

@@ -124,11 +124,16 @@ def test_exit_depth_scores_equal_teacher_forced_decoding(checkpoint, layout, pol
     # in the same steps: a full-depth scored prompt and a plain one, which must not change
     full_depth = SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=1, ignore_eos=True)
     plain = SamplingParams(max_tokens=MAX_TOKENS, exit_threshold=0.6, ignore_eos=True)
-    requests += [("full", PROMPTS[0], full_depth), ("plain", PROMPTS[2], plain)]
+    fixed_depth = at_exit_depth(1.0, 2, None)  # threshold 1: every position runs 4 loops
+    requests += [
+        ("fixed", PROMPTS[0], fixed_depth),
+        ("full", PROMPTS[0], full_depth),
+        ("plain", PROMPTS[2], plain),
+    ]
     finished = run(core, requests)
     core.close()
     depths = set()
-    for rid, prompt, params in requests[:-2]:
+    for rid, prompt, params in requests[:-3]:
         assert_equals_teacher_forced(oracle, prompt, params, policy, finished[rid])
         depths.update(finished[rid].prompt_exit_depths[1:])
     assert len(depths) >= 3  # the positions really exit at different depths
@@ -137,6 +142,10 @@ def test_exit_depth_scores_equal_teacher_forced_decoding(checkpoint, layout, pol
     want = oracle.prompt_logprobs(tuple(PROMPTS[0]))
     assert full.prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
     assert full.exit_depths[0] == 4
+    fixed = finished["fixed"]
+    assert fixed.prompt_exit_depths[1:] == (4,) * (len(PROMPTS[0]) - 1)
+    assert fixed.prompt_logprobs[1:] == pytest.approx(full.prompt_logprobs[1:], abs=1e-5)
+    assert fixed.token_ids == full.token_ids and fixed.exit_depths[0] == 4
     reference = oracle.generate(
         OracleRequest(tuple(PROMPTS[2]), MAX_TOKENS, threshold=0.6, ignore_eos=True,
                       exit_policy=policy)

@@ -40,7 +40,9 @@ def generate(path, fused: bool, params, **options):
     )
     program = llm.engine.core.runner.speculation
     program.bookkeeping = (
-        speculative_kernels.SpeculativeKernels(program) if fused else TorchBookkeeping(program.position_loops)
+        speculative_kernels.SpeculativeKernels(program)
+        if fused
+        else TorchBookkeeping(program.position_loops)
     )
     outputs = llm.generate(PROMPTS, params)
     stats = llm.engine.core.stats()

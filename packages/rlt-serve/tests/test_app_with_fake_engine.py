@@ -132,6 +132,7 @@ def test_completion_body_and_extensions(http, fake):
             "exit_depths": [4, 2, 3],
             "token_ids": [111, 107, 33],
             "prompt_logprobs": None,  # vLLM's field, null unless asked for
+            "prompt_exit_depths": None,  # rlt: with score_at_exit_depth
         }
     ]
     assert body["usage"] == {

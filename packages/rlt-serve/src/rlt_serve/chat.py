@@ -14,7 +14,7 @@ from rlt_serve.context import ServerContext, new_id
 from rlt_serve.errors import invalid
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
-from rlt_serve.prompt_scores import vllm_prompt_logprobs
+from rlt_serve.prompt_scores import prompt_exit_depths, vllm_prompt_logprobs
 from rlt_serve.prompts import check_max_tokens, check_prompt
 from rlt_serve.request_schemas import ChatCompletionRequest
 from rlt_serve.response_schemas import (
@@ -101,6 +101,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 if body.prompt_logprobs is not None
                 else None
             ),
+            prompt_exit_depths=prompt_exit_depths(final[0]),
             choices=[
                 ChatChoice(
                     index=choice.index,

@@ -13,7 +13,12 @@ from rlt_contracts import RequestOutputDelta
 from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
 from rlt_serve.params import check_model, check_supported, sampling_params
-from rlt_serve.prompt_scores import echo_logprobs, prompt_scores_wanted, vllm_prompt_logprobs
+from rlt_serve.prompt_scores import (
+    echo_logprobs,
+    prompt_exit_depths,
+    prompt_scores_wanted,
+    vllm_prompt_logprobs,
+)
 from rlt_serve.prompts import check_max_tokens, check_prompt, completion_prompts, prompt_texts
 from rlt_serve.request_schemas import CompletionRequest
 from rlt_serve.response_schemas import (
@@ -100,6 +105,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                         if body.prompt_logprobs is not None
                         else None
                     ),
+                    prompt_exit_depths=prompt_exit_depths(c),
                 )
             )
         response = CompletionResponse(
@@ -164,6 +170,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 exit_depths=list(delta.exit_depths),
                 token_ids=list(delta.token_ids) if want_ids else None,
                 prompt_logprobs=vllm_prompt_logprobs(ctx, prompt, choice) if scored else None,
+                prompt_exit_depths=(
+                    prompt_exit_depths(choice) if delta.prompt_logprobs is not None else None
+                ),
             )
         )
 
@@ -247,6 +256,7 @@ def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> Com
         token_logprobs=first.token_logprobs + second.token_logprobs,
         top_logprobs=first.top_logprobs + second.top_logprobs,
         text_offset=first.text_offset + second.text_offset,
+        prompt_exit_depths=first.prompt_exit_depths,  # the echoed prompt's, at exit depth
     )
 
 

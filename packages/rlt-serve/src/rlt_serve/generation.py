@@ -67,6 +67,7 @@ class Choice:
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_token_ranks: tuple[int | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+    prompt_exit_depths: tuple[int | None, ...] | None = None  # with score_at_exit_depth
     finish_reason: str | None = None
     error: str | None = None
     last_token_time: float | None = None
@@ -231,6 +232,7 @@ class Generation:
             choice.prompt_logprobs = delta.prompt_logprobs
             choice.prompt_token_ranks = delta.prompt_token_ranks
             choice.prompt_top_logprobs = delta.prompt_top_logprobs
+            choice.prompt_exit_depths = delta.prompt_exit_depths
         if delta.finished:
             choice.finish_reason = str(delta.finish_reason or "abort")
             choice.error = delta.error

@@ -116,6 +116,7 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            score_at_exit_depth=request.score_at_exit_depth,
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,

@@ -1,7 +1,9 @@
 """The prompt's scores in a completion: OpenAI's echo logprobs and vLLM's `prompt_logprobs`.
 
-Both read a choice's full-depth prompt scores (`SamplingParams.prompt_logprobs`, one entry per
-prompt token, None for the first). `echo` + `logprobs: N` puts them in the choice's `logprobs`
+Both read a choice's prompt scores (`SamplingParams.prompt_logprobs`, one entry per prompt
+token, None for the first), at full depth or, with `score_at_exit_depth`, each at its position's
+exit depth (`prompt_exit_depths`: next to `prompt_logprobs` in the choice, and in the echo's
+logprobs object). `echo` + `logprobs: N` puts them in the choice's `logprobs`
 ahead of the generated tokens (text, offsets, each entry's top N plus the token itself);
 `prompt_logprobs: N` adds vLLM's per-choice list: None, then per token {token id: {logprob,
 rank, decoded_token}} for the prompt token and its top N. `max_tokens: 0` (with either) scores
@@ -23,6 +25,12 @@ def prompt_scores_wanted(body: CompletionRequest) -> int | None:
     counts = [body.prompt_logprobs] if body.prompt_logprobs is not None else []
     if body.echo and body.logprobs is not None:
         counts.append(body.logprobs)
+    if body.score_at_exit_depth and not counts:
+        raise invalid(
+            "score_at_exit_depth",
+            "score_at_exit_depth: only applies to a scored prompt: set prompt_logprobs, or "
+            "echo with logprobs",
+        )
     if body.max_tokens == 0 and not counts:
         raise invalid(
             "max_tokens",
@@ -33,8 +41,8 @@ def prompt_scores_wanted(body: CompletionRequest) -> int | None:
 
 
 def echo_logprobs(ctx: ServerContext, prompt: Sequence[int], choice) -> CompletionLogprobs:
-    """Echoed prompt tokens: text, offsets and full-depth log-probabilities with the top
-    alternatives (null for the first token, which nothing predicts)."""
+    """Echoed prompt tokens: text, offsets and log-probabilities with the top alternatives
+    (null for the first token, which nothing predicts); at exit depth, their depths."""
     tokens = [ctx.token_text(t) for t in prompt]
     scored = choice.prompt_logprobs or (None,) * len(tokens)
     tops = choice.prompt_top_logprobs or (None,) * len(tokens)
@@ -50,9 +58,21 @@ def echo_logprobs(ctx: ServerContext, prompt: Sequence[int], choice) -> Completi
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    depths = choice.prompt_exit_depths
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=list(scored), top_logprobs=top_entries, text_offset=offsets
+        tokens=tokens,
+        token_logprobs=list(scored),
+        top_logprobs=top_entries,
+        text_offset=offsets,
+        prompt_exit_depths=list(depths) if depths is not None else None,
     )
+
+
+def prompt_exit_depths(choice) -> list[int | None] | None:
+    """Per prompt token the loops of the state that scored it (None for the first), when the
+    request scored its prompt at exit depth; else None."""
+    depths = choice.prompt_exit_depths
+    return list(depths) if depths is not None else None
 
 
 def vllm_prompt_logprobs(

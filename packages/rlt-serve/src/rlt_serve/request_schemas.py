@@ -165,6 +165,14 @@ class StructuredOutputFields(RequestModel):
 class _CommonOpenAIFields(LoopFields, StructuredOutputFields):
     """OpenAI fields both endpoints share."""
 
+    score_at_exit_depth: bool | None = Field(
+        False,
+        description="rlt: score the prompt (prompt_logprobs, or completions' echo with "
+        "logprobs) with every position at the loop where this request's exit rule fires, as "
+        "a decode fed the prompt token by token would, instead of at full depth; each "
+        "position's exit depth comes back in prompt_exit_depths. 400 without prompt scoring.",
+    )
+
     model: str | None = Field(
         None, description="The served model name (GET /v1/models); omitted means that model."
     )

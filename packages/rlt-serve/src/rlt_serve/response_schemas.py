@@ -41,12 +41,26 @@ class PromptLogprob(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """Per token of the choice's text. With echo=true the prompt's tokens come first with
-    their full-depth log-probabilities (null for the first prompt token)."""
+    their log-probabilities (null for the first prompt token), at full depth unless the
+    request set score_at_exit_depth."""
 
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    prompt_exit_depths: list[int | None] | None = Field(
+        None,
+        description="rlt, only with echo and score_at_exit_depth (absent otherwise): per "
+        "prompt token (the first len(prompt) entries above), the loops of the state that "
+        "scored it, null for the first.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_depths(self, handler):
+        body = handler(self)
+        if body.get("prompt_exit_depths", 0) is None:
+            del body["prompt_exit_depths"]
+        return body
 
 
 class CompletionChoice(BaseModel):
@@ -62,7 +76,13 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         None,
         description="vLLM: with prompt_logprobs=N, per prompt token (null for the first) the "
-        "token and its N most likely alternatives at full depth, keyed by token id.",
+        "token and its N most likely alternatives (at full depth unless score_at_exit_depth), "
+        "keyed by token id.",
+    )
+    prompt_exit_depths: list[int | None] | None = Field(
+        None,
+        description="rlt: with score_at_exit_depth, per prompt token (null for the first) the "
+        "loops of the state that scored it (its previous position's exit depth).",
     )
 
 
@@ -112,6 +132,11 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         None, description="vLLM: with prompt_logprobs=N, the rendered prompt's scores."
+    )
+    prompt_exit_depths: list[int | None] | None = Field(
+        None,
+        description="rlt: with score_at_exit_depth, per token of the rendered prompt (null for "
+        "the first) the loops of the state that scored it.",
     )
 
 

@@ -13,9 +13,6 @@ from serving_harness import run_server
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 8, 9]
 LOOPS = {"exit_threshold": 0.5, "min_loops": 1, "temperature": 0, "ignore_eos": True}
-# the depths reach a response only once the engine's outputs carry them from the delta (being
-# added to services/rlt-engine by the front-end refactoring); the 400s do not need it
-CARRY_PENDING = pytest.mark.xfail(reason="engine carry of prompt_exit_depths pending", strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +35,6 @@ def teacher_forced(checkpoint):
     return result
 
 
-@CARRY_PENDING
 def test_completions_return_each_prompt_tokens_exit_depth(http, teacher_forced):
     body = {"prompt": PROMPT, "max_tokens": 0, "prompt_logprobs": 1, "score_at_exit_depth": True}
     response = http.post("/v1/completions", json={**body, **LOOPS})
@@ -55,7 +51,6 @@ def test_completions_return_each_prompt_tokens_exit_depth(http, teacher_forced):
     assert full_depth.json()["choices"][0]["prompt_exit_depths"] is None
 
 
-@CARRY_PENDING
 def test_echo_logprobs_carry_the_depths_in_the_logprobs_object(http, teacher_forced):
     body = {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1, **LOOPS}
     scored = http.post("/v1/completions", json={**body, "score_at_exit_depth": True})
@@ -74,7 +69,6 @@ def test_echo_logprobs_carry_the_depths_in_the_logprobs_object(http, teacher_for
     assert plain["prompt_exit_depths"] is None
 
 
-@CARRY_PENDING
 def test_chat_returns_the_rendered_prompts_depths(http):
     messages = [{"role": "user", "content": "It is a truth"}]
     body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0, **LOOPS}

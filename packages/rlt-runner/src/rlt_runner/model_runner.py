@@ -42,12 +42,10 @@ from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 from rlt_runner.bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
-from rlt_runner.exit_depth_scoring import run_at_exit_depth
 from rlt_runner.kv_storage import FP8, KVScales, KVStorage
 from rlt_runner.position_loops import PositionLoops
-from rlt_runner.prefill import run_prefill
 from rlt_runner.prefill_graphs import PrefillGraphs
-from rlt_runner.prompt_scoring import score_chunk
+from rlt_runner.prompt_chunks import run_prompt_chunks, token0_depths
 from rlt_runner.readback import PendingStep, finish_readback, start_readback
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.shared_prefill import SharedPrefillGraphs
@@ -337,7 +335,7 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Prompt chunks, then token 0 of the prompts they complete and of the PD requests whose
         prompt state was written here by a prefill instance (returns token 0's records)."""
-        token0_depths = self._run_chunks(chunks, pending) if chunks else {}
+        last_exit_depths = self._run_chunks(chunks, pending) if chunks else {}
         if not started:
             return None
         if remote_starts:  # PD decode: the prompt state a prefill instance wrote
@@ -351,15 +349,9 @@ class ModelRunner:
             self.device,
         )
         pending.started = started
-        depths = None
-        if token0_depths:  # prompts run at exit depth: token 0 at the last position's depth
-            depths = torch.full_like(lengths, self.model.shape.num_loops)
-            at = [j for j, r in enumerate(started) if r.row in token0_depths]
-            depths.index_copy_(
-                0,
-                upload(at, torch.int64, self.device),
-                torch.stack([token0_depths[started[j].row] for j in at]),
-            )
+        depths = token0_depths(
+            started, last_exit_depths, full_depth=self.model.shape.num_loops, device=self.device
+        )
         record = self.program.start_rows(index, lengths, pending.mode, depths=depths)
         for r in started:
             r.decoding = True
@@ -368,54 +360,23 @@ class ModelRunner:
     def _run_chunks(
         self, chunks: list[PrefillChunk], pending: PendingStep
     ) -> dict[int, torch.Tensor]:
-        """Prompt chunks: at full depth (prefill.py), or at each position's exit depth for
-        prompts scored so (exit_depth_scoring.py); scored chunks' states through the LM head.
-        Returns {row: exit depth (a device scalar)} of the exit-depth prompts they complete."""
-        records = [self.rows.record(c.identity) for c in chunks]
-        at_exit = [i for i, r in enumerate(records) if r.sampling.score_at_exit_depth]
-        full = [i for i, r in enumerate(records) if not r.sampling.score_at_exit_depth]
-
-        def described(indices: list[int]) -> list[tuple[int, int, tuple[int, ...], bool]]:
-            return [
-                (records[i].row, chunks[i].start_position, chunks[i].token_ids,
-                 chunks[i].completes_prompt)
-                for i in indices
-            ]  # fmt: skip
-
-        kept = run_prefill(
+        """Prompt chunks and their scores (prompt_chunks.py). Returns {row: exit depth (a
+        device scalar)} of the prompts run at exit depth that they complete."""
+        results = run_prompt_chunks(
             self.model,
             self.attention,
             self.kv,
             self.rows,
             self.layout,
-            described(full),
+            self.position_loops,
+            chunks,
             graphs=self.prefill_graphs,
             shared_waves=self.shared_waves,
-            keep_states=frozenset(
-                j for j, i in enumerate(full) if records[i].sampling.prompt_logprobs is not None
-            ),
         )
-        scored = {full[j]: (states, None) for j, states in kept.items()}
-        token0_depths = {}
-        if at_exit:
-            gate = any(records[i].rule.exit.uses_gate for i in at_exit)
-            results = run_at_exit_depth(
-                self.position_loops, self.layout, described(at_exit), gate=gate
-            )
-            for i, result in zip(at_exit, results, strict=True):
-                scored[i] = (result.states, result.depths)
-                if chunks[i].completes_prompt:
-                    token0_depths[records[i].row] = result.depths[-1]
-        for i in sorted(scored):
-            states, depths = scored[i]
-            score = score_chunk(
-                self.model, states, records[i], chunks[i].start_position, exit_depths=depths
-            )
-            if score is not None:
-                pending.prompt_scores.append((records[i], *score))
+        pending.prompt_scores.extend(results.scores)
         # Submission only: collect reports these once the step's completion is established.
         pending.queued_progress = tuple(PrefillProgress(c.identity, c.end_position) for c in chunks)
-        return token0_depths
+        return results.last_exit_depths
 
     def _run_ticks(self, ticks: int, pending: PendingStep) -> None:
         decoding = self.rows.decoding_records()

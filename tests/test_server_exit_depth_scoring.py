@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from oracle.dense_ouro import DenseOuro
 from oracle.generation import GenerationOracle, OracleRequest
-from serving_harness import run_server
+from serving_harness import run_server, sse_events
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 8, 9]
 LOOPS = {"exit_threshold": 0.5, "min_loops": 1, "temperature": 0, "ignore_eos": True}
@@ -67,6 +67,23 @@ def test_echo_logprobs_carry_the_depths_in_the_logprobs_object(http, teacher_for
     plain = http.post("/v1/completions", json=body).json()["choices"][0]
     assert "prompt_exit_depths" not in plain["logprobs"]  # OpenAI's object, unchanged
     assert plain["prompt_exit_depths"] is None
+
+
+def test_a_stream_carries_the_depths_with_the_prompt_scores(http, teacher_forced):
+    """Streamed, the prompt's scores and depths come with the first generated token's chunk."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 0, "stream": True}
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "score_at_exit_depth": True, **LOOPS}
+    ) as response:
+        events = sse_events(response.iter_lines())
+    scored = [
+        e["choices"][0]
+        for e in events[:-1]
+        if e["choices"] and e["choices"][0]["prompt_exit_depths"] is not None
+    ]
+    assert len(scored) == 1
+    assert scored[0]["prompt_exit_depths"] == teacher_forced.prompt_exit_depths
+    assert scored[0]["logprobs"]["prompt_exit_depths"] == teacher_forced.prompt_exit_depths
 
 
 def test_chat_returns_the_rendered_prompts_depths(http):

@@ -39,6 +39,11 @@
 #                                                  eager prefill step (benchmarks/prefill_host_cost.py)
 #   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
+#   bash benchmarks/h200_run.sh served           issue 23: served against offline throughput at
+#                                                  C = 1/32/128, a 512-request burst, front-end and
+#                                                  core CPU seconds, --api-server-count 2, and the
+#                                                  start-up to healthy, cold and warm
+#                                                  (benchmarks/served_vs_offline.py ARGS)
 #   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
 #                                                  fixed depth 4 and with the trace exit policy's
 #                                                  2.5-loop mix (side by side on 2 GPUs, else one
@@ -147,6 +152,12 @@ case "$mode" in
       --batch 1 --batch 8 --batch 32 --batch 128 --prompt-len 1024 --output-len 64 \
       --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
       --json-out "$OUT/batch_invariance_h200.json" "$@" ;;
+  served)
+    ckdir=/tmp/rlt-bench-checkpoints
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
+      --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
+    python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_vs_offline.json" \
+      "$@" 2>&1 | tee "$OUT/served_vs_offline.log" | tail -8 ;;
   serving-sweep)
     ckdir=/tmp/rlt-bench-checkpoints; ck=$ckdir/ouro-1.4b; rates=${RATES:-4,8,16,32,inf}
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \

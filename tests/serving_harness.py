@@ -7,7 +7,10 @@ handed to it, so there is no window in which another process could take the port
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -125,3 +128,43 @@ def sse_events(lines) -> list[dict | str]:
         payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+SERVE_FLAGS = ("--dtype", "float32", "--device", "cpu", "--block-size", "4")
+
+
+def start_serve_process(
+    checkpoint, port: int, *flags: str, shutdown_timeout: float = 1, num_kv_blocks: int = 512
+) -> subprocess.Popen:
+    """`rlt serve` as a real process (its engine core is a child of it), output in `stdout`."""
+    command = [sys.executable, "-m", "rlt.cli", "serve", str(checkpoint), "--port", str(port)]
+    command += [*SERVE_FLAGS, "--num-kv-blocks", str(num_kv_blocks)]
+    command += ["--shutdown-timeout", str(shutdown_timeout), "--served-model-name", "tiny", *flags]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("RLT_API_KEY", None)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+    )
+
+
+def wait_ready(process: subprocess.Popen, base_url: str, timeout: float = 120) -> None:
+    """Until /health answers 200 (raises with the server's output if it exited)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=base_url, trust_env=False, timeout=2) as http:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"server exited early:\n{process.stdout.read()}")
+            try:
+                if http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    process.kill()
+    raise AssertionError("server did not become ready")

@@ -254,7 +254,7 @@ def test_api_key_is_enforced_on_v1_only(checkpoint):
 def test_dead_engine_turns_health_503_and_fails_requests_cleanly(checkpoint):
     with run_server(checkpoint, check_leaks=False) as server, server.http() as http:
         engine = server.engine
-        real_step = engine.step
+        real_step = engine.core.step
         armed = []
 
         def step():
@@ -262,7 +262,7 @@ def test_dead_engine_turns_health_503_and_fails_requests_cleanly(checkpoint):
                 raise RuntimeError("simulated device failure")
             return real_step()
 
-        engine.step = step  # read by the engine thread on its next step
+        engine.core.step = step  # read by the engine thread on its next step
         assert http.post("/v1/completions", json=OK_COMPLETION).status_code == 200
         armed.append(True)
         response = http.post("/v1/completions", json={**OK_COMPLETION, "stream": True})

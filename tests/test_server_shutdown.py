@@ -6,78 +6,22 @@ a clear message."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 from rlt.cli import main
-from serving_harness import sse_events
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(
-    checkpoint, port: int, *, shutdown_timeout: float = 1, num_kv_blocks: int = 512
-) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "rlt.cli",
-        "serve",
-        str(checkpoint),
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--block-size",
-        "4",
-        "--num-kv-blocks",
-        str(num_kv_blocks),
-        "--shutdown-timeout",
-        str(shutdown_timeout),
-        "--served-model-name",
-        "tiny",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.pop("RLT_API_KEY", None)
-    return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-    )
-
-
-def wait_ready(process: subprocess.Popen, base_url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=base_url, trust_env=False, timeout=2) as http:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise AssertionError(f"server exited early:\n{process.stdout.read()}")
-            try:
-                if http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-    process.kill()
-    raise AssertionError("server did not become ready")
+from serving_harness import free_port, sse_events, start_serve_process, wait_ready
 
 
 def run_signal_test(checkpoint, signum: int) -> None:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    process = start_server(checkpoint, port)
+    process = start_serve_process(checkpoint, port)
     try:
         wait_ready(process, base_url)
         in_flight: dict = {}
@@ -176,7 +120,7 @@ def test_a_second_signal_aborts_the_drain_cleanly_and_exits_128_plus_it(tiny_che
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     # a drain would wait long; both 500-token requests fit the KV pool at once
-    process = start_server(checkpoint, port, shutdown_timeout=600, num_kv_blocks=2048)
+    process = start_serve_process(checkpoint, port, shutdown_timeout=600, num_kv_blocks=2048)
     try:
         wait_ready(process, base_url)
         output = OutputReader(process)

@@ -6,6 +6,7 @@ The transport around it (a thread with queues, or a process with ZeroMQ) only mo
 
     while running:
         for each message waiting (block while idle):   loop.handle(client, message)
+        if loop.has_replies: send loop.take_outputs()  # answers go out before the step
         loop.step()                                    # one engine step if there is work
         for client, outputs in loop.take_outputs():    send(client, outputs)
 
@@ -69,6 +70,12 @@ class CoreLoop:
     def has_work(self) -> bool:
         """A step has something to do (otherwise the transport may block for messages)."""
         return self.core.has_unfinished_requests()
+
+    @property
+    def has_replies(self) -> bool:
+        """Answers wait: send them before the next step (a step that fails must not swallow
+        the answer to a request it already accepted)."""
+        return bool(self._replies)
 
     @property
     def compiling(self) -> bool:

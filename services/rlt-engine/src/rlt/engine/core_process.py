@@ -116,7 +116,13 @@ def _serve(core_loop, socket, parent_alive) -> None:
             except zmq.Again:
                 break
             core_loop.handle(client.decode(), decoder.decode(payload))
+        if core_loop.has_replies:
+            _send(socket, encoder, core_loop.take_outputs())
         if not core_loop.stopped:
             core_loop.step()
-        for client, outputs in core_loop.take_outputs().items():
-            socket.send_multipart([client.encode(), encoder.encode(outputs)], copy=False)
+        _send(socket, encoder, core_loop.take_outputs())
+
+
+def _send(socket, encoder, outputs: dict) -> None:
+    for client, message in outputs.items():
+        socket.send_multipart([client.encode(), encoder.encode(message)], copy=False)

@@ -11,9 +11,9 @@ constructor on only the engine thread touches its core:
                                                  CoreLoop.step()
     CoreClient.on_outputs  <--call_soon_threadsafe--  CoreLoop.take_outputs()
 
-The client follows the event loop of the latest submit. Requests still live on a loop that
-was closed (an `asyncio.run` that ended while they ran) are aborted when a new loop submits:
-nobody can read them any more.
+The client follows the event loop of the latest call (a submit, a PD connect). Requests still
+live on a loop that was closed (an `asyncio.run` that ended while they ran) are aborted when a
+new loop calls: nobody can read them any more.
 
 If the engine thread fails, every live stream ends with the error, later submits raise
 `EngineDeadError`, and `dead` says why; nothing restarts the engine.
@@ -81,6 +81,8 @@ class _ThreadTransport:
                     core_loop.handle(_CLIENT, message)
                     if core_loop.stopped:
                         break
+                if core_loop.has_replies:
+                    self._deliver(core_loop.take_outputs())
                 if not core_loop.stopped:
                     core_loop.step()
                 self._deliver(core_loop.take_outputs())
@@ -150,9 +152,9 @@ class AsyncEngine(CoreClient):
         if self._dead is None:
             self._dead = error
 
-    async def submit_many(self, requests) -> None:
+    async def _call(self, make_message):
         self._follow_loop(asyncio.get_running_loop())
-        await super().submit_many(requests)
+        return await super()._call(make_message)
 
     def _follow_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         transport = self._thread_transport

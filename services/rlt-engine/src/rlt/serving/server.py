@@ -50,6 +50,7 @@ from rlt_serve.info_routes import package_version
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
+from rlt.engine.startup import StartupClock
 from rlt.serving.async_engine import AsyncEngine
 from rlt.serving.core_client import CoreClient
 from rlt.serving.core_process_client import CoreEndpoint, CoreProcess, ProcessTransport
@@ -150,6 +151,7 @@ class DrainingServer(uvicorn.Server):
         self._abort_task: asyncio.Task | None = None
         self.forced_by: int | None = None
         self.engine_died = False
+        self.clock = StartupClock()  # run_front_end passes the one that timed the core
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -157,7 +159,7 @@ class DrainingServer(uvicorn.Server):
             await self._on_start()
         await super().startup(sockets)
         if self.started:
-            logger.info("start-up: ready at http://%s:%d", self.config.host, self.config.port)
+            self.clock.ready(f"ready at http://{self.config.host}:{self.config.port}")
 
     def core_died(self) -> None:
         self.engine_died = True
@@ -210,34 +212,50 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         from rlt.serving.supervisor import supervise
 
         return supervise(config, options)
-    core = CoreProcess.start(config, log_level=options.log_level)
+    clock = StartupClock()
+    with clock.phase("engine core process (see its [core] lines)"):
+        core = CoreProcess.start(config, log_level=options.log_level)
     try:
-        return run_front_end(core.endpoint, options, index=0, owns_core=True)
+        return run_front_end(core.endpoint, options, index=0, owns_core=True, clock=clock)
     finally:
         core.stop()
 
 
 def run_front_end(
-    endpoint: CoreEndpoint, options: ServeOptions, *, index: int, owns_core: bool, sock=None
+    endpoint: CoreEndpoint,
+    options: ServeOptions,
+    *,
+    index: int,
+    owns_core: bool,
+    sock=None,
+    clock: StartupClock | None = None,
 ) -> int:
     """One front end (HTTP, tokenization, output processing) over a running core; `sock`: a
     listening socket shared by several front ends (None: bind host:port)."""
+    clock = clock or StartupClock()
     model_info = endpoint.ready.model_info
-    try:
-        tokenizer = load_tokenizer(Path(model_info.path))
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError("model", f"the server needs the model's tokenizer: {exc}") from exc
-    transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
-    client = CoreClient(
-        transport, model_info=model_info, stats=endpoint.ready.stats, tokenizer=lambda: tokenizer
-    )
-    app = build_front_app(client, tokenizer, options, endpoint.ready.pd)
+    with clock.phase("front end: tokenizer and app"):
+        try:
+            tokenizer = load_tokenizer(Path(model_info.path))
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(
+                "model", f"the server needs the model's tokenizer: {exc}"
+            ) from exc
+        transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
+        client = CoreClient(
+            transport,
+            model_info=model_info,
+            stats=endpoint.ready.stats,
+            tokenizer=lambda: tokenizer,
+        )
+        app = build_front_app(client, tokenizer, options, endpoint.ready.pd)
     server = DrainingServer(
         uvicorn_config(app, options),
         client,
         grace_s=options.shutdown_timeout,
         on_start=lambda: transport.start(client, on_core_death=lambda: server.core_died()),
     )
+    server.clock = clock
     try:
         with _signals_end_cleanly():
             server.run(sockets=[sock] if sock is not None else None)  # (SystemExit(1): no bind)

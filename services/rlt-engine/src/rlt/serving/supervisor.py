@@ -24,7 +24,7 @@ import socket
 from multiprocessing.connection import wait
 
 import msgspec
-from rlt_contracts import CoreClientGone, CoreShutdown
+from rlt_contracts import ConfigurationError, CoreClientGone, CoreShutdown
 
 from rlt.engine.config import EngineConfig
 from rlt.serving.core_process_client import (
@@ -64,9 +64,15 @@ class _Supervisor:
     def __init__(self, config: EngineConfig, options) -> None:
         self.options = options
         self.context = multiprocessing.get_context(child_start_method())
-        self.sock = socket.create_server((options.host, options.port), reuse_port=False)
-        self.sock.set_inheritable(True)
+        # the core first: a forked core must not hold the listening socket
         self.core = CoreProcess.start(config, log_level=options.log_level)
+        try:
+            self.sock = socket.create_server((options.host, options.port))
+        except OSError as error:
+            self.core.stop()
+            raise ConfigurationError(
+                ("host", "port"), f"cannot listen on {options.host}:{options.port}: {error}"
+            ) from None
         self.front_ends: dict[int, multiprocessing.Process] = {}
         self.stopping = 0  # signals received
         self._control = None  # a DEALER to the core for CoreClientGone / CoreShutdown

@@ -1,0 +1,223 @@
+"""Served against offline throughput in one run, and `rlt serve`'s start-up (issue 23).
+
+One machine, one checkpoint, the engine's defaults on both sides (what `rlt serve` runs):
+1. offline: one `LLMEngine`; for each concurrency C, N random-token prompts of --input-len
+   tokens, --output-len tokens each (ignore_eos, greedy), at most C in flight (a new request
+   enters as one finishes, as `rlt bench serve --max-concurrency C` does); output tokens / wall
+   seconds. The engine is then shut down and its memory returned.
+2. served: `rlt serve` started twice (the first start fills the caches, the second is timed as
+   a warm start), then `rlt bench serve` at the same C and N (random dataset, same lengths) and
+   a burst of --burst requests at once; the front end's and the core's CPU seconds during the
+   burst (from /proc). 3. the same with `--api-server-count 2` (C = 128 and the burst).
+
+Every figure goes to --out (JSON) as it is measured, so a run cut short still reports.
+
+    python3 benchmarks/served_vs_offline.py /tmp/rlt-bench-checkpoints/ouro-1.4b --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def offline(args, results: dict) -> None:
+    import torch
+    from rlt.engine import EngineConfig, LLMEngine
+    from rlt_contracts import SamplingParams
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, **json.loads(args.engine_json))
+    engine = LLMEngine(config)
+    vocab = engine.model_info().vocab_size
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, exit_threshold=1.0)
+    for concurrency, count in args.points:
+        rng = random.Random(concurrency)
+        prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(count)]
+        warm = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(2)]
+        _drive(engine, warm, params, concurrency)
+        start = time.perf_counter()
+        tokens = _drive(engine, prompts, params, concurrency)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        results["offline"][str(concurrency)] = dict(
+            requests=count, output_tokens=tokens, wall_s=wall, output_tokens_per_s=tokens / wall
+        )
+        _save(args, results)
+    engine.shutdown()
+
+
+def _drive(engine, prompts, params, concurrency: int) -> int:
+    pending = list(enumerate(prompts))
+    running, tokens = 0, 0
+    while pending or running:
+        while pending and running < concurrency:
+            index, prompt = pending.pop(0)
+            engine.add_request(f"r{index}-{time.monotonic_ns()}", prompt, params)
+            running += 1
+        for output in engine.step():
+            if output.finished:
+                running -= 1
+                tokens += len(output.token_ids)
+    return tokens
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def family(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(stat[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    found, todo = [pid], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Served:
+    def __init__(self, args, *flags: str) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "rlt.cli", "serve", args.model, "--port", str(self.port)]
+        command += ["--dtype", args.dtype, "--exit-threshold", "1.0", *flags]
+        command += ["--log-level", "info", "--served-model-name", "bench"]
+        for key, value in json.loads(args.engine_json).items():
+            command += [f"--{key.replace('_', '-')}", str(value)]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        start = time.perf_counter()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        import urllib.request
+
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"rlt serve exited:\n{Path(self.log.name).read_text()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        self.startup_s = time.perf_counter() - start
+
+    def bench(self, args, concurrency: int | None, count: int) -> dict:
+        out = Path(tempfile.mkdtemp())
+        command = [sys.executable, "-m", "rlt.cli", "bench", "serve", "--port", str(self.port)]
+        command += ["--model", "bench", "--dataset-name", "random", "--metric-percentiles", "50,99"]
+        command += ["--random-input-len", str(args.input_len)]
+        command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+        command += ["--ignore-eos", "--disable-tqdm", "--num-prompts", str(count)]
+        command += ["--save-result", "--result-dir", str(out), "--result-filename", "r.json"]
+        command += ["--seed", str(count)]
+        if concurrency is not None:
+            command += ["--max-concurrency", str(concurrency)]
+        pids = family(self.process.pid)
+        before = {p: cpu_seconds(p) for p in pids}
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        after = {p: cpu_seconds(p) for p in pids if Path(f"/proc/{p}").exists()}
+        result = json.loads((out / "r.json").read_text())
+        keys = ["output_throughput", "completed", "duration"]
+        keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
+        summary = {k: result.get(k) for k in keys}
+        summary["cpu_s"] = {str(p): after[p] - before[p] for p in after}
+        return summary
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        return Path(self.log.name).read_text()
+
+
+def served(args, results: dict) -> None:
+    first = Served(args)
+    results["startup_s"] = {"first": first.startup_s}
+    first.stop()
+    server = Served(args)
+    results["startup_s"]["warm"] = server.startup_s
+    try:
+        for concurrency, count in args.points:
+            results["served"][str(concurrency)] = server.bench(args, concurrency, count)
+            _save(args, results)
+        results["served"]["burst"] = server.bench(args, None, args.burst)
+        results["served"]["pids"] = {"front_end": server.process.pid}
+        _save(args, results)
+    finally:
+        log = server.stop()
+    results["startup_log"] = [line for line in log.splitlines() if "start-up" in line]
+    _save(args, results)
+    if args.no_two:
+        return
+    two = Served(args, "--api-server-count", "2")
+    try:
+        results["served_2_api"] = {
+            "128": two.bench(args, 128, dict(args.points).get(128, 256)),
+            "burst": two.bench(args, None, args.burst),
+        }
+    finally:
+        two.stop()
+    _save(args, results)
+
+
+def _save(args, results: dict) -> None:
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--points", default="1:8,32:96,128:384", help="C:N pairs")
+    parser.add_argument("--burst", type=int, default=512)
+    parser.add_argument("--engine-json", default="{}", help="EngineConfig fields for both sides")
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--no-two", action="store_true", help="skip --api-server-count 2")
+    args = parser.parse_args()
+    args.points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
+    results: dict = {"setup": vars(args) | {"points": args.points}, "offline": {}, "served": {}}
+    if not args.skip_offline:
+        offline(args, results)
+    served(args, results)
+    for c, _ in args.points:
+        o, s = results["offline"].get(str(c)), results["served"].get(str(c))
+        if o and s:
+            s["ratio_to_offline"] = s["output_throughput"] / o["output_tokens_per_s"]
+            print(f"C={c}: served/offline = {s['ratio_to_offline']:.3f}")
+    burst, top = results["served"].get("burst"), results["served"].get("128")
+    if burst and top:
+        burst["ratio_to_served_128"] = burst["output_throughput"] / top["output_throughput"]
+    _save(args, results)
+    print(json.dumps(results.get("startup_s")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,9 @@
 """Start the engine-core process and talk to it from a front end (M1 side of `core_process.py`).
 
-`CoreProcess.start(config)` forks the core (or spawns it where this process initialised CUDA),
-waits for its `CoreReady` (or raises the typed error that stopped it) and
-keeps the three pipes of the liveness rules (see `rlt.engine.core_process`). A front end then
-gets a `ProcessTransport` over the core's socket:
+`CoreProcess.start(config)` forks the core (spawns it for a CUDA engine), waits for its
+`CoreReady` (or raises the typed error that stopped it) and keeps the pipes of the liveness
+rules (see `rlt.engine.core_process`). A front end then gets a `ProcessTransport` over the
+core's socket:
 
     front end event loop                          core process
     --------------------                          ------------
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,13 +55,11 @@ class CoreEndpoint:
     core_alive: object  # multiprocessing Connection: read end, EOF when the core exits
 
 
-def child_start_method() -> str:
-    """ "fork" (the child starts at once, without importing everything again) unless this process
-    initialised CUDA, which a forked child cannot use: then "spawn"."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "spawn"
-    return "fork"
+def child_start_method(config: EngineConfig) -> str:
+    """"fork" for a CPU engine (the child starts at once, without importing everything again);
+    "spawn" for CUDA: the CUDA driver does not survive a fork once this process asked it
+    anything (as resolving device "auto" does)."""
+    return "fork" if config.device == "cpu" else "spawn"
 
 
 class CoreProcess:
@@ -78,7 +75,7 @@ class CoreProcess:
     def start(
         cls, config: EngineConfig, *, log_level: str = "info", timeout_s: float | None = None
     ) -> CoreProcess:
-        context = multiprocessing.get_context(child_start_method())
+        context = multiprocessing.get_context(child_start_method(config))
         directory = tempfile.TemporaryDirectory(prefix="rlt-core-")
         address = f"ipc://{directory.name}/core.sock"
         ready_r, ready_w = context.Pipe(duplex=False)

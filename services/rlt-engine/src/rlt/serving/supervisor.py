@@ -63,7 +63,7 @@ def _run_front_end(
 class _Supervisor:
     def __init__(self, config: EngineConfig, options) -> None:
         self.options = options
-        self.context = multiprocessing.get_context(child_start_method())
+        self.context = multiprocessing.get_context(child_start_method(config))
         # the core first: a forked core must not hold the listening socket
         self.core = CoreProcess.start(config, log_level=options.log_level)
         try:

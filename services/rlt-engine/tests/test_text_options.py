@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from rlt.engine.detokenizer import IncrementalDetokenizer
-from rlt.engine.output_processor import OutputKind, RequestState
+from rlt.engine.output_processor import RequestState
 from rlt_contracts import EngineRequest, SamplingParams
 from rlt_models import load_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -127,7 +127,7 @@ def test_spaces_between_special_tokens_follows_vllm_fast_detokenizer(one_by_one)
 def test_streaming_holds_back_text_only_while_a_stop_string_could_cut_it():
     def state(**options) -> RequestState:
         params = SamplingParams(stop=("abc",), **options)
-        request_state = RequestState(EngineRequest("r", (1,), params), OutputKind.DELTA, None)
+        request_state = RequestState(EngineRequest("r", (1,), params), None)
         request_state.output.token_ids += [5, 6]
         request_state.output.text = "hello ab"
         return request_state

@@ -26,7 +26,7 @@ from rlt_models import load_tokenizer
 
 from rlt.engine.assembly import EngineParts, build_engine, model_info
 from rlt.engine.config import EngineConfig
-from rlt.engine.output_processor import OutputKind, OutputProcessor
+from rlt.engine.output_processor import OutputProcessor
 from rlt.engine.outputs import RequestOutput
 
 PromptInput = str | Sequence[int]
@@ -117,7 +117,7 @@ class LLMEngine:
         for request in requests:
             if not isinstance(request.sampling, SamplingParams):
                 raise InvalidRequestError("sampling_params", "must be a SamplingParams")
-        states = self._processor.add(requests, OutputKind.CUMULATIVE)
+        states = self._processor.add(requests)
         try:
             self.core.add_requests(requests)
         except BaseException:

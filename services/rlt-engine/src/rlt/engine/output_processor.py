@@ -10,11 +10,11 @@ what a consumer reads, and each request's state lives in exactly one `RequestSta
   "stop";
 - what the consumer has not read yet, appended in place as deltas arrive.
 
-Consumers ask for one of three shapes (vLLM's `RequestOutputKind`): `DELTA` (streaming: each
-`take()` returns what is new since the previous one; while the request runs the last
-`len(longest stop string) - 1` characters are held back, because a later stop match could
-cut them), `FINAL` (non-streaming: the consumer is woken once, at the end, and takes
-everything) and `CUMULATIVE` (`LLMEngine.step()`: the growing `RequestOutput`).
+Consumers read one of two shapes of the same state (after vLLM's `RequestOutputKind`): deltas
+(the HTTP front end: each `take()` returns what is new since the previous one, however many
+core deltas that covers; while the request runs the last `len(longest stop string) - 1`
+characters are held back, because a later stop match could cut them), or the cumulative
+`output` (`LLMEngine.step()`: the growing `RequestOutput`).
 
 A request is finished for its consumer only when the core's final delta arrived (after a stop
 string too): by then its KV blocks are free and its timings are known.
@@ -22,7 +22,6 @@ string too): by then its KV blocks are free and its timings are known.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Sequence
 
 from rlt_contracts import (
@@ -36,19 +35,12 @@ from rlt.engine.detokenizer import IncrementalDetokenizer
 from rlt.engine.outputs import RequestOutput
 
 
-class OutputKind(enum.Enum):
-    DELTA = "delta"
-    FINAL = "final"
-    CUMULATIVE = "cumulative"
-
-
 class RequestState:
-    """One request's output: accumulated in `output` (from `taken` on, for DELTA and FINAL)."""
+    """One request's output, accumulated in `output`; `take()` hands out what is new."""
 
-    def __init__(self, request: EngineRequest, kind: OutputKind, detokenizer) -> None:
+    def __init__(self, request: EngineRequest, detokenizer) -> None:
         params = request.sampling
         self.request_id = request.request_id
-        self.kind = kind
         self.detokenizer: IncrementalDetokenizer | None = detokenizer
         longest = max((len(s) for s in params.stop), default=1)
         self._text_holdback = 0 if params.include_stop_str_in_output else longest - 1
@@ -61,16 +53,9 @@ class RequestState:
         )
         self.stopped = False  # a stop string matched: later tokens are dropped
         self.ended = False  # the core's final delta arrived
-        self._text_taken = 0  # characters of output.text handed out (DELTA, FINAL)
+        self._text_taken = 0  # characters of output.text handed out by take()
         self._tokens_taken = 0  # entries of token_ids etc. handed out
         self._target_taken = False
-
-    @property
-    def readable(self) -> bool:
-        """Something a consumer of this kind should be woken for."""
-        if self.kind is OutputKind.FINAL:
-            return self.ended
-        return True
 
     def apply(self, delta: RequestOutputDelta) -> bool:
         """Add one core delta; True when a stop string matched just now."""
@@ -116,7 +101,7 @@ class RequestState:
         return matched and not delta.finished
 
     def take(self) -> RequestOutputDelta:
-        """What is new since the previous take (DELTA), or everything (FINAL, at the end)."""
+        """What is new since the previous take."""
         output = self.output
         start, end = self._tokens_taken, len(output.token_ids)
         if self.ended or self.stopped:
@@ -187,7 +172,7 @@ class OutputProcessor:
         self._tokenizer = None
         self.states: dict[str, RequestState] = {}
 
-    def add(self, requests: Sequence[EngineRequest], kind: OutputKind) -> list[RequestState]:
+    def add(self, requests: Sequence[EngineRequest]) -> list[RequestState]:
         """States for requests about to be submitted (raises InvalidRequestError before any is
         kept). A state replaces an earlier one of the same id only once that one ended."""
         if self._load_tokenizer is not None:
@@ -200,7 +185,7 @@ class OutputProcessor:
                 raise InvalidRequestError(
                     "request_id", f"{request.request_id!r} is already running"
                 )
-        states = [RequestState(r, kind, self._detokenizer(r)) for r in requests]
+        states = [RequestState(r, self._detokenizer(r)) for r in requests]
         for state in states:
             self.states[state.request_id] = state
         return states
@@ -239,6 +224,5 @@ class OutputProcessor:
                 continue  # a request this front end no longer follows
             if state.apply(delta):
                 stopped.append(delta.request_id)
-            if state.readable:
-                touched.append(state)
+            touched.append(state)
         return touched, stopped

@@ -43,7 +43,7 @@ from rlt_contracts import (
     raise_wire_error,
 )
 
-from rlt.engine.output_processor import OutputKind, OutputProcessor, RequestState
+from rlt.engine.output_processor import OutputProcessor, RequestState
 
 
 class _Stream:
@@ -72,13 +72,11 @@ class CoreClient:
         model_info: ModelInfo,
         stats: EngineStats,
         tokenizer: Callable[[], object | None],
-        output_kind: OutputKind = OutputKind.DELTA,
     ) -> None:
         self._transport = transport
         self._model_info = model_info
         self._stats = stats
         self._processor = OutputProcessor(tokenizer, model_info.eos_token_ids)
-        self._kind = output_kind
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._streams: dict[str, _Stream] = {}  # live or unclaimed, by request id
@@ -105,7 +103,7 @@ class CoreClient:
         """Queue every request in one core operation, all or none."""
         self._check_running()
         requests = tuple(requests)
-        states = self._processor.add(requests, self._kind)
+        states = self._processor.add(requests)
         streams = [_Stream(state) for state in states]
         try:
             await self._call(lambda call_id: CoreAdd(call_id, requests))
@@ -134,7 +132,7 @@ class CoreClient:
         state = stream.state
         try:
             while True:
-                if state.readable and state.has_news():
+                if state.has_news():
                     delta = state.take()
                     yield delta
                     if delta.finished:

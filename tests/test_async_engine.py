@@ -148,6 +148,30 @@ def test_cancel_mid_stream_frees_kv_and_unknown_cancel_is_a_noop(checkpoint):
         client.close()
 
 
+def test_a_reader_that_leaves_early_leaves_nothing_behind(checkpoint):
+    """A client that stops reading (and cancels, as the HTTP app does on a disconnect): once
+    the core's final delta arrives, the front end holds no state of the request."""
+    client = make_engine(checkpoint, decode_ticks_per_step=1)
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+
+    async def main():
+        await client.submit(EngineRequest("gone", (5, 6, 7), params))
+        stream = client.stream("gone")
+        await anext(stream)
+        await stream.aclose()  # the reader leaves
+        await client.cancel("gone")
+        deadline = asyncio.get_running_loop().time() + 10
+        while client._streams or client._processor.states:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+        assert client.stats().kv_blocks_used == 0
+    finally:
+        client.close()
+
+
 def test_request_id_reuse_after_abort_never_mixes_results(checkpoint, reference):
     params = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.8)
     want = reference.generate([[9, 8, 7]], params)[0]

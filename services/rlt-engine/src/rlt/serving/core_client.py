@@ -49,12 +49,13 @@ from rlt.engine.output_processor import OutputProcessor, RequestState
 class _Stream:
     """Wake-ups of one request's consumer; the data stays in its `RequestState`."""
 
-    __slots__ = ("state", "wakeup", "failure")
+    __slots__ = ("state", "wakeup", "failure", "abandoned")
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
         self.wakeup = asyncio.Event()
         self.failure: BaseException | None = None
+        self.abandoned = False  # its reader stopped before the end (a client that left)
 
 
 class CoreClient:
@@ -143,6 +144,7 @@ class CoreClient:
                 stream.wakeup.clear()
                 await stream.wakeup.wait()
         finally:
+            stream.abandoned = True
             self._forget(stream)
 
     async def cancel(self, request_id: str) -> None:
@@ -226,7 +228,10 @@ class CoreClient:
         for state in touched:
             stream = self._streams.get(state.request_id)
             if stream is not None and stream.state is state:
-                stream.wakeup.set()
+                if stream.abandoned:
+                    self._forget(stream)  # nobody reads it: drop it once it ended
+                else:
+                    stream.wakeup.set()
         if stopped:
             self._transport_send_quietly(CoreAbort(tuple(stopped), FinishReason.STOP))
 

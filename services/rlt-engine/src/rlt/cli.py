@@ -371,7 +371,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from rlt_serve import LoopDefaults
 
     from rlt.engine.assembly import resolve_model_dir
-    from rlt.serving.server import ServeOptions, serve
+    from rlt.serving.server_options import ServeOptions
 
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         raise ConfigurationError("model", "give the model directory once (MODEL_DIR or --model)")
@@ -400,7 +400,15 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         api_server_count=args.api_server_count,
     )
-    return serve(engine_config_from_args(args), options)
+    config = engine_config_from_args(args)
+    core = None
+    if options.api_server_count == 1:  # the core builds while the front end imports its parts
+        from rlt.serving.core_process_client import CoreProcess
+
+        core = CoreProcess.spawn(config, log_level=options.log_level)
+    from rlt.serving.server import serve
+
+    return serve(config, options, core=core)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,6 +56,7 @@ class StepTimings:
     """
 
     steps: int = 0
+    decode_ticks: int = 0  # loop ticks of the collected steps
     schedule_s: float = 0.0
     submit_s: float = 0.0
     collect_s: float = 0.0
@@ -213,6 +214,7 @@ class EngineCore:
         timings.collect_s += t1 - t0
         timings.readback_wait_s += self.runner.readback_wait_s - wait_before
         timings.update_s += t2 - t1
+        timings.decode_ticks += result.decode_ticks
         device_s = None
         if pending.event is not None:
             if self._last_event is not None:

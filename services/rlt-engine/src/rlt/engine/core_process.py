@@ -31,6 +31,7 @@ import msgspec
 from rlt_contracts import CoreInput, CoreReady, RltError, WireError
 
 from rlt.engine.config import EngineConfig
+from rlt.engine.startup import LOG_DATE_FORMAT, log_format
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def run_core_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
-        level=log_level.upper(), format="%(levelname)s %(name)s [core]: %(message)s", force=True
+        level=log_level.upper(), format=log_format("core"), datefmt=LOG_DATE_FORMAT, force=True
     )
     import zmq
 
@@ -84,6 +85,7 @@ def run_core_process(
     ready.close()
     try:
         _serve(core_loop, socket, parent_alive)
+        _log_totals(parts.core)
     finally:
         socket.close(linger=1000)  # the last outputs (final deltas) still go out
         context.term()
@@ -121,6 +123,21 @@ def _serve(core_loop, socket, parent_alive) -> None:
         if not core_loop.stopped:
             core_loop.step()
         _send(socket, encoder, core_loop.take_outputs())
+
+
+def _log_totals(core) -> None:
+    """One line at exit: how the core spent its steps (compare with an offline run's)."""
+    timings, stats = core.timings, core.stats()
+    logger.info(
+        "core totals: %d steps (%d decode ticks), %d prompt / %d generated tokens; host %.2f s,"
+        " read-back wait %.2f s",
+        timings.steps,
+        timings.decode_ticks,
+        stats.prompt_tokens,
+        stats.generation_tokens,
+        timings.host_s,
+        timings.readback_wait_s,
+    )
 
 
 def _send(socket, encoder, outputs: dict) -> None:

@@ -19,6 +19,13 @@ from contextlib import contextmanager
 
 logger = logging.getLogger("rlt.startup")
 
+LOG_DATE_FORMAT = "%H:%M:%S"
+
+
+def log_format(process: str) -> str:
+    """Log lines of one process of `rlt serve` (core, api, fe<i>, supervisor), with the time."""
+    return f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s [{process}]: %(message)s"
+
 
 class StartupClock:
     """Times the phases of one engine start (`phase`) and the whole (`ready`)."""

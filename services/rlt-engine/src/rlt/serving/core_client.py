@@ -139,6 +139,8 @@ class CoreClient:
                     if delta.finished:
                         return
                     continue
+                if stream.failure is None and self._dead is not None:
+                    stream.failure = self._dead  # (it died before this stream was registered)
                 if stream.failure is not None:
                     raise stream.failure
                 stream.wakeup.clear()

@@ -65,16 +65,26 @@ def child_start_method(config: EngineConfig) -> str:
 class CoreProcess:
     """A spawned engine core, owned by the process that started it."""
 
-    def __init__(self, process, endpoint: CoreEndpoint, parent_alive, directory) -> None:
+    def __init__(self, process, address: str, pipes: tuple, directory) -> None:
         self.process = process
-        self.endpoint = endpoint
-        self._parent_alive = parent_alive  # write end: closing it (or dying) stops the core
-        self._directory = directory
+        self._address = address
+        self._ready, self._parent_alive, self._core_alive = pipes
+        self._directory = directory  # holds the ipc socket
+        self._endpoint: CoreEndpoint | None = None
 
     @classmethod
     def start(
         cls, config: EngineConfig, *, log_level: str = "info", timeout_s: float | None = None
     ) -> CoreProcess:
+        """Spawn the core and wait until it serves."""
+        core = cls.spawn(config, log_level=log_level)
+        core.wait_ready(timeout_s)
+        return core
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, *, log_level: str = "info") -> CoreProcess:
+        """Start the core process and return at once (`wait_ready` waits for it): the caller
+        can prepare its front end while the core builds the engine."""
         context = multiprocessing.get_context(child_start_method(config))
         directory = tempfile.TemporaryDirectory(prefix="rlt-core-")
         address = f"ipc://{directory.name}/core.sock"
@@ -89,23 +99,36 @@ class CoreProcess:
         process.start()
         for end in (ready_w, parent_r, alive_w):  # the child holds these now
             end.close()
+        return cls(process, address, (ready_r, parent_w, alive_r), directory)
+
+    def wait_ready(self, timeout_s: float | None = None) -> CoreEndpoint:
+        """Wait for the core's `CoreReady`; raise the typed error that stopped it (or
+        EngineDeadError when it exited or took longer than `timeout_s`)."""
+        if self._endpoint is not None:
+            return self._endpoint
+        process, ready = self.process, self._ready
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not ready_r.poll(0.1):
+        while not ready.poll(0.1):
             if not process.is_alive() or (deadline is not None and time.monotonic() > deadline):
                 process.kill()
                 process.join()
-                directory.cleanup()
+                self._directory.cleanup()
                 raise EngineDeadError(
                     f"the engine core exited while starting (exit code {process.exitcode})"
                 )
-        kind, payload = ready_r.recv()
-        ready_r.close()
+        kind, payload = ready.recv()
+        ready.close()
         if kind == "error":
             process.join(CORE_EXIT_WAIT_S)
-            directory.cleanup()
+            self._directory.cleanup()
             raise_wire_error(msgspec.msgpack.decode(payload, type=WireError))
-        ready = msgspec.msgpack.decode(payload, type=CoreReady)
-        return cls(process, CoreEndpoint(address, ready, alive_r), parent_w, directory)
+        core_ready = msgspec.msgpack.decode(payload, type=CoreReady)
+        self._endpoint = CoreEndpoint(self._address, core_ready, self._core_alive)
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> CoreEndpoint:
+        return self.wait_ready()
 
     def parent_only(self) -> tuple:
         """Pipe ends a forked child of this process must close (it would otherwise keep the

@@ -33,46 +33,29 @@ import asyncio
 import logging
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 from rlt_contracts import ConfigurationError, InvalidRequestError, PDStaticInfo, SamplingParams
 from rlt_models import load_tokenizer
 from rlt_serve import (
-    DEFAULT_MAX_BODY_BYTES,
     LOOPBACK_HOSTS,
-    LoopDefaults,
     build_app,
     is_loopback,
 )
 from rlt_serve.info_routes import package_version
 
+from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
-from rlt.engine.startup import StartupClock
+from rlt.engine.startup import LOG_DATE_FORMAT, StartupClock, log_format
 from rlt.serving.async_engine import AsyncEngine
 from rlt.serving.core_client import CoreClient
 from rlt.serving.core_process_client import CoreEndpoint, CoreProcess, ProcessTransport
 from rlt.serving.pd_control import EnginePDControl
+from rlt.serving.server_options import ServeOptions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """HTTP-side options of `rlt serve` (engine options live in EngineConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: the model directory's name
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    loop_defaults: LoopDefaults = field(default_factory=LoopDefaults)
-    allowed_origins: tuple[str, ...] = ()
-    shutdown_timeout: float = 10.0
-    log_level: str = "info"
-    api_server_count: int = 1  # front-end processes over the one engine core
 
 
 def build_server(engine: LLMEngine, options: ServeOptions):
@@ -199,11 +182,12 @@ class DrainingServer(uvicorn.Server):
         return 0 if self.forced_by is None else FORCED_EXIT_BASE + self.forced_by
 
 
-def serve(config: EngineConfig, options: ServeOptions) -> int:
-    """Start the engine core in its own process, serve until SIGINT/SIGTERM, shut down; returns
-    the exit code: 0 after a full drain, 128 + the signal's number when a second signal cut it
-    short, `EXIT_ENGINE_DIED` when the core died. With `api_server_count` > 1 a supervisor
-    runs that many front-end processes over the one core (`rlt.serving.supervisor`)."""
+def serve(config: EngineConfig, options: ServeOptions, core: CoreProcess | None = None) -> int:
+    """Start the engine core in its own process (or take `core`, spawned by the caller before it
+    imported this module), serve until SIGINT/SIGTERM, shut down; returns the exit code: 0
+    after a full drain, 128 + the signal's number when a second signal cut it short,
+    `EXIT_ENGINE_DIED` when the core died. With `api_server_count` > 1 a supervisor runs that
+    many front-end processes over the one core (`rlt.serving.supervisor`)."""
     if options.api_key is None and not is_loopback(options.host):
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", options.host
@@ -212,13 +196,32 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
         from rlt.serving.supervisor import supervise
 
         return supervise(config, options)
+    configure_logging(options.log_level, "api")
     clock = StartupClock()
-    with clock.phase("engine core process (see its [core] lines)"):
-        core = CoreProcess.start(config, log_level=options.log_level)
+    core = core or CoreProcess.spawn(config, log_level=options.log_level)
     try:
-        return run_front_end(core.endpoint, options, index=0, owns_core=True, clock=clock)
+        with clock.phase("front end: tokenizer (while the core starts)"):
+            tokenizer = _tokenizer(resolve_model_dir(config.model))
+        with clock.phase("engine core process ready (see its [core] lines)"):
+            endpoint = core.wait_ready()
+        return run_front_end(
+            endpoint, options, index=0, owns_core=True, clock=clock, tokenizer=tokenizer
+        )
     finally:
         core.stop()
+
+
+def configure_logging(level: str, process: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format=log_format(process), datefmt=LOG_DATE_FORMAT, force=True
+    )
+
+
+def _tokenizer(model_dir: Path):
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigurationError("model", f"the server needs the model's tokenizer: {exc}") from exc
 
 
 def run_front_end(
@@ -229,18 +232,15 @@ def run_front_end(
     owns_core: bool,
     sock=None,
     clock: StartupClock | None = None,
+    tokenizer=None,
 ) -> int:
     """One front end (HTTP, tokenization, output processing) over a running core; `sock`: a
     listening socket shared by several front ends (None: bind host:port)."""
     clock = clock or StartupClock()
     model_info = endpoint.ready.model_info
-    with clock.phase("front end: tokenizer and app"):
-        try:
-            tokenizer = load_tokenizer(Path(model_info.path))
-        except (OSError, ValueError) as exc:
-            raise ConfigurationError(
-                "model", f"the server needs the model's tokenizer: {exc}"
-            ) from exc
+    with clock.phase("front end: app"):
+        if tokenizer is None:
+            tokenizer = _tokenizer(Path(model_info.path))
         transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
         client = CoreClient(
             transport,

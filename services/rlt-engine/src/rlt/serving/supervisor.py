@@ -27,6 +27,7 @@ import msgspec
 from rlt_contracts import ConfigurationError, CoreClientGone, CoreShutdown
 
 from rlt.engine.config import EngineConfig
+from rlt.engine.startup import LOG_DATE_FORMAT, log_format
 from rlt.serving.core_process_client import (
     CORE_EXIT_WAIT_S,
     CoreEndpoint,
@@ -52,7 +53,8 @@ def _run_front_end(
         end.close()
     logging.basicConfig(
         level=options.log_level.upper(),
-        format=f"%(levelname)s %(name)s [fe{index}]: %(message)s",
+        format=log_format(f"fe{index}"),
+        datefmt=LOG_DATE_FORMAT,
         force=True,
     )
     from rlt.serving.server import run_front_end
@@ -163,7 +165,10 @@ def _engine_died_code() -> int:
 
 def supervise(config: EngineConfig, options) -> int:
     logging.basicConfig(
-        level=options.log_level.upper(), format="%(levelname)s %(name)s [supervisor]: %(message)s"
+        level=options.log_level.upper(),
+        format=log_format("supervisor"),
+        datefmt=LOG_DATE_FORMAT,
+        force=True,
     )
     supervisor = _Supervisor(config, options)
     previous = {

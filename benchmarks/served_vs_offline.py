@@ -18,6 +18,7 @@ Every figure goes to --out (JSON) as it is measured, so a run cut short still re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -46,13 +47,22 @@ def offline(args, results: dict) -> None:
         prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(count)]
         warm = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(2)]
         _drive(engine, warm, params, concurrency)
+        before = dataclasses.replace(engine.core.timings)
         start = time.perf_counter()
         tokens = _drive(engine, prompts, params, concurrency)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        after = engine.core.timings
         results["offline"][str(concurrency)] = dict(
-            requests=count, output_tokens=tokens, wall_s=wall, output_tokens_per_s=tokens / wall
+            requests=count,
+            output_tokens=tokens,
+            wall_s=wall,
+            output_tokens_per_s=tokens / wall,
+            steps=after.steps - before.steps,
+            decode_ticks=after.decode_ticks - before.decode_ticks,
+            host_s=after.host_s - before.host_s,
+            readback_wait_s=after.readback_wait_s - before.readback_wait_s,
         )
         _save(args, results)
     engine.shutdown()
@@ -171,6 +181,7 @@ def served(args, results: dict) -> None:
     finally:
         log = server.stop()
     results["startup_log"] = [line for line in log.splitlines() if "start-up" in line]
+    results["served_core_totals"] = [line for line in log.splitlines() if "core totals" in line]
     _save(args, results)
     if args.no_two:
         return

@@ -367,6 +367,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    # OpenMP workers that spin between parallel regions burn a core each in every idle
+    # process of a server group (its engine cores, PD instances); they wait passively unless
+    # the user says otherwise. Read once, when torch loads OpenMP: so before torch is imported.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rlt_contracts import ConfigurationError
     from rlt_serve import LoopDefaults
 

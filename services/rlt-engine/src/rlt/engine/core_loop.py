@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ from rlt_contracts import (
 from rlt.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05  # the longest a front end's statistics lag behind the core
 
 
 @dataclass
@@ -63,6 +66,7 @@ class CoreLoop:
         self._aborted_while_pending: dict[str, FinishReason] = {}
         self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._changed = False  # something happened since the last take_outputs
+        self._stats_sent_s = 0.0
         self.stopped = False
 
     # -- state ---------------------------------------------------------------------------------
@@ -191,8 +195,13 @@ class CoreLoop:
         if self._pending:
             self.poll_compiles()
         if self.core.has_unfinished_requests():
-            self._changed = True
-            self._route(self.core.step())
+            deltas = self.core.step()
+            now = time.monotonic()
+            if deltas or now - self._stats_sent_s >= STATS_INTERVAL_S:
+                # a step without results (a prompt chunk, a PD instance polling its transfers
+                # thousands of times a second) sends its statistics at most every interval
+                self._changed = True
+            self._route(deltas)
 
     def _route(self, deltas: list[RequestOutputDelta]) -> None:
         owners = self._owners
@@ -210,6 +219,7 @@ class CoreLoop:
         if not self._changed:
             return {}
         self._changed = False
+        self._stats_sent_s = time.monotonic()
         stats = self.core.stats()
         deltas, self._deltas = self._deltas, {}
         replies, self._replies = self._replies, {}

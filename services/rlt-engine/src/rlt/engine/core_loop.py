@@ -60,6 +60,7 @@ class CoreLoop:
         self._compiler = constraint_compiler
         self._pd_transport = pd_transport
         self._owners: dict[str, str] = {}  # request id -> the client that added it
+        self._clients: set[str] = set()  # every front end that spoke: statistics go to all
         self._deltas: dict[str, list[RequestOutputDelta]] = {}
         self._replies: dict[str, list[CoreReply]] = {}
         self._pending: deque[_PendingAdd] = deque()
@@ -89,6 +90,8 @@ class CoreLoop:
     # -- messages ------------------------------------------------------------------------------
     def handle(self, client: str, message) -> None:
         self._changed = True
+        if not isinstance(message, CoreClientGone):
+            self._clients.add(client)
         if isinstance(message, CoreAdd):
             self._add(client, message)
         elif isinstance(message, CoreAbort):
@@ -100,6 +103,7 @@ class CoreLoop:
             self._abort(gone, FinishReason.ABORT, message.client)
             self._deltas.pop(message.client, None)
             self._replies.pop(message.client, None)
+            self._clients.discard(message.client)
         elif isinstance(message, CoreShutdown):
             self.shutdown()
         else:
@@ -213,9 +217,9 @@ class CoreLoop:
                 del owners[delta.request_id]
             self._deltas.setdefault(client, []).append(delta)
 
-    def take_outputs(self, clients=()) -> dict[str, CoreOutputs]:
-        """This round's outputs per client, each with the statistics after the round; also an
-        outputs (statistics only) for every client in `clients` when anything changed."""
+    def take_outputs(self) -> dict[str, CoreOutputs]:
+        """This round's outputs per front end (every one that spoke, when anything changed),
+        each with the statistics after the round."""
         if not self._changed:
             return {}
         self._changed = False
@@ -223,12 +227,11 @@ class CoreLoop:
         stats = self.core.stats()
         deltas, self._deltas = self._deltas, {}
         replies, self._replies = self._replies, {}
-        targets = set(deltas) | set(replies) | set(clients)
         return {
             client: CoreOutputs(
                 tuple(deltas.get(client, ())), tuple(replies.get(client, ())), stats
             )
-            for client in targets
+            for client in self._clients | set(deltas) | set(replies)
         }
 
     def shutdown(self) -> None:

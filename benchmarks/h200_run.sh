@@ -44,6 +44,9 @@
 #                                                  core CPU seconds, --api-server-count 2, and the
 #                                                  start-up to healthy, cold and warm
 #                                                  (benchmarks/served_vs_offline.py ARGS)
+#   bash benchmarks/h200_run.sh scoring          issue 25: prompt-scoring throughput (full depth, exit
+#                                                  depth) against plain prefill, Ouro-1.4B shape
+#                                                  (benchmarks/prompt_scoring.py ARGS)
 #   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
 #                                                  fixed depth 4 and with the trace exit policy's
 #                                                  2.5-loop mix (side by side on 2 GPUs, else one
@@ -158,6 +161,9 @@ case "$mode" in
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
     python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_vs_offline.json" \
       "$@" 2>&1 | tee "$OUT/served_vs_offline.log" | tail -8 ;;
+  scoring)
+    python3 benchmarks/prompt_scoring.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
+      --out "$OUT/prompt_scoring.json" "$@" 2>&1 | tee "$OUT/prompt_scoring.log" | tail -5 ;;
   serving-sweep)
     ckdir=/tmp/rlt-bench-checkpoints; ck=$ckdir/ouro-1.4b; rates=${RATES:-4,8,16,32,inf}
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \

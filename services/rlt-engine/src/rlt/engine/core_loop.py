@@ -19,7 +19,6 @@ is queued and then aborted at once, so it still ends with a final delta.
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from rlt_contracts import (
     CorePDConnect,
     CoreReply,
     CoreShutdown,
+    EngineDeadError,
     FinishReason,
     RequestOutputDelta,
     RltError,
@@ -39,8 +39,6 @@ from rlt_contracts import (
 )
 
 from rlt.engine.core import EngineCore
-
-logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # the longest a front end's statistics lag behind the core
 
@@ -239,7 +237,8 @@ class CoreLoop:
         self._changed = True
         for pending in self._pending:
             pending.compiled.cancel()
-            self._reply(pending.client, pending.message.call_id, WireError.of(_shutting_down()))
+            shutting_down = EngineDeadError("the engine is shutting down")
+            self._reply(pending.client, pending.message.call_id, WireError.of(shutting_down))
         self._pending.clear()
         self._aborted_while_pending.clear()
         for request_id in list(self._owners):
@@ -248,9 +247,3 @@ class CoreLoop:
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self.stopped = True
-
-
-def _shutting_down() -> RltError:
-    from rlt_contracts import EngineDeadError
-
-    return EngineDeadError("the engine is shutting down")

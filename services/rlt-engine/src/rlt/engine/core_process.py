@@ -31,7 +31,7 @@ import msgspec
 from rlt_contracts import CoreInput, CoreReady, RltError, WireError
 
 from rlt.engine.config import EngineConfig
-from rlt.engine.startup import LOG_DATE_FORMAT, log_format
+from rlt.engine.startup import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,7 @@ def run_core_process(
         end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=log_level.upper(), format=log_format("core"), datefmt=LOG_DATE_FORMAT, force=True
-    )
+    configure_logging(log_level, "core")
     import zmq
 
     from rlt.engine.assembly import build_engine, model_info

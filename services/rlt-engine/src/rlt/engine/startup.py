@@ -19,12 +19,15 @@ from contextlib import contextmanager
 
 logger = logging.getLogger("rlt.startup")
 
-LOG_DATE_FORMAT = "%H:%M:%S"
 
-
-def log_format(process: str) -> str:
+def configure_logging(level: str, process: str) -> None:
     """Log lines of one process of `rlt serve` (core, api, fe<i>, supervisor), with the time."""
-    return f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s [{process}]: %(message)s"
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s.%(msecs)03d %(levelname)s %(name)s [{process}]: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
 
 
 class StartupClock:

@@ -48,7 +48,7 @@ from rlt_serve.info_routes import package_version
 from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
-from rlt.engine.startup import LOG_DATE_FORMAT, StartupClock, log_format
+from rlt.engine.startup import StartupClock, configure_logging
 from rlt.serving.async_engine import AsyncEngine
 from rlt.serving.core_client import CoreClient
 from rlt.serving.core_process_client import CoreEndpoint, CoreProcess, ProcessTransport
@@ -209,12 +209,6 @@ def serve(config: EngineConfig, options: ServeOptions, core: CoreProcess | None 
         )
     finally:
         core.stop()
-
-
-def configure_logging(level: str, process: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format=log_format(process), datefmt=LOG_DATE_FORMAT, force=True
-    )
 
 
 def _tokenizer(model_dir: Path):

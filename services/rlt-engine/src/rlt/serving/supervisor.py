@@ -27,7 +27,7 @@ import msgspec
 from rlt_contracts import ConfigurationError, CoreClientGone, CoreShutdown
 
 from rlt.engine.config import EngineConfig
-from rlt.engine.startup import LOG_DATE_FORMAT, log_format
+from rlt.engine.startup import configure_logging
 from rlt.serving.core_process_client import (
     CORE_EXIT_WAIT_S,
     CoreEndpoint,
@@ -51,12 +51,7 @@ def _run_front_end(
     os.setpgrp()
     for end in parent_only:
         end.close()
-    logging.basicConfig(
-        level=options.log_level.upper(),
-        format=log_format(f"fe{index}"),
-        datefmt=LOG_DATE_FORMAT,
-        force=True,
-    )
+    configure_logging(options.log_level, f"fe{index}")
     from rlt.serving.server import run_front_end
 
     raise SystemExit(run_front_end(endpoint, options, index=index, owns_core=False, sock=sock))
@@ -164,12 +159,7 @@ def _engine_died_code() -> int:
 
 
 def supervise(config: EngineConfig, options) -> int:
-    logging.basicConfig(
-        level=options.log_level.upper(),
-        format=log_format("supervisor"),
-        datefmt=LOG_DATE_FORMAT,
-        force=True,
-    )
+    configure_logging(options.log_level, "supervisor")
     supervisor = _Supervisor(config, options)
     previous = {
         sig: signal.signal(sig, supervisor.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)

@@ -406,9 +406,12 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     config = engine_config_from_args(args)
     core = None
-    if options.api_server_count == 1:  # the core builds while the front end imports its parts
-        from rlt.serving.core_process_client import CoreProcess
+    from rlt.serving.core_process_client import CoreProcess, child_start_method
 
+    if options.api_server_count == 1 and child_start_method(config) == "spawn":
+        # a spawned core (CUDA) imports everything itself: start it now, so it builds while
+        # this process imports its server parts; a forked one (CPU) starts after them and
+        # inherits them instead of importing them a second time
         core = CoreProcess.spawn(config, log_level=options.log_level)
     from rlt.serving.server import serve
 

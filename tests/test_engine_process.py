@@ -5,7 +5,8 @@ for completions and chat, streaming and not, `n > 1`, stop strings; and every fa
 the process boundary: the core killed (in-flight requests end with errors, /health fails, the
 server exits non-zero within seconds), the front end killed (the core exits on its own), one of
 two API servers killed (its requests are aborted in the core, their KV freed, a new API server
-takes its place), the supervisor killed. No process of the group is left behind in any case.
+takes its place), the core killed under two API servers (they all end, exit code 1), the
+supervisor killed. No process of the group is left behind in any case.
 """
 
 from __future__ import annotations
@@ -295,4 +296,16 @@ def test_two_api_servers_survive_the_death_of_one(long_checkpoint):
         # the supervisor killed: the core and the API servers exit on their own
         group = descendants(supervisor)
         os.kill(supervisor, signal.SIGKILL)
+        wait_gone(group)
+
+
+def test_a_killed_core_under_two_api_servers_ends_them_all(long_checkpoint):
+    with serve(long_checkpoint, "--api-server-count", "2") as server:
+        group = descendants(server.process.pid)
+        results: dict = {}
+        stream = start_stream(server, results)
+        os.kill(server.core_pid(), signal.SIGKILL)
+        stream.join(30)
+        assert any(isinstance(e, dict) and "error" in e for e in results["events"]), results
+        assert server.process.wait(timeout=EXIT_WAIT_S) == 1
         wait_gone(group)

@@ -53,7 +53,7 @@ from rlt.serving.async_engine import AsyncEngine
 from rlt.serving.core_client import CoreClient
 from rlt.serving.core_process_client import CoreEndpoint, CoreProcess, ProcessTransport
 from rlt.serving.pd_control import EnginePDControl
-from rlt.serving.server_options import ServeOptions
+from rlt.serving.server_options import EXIT_ENGINE_DIED, ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,6 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
 
 
 FORCED_EXIT_BASE = 128  # exit code after a second signal: 128 + its number
-EXIT_ENGINE_DIED = 1  # exit code when the engine core died under the server
 
 
 class DrainingServer(uvicorn.Server):

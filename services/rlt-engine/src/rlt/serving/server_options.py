@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
 
+EXIT_ENGINE_DIED = 1  # exit code of `rlt serve` when the engine core died under the server
+
 
 @dataclass(frozen=True)
 class ServeOptions:

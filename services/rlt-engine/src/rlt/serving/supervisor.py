@@ -34,6 +34,7 @@ from rlt.serving.core_process_client import (
     CoreProcess,
     child_start_method,
 )
+from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +111,16 @@ class _Supervisor:
             self.options.port,
         )
         exit_code = 0
+        core_sentinel = [self.core.process.sentinel]  # emptied once the core is gone
         while self.front_ends:
             sentinels = {p.sentinel: i for i, p in self.front_ends.items()}
-            ready = wait([*sentinels, self.core.process.sentinel])
-            if self.core.process.sentinel in ready and self.stopping == 0:
-                logger.error("the engine core process died: stopping the API servers")
-                exit_code = _engine_died_code()
-                self.stopping = 1
+            ready = wait([*sentinels, *core_sentinel])
+            if core_sentinel and core_sentinel[0] in ready:
+                core_sentinel.clear()
+                if self.stopping == 0:
+                    logger.error("the engine core process died: stopping the API servers")
+                    exit_code = EXIT_ENGINE_DIED
+                    self.stopping = 1
             for sentinel in ready:
                 index = sentinels.get(sentinel)
                 if index is None:
@@ -150,12 +154,6 @@ class _Supervisor:
         if self._control is not None:
             self._control.close(linger=0)
         self.sock.close()
-
-
-def _engine_died_code() -> int:
-    from rlt.serving.server import EXIT_ENGINE_DIED
-
-    return EXIT_ENGINE_DIED
 
 
 def supervise(config: EngineConfig, options) -> int:

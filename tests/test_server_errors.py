@@ -21,7 +21,8 @@ def server(checkpoint):
         yield running
 
 
-OK_COMPLETION = {"prompt": "It is", "max_tokens": 2}
+# ignore_eos: it finishes with "length" whatever is sampled
+OK_COMPLETION = {"prompt": "It is", "max_tokens": 2, "ignore_eos": True}
 OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 BAD_COMPLETIONS = [

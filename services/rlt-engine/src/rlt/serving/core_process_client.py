@@ -185,7 +185,10 @@ class ProcessTransport:
         decoder = msgspec.msgpack.Decoder(CoreOutputs)
         while True:
             payload = await self._socket.recv(copy=False)
-            self._client.on_outputs(decoder.decode(payload.buffer))
+            try:
+                self._client.on_outputs(decoder.decode(payload.buffer))
+            except Exception:  # noqa: BLE001 - a bug for one round must not stop the reader
+                logger.exception("the front end failed to apply one round of the core's outputs")
 
     def _core_exited(self) -> None:
         """The core's liveness pipe reached EOF: it exited (crash, kill, or a shutdown)."""

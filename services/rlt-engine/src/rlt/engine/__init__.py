@@ -3,20 +3,15 @@
 Names load on first use (PEP 562): importing `rlt.engine.config` does not import torch.
 """
 
+from rlt._lazy import lazy_attributes
+
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
 
-_LAZY = {
-    "EngineConfig": "rlt.engine.config",
-    "LLMEngine": "rlt.engine.llm_engine",
-    "RequestOutput": "rlt.engine.outputs",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'rlt.engine' has no attribute {name!r}")
+__getattr__ = lazy_attributes(
+    globals(),
+    {
+        "EngineConfig": "rlt.engine.config",
+        "LLMEngine": "rlt.engine.llm_engine",
+        "RequestOutput": "rlt.engine.outputs",
+    },
+)

@@ -3,8 +3,13 @@
 # carry .whl: cp312 wheels of what the image lacks, at uv.lock's versions (msgspec, fastapi,
 # starlette, opentelemetry-api, pydantic, pydantic-core, annotated-types, typing-inspection,
 # uvicorn, openai, httpx2, httpcore2, truststore, jiter, sniffio, anyio, typing-extensions,
-# xgrammar, apache-tvm-ffi), and .whlpd for `pd` (benchmarks/repack_nixl_wheel.py). Results
+# xgrammar, apache-tvm-ffi, pyzmq; `bash benchmarks/fetch_device_wheels.sh` downloads them), and
+# .whlpd for `pd` (benchmarks/repack_nixl_wheel.py). Results
 # land in $OUT. One mode per call (each fits a 10-minute device command):
+#   bash benchmarks/h200_run.sh fp8-kv             split-KV kernel tests, the product-order sweep
+#                                                  (fp8_kv_attention_sweep.py --orders keys),
+#                                                  then 128 requests bf16 / fp8 KV / both with
+#                                                  the sweep's best configurations exported
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
@@ -143,6 +148,23 @@ case "$mode" in
         --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     fi
     tail -n 14 "$OUT"/fp8_*.log ;;
+  fp8-kv)  # the split-KV product orders: CUDA tests, the sweep, then 128 requests with its best
+    python3 -m pytest -q -p no:cacheprovider packages/rlt-attention/tests/test_fp8_kv.py \
+      packages/rlt-attention/tests/test_split_decode.py 2>&1 | tee "$OUT/split_tests.log" | tail -2
+    python3 benchmarks/fp8_kv_attention_sweep.py --orders keys --out "$OUT/kv_sweep.json" \
+      >"$OUT/kv_sweep.log" 2>&1
+    tail -n 1 "$OUT/kv_sweep.log"
+    get() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary'][sys.argv[2]])" "$OUT/kv_sweep.json" "$1"; }
+    export RLT_FP8_SPLIT_DECODE=$(get env)
+    bf16_env=$(get bf16_env)
+    [ -z "$bf16_env" ] || export RLT_SPLIT_DECODE=$bf16_env
+    echo "RLT_FP8_SPLIT_DECODE=$RLT_FP8_SPLIT_DECODE RLT_SPLIT_DECODE=${RLT_SPLIT_DECODE:-}" | tee "$OUT/split_env.txt"
+    [ "${ENGINE:-1}" = 0 ] || python3 benchmarks/offline_throughput.py --shape ouro-1.4b \
+      --checkpoint-dir /tmp/rlt-bench-checkpoints --device cuda --dtype bfloat16 --prompt-len 1024 \
+      --output-len 128 --prefill-chunk-size 1024 --num-requests 256 --max-num-seqs 128 \
+      --max-num-batched-tokens 4096 --arm fixed --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 \
+      --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
+    tail -n 6 "$OUT/fp8_c128.log" ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

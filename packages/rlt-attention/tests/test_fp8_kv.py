@@ -129,3 +129,25 @@ def test_selection_refuses_a_backend_without_fp8_kv():
     with pytest.raises(ConfigurationError, match="fp8 KV cache"):
         select_attention_backend(requirements, "flash_attn")
     assert select_attention_backend(requirements, "auto").name in ("triton", "torch")
+
+
+@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["rows_by_keys", "keys_as_rows"])
+def test_split_decode_product_orders_read_the_fp8_cache_alike(
+    paged_case, monkeypatch, keys_as_rows
+):
+    """Both product orders of the split kernel attend over the dequantized fp8 values."""
+    import dataclasses
+
+    from rlt_attention import split_decode_kernel
+
+    choose = split_decode_kernel.choose_splits
+    monkeypatch.setattr(
+        split_decode_kernel,
+        "choose_splits",
+        lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=keys_as_rows),
+    )
+    case = paged_case(DECODE_GROUPS, block_size=4, head_dim=16, seed=7, device=DEVICE)
+    fp8, plain, key, value = _fp8_pair(case)
+    out = _run(TritonPagedAttention(num_splits=3), fp8, case, case.key, case.value)
+    expected = _run(TorchPagedAttention(), plain, case, key, value)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

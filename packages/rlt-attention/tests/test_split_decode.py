@@ -254,7 +254,7 @@ def test_choose_splits_heuristic():
     # an fp8 cache: the large grid takes the fp8 key step, the small grid keeps its own
     step = split_decode_kernel._fp8_step
     fp8 = config(32, 16, 1088, kv_fp8=True)
-    assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == step
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.keys_as_rows) == step
     assert config(1, 16, 1088, kv_fp8=True) == one_row
     with pytest.raises(ValueError, match="num_splits"):
         TritonPagedAttention(num_splits=0)
@@ -346,3 +346,36 @@ def test_split_decode_replays_in_a_cuda_graph(paged_case):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     reference = replayed.run(TorchPagedAttention())
     torch.testing.assert_close(out.float(), reference.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("store_in_split", [False, True], ids=["store_kernel", "store_in_split"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "num_splits"), [(2, 2, 1), (2, 2, 3), (6, 2, 3)]
+)
+def test_keys_as_rows_products_match_the_torch_backend(
+    paged_case, reference, monkeypatch, store_in_split, num_heads, num_kv_heads, num_splits
+):
+    """The split kernel computing K q^T and V^T p^T (keys as the tile's rows) gives the same
+    attention as the rows-by-keys products, one split (direct output) or several."""
+    choose = split_decode_kernel.choose_splits
+    monkeypatch.setattr(
+        split_decode_kernel,
+        "choose_splits",
+        lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=True),
+    )
+    shapes = dict(block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16)
+    case = paged_case(DECODE_GROUPS, seed=11, device=DEVICE, **shapes)
+    torch_case = paged_case(DECODE_GROUPS, seed=11, device=DEVICE, **shapes)
+    backend = TritonPagedAttention(num_splits=num_splits, block_n=16, store_in_split=store_in_split)
+    out = case.run(backend)
+    expected = torch_case.run(TorchPagedAttention())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
+    for name in ("key_cache", "value_cache"):
+        torch.testing.assert_close(
+            getattr(case.kv_cache, name),
+            getattr(torch_case.kv_cache, name),
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+        )

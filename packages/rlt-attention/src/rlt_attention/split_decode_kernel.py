@@ -83,6 +83,7 @@ def _split_decode_kernel(
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits (FUSED_COMBINE)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
     KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
+    KEYS_AS_ROWS: tl.constexpr,  # products as keys x rows: widened K/V stay the register operand
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -131,7 +132,11 @@ def _split_decode_kernel(
         q = q.to(cache_dtype)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if KEYS_AS_ROWS:
+        q_t = tl.trans(q)  # [BLOCK_D, BLOCK_M]: the small operand, staged once
+        acc_t = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_position = context_len - query_len + query_index  # [BLOCK_M] causal limit per row
     own_position = context_len - 1  # STORE_NEW (one query per group): its own key's position
     if STORE_NEW:
@@ -193,25 +198,53 @@ def _split_decode_kernel(
         if STORE_NEW:
             k = tl.where((key_position == own_position)[:, None], new_key[None, :], k)
         k = k.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        visible = key_valid[None, :] & (key_position[None, :] <= row_position[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # a row that has seen no key yet (all masked so far) keeps max -inf: exponentials
-        # against 0 there give exact zeros instead of NaN
-        finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.exp2(row_max - finite_max)
-        probs = tl.exp2(scores - finite_max[:, None])
-        row_sum = row_sum * correction + tl.sum(probs, 1)
         value_row = (
             block * stride_value_block + offset * stride_value_offset + kv_head * stride_value_head
         )
-        v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if STORE_NEW:
-            v = tl.where((key_position == own_position)[:, None], new_value[None, :], v)
-        v = v.to(q.dtype)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        if KEYS_AS_ROWS:
+            # scores^T = K q^T and acc^T += V^T p^T: the widened keys and values are the
+            # products' register operand, never staged through shared memory
+            scores_t = tl.dot(k, q_t, input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
+            visible_t = key_valid[:, None] & (key_position[:, None] <= row_position[None, :])
+            scores_t = tl.where(visible_t, scores_t, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores_t, 0))
+            finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp2(row_max - finite_max)
+            probs_t = tl.exp2(scores_t - finite_max[None, :])
+            row_sum = row_sum * correction + tl.sum(probs_t, 0)
+            kv_mask_t = dim_valid[:, None] & key_valid[None, :]
+            if STORE_NEW:
+                kv_mask_t = kv_mask_t & (key_position != own_position)[None, :]
+            v_t = tl.load(
+                value_cache_ptr + value_row[None, :] + offs_d[:, None], mask=kv_mask_t, other=0.0
+            )
+            if STORE_NEW:
+                v_t = tl.where((key_position == own_position)[None, :], new_value[:, None], v_t)
+            v_t = v_t.to(q.dtype)
+            acc_t = acc_t * correction[None, :] + tl.dot(
+                v_t, probs_t.to(v_t.dtype), input_precision="ieee"
+            )
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            visible = key_valid[None, :] & (key_position[None, :] <= row_position[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            # a row that has seen no key yet (all masked so far) keeps max -inf: exponentials
+            # against 0 there give exact zeros instead of NaN
+            finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp2(row_max - finite_max)
+            probs = tl.exp2(scores - finite_max[:, None])
+            row_sum = row_sum * correction + tl.sum(probs, 1)
+            v = tl.load(
+                value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            if STORE_NEW:
+                v = tl.where((key_position == own_position)[:, None], new_value[None, :], v)
+            v = v.to(q.dtype)
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         row_max = new_max
+    if KEYS_AS_ROWS:
+        acc = tl.trans(acc_t)
     if KV_FP8:  # partials merge linearly: each split's accumulator carries the value scale
         acc = acc * tl.load(value_scale_ptr)
     if DIRECT_OUTPUT:
@@ -328,24 +361,31 @@ DEFAULT_SM_COUNT = 132
 MAX_SPLITS = 64
 # programs (groups x kv heads) up to which decode uses many short splits (`choose_splits`)
 SMALL_GRID = 64
-# An fp8 cache's large-grid key step (block_n, num_warps, num_stages): its keys and values are
-# widened in registers, which ends cp.async pipelining, so a step must carry more keys to keep
-# as many bytes in flight; the best of 18 on an H200 at 128 rows x 1,100 keys, 6.35 ms per
-# loop against 6.60 at bf16's (64, 4, 3) and 6.58 for bf16 (benchmarks/fp8_kv_attention_sweep.py).
-# RLT_FP8_SPLIT_DECODE="block_n,num_warps,num_stages" overrides it (read at import; sweeps).
+# An fp8 cache's large-grid key step (block_n, num_warps, num_stages, keys_as_rows): its keys
+# and values are widened in registers, which ends cp.async pipelining, so a step must carry more
+# keys to keep as many bytes in flight; the best of 18 on an H200 at 128 rows x 1,100 keys, 6.35
+# ms per loop against 6.60 at bf16's (64, 4, 3) and 6.58 for bf16
+# (benchmarks/fp8_kv_attention_sweep.py). Environment overrides, read at import (sweeps):
+# RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE = "block_n,num_warps,num_stages[,keys_as_rows 0|1]"
+# for the fp8 / model-dtype cache's large grid.
 FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
-FP8_LARGE_GRID_STEP = (128, 4, 4)
+SPLIT_ENV = "RLT_SPLIT_DECODE"
+FP8_LARGE_GRID_STEP = (128, 4, 4, False)
 
 
-def _fp8_large_grid_step() -> tuple[int, int, int]:
-    given = os.environ.get(FP8_SPLIT_ENV)
+def _large_grid_step(variable: str, default: tuple[int, int, int, bool] | None):
+    given = os.environ.get(variable)
     if not given:
-        return FP8_LARGE_GRID_STEP
-    block_n, num_warps, num_stages = (int(v) for v in given.split(","))
-    return block_n, num_warps, num_stages
+        return default
+    fields = [int(v) for v in given.split(",")]
+    if len(fields) not in (3, 4):
+        raise ValueError(f"{variable}={given!r}: expected block_n,num_warps,num_stages[,0|1]")
+    block_n, num_warps, num_stages = fields[:3]
+    return block_n, num_warps, num_stages, bool(fields[3]) if len(fields) == 4 else False
 
 
-_fp8_step = _fp8_large_grid_step()
+_fp8_step = _large_grid_step(FP8_SPLIT_ENV, FP8_LARGE_GRID_STEP)
+_model_dtype_step = _large_grid_step(SPLIT_ENV, None)  # None: the heuristic below
 
 
 @dataclass(frozen=True)
@@ -358,6 +398,9 @@ class SplitConfig:
     block_d: int
     num_warps: int
     num_stages: int = 3  # software-pipelining depth of the key loop (Triton's default)
+    # products as keys x rows (K q^T, V^T p^T) instead of rows x keys: the widened keys and
+    # values of an fp8 cache are then the register operand of the tensor-core product
+    keys_as_rows: bool = False
 
 
 def choose_splits(
@@ -386,14 +429,17 @@ def choose_splits(
     - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
     Splits are capped at MAX_SPLITS and at one key step each. `queries_per_group`: the call's
     max_query_len (a group's q queries x G heads are the tile's rows). `kv_fp8`: the large
-    grid takes FP8_LARGE_GRID_STEP's key step, warps and stages instead."""
+    grid takes FP8_LARGE_GRID_STEP's key step, warps, stages and product order instead (the
+    model-dtype cache takes RLT_SPLIT_DECODE's when it is set)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     programs = max(1, num_groups * num_kv_heads)
     small_grid = programs <= SMALL_GRID and block_d <= 128
     num_stages = 3
-    fp8_step = kv_fp8 and not small_grid and block_n is None and block_d <= 128
-    if fp8_step:
-        block_n, fp8_warps, num_stages = _fp8_step
+    step = _fp8_step if kv_fp8 else _model_dtype_step
+    tuned_step = step is not None and not small_grid and block_n is None and block_d <= 128
+    keys_as_rows = False
+    if tuned_step:
+        block_n, tuned_warps, num_stages, keys_as_rows = step
     if block_n is None:
         if small_grid:
             block_n = 16 if programs <= SMALL_GRID // 2 else 32
@@ -413,9 +459,9 @@ def choose_splits(
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
     if small_grid:
         num_warps, num_stages = (2 if block_n == 16 else 4), 2
-    if fp8_step:
-        num_warps = fp8_warps
-    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages)
+    if tuned_step:
+        num_warps = tuned_warps
+    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages, keys_as_rows)
 
 
 def launch_split_decode_attention(
@@ -529,6 +575,7 @@ def launch_split_decode_attention(
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
+        KEYS_AS_ROWS=split.keys_as_rows,
         num_warps=split.num_warps,
         num_stages=split.num_stages,
         **dependent_launch.launch_options(pdl),

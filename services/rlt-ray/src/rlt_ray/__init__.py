@@ -1,0 +1,1 @@
+"""rlt on Ray Serve (placeholder, filled in below)."""

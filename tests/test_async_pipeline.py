@@ -103,3 +103,56 @@ def test_shutdown_refuses_work_and_context_manager_closes(llm_factory):
         assert len(other.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids) == 2
     with pytest.raises(EngineDeadError):
         other.engine.step()
+
+
+# -- prompts arriving while others decode (served load) ---------------------------------------
+STAGGERED_REGEX = r"[a-c]{2,6}"
+
+
+def staggered(llm) -> dict:
+    """Two requests decode; the others arrive one or two steps apart (as served requests do,
+    each after its own round trip), one of them constrained by a grammar. Returns every
+    request's final output."""
+    from rlt_contracts import StructuredOutput
+
+    engine = llm.engine
+    arrivals = {0: [0, 1], 2: [2], 3: [3], 5: [4], 6: ["grammar"]}
+    finals, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, ()):
+            if i == "grammar":
+                spec = StructuredOutput(kind="regex", regex=STAGGERED_REGEX)
+                engine.add_request(
+                    "g", [9, 10, 11], SamplingParams(max_tokens=8, structured_output=spec)
+                )
+            else:
+                engine.add_request(f"r{i}", PROMPTS[i], params(i))
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        step += 1
+    return {rid: o for rid, o in sorted(finals.items())}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(enable_prefix_caching=True, incremental_kv=True),
+        dict(scheduling_mode="no_refill"),
+    ],
+    ids=["default", "prefix_cache_incremental", "no_refill"],
+)
+def test_prompt_step_ticks_and_admission_delay_change_no_output(llm_factory, options):
+    """`prefill_step_decode_ticks` and `scheduler_delay_factor` are scheduling choices: tokens,
+    exit depths and finish reasons stay those of today's rule (greedy and seeded sampling,
+    fp32), and no KV block is left held (llm_factory checks)."""
+    reference = staggered(llm_factory(**options))
+    assert set(reference) == {"r0", "r1", "r2", "r3", "r4", "g"}
+    for arm in (
+        dict(prefill_step_decode_ticks="auto"),
+        dict(prefill_step_decode_ticks=3, decode_ticks_per_step=4),
+        dict(scheduler_delay_factor=2.0),
+        dict(prefill_step_decode_ticks="auto", scheduler_delay_factor=0.5),
+    ):
+        assert_same(staggered(llm_factory(**options, **arm)), reference)

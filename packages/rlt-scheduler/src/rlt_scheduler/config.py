@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from rlt_contracts import ConfigurationError
 
+AUTO_TICKS = "auto"  # prefill_step_decode_ticks: the model depth
+
 
 class SchedulingMode(enum.StrEnum):
     """How new tokens join the recurrent batch.
@@ -49,7 +51,16 @@ class SchedulerConfig:
       pass once one waiting request has been passed max_admission_bypasses times.
     decode_ticks_per_step: most loop ticks one step runs for its decoding rows without a host
       round trip (the device applies exits, sampling and stops itself); steps that carry prompt
-      work run one tick.
+      work run `prefill_step_decode_ticks`.
+    prefill_step_decode_ticks: ticks of a step that can compute prompts (one is in PREFILL or a
+      waiting request can start): 1 (default) keeps the time to first token lowest; "auto"
+      runs the model depth, so every decoding row makes about one token per prompt step (as a
+      chunked-prefill step of a non-looped model does); never more than
+      `decode_ticks_per_step` (tick_policy.py).
+    scheduler_delay_factor: F > 0: while requests run, a waiting request is admitted only
+      once it waited F x the duration of the latest step that computed prompts, so prompts
+      that arrive within that window start together (vLLM's scheduler_delay_factor;
+      admission_delay.py); 0 (default) admits at once.
     max_waiting_requests: bound on the requests that really wait (left waiting by a step, or
       queued since beyond the free runner slots); add_request beyond it raises OverloadedError.
     num_speculative_tokens: K > 0: decoding runs self-speculative rounds of K drafts
@@ -71,6 +82,8 @@ class SchedulerConfig:
     max_admission_bypasses: int = 8
     max_waiting_requests: int = 4096
     decode_ticks_per_step: int = 8
+    prefill_step_decode_ticks: int | str = 1
+    scheduler_delay_factor: float = 0.0
     num_speculative_tokens: int = 0
     speculative_disable_batch_size: int | None = None
 
@@ -85,6 +98,14 @@ class SchedulerConfig:
             "decode_ticks_per_step",
         ):
             _positive_int(name, getattr(self, name))
+        ticks = self.prefill_step_decode_ticks
+        if ticks != AUTO_TICKS:
+            _positive_int("prefill_step_decode_ticks", ticks, also="'auto'")
+        delay = self.scheduler_delay_factor
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not delay >= 0:
+            raise ConfigurationError(
+                "scheduler_delay_factor", f"must be a number >= 0, got {delay!r}"
+            )
         if self.max_num_batched_token_loops is not None:
             _positive_int("max_num_batched_token_loops", self.max_num_batched_token_loops)
         if self.speculative_disable_batch_size is not None:
@@ -116,6 +137,12 @@ class SchedulerConfig:
                     f"must be one of {[m.value for m in enum_type]}, got {getattr(self, name)!r}",
                 ) from None
 
+    def prefill_step_ticks(self, model_depth: int) -> int:
+        """Ticks of a step that can compute prompts (`prefill_step_decode_ticks` resolved)."""
+        ticks = self.prefill_step_decode_ticks
+        wanted = model_depth if ticks == AUTO_TICKS else ticks
+        return min(wanted, self.decode_ticks_per_step)
+
     def check_depth(self, model_depth: int) -> None:
         """The token x loop cap must admit at least one prefill token next to full decode rows."""
         cap = self.max_num_batched_token_loops
@@ -127,6 +154,7 @@ class SchedulerConfig:
             )
 
 
-def _positive_int(name: str, value: object) -> None:
+def _positive_int(name: str, value: object, *, also: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(name, f"must be a positive integer, got {value!r}")
+        alternative = f" or {also}" if also else ""
+        raise ConfigurationError(name, f"must be a positive integer{alternative}, got {value!r}")

@@ -14,10 +14,11 @@ scheduler decides:
   requests decode, or a request could not start decoding in the previous step because a
   speculative step was full, the step runs ticks instead (vLLM's disable_by_batch_size: at
   large batches the verify pass costs more than it saves).
-- how many rounds: none while prompts can be computed (those steps run one tick, as without
-  speculation: a round costs about (K + 1) D + T - D loops, which would hold every prompt
-  chunk and the time to first token up; measured on an H200 at 32 requests arriving at once:
-  0.83x end to end with a round per prompt step), else up to
+- how many rounds: none while prompts can be computed (those steps run ticks, as without
+  speculation: `prefill_step_decode_ticks`, by default one; a round costs about
+  (K + 1) D + T - D loops, which would hold every prompt chunk and the time to first token
+  up; measured on an H200 at 32 requests arriving at once: 0.83x end to end with a round per
+  prompt step), else up to
   `decode_ticks_per_step // model depth`, and never more than a request could use if every
   draft were accepted: a request with n outputs left, K drafts and r rounds in submitted steps
   gets at most ceil(n / (K + 1)) - r more. When the submitted steps could already finish every
@@ -44,7 +45,7 @@ from rlt_contracts import ExecutionIdentity, RequestStage, SamplingParams
 
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode
 from rlt_scheduler.request_state import ScheduledRequest
-from rlt_scheduler.tick_policy import decode_ticks, tick_output_bound
+from rlt_scheduler.tick_policy import decode_ticks, prompts_pending, tick_output_bound
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,21 @@ def decode_work(
     """The next step's decode (module doc). `start_deferred`: the previous step was
     speculative and full, and a request that could have started decoding waited."""
     running = list(running)
-    ticks = decode_ticks(config, running, unconfirmed_ticks, admission_possible=admission_possible)
+    ticks = decode_ticks(
+        config,
+        running,
+        unconfirmed_ticks,
+        admission_possible=admission_possible,
+        model_depth=model_depth,
+    )
     if not config.num_speculative_tokens or start_deferred:
         return DecodeWork(ticks=ticks)
     decoding = [r for r in running if r.stage is RequestStage.DECODING]
     limit = config.speculative_disable_batch_size
     if limit is not None and len(decoding) > limit:
         return DecodeWork(ticks=ticks)
-    prompts_pending = admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
-    if prompts_pending:  # one tick: a round would hold every prompt chunk up (module doc)
+    if prompts_pending(running, admission_possible=admission_possible):
+        # ticks (`prefill_step_decode_ticks`): a round would hold every prompt chunk up
         return DecodeWork(ticks=ticks)
     in_flight = [
         (r, unconfirmed_rounds.get(r.identity, 0), unconfirmed_ticks.get(r.identity, 0))

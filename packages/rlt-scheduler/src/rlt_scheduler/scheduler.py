@@ -14,9 +14,11 @@ cover the most outputs the submitted steps can produce (`unconfirmed_tokens`, `i
 
 A step holds prefill chunks under the token budget and `decode_ticks` loop ticks for every
 decoding request. While a prompt can be computed (one is in PREFILL, or a waiting request can
-start now) a step runs one tick, so prefill is never held up; otherwise (requests that wait for
-KV blocks included) several ticks (up to `decode_ticks_per_step`, and in refill mode no
-more than the longest request can still use) run per host round trip.
+start now) a step runs `prefill_step_decode_ticks` (by default one tick, so prefill is never
+held up); otherwise (requests that wait for KV blocks included) several ticks (up to
+`decode_ticks_per_step`, and in refill mode no more than the longest request can still use)
+run per host round trip. With `scheduler_delay_factor` > 0 admission may wait a little so that
+prompts arriving close together start in one step (`admission_delay.py`).
 
 This module owns the queues (`queues.RequestQueues`) and the request table, decides the
 step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
@@ -58,6 +60,7 @@ from rlt_contracts.kv import KVCapacity
 from rlt_contracts.structured import ConstraintCompiler
 
 from rlt_scheduler import constrained, outputs, pd_stages
+from rlt_scheduler.admission_delay import AdmissionDelay
 from rlt_scheduler.admitting import Admitter
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
@@ -113,6 +116,7 @@ class Scheduler:
         self._fresh: list[ScheduledRequest] = []
         self._fresh_step = 0
         self._start_deferred = False  # the last step was speculative, full, and a start waited
+        self._delay = AdmissionDelay(config.scheduler_delay_factor)
         self._planner = StepPlanner(config, kv, self.stats, self._queues, model_depth=model_depth)
         self._admitter = Admitter(
             config, kv, self.stats, self._queues, self._planner, prefix_caching=prefix_caching
@@ -255,13 +259,15 @@ class Scheduler:
         saves the victims' device state first thing in this step.
         """
         step = self._planner.new_step()
-        self._admitter.preempt_for_priority(step)
+        admission_held = self._admission_held()
+        if not admission_held:
+            self._admitter.preempt_for_priority(step)
         work = decode_work(
             self.config,
             self._queues.running,
             self._in_flight.unconfirmed_ticks,
             self._in_flight.unconfirmed_rounds,
-            admission_possible=self._admitter.admission_possible(),
+            admission_possible=not admission_held and self._admitter.admission_possible(),
             model_depth=self.model_depth,
             start_deferred=self._start_deferred,
         )
@@ -270,8 +276,9 @@ class Scheduler:
             decoding_now = sum(1 for r in self._queues.running if r.stage is RequestStage.DECODING)
             step.looping_room = limit - decoding_now
         self._planner.schedule_running(work, step)
-        # the clock is read through this module's `time` (tests patch it)
-        self._admitter.admit(work, step, clock=time.monotonic)
+        if not admission_held:
+            # the clock is read through this module's `time` (tests patch it)
+            self._admitter.admit(work, step, clock=time.monotonic)
         decoding = self._looping_rows(step)
         if not decoding:  # no decoding row and no request starting to decode: no decode
             work = DecodeWork()
@@ -284,12 +291,27 @@ class Scheduler:
         )
         self._releases.clear()
         self._next_step += 1
+        if self._delay.enabled:
+            self._delay.step_scheduled(
+                output.step_id, computes_prompts=bool(output.prefill), now=time.monotonic()
+            )
         self._in_flight.submit(
             SubmittedStep(output, step.output_bounds, decoding), self._request_of
         )
         for identity in decoding:
             constrained.count_mask_ticks(self._request_of(identity), work)
         return output
+
+    def _admission_held(self) -> bool:
+        """`scheduler_delay_factor`: admission waits in this step (admission_delay.py)."""
+        waiting = self._queues.waiting
+        if not self._delay.enabled or not waiting:
+            return False
+        return self._delay.holds(
+            min(r.queued_time for r in waiting),
+            anything_running=bool(self._queues.running),
+            now=time.monotonic(),
+        )
 
     def _looping_rows(self, step: StepBuilder) -> frozenset[ExecutionIdentity]:
         """Requests that loop in the step's ticks: decoding rows, PD remote starts and
@@ -361,6 +383,8 @@ class Scheduler:
         submitted = self._in_flight.confirm_oldest(
             result.step_id, same_identity=self._same_identity, live=self._current
         )
+        if self._delay.enabled:
+            self._delay.step_applied(result.step_id, now=time.monotonic())
         self.stats.steps += 1
         self.stats.decode_ticks += result.decode_ticks
         self.stats.loop_slots += result.loop_slots

@@ -21,20 +21,25 @@ def decode_ticks(
     unconfirmed_ticks: Mapping[ExecutionIdentity, int],
     *,
     admission_possible: bool,
+    model_depth: int,
 ) -> int:
-    """Ticks for the next step: 1 while prompts can be computed (a running request is in
-    PREFILL, or `admission_possible`: a waiting request can start now), so prefill keeps
-    flowing and new requests start soon; otherwise up to `decode_ticks_per_step`, in refill
-    mode capped by the loops the longest request may still need beyond the submitted steps (a
-    decoding row loops in every tick it takes part in, so ticks past that would only run
-    padding). Requests that wait for KV blocks do not shorten the step: only a finish frees
-    blocks, and one tick per step would multiply the host's per-step work while they wait."""
+    """Ticks for the next step. While prompts can be computed (a running request is in
+    PREFILL, or `admission_possible`: a waiting request can start now) `prefill_step_ticks`:
+    by default 1, so prefill keeps flowing and new requests start soon; with
+    `prefill_step_decode_ticks` "auto" the model depth, so the decoding rows make about one
+    token per prompt step instead of one loop (when served requests arrive a few ms apart,
+    nearly every step carries a prompt chunk). Otherwise up to `decode_ticks_per_step`.
+    In refill mode either is capped by the loops the longest request may still need beyond the
+    submitted steps (a decoding row loops in every tick it takes part in, so ticks past that
+    would only run padding). Requests that wait for KV blocks do not shorten the step: only a
+    finish frees blocks, and one tick per step would multiply the host's per-step work while
+    they wait."""
     running = list(running)
-    prompts_pending = admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
-    if prompts_pending:
-        return 1
-    ticks = config.decode_ticks_per_step
-    if config.mode is SchedulingMode.REFILL:
+    if prompts_pending(running, admission_possible=admission_possible):
+        ticks = config.prefill_step_ticks(model_depth)
+    else:
+        ticks = config.decode_ticks_per_step
+    if config.mode is SchedulingMode.REFILL and ticks > 1:
         needed = max(
             (
                 _loops_needed(r, unconfirmed_ticks)
@@ -45,6 +50,12 @@ def decode_ticks(
         )
         ticks = min(ticks, max(needed, 1))
     return ticks
+
+
+def prompts_pending(running: Iterable[ScheduledRequest], *, admission_possible: bool) -> bool:
+    """The next step can compute prompt tokens: a waiting request can start now, or a running
+    one is in PREFILL."""
+    return admission_possible or any(r.stage is RequestStage.PREFILL for r in running)
 
 
 def _loops_needed(

@@ -103,7 +103,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-ticks-per-step",
         type=int,
         default=d.decode_ticks_per_step,
-        help="most decode loop ticks per host round trip (steps with prompt work run one)",
+        help="most decode loop ticks per host round trip (steps with prompt work run "
+        "--prefill-step-decode-ticks)",
+    )
+    group.add_argument(
+        "--prefill-step-decode-ticks",
+        type=_ticks_or_auto,
+        default=d.prefill_step_decode_ticks,
+        help="decode ticks of a step that can compute prompts: N, or 'auto' (the model depth: "
+        "about one token per decoding request per prompt step) (default: 1)",
+    )
+    group.add_argument(
+        "--scheduler-delay-factor",
+        type=float,
+        default=d.scheduler_delay_factor,
+        help="F > 0: while requests run, a new prompt waits F x the latest prompt step's "
+        "duration, so prompts arriving close together start together (default: 0, at once)",
     )
     group.add_argument(
         "--max-waiting-requests",
@@ -165,6 +180,10 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode without speculation while more requests than this decode "
         "('none': never pause)",
     )
+
+
+def _ticks_or_auto(text: str) -> int | str:
+    return "auto" if text.lower() == "auto" else int(text)
 
 
 def _optional_positive_int(text: str) -> int | None:

@@ -63,7 +63,14 @@ class EngineConfig:
     async_scheduling: schedule and submit the next step while the device runs the current one
       (results are identical to the synchronous loop; False collects every step at once).
     decode_ticks_per_step: most decode loop ticks per step without a host round trip (the
-      device applies exits, sampling and stop rules itself); steps with prompt work run one.
+      device applies exits, sampling and stop rules itself); steps with prompt work run
+      prefill_step_decode_ticks.
+    prefill_step_decode_ticks: decode ticks of a step that can compute prompts: 1 (default:
+      the lowest time to first token) or "auto" (the model depth: each decoding request makes
+      about one token per prompt step) or N; never above decode_ticks_per_step.
+    scheduler_delay_factor: F > 0: while requests run, a new prompt waits until F x the
+      latest prompt step's duration passed since the oldest waiting request arrived, so
+      prompts arriving close together start in one step (vLLM's option); 0 (default): at once.
     batch_invariant: every request's logits, exit decisions and samples depend only on its own
       tokens, never on what else runs (docs/serving.md, "Reproducibility"): batch-invariant
       GEMMs, elementwise ops and attention. Off by default: it costs 24-53% of end-to-end output
@@ -123,6 +130,8 @@ class EngineConfig:
     fused_kernels: bool = True
     async_scheduling: bool = True
     decode_ticks_per_step: int = 8
+    prefill_step_decode_ticks: int | str = 1
+    scheduler_delay_factor: float = 0.0
     batch_invariant: bool = False
     cpu_kv_cache_bytes: int = 2 << 30
     max_waiting_requests: int = 4096
@@ -283,6 +292,8 @@ class EngineConfig:
             max_admission_bypasses=self.max_admission_bypasses,
             max_waiting_requests=self.max_waiting_requests,
             decode_ticks_per_step=self.decode_ticks_per_step,
+            prefill_step_decode_ticks=self.prefill_step_decode_ticks,
+            scheduler_delay_factor=self.scheduler_delay_factor,
             num_speculative_tokens=self.num_speculative_tokens,
             speculative_disable_batch_size=self.speculative_disable_batch_size,
         )

@@ -1,8 +1,10 @@
 """Prompt scoring at full depth (issue 25, `SamplingParams.prompt_logprobs`), tiny fp32 models on
 the CPU: every prompt token's log-probability and top alternatives equal the independent fp64
 oracle's in both KV layouts (LAST_EXITED: the Hugging Face forward; SHARED: its position-by-
-position prefill), whatever the chunking; a scored prompt skips the prefix cache and scores
-the same as a cold one; other requests in the same steps are unchanged; nothing leaks."""
+position prefill), whatever the chunking; a scored prompt reuses only cached pages that carry
+scores (a plain prompt's pages carry none), and the choices of a multiple-choice question
+compute their shared context once and score as cold ones do; other requests in the same steps
+are unchanged; nothing leaks."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def test_prompt_logprobs_equal_the_oracle(checkpoint, layout, chunk, monkeypatch
     llm.shutdown()
 
 
-def test_scoring_changes_no_generated_token_and_skips_the_prefix_cache(checkpoint):
+def test_scoring_changes_no_generated_token_and_takes_no_pages_without_scores(checkpoint):
     plain = SamplingParams(max_tokens=3, exit_threshold=0.6, ignore_eos=True)
     cold = LLM(checkpoint, **ENGINE)
     reference = cold.generate(PROMPTS, [scored(0)] * len(PROMPTS))
@@ -64,7 +66,8 @@ def test_scoring_changes_no_generated_token_and_skips_the_prefix_cache(checkpoin
     llm.generate(PROMPTS[:1], plain)  # publishes the first prompt's pages
     hits_before = llm.get_stats().prefix_cache_hit_tokens
     mixed = llm.generate(PROMPTS, [scored(0), plain, scored(0)])
-    assert llm.get_stats().prefix_cache_hit_tokens == hits_before  # the scored prompt missed
+    # the plain prompt's pages carry no scores: the scored prompt computes them itself
+    assert llm.get_stats().prefix_cache_hit_tokens == hits_before
     assert mixed[0].prompt_logprobs == reference[0].prompt_logprobs
     assert mixed[1].prompt_logprobs is None
     assert [o.token_ids for o in mixed] == [o.token_ids for o in reference]
@@ -83,4 +86,69 @@ def test_scoring_through_a_prefill_decode_pair_is_refused(checkpoint):
         llm.engine.add_request("r", PROMPTS[0], scored(), kv_transfer=transfer)
     assert error.value.field == "prompt_logprobs"
     assert not llm.engine.has_unfinished_requests()
+    llm.shutdown()
+
+
+CONTEXT = [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 64, 128]  # 13 tokens: 3 full pages of 4
+CHOICES = [[31, 77], [18], [250, 11, 9], [42, 42]]
+
+
+def assert_same_scores(got, want, *, top: int | None = None) -> None:
+    """The same prompt's scores from two engines (fp32, different batches: 1e-5); `top`: the
+    first `top` alternatives of `want`'s."""
+    assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-5)
+    assert got.prompt_token_ranks == want.prompt_token_ranks
+    for alternatives, expected in zip(
+        got.prompt_top_logprobs[1:], want.prompt_top_logprobs[1:], strict=True
+    ):
+        expected = expected[:top]
+        assert [t for t, _ in alternatives] == [t for t, _ in expected]
+        assert [lp for _, lp in alternatives] == pytest.approx([lp for _, lp in expected], abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_the_choices_of_a_question_compute_their_shared_context_once(checkpoint, layout):
+    """4 choices after one 13-token context (block 4): the first computes the context and
+    publishes its 3 full pages with their scores; the other 3 (in one batch) take the pages and
+    their scores and compute only from position 12. Every choice scores as without a cache (and
+    as the fp64 oracle); a request wanting more alternatives than the records hold computes
+    its prompt, and its records then serve such requests."""
+    prompts = [CONTEXT + choice for choice in CHOICES]
+    cold = LLM(checkpoint, **ENGINE, kv_layout=layout)
+    reference = [cold.generate([p], scored())[0] for p in prompts]
+    assert cold.engine.core.leak_report() == []
+    cold.shutdown()
+    llm = LLM(checkpoint, **ENGINE, kv_layout=layout, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], scored())
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens == 0 and stats.prompt_tokens == len(prompts[0])
+    rest = llm.generate(prompts[1:], [scored()] * 3)
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 12  # the context's 3 full pages, per choice
+    # the context once, then each choice from position 12
+    assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 12 for p in prompts[1:])
+    assert llm.engine.core.leak_report() == []
+    oracle = GenerationOracle(DenseOuro(checkpoint), layout)
+    for prompt, got, want in zip(prompts, first + rest, reference, strict=True):
+        assert_same_scores(got, want)
+        assert got.token_ids == want.token_ids
+        assert got.prompt_logprobs[1:] == pytest.approx(
+            oracle.prompt_logprobs(tuple(prompt))[1:], abs=1e-4
+        )
+    fewer = llm.generate(prompts[:1], scored(1))[0]  # the records' first alternative
+    assert llm.get_stats().prefix_cache_hit_tokens == 4 * 12
+    assert fewer.prompt_top_logprobs[1:] == [top[:1] for top in first[0].prompt_top_logprobs[1:]]
+    # the reused pages' scores are the records (exact); the positions computed after them in
+    # another batch than the first time agree to fp32 rounding
+    assert fewer.prompt_logprobs[:13] == first[0].prompt_logprobs[:13]
+    assert_same_scores(fewer, reference[0], top=1)
+    more = llm.generate(prompts[:1], scored(3))[0]  # records hold 2: no hit
+    assert llm.get_stats().prefix_cache_hit_tokens == 4 * 12
+    again = llm.generate(prompts[:1], scored(3))[0]  # the wider records replaced them
+    assert llm.get_stats().prefix_cache_hit_tokens == 5 * 12
+    assert again.prompt_logprobs[:13] == more.prompt_logprobs[:13]
+    assert again.prompt_top_logprobs[:13] == more.prompt_top_logprobs[:13]
+    assert_same_scores(again, more)
+    assert llm.engine.core.leak_report() == []
     llm.shutdown()

@@ -117,3 +117,93 @@ def test_each_planes_fresh_pages_are_one_run_of_consecutive_blocks():
     fresh = KVCacheManager(num_blocks=40, block_size=4, num_planes=4)
     tables = [list(t) for t in (u.block_ids for u in fresh.allocate(ident("a"), 16))]
     assert tables == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def page_scores(top_n: int, *, depths: bool = False):
+    """A `page_scores(start, end)` callback whose scores name their positions."""
+    from rlt_contracts import PageScores
+
+    def scores(start: int, end: int) -> PageScores:
+        positions = range(start, end)
+        return PageScores(
+            top_n=top_n,
+            token_logprobs=tuple(-0.125 * (p + 1) for p in positions),
+            token_ranks=tuple(p + 1 for p in positions),
+            top_logprobs=tuple(
+                tuple((p * 10 + k, -0.5 * k) for k in range(top_n)) for p in positions
+            ),
+            exit_depths=tuple(1 + p % 4 for p in positions) if depths else (),
+        )
+
+    return scores
+
+
+def test_a_scored_lookup_takes_only_pages_with_score_records_for_its_next_token():
+    """Records belong to (page, next token): the last position of a page scores the token after
+    it. A scored lookup stops at the first page without a fitting record; a plain one ignores
+    records; a request asking for more alternatives than a record has recomputes that page and
+    its record replaces the smaller one."""
+    kv = KVCacheManager(num_blocks=64, block_size=2, num_planes=2, enable_prefix_caching=True)
+    plain, scored = (1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 9, 7)
+    kv.allocate(ident("plain"), 7, prompt_length=7)
+    kv.publish_prefix(ident("plain"), plain, 7)  # pages [1,2] [3,4] [5,6], no scores
+    assert kv.match_prefix(plain, score_top_n=0).num_tokens == 0
+    kv.allocate(ident("s"), 7, prompt_length=7)
+    kv.publish_prefix(ident("s"), scored, 4, page_scores=page_scores(2))  # pages 0 and 1 only
+    hit = kv.match_prefix(scored, score_top_n=1)
+    assert hit.num_tokens == 4 and len(hit.scores) == 2
+    assert hit.scores[1].token_logprobs == (-0.375, -0.5)  # positions 2 and 3
+    assert hit.scores[1].top_logprobs[0] == ((20, -0.0), (21, -0.5))
+    assert kv.match_prefix(scored, score_top_n=3).num_tokens == 0  # records hold 2
+    # page 1's record scores token 5 (its next token): a prompt going on with 8 misses it
+    assert kv.match_prefix((1, 2, 3, 4, 8, 6, 7), score_top_n=1).num_tokens == 2
+    assert kv.match_prefix(scored).num_tokens == 4 and kv.match_prefix(scored).scores == ()
+    kv.publish_prefix(ident("s"), scored, 7, page_scores=page_scores(3))
+    assert kv.match_prefix(scored, score_top_n=1).num_tokens == 6  # page 2 recorded now
+    assert kv.match_prefix(scored, score_top_n=3).num_tokens == 0  # page 0 still holds 2
+    kv.allocate(ident("wide"), 7, prompt_length=7)
+    kv.publish_prefix(ident("wide"), scored, 7, page_scores=page_scores(3))
+    assert kv.match_prefix(scored, score_top_n=3).num_tokens == 6  # replaced by wider ones
+    for name in ("plain", "s", "wide"):
+        kv.free(ident(name))
+    kv.clear_prefix_cache()
+    assert kv.capacity().free_blocks == 64 and kv.match_prefix(scored, score_top_n=0).scores == ()
+
+
+def test_salted_pages_are_found_only_under_their_salt():
+    kv = KVCacheManager(num_blocks=64, block_size=2, num_planes=2, enable_prefix_caching=True)
+    prompt = (1, 2, 3, 4, 5)
+    kv.allocate(ident("exit"), 5, prompt_length=5)
+    kv.publish_prefix(
+        ident("exit"), prompt, 5, salt=b"rule-a", page_scores=page_scores(1, depths=True)
+    )
+    assert kv.match_prefix(prompt).num_tokens == 0
+    assert kv.match_prefix(prompt, salt=b"rule-b", score_top_n=1).num_tokens == 0
+    hit = kv.match_prefix(prompt, salt=b"rule-a", score_top_n=1)
+    assert hit.num_tokens == 4 and hit.scores[0].exit_depths == (1, 2)
+    kv.free(ident("exit"))
+
+
+def test_score_records_go_with_their_page_and_within_their_byte_bound():
+    # 2 positions x (8 + 4 + 1 x (4 + 8)) bytes = 48 bytes per top-1 record
+    kv = KVCacheManager(
+        num_blocks=8, block_size=2, num_planes=1, enable_prefix_caching=True, score_record_bytes=100
+    )
+    p1, p2, p3 = (1, 2, 3), (4, 5, 6), (7, 8, 9)
+    for name, prompt in (("a", p1), ("b", p2), ("c", p3)):
+        kv.allocate(ident(name), 3, prompt_length=3)
+        kv.publish_prefix(ident(name), prompt, 3, page_scores=page_scores(1))
+        kv.free(ident(name))
+    # the bound keeps two records: p1's, the oldest, went; its KV stays
+    assert kv.match_prefix(p1, score_top_n=1).num_tokens == 0
+    assert kv.match_prefix(p1).num_tokens == 2
+    assert kv.match_prefix(p3, score_top_n=1).num_tokens == 2
+    kv.allocate(ident("d"), 3, kv.match_prefix(p3, score_top_n=1), prompt_length=3)  # touches p3
+    kv.free(ident("d"))
+    kv.allocate(ident("big"), 14)  # evicts every cached page: p1's, p2's and p3's
+    assert kv.match_prefix(p2, score_top_n=1).num_tokens == 0
+    kv.free(ident("big"))
+    kv.allocate(ident("e"), 3, prompt_length=3)
+    kv.publish_prefix(ident("e"), p2, 3)  # p2 cached again, without scores
+    assert kv.match_prefix(p2, score_top_n=1).num_tokens == 0
+    kv.free(ident("e"))

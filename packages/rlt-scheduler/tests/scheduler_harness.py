@@ -13,6 +13,7 @@ from rlt_contracts import (
     KVCapacity,
     ModelRunnerOutput,
     PrefillProgress,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from rlt_scheduler import Scheduler, SchedulerConfig
@@ -38,7 +39,7 @@ class CountingKV:
     def allocated_tokens(self, identity) -> int:
         return self.pages.get(identity, 0) * self.block_size
 
-    def match_prefix(self, prompt):
+    def match_prefix(self, prompt, *, salt=b"", score_top_n=None):
         return NO_PREFIX
 
     def allocate(self, identity, num_tokens, prefix, *, prompt_length=0):
@@ -62,7 +63,7 @@ class CountingKV:
     def free(self, identity):
         self.pages.pop(identity, None)
 
-    def publish_prefix(self, identity, prompt, computed):
+    def publish_prefix(self, identity, prompt, computed, *, salt=b"", page_scores=None):
         return 0
 
 
@@ -97,6 +98,7 @@ class FakeDevice:
     ticks_run: list[int] = field(default_factory=list)
     drafts: dict[ExecutionIdentity, int] = field(default_factory=dict)
     accepts: bool = True
+    scored: dict[ExecutionIdentity, tuple[int, bool]] = field(default_factory=dict)
 
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         for identity in step.snapshots:
@@ -110,6 +112,11 @@ class FakeDevice:
             rule = new.rule
             self.rows[new.identity] = _Row(new.prompt_length, rule.max_tokens, rule.stop_token_ids)
             self.drafts[new.identity] = rule.num_speculative_tokens
+            if new.sampling.prompt_logprobs is not None:
+                self.scored[new.identity] = (
+                    new.sampling.prompt_logprobs,
+                    new.sampling.score_at_exit_depth,
+                )
         made: dict[ExecutionIdentity, list[tuple[int, int]]] = {}
         for chunk in step.prefill:
             if chunk.completes_prompt:
@@ -150,6 +157,24 @@ class FakeDevice:
             ),
             decode_ticks=step.decode_ticks,
             speculative_rounds=step.speculative_rounds,
+            prompt_logprobs=tuple(
+                self._scores(c) for c in step.prefill if c.identity in self.scored
+            ),
+        )
+
+    def _scores(self, chunk) -> PromptLogprobs:
+        """Scores of a scored prompt's chunk: position p scores token p + 1 with
+        log-probability -(p + 1) / 8, rank p + 1, top-n ids p*10 + k and exit depth 2."""
+        top, at_exit = self.scored[chunk.identity]
+        end = min(chunk.end_position, self.rows[chunk.identity].prompt_length - 1)
+        positions = range(chunk.start_position, end)
+        return PromptLogprobs(
+            chunk.identity,
+            chunk.start_position + 1,
+            tuple(-(p + 1) / 8 for p in positions),
+            tuple(p + 1 for p in positions),
+            tuple(tuple((p * 10 + k, -k / 2) for k in range(top)) for p in positions),
+            exit_depths=tuple(2 for _ in positions) if at_exit else (),
         )
 
     def _emit(self, identity, depth, made) -> None:

@@ -5,7 +5,8 @@ as independent requests."""
 
 from __future__ import annotations
 
-from rlt_contracts import EngineRequest, PrefixMatch, RequestStage, SamplingParams
+import pytest
+from rlt_contracts import EngineRequest, PageScores, PrefixMatch, RequestStage, SamplingParams
 from rlt_scheduler import Scheduler, SchedulerConfig
 from scheduler_harness import CountingKV, FakeDevice, run_until_idle
 
@@ -14,20 +15,31 @@ BLOCK = 4
 
 class PublishingKV(CountingKV):
     """CountingKV plus a prefix cache of published prompt extents (whole pages of prompt[:-1],
-    as rlt-kv publishes them)."""
+    as rlt-kv publishes them), per salt, with the pages' score records."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.published: dict[tuple[int, ...], int] = {}
+        self.salted: dict[tuple[bytes, tuple[int, ...]], int] = {}
+        self.records: dict[tuple[bytes, tuple[int, ...], int], PageScores] = {}
         self.hits: list[int] = []
 
-    def match_prefix(self, prompt):
-        tokens = self.published.get(tuple(prompt), 0)
+    def match_prefix(self, prompt, *, salt=b"", score_top_n=None):
+        tokens = self.salted.get((salt, tuple(prompt)), 0)
         pages = tokens // self.block_size
+        scores = []
+        if score_top_n is not None:
+            for page in range(pages):
+                record = self.records.get((salt, tuple(prompt), page))
+                if record is None or record.top_n < score_top_n:
+                    break
+                scores.append(record)
+            pages = len(scores)
         return PrefixMatch(
             keys=tuple(b"k" for _ in range(pages)),
             blocks=tuple((0,) * self.num_planes for _ in range(pages)),
-            num_tokens=tokens,
+            num_tokens=pages * self.block_size,
+            scores=tuple(scores),
         )
 
     def allocate(self, identity, num_tokens, prefix, *, prompt_length=0):
@@ -36,10 +48,15 @@ class PublishingKV(CountingKV):
             self.hits.append(prefix.num_tokens)
         return updates
 
-    def publish_prefix(self, identity, prompt, computed):
+    def publish_prefix(self, identity, prompt, computed, *, salt=b"", page_scores=None):
         pages = min(computed, len(prompt) - 1) // self.block_size
         key = tuple(prompt)
-        self.published[key] = max(self.published.get(key, 0), pages * self.block_size)
+        self.salted[salt, key] = max(self.salted.get((salt, key), 0), pages * self.block_size)
+        self.published[key] = self.salted[salt, key]
+        if page_scores is not None:
+            for page in range(pages):
+                start = page * self.block_size
+                self.records[salt, key, page] = page_scores(start, start + self.block_size)
         return pages
 
 
@@ -118,19 +135,50 @@ def test_without_a_prefix_cache_siblings_run_independently():
     assert scheduler.waiting_request_ids() == []
 
 
-def test_siblings_scoring_their_prompt_run_at_once_without_cache_hits():
-    """A prompt to score (prompt_logprobs) is computed in full by every sibling: none waits for
-    another, none takes a cache hit, each prefills the whole prompt."""
+def scored_prompt(finals, request_id):
+    delta = next(d for d in finals[request_id] if d.prompt_logprobs is not None)
+    return delta.prompt_logprobs, delta.prompt_top_logprobs, delta.prompt_exit_depths
+
+
+@pytest.mark.parametrize("at_exit_depth", [False, True])
+def test_scored_siblings_compute_the_prompt_once_and_take_its_scores(at_exit_depth):
+    """Siblings scoring their prompt (prompt_logprobs) wait for the first like plain ones: the
+    pages they reuse carry its scores (under the exit rule's salt at exit depth), so each gets
+    every prompt token's score, the reused ones from the records, trimmed to its n."""
     scheduler, kv = make(prefix_caching=True)
-    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    params = SamplingParams(
+        max_tokens=2, ignore_eos=True, prompt_logprobs=2, score_at_exit_depth=at_exit_depth
+    )
     scheduler.add_requests(
         [EngineRequest(f"s-{i}", PROMPT, params, sibling_group="s") for i in range(3)]
     )
     steps, finals = run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
-    assert len(steps[0].new_requests) == 3
-    assert sorted(finals) == ["s-0", "s-1", "s-2"]
-    assert kv.hits == [0, 0, 0]
-    assert prefilled_tokens(steps) == 3 * 64
+    assert [n.identity.request_id for n in steps[0].new_requests] == ["s-0"]
+    assert kv.hits == [0, 60, 60]
+    assert prefilled_tokens(steps) == 64 + 2 * 4
+    want = scored_prompt(finals, "s-0")
+    assert want[0] == (None, *(-(p + 1) / 8 for p in range(63)))
+    assert want[2] == ((None, *(2,) * 63) if at_exit_depth else None)
+    assert scored_prompt(finals, "s-1") == scored_prompt(finals, "s-2") == want
+    assert set(kv.salted) == {(b"exit-depth:hazard:2:4:1.0:" if at_exit_depth else b"", PROMPT)}
+
+
+def test_a_sibling_wanting_more_alternatives_than_the_records_hold_computes_its_prompt():
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(
+        [
+            EngineRequest(
+                f"s-{n}",
+                PROMPT,
+                SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=n),
+                sibling_group="s",
+            )
+            for n in (1, 3)
+        ]
+    )
+    steps, _ = run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    assert len(steps[0].new_requests) == 2  # s-3 does not wait for records of 1 alternative
+    assert kv.hits == [0, 0]
 
 
 def test_an_aborted_computing_sibling_hands_the_prompt_to_the_next():

@@ -52,6 +52,7 @@ from rlt_contracts.kv import (
     KVCapacity,
     KVLayout,
     KVPort,
+    PageScores,
     PrefixMatch,
 )
 from rlt_contracts.model import (
@@ -163,6 +164,7 @@ __all__ = [
     "InstanceLoad",
     "PDControl",
     "PDIncompatibleError",
+    "PageScores",
     "PagedAttentionBatch",
     "PrefillChunk",
     "PrefillProgress",

@@ -1,10 +1,11 @@
-"""Logical KV-cache contracts: layouts, capacity views, admission plans, prefix matches and the
-`KVPort` the scheduler allocates through (all implemented by rlt-kv)."""
+"""Logical KV-cache contracts: layouts, capacity views, admission plans, prefix matches, the
+score records kept with cached prompt pages and the `KVPort` the scheduler allocates through
+(all implemented by rlt-kv)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -94,6 +95,28 @@ class BlockTableUpdate(msgspec.Struct, frozen=True, array_like=True):
     block_ids: tuple[int, ...]
 
 
+class PageScores(msgspec.Struct, frozen=True):
+    """The prompt scores of one full prompt page's positions, kept with the page in the prefix
+    cache so a scored prompt (`SamplingParams.prompt_logprobs`) that reuses the page takes them
+    instead of recomputing the positions (0.1.12).
+
+    Page i holds positions [i*B, (i+1)*B); position p scores prompt token p + 1, so entry j is
+    token i*B + j + 1's score: its log-probability, its rank (1 = the most likely) and the
+    `top_n` most likely (token id, log-probability) pairs, all under the state of position
+    i*B + j (as `PromptLogprobs`). With exit-depth scoring `exit_depths[j]` is that position's
+    exit depth; empty at full depth. The last entry scores the token after the page, so a
+    record belongs to (page key, that next token), not to the page alone.
+
+    A record with `top_n` alternatives serves a request asking for n <= top_n (the first n).
+    """
+
+    top_n: int
+    token_logprobs: tuple[float, ...]
+    token_ranks: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    exit_depths: tuple[int, ...] = ()
+
+
 class PrefixMatch(msgspec.Struct, frozen=True):
     """Leading full prompt pages whose KV the prefix cache can give a request (a pure lookup
     result of `KVPort.match_prefix`; `NO_PREFIX` when nothing is reused).
@@ -104,14 +127,18 @@ class PrefixMatch(msgspec.Struct, frozen=True):
     num_tokens: reusable prompt positions, a multiple of the block size.
     cached_claim_blocks: of those blocks, how many only the cache holds now (evictable, counted
       as free), which admitting the request would pin.
+    scores: for a scored lookup (`match_prefix(..., score_top_n=n)`), each matched page's
+      `PageScores` (with at least n alternatives); empty otherwise (0.1.12).
 
-    The scheduler reads only the counts and hands the match back to `allocate` unchanged.
+    The scheduler reads the counts and the scores and hands the match back to `allocate`
+    unchanged.
     """
 
     keys: tuple[bytes, ...] = ()
     blocks: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
     cached_claim_blocks: int = 0
+    scores: tuple[PageScores, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -144,8 +171,18 @@ class KVPort(Protocol):
         """Positions [0, n) the request's blocks can hold (0 if it holds none)."""
         ...
 
-    def match_prefix(self, prompt_token_ids: Sequence[int]) -> PrefixMatch:
-        """Reusable leading pages of the prompt (pure: changes nothing)."""
+    def match_prefix(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        salt: bytes = b"",
+        score_top_n: int | None = None,
+    ) -> PrefixMatch:
+        """Reusable leading pages of the prompt (pure: changes nothing). `salt`: pages
+        published under the same salt only (b"": prefill's KV; see `publish_prefix`).
+        `score_top_n`: a scored prompt's lookup: only leading pages that also hold a
+        `PageScores` record for this prompt's next token with at least that many alternatives
+        (the match carries the records)."""
         ...
 
     def allocate(
@@ -172,8 +209,17 @@ class KVPort(Protocol):
         ...
 
     def publish_prefix(
-        self, identity: ExecutionIdentity, prompt_token_ids: Sequence[int], computed_tokens: int
+        self,
+        identity: ExecutionIdentity,
+        prompt_token_ids: Sequence[int],
+        computed_tokens: int,
+        *,
+        salt: bytes = b"",
+        page_scores: Callable[[int, int], PageScores] | None = None,
     ) -> int:
         """Publish prompt pages reported computed at every depth (completion evidence, R18);
-        returns the pages newly published."""
+        returns the pages newly published. `salt` names KV that differs from prefill's (a
+        prompt run at exit depth: the exit rule's parameters), so only lookups with the same
+        salt find it. `page_scores(start, end)`: the scores of positions [start, end) of a page
+        this call publishes (or finds already cached), kept with the page (0.1.12)."""
         ...

@@ -11,13 +11,21 @@ request covers the same token positions: allocating N tokens claims ceil(N / B) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlt_contracts import NO_PREFIX, BlockTableUpdate, ExecutionIdentity, KVCapacity, PrefixMatch
+from rlt_contracts import (
+    NO_PREFIX,
+    BlockTableUpdate,
+    ExecutionIdentity,
+    KVCapacity,
+    PageScores,
+    PrefixMatch,
+)
 
 from rlt_kv.block_pool import BlockPool
 from rlt_kv.prefix_cache import PrefixCache, cacheable_pages, page_keys
+from rlt_kv.score_records import DEFAULT_MAX_BYTES
 
 
 @dataclass
@@ -37,13 +45,20 @@ class KVCacheManager:
         block_size: int,
         num_planes: int,
         enable_prefix_caching: bool = False,
+        score_record_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        """`score_record_bytes`: host memory for the prompt scores of cached pages
+        (score_records.py), least recently used records dropped past it."""
         if block_size < 1 or num_planes < 1:
             raise ValueError("block_size and num_planes must be >= 1")
         self.block_size = block_size
         self.num_planes = num_planes
         self._pool = BlockPool(num_blocks)
-        self._prefix = PrefixCache(self._pool) if enable_prefix_caching else None
+        self._prefix = (
+            PrefixCache(self._pool, score_bytes=score_record_bytes)
+            if enable_prefix_caching
+            else None
+        )
         self._allocations: dict[ExecutionIdentity, _Allocation] = {}
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
@@ -90,19 +105,37 @@ class KVCacheManager:
         return tuple(tuple(table) for table in self._allocations[identity].tables)
 
     # -- prefix lookup -------------------------------------------------------------------------
-    def match_prefix(self, prompt_token_ids: Sequence[int]) -> PrefixMatch:
-        """Leading full pages of `prompt_token_ids[:-1]` found in the prefix cache (pure)."""
+    def match_prefix(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        salt: bytes = b"",
+        score_top_n: int | None = None,
+    ) -> PrefixMatch:
+        """Leading full pages of `prompt_token_ids[:-1]` found in the prefix cache under `salt`
+        (pure). With `score_top_n` (a scored prompt) the run stops at the first page without a
+        score record for this prompt's next token with at least that many alternatives."""
         if self._prefix is None:
             return NO_PREFIX
         num_pages = cacheable_pages(len(prompt_token_ids), len(prompt_token_ids), self.block_size)
-        keys = page_keys(prompt_token_ids, self.block_size, num_pages)
+        keys = page_keys(prompt_token_ids, self.block_size, num_pages, salt=salt)
         blocks = self._prefix.lookup(keys)
+        scores: list[PageScores] = []
+        if score_top_n is not None:
+            for page in range(len(blocks)):
+                next_token = prompt_token_ids[(page + 1) * self.block_size]
+                record = self._prefix.scores.get(keys[page], next_token, score_top_n)
+                if record is None:
+                    break
+                scores.append(record)
+            blocks = blocks[: len(scores)]
         claim = sum(len(page) for page in blocks if all(self._pool.refs(b) == 1 for b in page))
         return PrefixMatch(
             keys=tuple(keys[: len(blocks)]),
             blocks=tuple(blocks),
             num_tokens=len(blocks) * self.block_size,
             cached_claim_blocks=claim,
+            scores=tuple(scores),
         )
 
     # -- allocation ----------------------------------------------------------------------------
@@ -173,12 +206,22 @@ class KVCacheManager:
 
     # -- prefix publication --------------------------------------------------------------------
     def publish_prefix(
-        self, identity: ExecutionIdentity, prompt_token_ids: Sequence[int], computed_tokens: int
+        self,
+        identity: ExecutionIdentity,
+        prompt_token_ids: Sequence[int],
+        computed_tokens: int,
+        *,
+        salt: bytes = b"",
+        page_scores: Callable[[int, int], PageScores] | None = None,
     ) -> int:
-        """Publish the request's full prompt pages now written at every plane and layer.
+        """Publish the request's full prompt pages now written at every plane and layer, under
+        `salt` (the same the request's `match_prefix` used).
 
         Call only with completion evidence: `computed_tokens` prompt positions are known to be
-        written (e.g. reported by the runner after the step). Returns pages newly published.
+        written (e.g. reported by the runner after the step). With `page_scores`, each page this
+        call covers keeps `page_scores(start, end)`, the scores of its positions [start, end),
+        also when the page was already cached by another request (a plain prompt caches KV
+        without scores). Returns pages newly published.
         """
         if self._prefix is None:
             return 0
@@ -186,13 +229,16 @@ class KVCacheManager:
         ready = cacheable_pages(len(prompt_token_ids), computed_tokens, self.block_size)
         if ready <= allocation.published_pages:
             return 0
-        keys = page_keys(prompt_token_ids, self.block_size, ready)
+        keys = page_keys(prompt_token_ids, self.block_size, ready, salt=salt)
         published = 0
         for page in range(allocation.published_pages, ready):
             blocks = tuple(table[page] for table in allocation.tables)
             if not self._prefix.contains(keys[page]):
                 self._prefix.insert(keys[page], blocks)
                 published += 1
+            if page_scores is not None:
+                start, end = page * self.block_size, (page + 1) * self.block_size
+                self._prefix.scores.put(keys[page], prompt_token_ids[end], page_scores(start, end))
         allocation.published_pages = ready
         return published
 

@@ -5,6 +5,11 @@ little-endian int64), so a key names the page's tokens AND everything before the
 holds one physical block per storage plane (all depths, all layers) and one reference on each.
 Unreferenced entries (only the cache holds their blocks) are evicted oldest-first (LRU).
 
+A salt starts the chain at another root: pages whose KV differs from prefill's for the same
+tokens (a prompt run at exit depth, salted with its exit rule) are found only by lookups with
+the same salt. Entries may carry the prompt scores of their positions (score_records.py); those
+go when the entry goes.
+
 Only pages fully inside `prompt[:-1]` are ever published: the final prompt token must be
 recomputed because its hidden state, which the cache does not keep, feeds coda (R18, R24).
 """
@@ -17,14 +22,18 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from rlt_kv.block_pool import BlockPool
+from rlt_kv.score_records import DEFAULT_MAX_BYTES, ScoreRecords
 
 PageKey = bytes
 _ROOT = b"rlt-prefix-v1"
 
 
-def page_keys(token_ids: Sequence[int], block_size: int, num_pages: int) -> list[PageKey]:
-    """Chained keys of the first `num_pages` full pages of `token_ids`."""
-    keys, previous = [], _ROOT
+def page_keys(
+    token_ids: Sequence[int], block_size: int, num_pages: int, *, salt: bytes = b""
+) -> list[PageKey]:
+    """Chained keys of the first `num_pages` full pages of `token_ids` (under `salt`)."""
+    keys = []
+    previous = hashlib.sha256(_ROOT + b"/" + salt).digest() if salt else _ROOT
     for page in range(num_pages):
         tokens = token_ids[page * block_size : (page + 1) * block_size]
         digest = hashlib.sha256(previous)
@@ -40,11 +49,13 @@ def cacheable_pages(prompt_length: int, computed_tokens: int, block_size: int) -
 
 
 class PrefixCache:
-    """Key -> per-plane block ids of one page. Holds one pool reference per cached block."""
+    """Key -> per-plane block ids of one page. Holds one pool reference per cached block, and
+    the pages' score records (`scores`, bounded by `score_bytes`)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, *, score_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._pool = pool
         self._entries: OrderedDict[PageKey, tuple[int, ...]] = OrderedDict()
+        self.scores = ScoreRecords(score_bytes)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,6 +75,7 @@ class PrefixCache:
         for key in keys:
             if key in self._entries:
                 self._entries.move_to_end(key)
+                self.scores.touch(key)
 
     def contains(self, key: PageKey) -> bool:
         return key in self._entries
@@ -101,9 +113,11 @@ class PrefixCache:
             return 0
         for key in victims:
             self._pool.release(list(self._entries.pop(key)))
+            self.scores.drop_page(key)
         return freed
 
     def clear(self) -> None:
         for blocks in self._entries.values():
             self._pool.release(list(blocks))
         self._entries.clear()
+        self.scores.clear()

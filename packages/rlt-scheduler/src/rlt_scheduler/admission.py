@@ -15,6 +15,7 @@ from rlt_contracts import (
     RequestStage,
 )
 
+from rlt_scheduler import scored_prefix
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.step_builder import StepBuilder
@@ -101,13 +102,15 @@ def start_admitted(
     scheduled_time: float,
 ) -> None:
     """A new request got its first blocks (`updates`, reusing `prefix`) and joined the running
-    list: it enters PREFILL with the reused prefix counted as scheduled and computed, and the
-    step introduces it to the runner (request data, then its block mapping). Selected into the
+    list: it enters PREFILL with the reused prefix counted as scheduled and computed (a scored
+    prompt takes the reused pages' scores), and the step introduces it to the runner (request
+    data, then its block mapping). Selected into the
     step, so it is never a preemption victim of its own step. `scheduled_time`: host monotonic
     seconds of its first admission."""
     request.stage = RequestStage.PREFILL
     request.scheduled_time = scheduled_time
     request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
+    scored_prefix.take_cached_scores(request, prefix)
     request.known_to_runner = True
     step.selected.add(request.identity)
     step.new_requests.append(

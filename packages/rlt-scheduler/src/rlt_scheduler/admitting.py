@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from rlt_contracts import NO_PREFIX, AdmissionPlan, KVPort, PrefixMatch
 
-from rlt_scheduler import siblings, suspension
+from rlt_scheduler import scored_prefix, siblings, suspension
 from rlt_scheduler.admission import (
     RunningGrowth,
     headroom_blocks,
@@ -145,10 +145,10 @@ class Admitter:
 
     def _prefix_of(self, request: ScheduledRequest) -> PrefixMatch:
         """Reusable cached prefix of a new request (a resumed one restores its snapshot; a
-        prompt to score is computed in full: cached positions have no states to score)."""
-        if request.preempted or request.sampling.prompt_logprobs is not None:
+        prompt to score reuses only pages that carry its scores: scored_prefix.py)."""
+        if request.preempted:
             return NO_PREFIX
-        return self.kv.match_prefix(request.prompt_token_ids)
+        return scored_prefix.match(self.kv, request)
 
     def waits_for_sibling(self, request: ScheduledRequest) -> bool:
         """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""

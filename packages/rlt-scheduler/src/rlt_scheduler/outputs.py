@@ -27,6 +27,7 @@ from rlt_contracts import (
     SchedulerOutput,
 )
 
+from rlt_scheduler import scored_prefix
 from rlt_scheduler.constrained import accept_output, grammar_terminated
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
@@ -56,13 +57,13 @@ def apply_prefill_progress(
     request: ScheduledRequest, progress: PrefillProgress, kv: KVPort, stats: SchedulerStats
 ) -> None:
     """The prompt is computed up to `progress.end_position` (exclusive): count the positions
-    and, unless the request was preempted meanwhile, publish them for prefix reuse."""
+    and, unless the request was preempted meanwhile, publish them for prefix reuse (a scored
+    prompt's with their scores, recorded first; an exit-depth one's under its rule's salt:
+    scored_prefix.py)."""
     stats.prompt_tokens += progress.end_position - request.computed_prompt_tokens
     request.computed_prompt_tokens = progress.end_position
-    if request.sampling.score_at_exit_depth:
-        return  # its pages hold the KV decoding leaves (exit-depth copies), not prefill's
     if request.stage is not RequestStage.WAITING:
-        kv.publish_prefix(request.identity, request.prompt_token_ids, progress.end_position)
+        scored_prefix.publish(kv, request, progress.end_position)
 
 
 def record_prompt_logprobs(request: ScheduledRequest, scores: PromptLogprobs) -> None:

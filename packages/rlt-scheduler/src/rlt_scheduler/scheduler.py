@@ -399,14 +399,15 @@ class Scheduler:
                 if request is not None:
                     self._finish(request, FinishReason.ABORT, error=failure.message)
         outputs.check_progress_evidence(submitted.output, result)
-        for progress in result.prefill_progress:
-            request = self._current(progress.identity)
-            if request is not None:
-                outputs.apply_prefill_progress(request, progress, self.kv, self.stats)
+        # scores before progress: publishing a scored prompt's pages keeps their scores
         for scores in result.prompt_logprobs:
             request = self._current(scores.identity)
             if request is not None:
                 outputs.record_prompt_logprobs(request, scores)
+        for progress in result.prefill_progress:
+            request = self._current(progress.identity)
+            if request is not None:
+                outputs.apply_prefill_progress(request, progress, self.kv, self.stats)
         now = time.monotonic() if result.generated else 0.0
         for generated in result.generated:
             request = self._current(generated.identity)

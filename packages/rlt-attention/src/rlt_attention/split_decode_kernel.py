@@ -362,15 +362,17 @@ MAX_SPLITS = 64
 # programs (groups x kv heads) up to which decode uses many short splits (`choose_splits`)
 SMALL_GRID = 64
 # An fp8 cache's large-grid key step (block_n, num_warps, num_stages, keys_as_rows): its keys
-# and values are widened in registers, which ends cp.async pipelining, so a step must carry more
-# keys to keep as many bytes in flight; the best of 18 on an H200 at 128 rows x 1,100 keys, 6.35
-# ms per loop against 6.60 at bf16's (64, 4, 3) and 6.58 for bf16
-# (benchmarks/fp8_kv_attention_sweep.py). Environment overrides, read at import (sweeps):
-# RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE = "block_n,num_warps,num_stages[,keys_as_rows 0|1]"
-# for the fp8 / model-dtype cache's large grid.
+# and values are widened in registers, so the kernel is bound by that per-element work rather
+# than by memory; with keys as the products' rows the widened tiles feed the tensor cores from
+# registers. Best of 28 on an H200 at 128 rows x 1,100 keys (24 layers): 5.92 ms per loop
+# against 6.28 for the best rows-by-keys step (128, 4, 4) and 6.45 for bf16
+# (benchmarks/fp8_kv_attention_sweep.py, benchmarks/results/fp8_h200/keys_as_rows_1a31911/).
+# Environment overrides, read at import (sweeps): RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE =
+# "block_n,num_warps,num_stages[,keys_as_rows 0|1]" for the fp8 / model-dtype cache's large grid
+# (keys as rows did not pay for bf16: 7.45 ms at best).
 FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
 SPLIT_ENV = "RLT_SPLIT_DECODE"
-FP8_LARGE_GRID_STEP = (128, 4, 4, False)
+FP8_LARGE_GRID_STEP = (64, 4, 2, True)
 
 
 def _large_grid_step(variable: str, default: tuple[int, int, int, bool] | None):

@@ -10,6 +10,7 @@
 #                                                  (fp8_kv_attention_sweep.py --orders keys),
 #                                                  then 128 requests bf16 / fp8 KV / both with
 #                                                  the sweep's best configurations exported
+#   bash benchmarks/h200_run.sh kv-pool            tokens of the memory-sized KV pool, bf16 vs fp8
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
@@ -165,6 +166,11 @@ case "$mode" in
       --max-num-batched-tokens 4096 --arm fixed --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 \
       --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     tail -n 6 "$OUT/fp8_c128.log" ;;
+  kv-pool)  # tokens the memory-sized KV pool holds per cache dtype (engine defaults)
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir /tmp/rlt-bench-checkpoints \
+      --device cuda --dtype bfloat16 --write-checkpoint-only >/dev/null 2>&1
+    python3 benchmarks/kv_pool_capacity.py --model /tmp/rlt-bench-checkpoints/ouro-1.4b \
+      --out "$OUT/kv_pool.json" 2>&1 | grep -v "^20\|INFO" | tail -3 ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

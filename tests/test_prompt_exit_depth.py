@@ -7,7 +7,9 @@ models on the CPU, through `EngineCore` (scheduler + runner; no frontend):
   mixed in one step with plain and full-depth-scored requests), and so do the generated tokens
   that follow (token 0 from the last prompt position's exit state, then ordinary decoding);
 - full-depth scoring and plain requests in the same steps are unchanged;
-- the prefix cache neither feeds nor is fed by such a prompt;
+- the choices of a question share their context through the prefix cache (pages published
+  under the exit rule's salt with their scores and depths), still equal to teacher forcing,
+  while prefill's pages and theirs never serve each other;
 - nothing leaks.
 """
 
@@ -154,27 +156,46 @@ def test_exit_depth_scores_equal_teacher_forced_decoding(checkpoint, layout, pol
     assert finished["plain"].token_ids == reference.token_ids
 
 
-def test_the_prefix_cache_neither_feeds_nor_is_fed_by_exit_depth_scoring(checkpoint):
-    """A cached full-depth prompt gives an exit-depth-scored one no hit, and the exit-depth
-    prompt's pages (decode KV) are never published for a later plain request."""
-    scored = at_exit_depth(0.5, 1, None)
-    plain = SamplingParams(max_tokens=MAX_TOKENS, exit_threshold=0.5, ignore_eos=True)
-    pair = [("scored", PROMPTS[0], scored), ("first", PROMPTS[2], scored)]
-    later = [("plain", PROMPTS[2], plain)]
-    cold = make_core(checkpoint)  # the same batches without a cache: the reference
-    reference = {**run(cold, pair), **run(cold, later)}
+CONTEXT = [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 64, 128]  # 13 tokens: 3 full pages of 4
+CHOICES = [[31, 77], [18], [250, 11, 9], [42, 42]]
+
+
+@pytest.mark.parametrize("policy", ["ouro", "ouro_delayed"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_choices_scored_at_exit_depth_share_their_context_through_the_prefix_cache(
+    checkpoint, layout, policy
+):
+    """4 choices after one 13-token context, scored at exit depth: the first computes the
+    context and publishes its 3 full pages (decode KV) under its exit rule's salt with their
+    scores and depths; the other 3 (one batch) reuse them and compute from position 12. Every
+    choice still equals the teacher-forced decode and the cold engine. A prefill page (a plain
+    prompt's) is no hit for them, and their pages are no hit for a plain prompt, a full-depth
+    scored one or another threshold."""
+    params = at_exit_depth(0.5, 1, None)
+    prompts = [CONTEXT + choice for choice in CHOICES]
+    requests = [(f"c{i}", p, params) for i, p in enumerate(prompts)]
+    cold = make_core(checkpoint, kv_layout=layout, exit_policy=policy)
+    reference = run(cold, requests)  # no cache: every choice computes the context
     cold.close()
-    core = make_core(checkpoint, enable_prefix_caching=True)
-    run(core, [("warm", PROMPTS[0], plain)])  # publishes the first prompt's pages
-    hits = core.stats().prefix_cache_hit_tokens
-    warmed = run(core, pair)
-    assert core.stats().prefix_cache_hit_tokens == hits  # the cached prompt was not used
-    after = run(core, later)  # the second prompt's pages, computed at exit depth, unpublished
-    assert core.stats().prefix_cache_hit_tokens == hits
+    core = make_core(checkpoint, kv_layout=layout, exit_policy=policy, enable_prefix_caching=True)
+    got = run(core, requests[:1])
+    assert core.stats().prefix_cache_hit_tokens == 0
+    got.update(run(core, requests[1:]))
+    stats = core.stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 12  # the context's 3 full pages, per choice
+    assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 12 for p in prompts[1:])
+    oracle = GenerationOracle(DenseOuro(checkpoint), layout)
+    for rid, prompt, _ in requests:
+        assert_equals_teacher_forced(oracle, prompt, params, policy, got[rid])
+        want = reference[rid]
+        assert got[rid].prompt_exit_depths == want.prompt_exit_depths
+        assert got[rid].prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-5)
+    # salted pages serve only the same exit rule: not a plain prompt (which then publishes
+    # prefill pages of the context), not a full-depth scored one, not another threshold, which
+    # finds neither the 0.5 pages nor prefill's
+    plain = SamplingParams(max_tokens=MAX_TOKENS, exit_threshold=0.5, ignore_eos=True)
+    full_depth = SamplingParams(max_tokens=MAX_TOKENS, prompt_logprobs=1, ignore_eos=True)
+    run(core, [("plain", prompts[1], plain), ("full", prompts[2], full_depth)])
+    run(core, [("other", prompts[3], at_exit_depth(0.7, 1, None))])
+    assert core.stats().prefix_cache_hit_tokens == 3 * 12
     core.close()
-    for rid in ("scored", "first"):
-        got, want = warmed[rid], reference[rid]
-        assert got.prompt_logprobs == want.prompt_logprobs
-        assert got.prompt_exit_depths == want.prompt_exit_depths
-        assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths)
-    assert after["plain"].token_ids == reference["plain"].token_ids

@@ -38,15 +38,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       prompt_logprobs: None, or n >= 0: the log-probability of every prompt token after the
         first under the model at full depth (each position's state after all loops, as prefill
         computes it, equal to the Hugging Face forward), plus the n most likely alternatives
-        at each position (at most 20). Such a prompt is computed in full (no prefix-cache hit:
-        cached positions have no state to score) and eagerly (no prefill CUDA graph).
+        at each position (at most 20). Such a prompt reuses only cached pages that carry
+        scores for it (a scored prompt's, with at least n alternatives; 0.1.12) and computes
+        the rest eagerly (no prefill CUDA graph).
       score_at_exit_depth: with prompt_logprobs only (else InvalidRequestError): score every
         prompt position at the loop where this request's exit rule fires (the loop fields
         below and the engine's exit policy), not at full depth, as a decode that is fed the
         prompt token by token from position 0 would: each position stops at its exit depth and
         later positions read its KV as decoding leaves it (KV layout semantics). Token 0 then
-        comes from the last prompt position's exit state. Such a prompt's pages are not
-        published for prefix reuse (they hold decode KV, not prefill's) (0.1.11).
+        comes from the last prompt position's exit state (0.1.11). Such a prompt's pages hold
+        decode KV, not prefill's: they are published under a salt naming the exit rule, so
+        only prompts scored under the same rule reuse them (0.1.12).
 
     Logits adjustments and filters (vLLM's names, ranges and semantics; greedy rows get the
     adjustments too, before their argmax). Order, as in vLLM's V1 sampler: min_tokens mask,

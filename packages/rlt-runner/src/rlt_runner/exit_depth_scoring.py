@@ -14,7 +14,9 @@ once in position_loops.py and used by both:
   through its loops up to its exit, overwriting the single plane, so later positions read every
   earlier one's final version, as decoding does.
 
-Earlier chunks of the same prompt (earlier steps) ran the same way, so chunking changes nothing.
+Earlier chunks of the same prompt (earlier steps) ran the same way, and so did the pages of a
+prefix-cache hit (published under the same exit rule's salt), so chunking and reuse change
+nothing.
 Each position's TRACE entry is its position (the output index a decode fed the prompt from
 position 0 would give it). Eager only: scoring steps run no prefill graph.
 

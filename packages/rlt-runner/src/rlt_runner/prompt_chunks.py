@@ -1,7 +1,9 @@
 """A step's prompt chunks: at full depth (prefill.py), or for prompts scored at each position's
 exit depth (`score_at_exit_depth`) as decoding would run them (exit_depth_scoring.py); then every
 scored chunk's states through the LM head (prompt_scoring.py). The two kinds belong to different
-requests (an exit-depth prompt takes no prefix-cache hit), so their order does not matter."""
+requests, each writing only its own blocks and reading only pages completed in earlier steps (a
+prefix-cache hit of an exit-depth prompt is a page published under its exit rule's salt), so
+their order does not matter."""
 
 from __future__ import annotations
 

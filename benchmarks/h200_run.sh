@@ -50,6 +50,14 @@
 #                                                  core CPU seconds, --api-server-count 2, and the
 #                                                  start-up to healthy, cold and warm
 #                                                  (benchmarks/served_vs_offline.py ARGS)
+#   bash benchmarks/h200_run.sh served-ab          issue 23's scheduling A/B in one call (~7 min):
+#                                                  per arm the offline engine and its own `rlt
+#                                                  serve`, C = 32 (64 requests), C = 128 (256)
+#                                                  and a 384-request burst; ARMS (JSON) replaces
+#                                                  the arms: base (today's rule), auto
+#                                                  (--prefill-step-decode-ticks auto), delay
+#                                                  (--scheduler-delay-factor 0.5); extra ARGS go
+#                                                  to benchmarks/served_vs_offline.py
 #   bash benchmarks/h200_run.sh scoring          issue 25: prompt-scoring throughput (full depth, exit
 #                                                  depth) against plain prefill, Ouro-1.4B shape
 #                                                  (benchmarks/prompt_scoring.py ARGS)
@@ -189,6 +197,14 @@ case "$mode" in
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
     python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_vs_offline.json" \
       "$@" 2>&1 | tee "$OUT/served_vs_offline.log" | tail -8 ;;
+  served-ab)
+    ckdir=/tmp/rlt-bench-checkpoints
+    arms=${ARMS:-'{"base": {}, "auto": {"prefill_step_decode_ticks": "auto"}, "delay": {"scheduler_delay_factor": 0.5}}'}
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
+      --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
+    python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_ab.json" \
+      --points 32:64,128:256 --burst 384 --arms "$arms" "$@" 2>&1 \
+      | tee "$OUT/served_ab.log" | tail -8 ;;
   scoring)
     python3 benchmarks/prompt_scoring.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --out "$OUT/prompt_scoring.json" "$@" 2>&1 | tee "$OUT/prompt_scoring.log" | tail -5 ;;

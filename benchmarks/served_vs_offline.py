@@ -13,6 +13,16 @@ One machine, one checkpoint, the engine's defaults on both sides (what `rlt serv
 Every figure goes to --out (JSON) as it is measured, so a run cut short still reports.
 
     python3 benchmarks/served_vs_offline.py /tmp/rlt-bench-checkpoints/ouro-1.4b --out r.json
+
+A/B of scheduler options (--arms, a JSON object {arm name: {EngineConfig field: value}}): per
+arm, in the order given, the offline engine and then one `rlt serve` with the arm's options
+on top of --engine-json, --warmup requests to the server first (not measured), then every
+--points concurrency and the --burst; no cold start and no --api-server-count 2. The JSON
+holds per arm its offline and served figures and the ratios (served / offline per C, burst /
+served at the largest C), and `summary` one row per arm.
+
+    python3 benchmarks/served_vs_offline.py CKPT --out ab.json --points 32:64,128:256 \
+        --burst 384 --arms '{"base": {}, "auto": {"prefill_step_decode_ticks": "auto"}}'
 """
 
 from __future__ import annotations
@@ -33,12 +43,15 @@ from pathlib import Path
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def offline(args, results: dict) -> None:
+def offline(args, results: dict, options: dict | None = None) -> None:
+    """Offline figures into results["offline"][C]; `options`: EngineConfig fields of an arm
+    on top of --engine-json."""
     import torch
     from rlt.engine import EngineConfig, LLMEngine
     from rlt_contracts import SamplingParams
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, **json.loads(args.engine_json))
+    options = json.loads(args.engine_json) | (options or {})
+    config = EngineConfig(model=args.model, dtype=args.dtype, **options)
     engine = LLMEngine(config)
     vocab = engine.model_info().vocab_size
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, exit_threshold=1.0)
@@ -112,12 +125,13 @@ def family(pid: int) -> list[int]:
 
 
 class Served:
-    def __init__(self, args, *flags: str) -> None:
+    def __init__(self, args, *flags: str, options: dict | None = None) -> None:
+        """`rlt serve` with --engine-json's options, then `options` (an arm's) on top."""
         self.port = free_port()
         command = [sys.executable, "-m", "rlt.cli", "serve", args.model, "--port", str(self.port)]
         command += ["--dtype", args.dtype, "--exit-threshold", "1.0", *flags]
         command += ["--log-level", "info", "--served-model-name", "bench"]
-        for key, value in json.loads(args.engine_json).items():
+        for key, value in (json.loads(args.engine_json) | (options or {})).items():
             command += [f"--{key.replace('_', '-')}", str(value)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         start = time.perf_counter()
@@ -196,6 +210,71 @@ def served(args, results: dict) -> None:
     _save(args, results)
 
 
+def run_arms(args, results: dict) -> None:
+    """--arms: per arm the offline engine, then its own `rlt serve` (module docstring)."""
+    arms = json.loads(args.arms)
+    del results["offline"], results["served"]  # per arm instead
+    results["arms"] = {}
+    for name, options in arms.items():
+        arm = results["arms"][name] = {"options": options, "offline": {}, "served": {}}
+        print(f"arm {name}: {options}", flush=True)
+        if not args.skip_offline:
+            offline(args, arm, options)
+        server = Served(args, options=options)
+        arm["startup_s"] = server.startup_s
+        try:
+            if args.warmup:
+                server.bench(args, None, args.warmup)
+            for concurrency, count in args.points:
+                arm["served"][str(concurrency)] = server.bench(args, concurrency, count)
+                _save(args, results)
+            if args.burst:
+                arm["served"]["burst"] = server.bench(args, None, args.burst)
+        finally:
+            log = server.stop()
+        arm["served_core_totals"] = [line for line in log.splitlines() if "core totals" in line]
+        arm["ratios"] = ratios(args, arm)
+        _save(args, results)
+    results["summary"] = [
+        {"arm": name, **arm["ratios"], **served_throughputs(arm)}
+        for name, arm in results["arms"].items()
+    ]
+    _save(args, results)
+    for row in results["summary"]:
+        print(json.dumps(row))
+
+
+def ratios(args, section: dict) -> dict:
+    """served / offline output throughput per C; the burst against served at the largest C.
+    Adds them to the served entries too (as the single-configuration run always did)."""
+    found = {}
+    for c, _ in args.points:
+        o, s = section["offline"].get(str(c)), section["served"].get(str(c))
+        if o and s:
+            s["ratio_to_offline"] = s["output_throughput"] / o["output_tokens_per_s"]
+            found[f"served_to_offline_c{c}"] = round(s["ratio_to_offline"], 4)
+    top = max(c for c, _ in args.points)
+    burst, served_top = section["served"].get("burst"), section["served"].get(str(top))
+    if burst and served_top:
+        burst[f"ratio_to_served_{top}"] = (
+            burst["output_throughput"] / (served_top["output_throughput"])
+        )
+        found[f"burst_to_served_c{top}"] = round(burst[f"ratio_to_served_{top}"], 4)
+    return found
+
+
+def served_throughputs(section: dict) -> dict:
+    """Output tok/s, TTFT and ITL p50 per served point of one arm (for the summary)."""
+    row = {}
+    for point, figures in section["served"].items():
+        row[f"served_tok_s_{point}"] = round(figures["output_throughput"], 1)
+        row[f"ttft_p50_ms_{point}"] = round(figures["median_ttft_ms"], 1)
+        row[f"itl_p50_ms_{point}"] = round(figures["median_itl_ms"], 2)
+    for point, figures in section["offline"].items():
+        row[f"offline_tok_s_{point}"] = round(figures["output_tokens_per_s"], 1)
+    return row
+
+
 def _save(args, results: dict) -> None:
     Path(args.out).write_text(json.dumps(results, indent=1))
 
@@ -212,9 +291,21 @@ def main() -> None:
     parser.add_argument("--engine-json", default="{}", help="EngineConfig fields for both sides")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--no-two", action="store_true", help="skip --api-server-count 2")
+    parser.add_argument(
+        "--arms",
+        default=None,
+        help='A/B: JSON {"name": {EngineConfig field: value}, ...}; each arm runs offline and '
+        "its own `rlt serve` (module docstring)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=16, help="--arms: requests sent to each server first"
+    )
     args = parser.parse_args()
     args.points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
     results: dict = {"setup": vars(args) | {"points": args.points}, "offline": {}, "served": {}}
+    if args.arms is not None:
+        run_arms(args, results)
+        return
     if not args.skip_offline:
         offline(args, results)
     served(args, results)

@@ -7,6 +7,12 @@ server's echo + logprobs on the text, continuation tokens picked by their text o
 is_greedy flags and accuracy follow from those scores, and its generations equal the server's
 greedy completion of the same prompt.
 
+Its `local-chat-completions` model (chat messages to /v1/chat/completions, no tokenizer on the
+harness's side) runs the generation task with `apply_chat_template`: each generation equals the
+server's greedy chat completion of the messages the harness sent, also with rlt's loop fields
+passed as generation kwargs; a loglikelihood task is refused by the harness itself (0.4.13's
+chat model has no loglikelihood), before any request.
+
 Exit-depth scoring goes through `rlt-completions`, a subclass registered here that adds rlt's
 loop fields (`exit_threshold`, `min_loops`) to every request and `score_at_exit_depth: true` to
 the loglikelihood ones (the recipe of docs/evaluation.md); its loglikelihoods equal the
@@ -289,4 +295,61 @@ def test_exit_depth_scores_through_a_subclass_equal_rlts_own(harness, server, ch
             full = rolling_score(http, server, PPL_DOCS[doc_id]["text"])
         full_depth[task, doc_id, index] = full
     assert any(lls[key] != full_depth[key] for key in lls)
+    server.wait_idle()
+
+
+def chat_completion(http, messages: list[dict], **fields) -> str:
+    """The server's greedy chat completion, with the fields local-chat-completions sends."""
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": MAX_GEN_TOKS,
+        "temperature": 0,
+        "stop": UNTIL,  # no tokenizer on the harness's side: no EOS string added
+        "seed": 1234,
+        **fields,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_local_chat_completions_generates_as_rlts_chat(harness, server, http):
+    """local-chat-completions on the generation task (with the chat template applied by the
+    server), at full depth and with loop fields as generation kwargs; a loglikelihood task is
+    not supported by the harness's chat model."""
+    lm_eval, manager = harness
+    model_args = {
+        "model": "tiny",
+        "base_url": f"{server.base_url}/v1/chat/completions",
+        "max_retries": 1,
+        "timeout": 60,
+    }
+    for loops in ({}, EXIT_RULE):
+        results = lm_eval.simple_evaluate(
+            model="local-chat-completions",
+            model_args=model_args,
+            tasks=["rlt_gen"],
+            task_manager=manager,
+            apply_chat_template=True,
+            gen_kwargs=",".join(f"{k}={v}" for k, v in loops.items()) or None,
+            log_samples=True,
+            bootstrap_iters=0,
+        )
+        for sample in samples(results, "rlt_gen"):
+            arguments = sample["arguments"][0]
+            messages = json.loads(arguments[0].prompt)  # a JsonChatStr
+            assert messages == [{"role": "user", "content": GEN_DOCS[sample["doc_id"]]["prompt"]}]
+            assert {k: arguments[1][k] for k in loops} == loops  # the loop fields went along
+            (generated,) = sample["resps"][0]
+            assert generated == chat_completion(http, messages, **loops)
+    with pytest.raises(NotImplementedError, match="chat completions"):
+        lm_eval.simple_evaluate(
+            model="local-chat-completions",
+            model_args=model_args,
+            tasks=["rlt_mc"],
+            task_manager=manager,
+            apply_chat_template=True,
+            bootstrap_iters=0,
+        )
     server.wait_idle()

@@ -1,5 +1,6 @@
-"""The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]`, `rlt bench serve` and
-`rlt pd serve` (the PD coordinator, rlt_pd_coordinator.cli)."""
+"""The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]`, `rlt bench serve`,
+`rlt pd serve` (the PD coordinator, rlt_pd_coordinator.cli) and `rlt ray serve` (Ray Serve,
+rlt_ray.cli, imported only when asked for: rlt does not depend on Ray)."""
 
 from __future__ import annotations
 
@@ -465,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill/decode disaggregated serving: `rlt pd serve --help`",
         add_help=False,
     )
+    commands.add_parser(
+        "ray",
+        help="engine replicas on a Ray cluster (needs rlt-ray): `rlt ray serve --help`",
+        add_help=False,
+    )
     from rlt.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
@@ -486,6 +492,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlt_pd_coordinator.cli import main as pd_main
 
         return pd_main(argv[1:])
+    if argv[:1] == ["ray"]:  # Ray Serve (services/rlt-ray), an optional distribution
+        try:
+            from rlt_ray.cli import main as ray_main
+        except ImportError as exc:
+            print(
+                f"rlt: error: `rlt ray` needs the rlt-ray package and Ray ({exc})", file=sys.stderr
+            )
+            return 2
+        return ray_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

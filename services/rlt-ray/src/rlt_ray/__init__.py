@@ -1,1 +1,13 @@
-"""rlt on Ray Serve (placeholder, filled in below)."""
+"""rlt on Ray Serve: engine replicas across a Ray cluster behind rlt-serve's OpenAI-compatible
+app, with a prefix-cache-affinity and load-aware request router (services/rlt-ray/README.md).
+
+    from rlt_ray import build_app, RayOptions
+    serve.run(build_app(EngineConfig(...), ServeOptions(...), RayOptions(replicas=2)))
+
+Importing this package does not import Ray or torch; building the app does.
+"""
+
+from rlt_ray.app import RayOptions, app_builder, build_app
+from rlt_ray.policy import POLICIES, ReplicaLoad, RoutingPolicy
+
+__all__ = ["POLICIES", "RayOptions", "ReplicaLoad", "RoutingPolicy", "app_builder", "build_app"]

@@ -241,6 +241,11 @@ class RoutingPolicy:
         for key in [k for k in self._last_picked if k not in live]:
             del self._last_picked[key]
 
+    def forget(self, key: str) -> None:
+        """Drop what is known about one replica (it died)."""
+        self._tables.pop(key, None)
+        self._last_picked.pop(key, None)
+
     def cached_blocks(self, key: str) -> int:
         table = self._tables.get(key)
         return len(table.blocks) if table else 0

@@ -1,0 +1,5 @@
+import sys
+
+from rlt_ray.cli import main
+
+sys.exit(main())

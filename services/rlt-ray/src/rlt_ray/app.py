@@ -1,0 +1,229 @@
+"""Building the Ray Serve application of `rlt ray serve`: `build_app(...)` in Python,
+`app_builder(args)` for `serve run` / `serve deploy` config files.
+
+    HTTP (Serve's proxy) -> OpenAIIngress (rlt-serve's app, tokenizer, the request router)
+                              -> RltEngine replicas (one engine each, num_gpus=1 on CUDA)
+
+Two deployments in one application: `RltIngress` (`ingress_replicas`, CPU only) and `RltEngine`
+(`replicas`, or autoscaled between `min_replicas` and `max_replicas` on ongoing requests per
+replica, Ray's measure of queue length: queued at the replica plus running).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlt_contracts import ConfigurationError
+
+from rlt_ray.policy import POLICIES
+
+INGRESS_NAME = "RltIngress"
+ENGINE_NAME = "RltEngine"
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the engine replicas are deployed and routed (engine options live in EngineConfig,
+    HTTP options in rlt's ServeOptions).
+
+    replicas: engine replicas (fixed), unless min_replicas/max_replicas are given: then Serve
+      autoscales between them, aiming at `target_ongoing_requests` per replica.
+    num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA (device "cuda", or "auto"
+      on a cluster with GPUs), else 0.
+    num_cpus: CPUs Ray reserves per replica (scheduling only; torch threads are not limited).
+    resources: custom Ray resources each replica needs (pin replicas to labelled nodes).
+    max_replicas_per_node: spread replicas over nodes (None: no limit).
+    ingress_resources: custom Ray resources each ingress replica needs (keep the HTTP front
+      off the GPU nodes, or on the head).
+    router: round_robin, least_loaded or prefix_affinity (rlt_ray.policy), with its
+      load_factor / load_slack bound and the block size prefixes are hashed in (None: the
+      engine's block size).
+    max_ongoing_requests: requests Ray lets one replica hold; above the engine's own limits so
+      the engine's queue (and its 429) decides.
+    """
+
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 16.0
+    num_gpus: float | None = None
+    num_cpus: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)
+    max_replicas_per_node: int | None = None
+    ingress_resources: dict[str, float] = field(default_factory=dict)
+    router: str = "prefix_affinity"
+    load_factor: float = 1.25
+    load_slack: int = 1
+    block_size: int | None = None
+    max_ongoing_requests: int = 1024
+    ingress_replicas: int = 1
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    routing_stats_period_s: float = 1.0
+    submit_timeout_s: float = 60.0
+    graceful_shutdown_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        def positive(name: str, value, minimum=1) -> None:
+            if value is not None and value < minimum:
+                raise ConfigurationError(name, f"must be >= {minimum}, got {value}")
+
+        positive("replicas", self.replicas)
+        positive("ingress_replicas", self.ingress_replicas)
+        positive("max_ongoing_requests", self.max_ongoing_requests)
+        positive("max_replicas_per_node", self.max_replicas_per_node)
+        positive("min_replicas", self.min_replicas, 0)
+        positive("max_replicas", self.max_replicas)
+        positive("load_slack", self.load_slack, 0)
+        positive("block_size", self.block_size)
+        positive("num_cpus", self.num_cpus, 0)
+        positive("num_gpus", self.num_gpus, 0)
+        for name in (
+            "target_ongoing_requests",
+            "health_check_period_s",
+            "health_check_timeout_s",
+            "routing_stats_period_s",
+            "submit_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.router not in POLICIES:
+            raise ConfigurationError("router", f"must be one of {', '.join(POLICIES)}")
+        if not self.load_factor >= 1.0:
+            raise ConfigurationError("load_factor", f"must be >= 1.0, got {self.load_factor}")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ConfigurationError(
+                ("min_replicas", "max_replicas"), "autoscaling needs both bounds"
+            )
+        if self.min_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ConfigurationError(
+                ("min_replicas", "max_replicas"),
+                f"min {self.min_replicas} exceeds max {self.max_replicas}",
+            )
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+
+def engine_gpus(config, options: RayOptions) -> float:
+    """GPUs one engine replica asks Ray for (see RayOptions.num_gpus)."""
+    if options.num_gpus is not None:
+        return options.num_gpus
+    device = str(config.device)
+    if device.startswith("cuda"):
+        return 1.0
+    if device == "auto":
+        import ray
+
+        if ray.is_initialized():
+            return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+        import torch
+
+        return 1.0 if torch.cuda.is_available() else 0.0
+    return 0.0
+
+
+def build_app(config=None, serve_options=None, options: RayOptions | None = None):
+    """The Ray Serve application: `serve.run(build_app(...))`.
+
+    config: rlt's `EngineConfig` for every replica (default: the bundled model on the CPU or
+    CUDA, "auto"); serve_options: rlt's `ServeOptions` (API key, served model name, body limit,
+    loop defaults, CORS origins; host/port are Serve's HTTP options instead); options:
+    `RayOptions`.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from rlt.engine.config import EngineConfig
+    from rlt.serving.server_options import ServeOptions
+
+    from rlt_ray.ingress import OpenAIIngress
+    from rlt_ray.replicas import EngineReplica
+
+    config = config or EngineConfig()
+    serve_options = serve_options or ServeOptions()
+    options = options or RayOptions()
+    options.validate()
+    if str(config.device).startswith("cuda:"):
+        raise ConfigurationError(
+            "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
+        )
+    if config.pd_role != "none":
+        raise ConfigurationError("pd_role", "rlt ray serve runs whole engines (--pd-role none)")
+    gpus = engine_gpus(config, options)
+    if gpus == 0 and str(config.device) == "auto":
+        config = dataclasses.replace(config, device="cpu")
+    actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
+    if options.resources:
+        actor_options["resources"] = dict(options.resources)
+    scaling: dict[str, Any]
+    if options.autoscaling:
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": options.min_replicas,
+                "initial_replicas": max(options.min_replicas, 1),
+                "max_replicas": options.max_replicas,
+                "target_ongoing_requests": options.target_ongoing_requests,
+            }
+        }
+    else:
+        scaling = {"num_replicas": options.replicas}
+    if options.max_replicas_per_node is not None:
+        scaling["max_replicas_per_node"] = options.max_replicas_per_node
+    router_config = RequestRouterConfig(
+        request_router_class="rlt_ray.router:RltRequestRouter",
+        request_router_kwargs={
+            "policy": options.router,
+            "block_size": options.block_size or config.block_size,
+            "load_factor": options.load_factor,
+            "load_slack": options.load_slack,
+        },
+        request_routing_stats_period_s=options.routing_stats_period_s,
+        request_routing_stats_timeout_s=max(options.routing_stats_period_s * 5, 5.0),
+    )
+    engine = serve.deployment(EngineReplica).options(
+        name=ENGINE_NAME,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=options.max_ongoing_requests,
+        health_check_period_s=options.health_check_period_s,
+        health_check_timeout_s=options.health_check_timeout_s,
+        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
+        request_router_config=router_config,
+        **scaling,
+    )
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
+        name=INGRESS_NAME,
+        num_replicas=options.ingress_replicas,
+        ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
+        max_ongoing_requests=max(options.max_ongoing_requests, 1024),
+        graceful_shutdown_timeout_s=serve_options.shutdown_timeout,
+    )
+    return ingress.bind(engine.bind(config), config.model, serve_options, options.submit_timeout_s)
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run` / `serve deploy` entry point (`import_path: rlt_ray:app_builder`): `args`
+    holds `rlt ray serve` flags by name (`replicas: 2`, `enable_prefix_caching: true`, `model:
+    /models/ouro-1.4b`, ...) or one `argv` string; they are parsed and checked exactly like
+    the command line."""
+    from rlt_ray.cli import build_parser, options_from_args
+
+    args = dict(args or {})
+    argv = shlex.split(args.pop("argv", ""))
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    parsed = build_parser().parse_args(["serve", *argv])
+    config, serve_options, options, _ = options_from_args(parsed)
+    return build_app(config, serve_options, options)

@@ -1,0 +1,242 @@
+"""`rlt ray serve [MODEL] ...` (also `rlt-ray serve` and `python -m rlt_ray serve`).
+
+The engine and HTTP flags are `rlt serve`'s own (rlt.cli); the Ray flags say how many
+replicas, where they run and how requests are routed. Without `--address` a local Ray cluster
+starts in this process and stops with it; with `--address auto` (or host:port) the app joins
+that cluster and is deleted from it on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from rlt_contracts import ConfigurationError, RltError
+
+from rlt_ray.app import RayOptions
+from rlt_ray.policy import POLICIES
+
+APP_NAME = "rlt"
+logger = logging.getLogger(__name__)
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RayOptions()
+    group = parser.add_argument_group("Ray (services/rlt-ray/README.md)")
+    group.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto': the one this node belongs to; host:port); "
+        "default: start a local one",
+    )
+    group.add_argument("--replicas", type=int, default=d.replicas, help="engine replicas")
+    group.add_argument(
+        "--min-replicas", type=int, default=None, help="autoscale from this many (with --max)"
+    )
+    group.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscale up to this many (with --min)"
+    )
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=d.target_ongoing_requests,
+        help="autoscaling target: ongoing (queued + running) requests per replica",
+    )
+    group.add_argument(
+        "--router",
+        default=d.router,
+        choices=POLICIES,
+        help="how requests are spread over replicas (default: prefix_affinity)",
+    )
+    group.add_argument(
+        "--load-factor",
+        type=float,
+        default=d.load_factor,
+        help="prefix_affinity's load bound: a replica takes a request by affinity only while "
+        "its load stays <= ceil(factor x mean load) + --load-slack",
+    )
+    group.add_argument("--load-slack", type=int, default=d.load_slack)
+    group.add_argument(
+        "--num-gpus-per-replica",
+        dest="num_gpus",
+        type=float,
+        default=None,
+        help="default: 1 when the engine runs on CUDA, else 0",
+    )
+    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
+    group.add_argument(
+        "--replica-resource",
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="custom Ray resource each replica needs (repeatable)",
+    )
+    group.add_argument("--max-replicas-per-node", type=int, default=None)
+    group.add_argument("--ingress-replicas", type=int, default=d.ingress_replicas)
+    group.add_argument(
+        "--max-ongoing-requests", type=int, default=d.max_ongoing_requests, help="per replica"
+    )
+    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
+    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
+    group.add_argument(
+        "--routing-stats-period-s",
+        type=float,
+        default=d.routing_stats_period_s,
+        help="how often each replica reports its load to the router",
+    )
+    group.add_argument("--submit-timeout-s", type=float, default=d.submit_timeout_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rlt.cli import add_engine_arguments, add_serve_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="rlt ray", description="Serve rlt engines as Ray Serve replicas."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="engine replicas behind one OpenAI-compatible endpoint"
+    )
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory (default: the bundled model); every node must read it",
+    )
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
+    add_ray_arguments(serve)
+    return parser
+
+
+def _resources(items: Sequence[str]) -> dict[str, float]:
+    resources = {}
+    for item in items:
+        name, sep, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not sep or not name or value <= 0:
+            raise ConfigurationError(
+                "replica_resource", f"expected NAME=AMOUNT with AMOUNT > 0, got {item!r}"
+            )
+        resources[name] = value
+    return resources
+
+
+def options_from_args(args: argparse.Namespace):
+    """(EngineConfig, ServeOptions, RayOptions, address) from parsed `rlt ray serve` flags."""
+    from rlt.cli import engine_config_from_args
+    from rlt.serving.server_options import ServeOptions
+    from rlt_serve import LoopDefaults
+
+    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+        raise ConfigurationError("model", "give the model directory once (MODEL or --model)")
+    args.model = args.model_dir if args.model_dir is not None else args.model
+    if args.api_server_count != 1:
+        raise ConfigurationError(
+            "api_server_count", "rlt ray serve scales the front with --ingress-replicas"
+        )
+    if args.max_body_bytes < 1:
+        raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
+    serve_options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        loop_defaults=LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold),
+        allowed_origins=tuple(args.allowed_origin),
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
+    options = RayOptions(
+        replicas=args.replicas,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        num_gpus=args.num_gpus,
+        num_cpus=args.num_cpus,
+        resources=_resources(args.replica_resource),
+        max_replicas_per_node=args.max_replicas_per_node,
+        router=args.router,
+        load_factor=args.load_factor,
+        load_slack=args.load_slack,
+        max_ongoing_requests=args.max_ongoing_requests,
+        ingress_replicas=args.ingress_replicas,
+        health_check_period_s=args.health_check_period_s,
+        health_check_timeout_s=args.health_check_timeout_s,
+        routing_stats_period_s=args.routing_stats_period_s,
+        submit_timeout_s=args.submit_timeout_s,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+    )
+    options.validate()
+    return engine_config_from_args(args), serve_options, options, args.address
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from rlt_ray.app import build_app
+
+    config, serve_options, options, address = options_from_args(args)
+    local = address is None
+    # the replicas load torch: idle OpenMP workers wait passively, as under `rlt serve`
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    init: dict = {"include_dashboard": False} if local else {"address": address}
+    ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, **init)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        serve.start(http_options={"host": serve_options.host, "port": serve_options.port})
+        app = build_app(config, serve_options, options)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        print(
+            f"rlt ray serve: ready at http://{serve_options.host}:{serve_options.port} "
+            f"({_replica_line(options)}, router {options.router})",
+            flush=True,
+        )
+        stop.wait()
+        print("rlt ray serve: stopping", flush=True)
+        return 0
+    finally:
+        try:
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            ray.shutdown()
+
+
+def _replica_line(options: RayOptions) -> str:
+    if options.autoscaling:
+        return f"{options.min_replicas}-{options.max_replicas} engine replicas, autoscaled"
+    return f"{options.replicas} engine replica{'s' if options.replicas != 1 else ''}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except RltError as exc:
+        print(f"rlt ray: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""`EngineReplica`: one rlt engine in one Ray Serve replica (an actor process).
+
+The engine runs exactly as under `rlt serve`'s in-process wiring: an `LLMEngine` whose core
+loop runs on a thread of this process, reached through `AsyncEngine` (the `CoreClient` that
+tokenizes nothing and detokenizes the deltas), on the replica's asyncio loop. The replica
+offers the ingress four calls and Ray two hooks:
+
+- `generate(request)`: a stream; first `Accepted` or `Rejected` (the submit's answer), then
+  the engine's deltas unchanged, then `Finished` with the engine's statistics
+  (`rlt_ray.wire`). When the caller goes away (the client disconnected, the ingress cancelled
+  the Ray call), the request is aborted in the engine, which frees its KV blocks.
+- `model_info()`, `stats()`.
+- `check_health()` (Ray, every `health_check_period_s`): raises once the engine is dead, so
+  Ray replaces the replica; a replica is routed to only after its constructor returned and
+  its first health check passed.
+- `record_routing_stats()` (Ray, every `request_routing_stats_period_s`): the load the router
+  reads (running, waiting, KV blocks), the prefix-cache counters, and where the replica runs
+  (process id, Ray node id).
+
+State it owns: the engine (KV pool, prefix cache, requests). Nothing survives the process:
+a replica that Ray restarts starts with an empty cache and no requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from rlt_contracts import EngineRequest, EngineStats, ModelInfo, RltError, WireError
+
+from rlt_ray.wire import Accepted, Finished, Rejected
+
+logger = logging.getLogger(__name__)
+
+
+def replica_tag() -> str:
+    """This replica's id within its deployment (the router's key for it; "" outside Ray
+    Serve). A restarted replica has a new one."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (direct use, tests)
+        return ""
+
+
+def _location() -> dict:
+    """Where this replica runs (in its routing stats: reports, and tests that kill it)."""
+    where = {"pid": os.getpid()}
+    try:
+        import ray
+
+        where["node_id"] = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - not inside Ray
+        pass
+    return where
+
+
+class EngineReplica:
+    """One engine per replica (see the module docstring). `config`: rlt's `EngineConfig`."""
+
+    def __init__(self, config) -> None:
+        # idle OpenMP workers must not spin a core each (as under `rlt serve`); read when
+        # torch loads OpenMP, so before the engine's imports
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from rlt.engine.llm_engine import LLMEngine
+        from rlt.serving.async_engine import AsyncEngine
+
+        self.tag = replica_tag()
+        self.where = _location()
+        self.engine = LLMEngine(config)
+        self.client = AsyncEngine(self.engine, thread_name=f"rlt-engine-{self.tag or 'replica'}")
+        logger.info("engine replica %s ready: %s", self.tag, self.client.model_info().name)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[object]:
+        try:
+            await self.client.submit(request)
+        except RltError as exc:
+            yield Rejected(WireError.of(exc))
+            return
+        yield Accepted(self.tag, self.client.stats())
+        finished = False
+        try:
+            async for delta in self.client.stream(request.request_id):
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:  # the ingress went away (client disconnect, cancel): free it
+                await self.client.cancel(request.request_id)
+        yield Finished(self.client.stats())
+
+    async def model_info(self) -> ModelInfo:
+        return self.client.model_info()
+
+    async def stats(self) -> EngineStats:
+        return self.client.stats()
+
+    async def check_health(self) -> None:
+        dead = self.client.dead
+        if dead is not None or self.client.stopped:
+            raise RuntimeError(f"engine replica {self.tag} is not running: {dead}")
+
+    async def record_routing_stats(self) -> dict:
+        stats = self.client.stats()
+        return {
+            "running": stats.running_requests,
+            "waiting": stats.waiting_requests,
+            "kv_blocks_free": stats.kv_blocks_free,
+            "kv_blocks_total": stats.kv_blocks_total,
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
+            **self.where,
+        }
+
+    async def __del__(self) -> None:
+        # Ray Serve calls this when it stops the replica (scale down, redeploy, shutdown):
+        # what still runs is aborted and the engine thread ends
+        client = getattr(self, "client", None)
+        if client is not None:
+            await client.shutdown()

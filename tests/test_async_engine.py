@@ -2,11 +2,12 @@
 here).
 
 Covered: streamed deltas add up to LLM.generate's outputs (tokens, exit depths, text, logprobs)
-for concurrent requests; stop strings never leak into streamed text; cancel mid-stream frees
-KV; cancel of unknown/finished ids is a no-op; request-id reuse after abort does not mix
-results; submit errors (invalid, capacity, overload, duplicate id) leave the engine serving;
-engine-thread failure ends streams with EngineDeadError; shutdown aborts in-flight requests;
-submit_many queues a batch all or none.
+for concurrent requests, and a FINAL reader (`stream_final`) gets the same as one delta; stop
+strings never leak into streamed text (nor a FINAL reader's); cancel mid-stream frees KV; cancel
+of unknown/finished ids is a no-op; request-id reuse after abort does not mix results; submit
+errors (invalid, capacity, overload, duplicate id) leave the engine serving; engine-thread
+failure ends streams with EngineDeadError; shutdown aborts in-flight requests; submit_many
+queues a batch all or none.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def make_engine(checkpoint, **options) -> AsyncEngine:
     return AsyncEngine(LLMEngine(EngineConfig(model=checkpoint, **{**ENGINE_DEFAULTS, **options})))
 
 
-async def collect(client: EngineClient, request_id: str) -> dict:
+async def collect(client: EngineClient, request_id: str, *, final: bool = False) -> dict:
+    """`final`: read as a FINAL consumer (`stream_final`: one delta, once it ended)."""
     tokens, depths, text, logprobs, deltas = [], [], [], [], []
-    async for delta in client.stream(request_id):
+    reader = client.stream_final if final else client.stream
+    async for delta in reader(request_id):
         deltas.append(delta)
         tokens += delta.token_ids
         depths += delta.exit_depths
@@ -68,11 +71,24 @@ def test_concurrent_streams_add_up_to_generate(checkpoint, reference):
     async def main():
         for i, prompt in enumerate(PROMPTS):
             await client.submit(EngineRequest(f"r{i}", tuple(prompt), params))
-        return await asyncio.gather(*(collect(client, f"r{i}") for i in range(len(PROMPTS))))
+            await client.submit(EngineRequest(f"f{i}", tuple(prompt), params))
+        streams = [collect(client, f"r{i}") for i in range(len(PROMPTS))]
+        finals = [collect(client, f"f{i}", final=True) for i in range(len(PROMPTS))]
+        return await asyncio.gather(*streams, *finals)
 
     try:
         results = asyncio.run(main())
-        for got, want in zip(results, expected, strict=True):
+        streamed, finals = results[: len(PROMPTS)], results[len(PROMPTS) :]
+        for got, streamed_one in zip(finals, streamed, strict=True):
+            # FINAL: one delta holding what the deltas of a stream add up to
+            [only] = got["deltas"]
+            assert only.finished and only.timings is not None
+            for key in ("tokens", "depths", "text"):
+                assert got[key] == streamed_one[key]
+            # (two rows of one batch may round their fp32 sums differently)
+            assert got["logprobs"] == pytest.approx(streamed_one["logprobs"], abs=1e-5)
+            assert len(streamed_one["deltas"]) > 1
+        for got, want in zip(streamed + finals, expected + expected, strict=True):
             assert got["tokens"] == want.token_ids
             assert got["depths"] == want.exit_depths
             assert got["text"] == want.text
@@ -82,7 +98,7 @@ def test_concurrent_streams_add_up_to_generate(checkpoint, reference):
             assert all(not d.finished for d in got["deltas"][:-1])
             assert final.num_prompt_tokens > 0
         assert client.stats().kv_blocks_used == 0
-        assert client.stats().finished_requests == len(PROMPTS)
+        assert client.stats().finished_requests == 2 * len(PROMPTS)
     finally:
         client.close()
     assert_engine_clean(client._engine)
@@ -107,12 +123,19 @@ def test_streamed_text_never_contains_a_stop_string(checkpoint, reference):
     async def main():
         ids = reference.tokenizer(prompt, add_special_tokens=False).input_ids
         await client.submit(EngineRequest("s", tuple(ids), params))
-        return await collect(client, "s")
+        await client.submit(EngineRequest("f", tuple(ids), params))
+        return await asyncio.gather(collect(client, "s"), collect(client, "f", final=True))
 
     try:
-        got = asyncio.run(main())
+        got, final = asyncio.run(main())
     finally:
         client.close()
+    [only] = final["deltas"]
+    assert (only.text, list(only.token_ids), only.finish_reason) == (
+        want.text,
+        want.token_ids,
+        "stop",
+    )
     assert got["text"] == want.text
     assert got["tokens"] == want.token_ids
     assert got["deltas"][-1].finish_reason == "stop"

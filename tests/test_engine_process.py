@@ -232,14 +232,19 @@ def test_served_outputs_equal_the_in_process_engine(checkpoint, reference):
             "choices"
         ]
         assert choice["text"] == want_stop.text and choice["finish_reason"] == "stop"
-        # chat goes through the same path
+        # chat goes through the same path: non-streaming (one FINAL output per choice) equals
+        # the stream's deltas concatenated
         messages = [{"role": "user", "content": "hello"}]
-        chat = server.http.post(
-            "/v1/chat/completions",
-            json=dict(messages=messages, max_tokens=5, temperature=0.0, exit_threshold=0.8),
-        ).json()
+        body = dict(messages=messages, max_tokens=5, temperature=0.0, exit_threshold=0.8)
+        chat = server.http.post("/v1/chat/completions", json=body).json()
         assert chat["choices"][0]["message"]["content"] is not None
         assert chat["usage"]["completion_tokens"] == 5
+        events = sse_events(
+            server.http.post("/v1/chat/completions", json={**body, "stream": True}).iter_lines()
+        )
+        deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+        streamed = "".join(d.get("content") or "" for d in deltas)
+        assert streamed == chat["choices"][0]["message"]["content"]
         assert server.running() == 0 and server.metric("rlt:kv_cache_usage_perc") == 0.0
 
 

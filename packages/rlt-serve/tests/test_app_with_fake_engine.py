@@ -21,6 +21,7 @@ from rlt_contracts import (
     ModelInfo,
     OverloadedError,
     RequestOutputDelta,
+    RequestTimings,
 )
 from rlt_serve import LoopDefaults, build_app
 
@@ -236,3 +237,53 @@ def test_validation_errors_name_the_field(http, body, param, message):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+class FinalClient(FakeClient):
+    """Also a `FinalOutputs` client: a non-streaming response reads one delta per choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.final_reads: list[str] = []
+
+    def stream_final(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        self.final_reads.append(request_id)
+
+        async def whole() -> AsyncIterator[RequestOutputDelta]:
+            yield RequestOutputDelta(
+                request_id,
+                (111, 107, 33),
+                (4, 2, 3),
+                text="ok!",
+                finished=True,
+                finish_reason=FinishReason.LENGTH,
+                num_prompt_tokens=3,
+                timings=RequestTimings(queued=1.0, scheduled=1.0, first_token=1.0, last_token=1.0),
+            )
+
+        return whole()
+
+
+def metric(text: str, name: str) -> float:
+    return float(next(x for x in text.splitlines() if x.startswith(name)).rsplit(" ", 1)[1])
+
+
+def test_non_streaming_responses_read_one_final_output_per_choice():
+    """With a FinalOutputs client the body equals the one accumulated from deltas, the choice's
+    output is read once, and the token metrics count as for a stream (1 first token, 2 gaps)."""
+    bodies = {}
+    for client in (FakeClient(), FinalClient()):
+        app = build_app(client, served_model_name="m", tokenizer=FakeTokenizer())
+        with TestClient(app) as http:
+            response = http.post(
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 3, "return_token_ids": True, "n": 2},
+            )
+            assert response.status_code == 200, response.text
+            metrics = http.get("/metrics").text
+        body = response.json()
+        bodies[type(client).__name__] = (body["choices"], body["usage"])
+        assert metric(metrics, "rlt:time_to_first_token_seconds_count") == 2
+        assert metric(metrics, "rlt:inter_token_latency_seconds_count") == 4
+    assert bodies["FinalClient"] == bodies["FakeClient"]
+    assert client.final_reads == [r.request_id for r in client.submitted]

@@ -82,6 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         field_names=field_names,
         n=body.n,
         best_of=body.best_of,
+        final_only=not body.stream,
     )
     want_ids = body.return_token_ids
 

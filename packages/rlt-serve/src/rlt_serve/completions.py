@@ -70,6 +70,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         request=request,
         n=body.n,
         best_of=body.best_of,
+        final_only=not body.stream,
     )
     n = body.n
     want_ids = body.return_token_ids

@@ -32,6 +32,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import anyio
 from fastapi import Request
@@ -48,6 +49,18 @@ from rlt_contracts.sampling import MAX_SEED
 from rlt_serve.errors import APIError, from_engine_error
 from rlt_serve.metrics import ServingMetrics, outcome_of_status
 from rlt_serve.response_schemas import LoopUsage, Usage
+
+
+@runtime_checkable
+class FinalOutputs(Protocol):
+    """Optional `EngineClient` capability the front end uses for non-streaming responses
+    (vLLM's RequestOutputKind.FINAL_ONLY): `stream_final` claims a submitted request like
+    `stream`, but yields one delta, once the request ended, holding its whole output (tokens,
+    exit depths, text, logprobs, prompt scores, finish, timings). The reader is woken once per
+    choice instead of once per engine step. Clients without it are read with `stream` and the
+    deltas are accumulated here (the same result)."""
+
+    def stream_final(self, request_id: str) -> AsyncIterator[RequestOutputDelta]: ...
 
 
 @dataclass
@@ -91,6 +104,8 @@ class Generation:
 
     request: the HTTP request, whose client disconnect cancels everything (None: not watched).
     n / best_of: sequences returned / generated per prompt (best_of None means n).
+    final_only: the response is built once every choice finished (not streamed): with a
+      `FinalOutputs` client each choice's output arrives as one delta when it ended.
     """
 
     def __init__(
@@ -106,8 +121,11 @@ class Generation:
         field_names: dict[str, str] | None = None,
         n: int = 1,
         best_of: int | None = None,
+        final_only: bool = False,
     ) -> None:
         self._client = client
+        # one delta per choice, when it ended (FINAL), where the client can give it
+        self._final = final_only and isinstance(client, FinalOutputs)
         self._request = request
         self._watcher: asyncio.Task | None = None
         self._metrics = metrics
@@ -146,8 +164,9 @@ class Generation:
             self._watcher = asyncio.create_task(self._watch_disconnect(self._request))
         try:
             await self._submit()
+            claim = self._client.stream_final if self._final else self._client.stream
             for choice in self._submitted:
-                self._streams.append(self._client.stream(choice.request_id))
+                self._streams.append(claim(choice.request_id))
             if self.client_disconnected:  # it left during the submission
                 await self._cancel_unfinished()
         except BaseException as exc:
@@ -212,7 +231,10 @@ class Generation:
 
     def _apply(self, choice: Choice, delta: RequestOutputDelta) -> Choice:
         now = time.monotonic()
-        if delta.token_ids:
+        if delta.token_ids and self._final:
+            self._observe_final_tokens(delta, now)
+            choice.last_token_time = now
+        elif delta.token_ids:
             self._metrics.observe_tokens(
                 delta.exit_depths,
                 tokens_before=len(choice.token_ids),
@@ -243,6 +265,23 @@ class Generation:
                 e2e=now - self._start,
             )
         return choice
+
+    def _observe_final_tokens(self, delta: RequestOutputDelta, now: float) -> None:
+        """Token metrics of a FINAL delta (every token at once, at `now`). The first token's
+        arrival is dated back by the engine's first -> last token time (its timings, one
+        clock; the transport's delay is the same for both), so the time to first token stays
+        what a stream would have shown; the later tokens share the gap evenly (as the tokens of
+        one streamed delta do). Without timings every token counts as arriving now."""
+        timings = delta.timings
+        decode_s = 0.0
+        if timings is not None and None not in (timings.first_token, timings.last_token):
+            decode_s = max(timings.last_token - timings.first_token, 0.0)
+        first = max(now - decode_s, self._start)
+        depths = delta.exit_depths
+        observe = self._metrics.observe_tokens
+        observe(depths[:1], tokens_before=0, last_token_time=None, start=self._start, now=first)
+        if len(depths) > 1:
+            observe(depths[1:], tokens_before=1, last_token_time=first, start=self._start, now=now)
 
     # -- results -------------------------------------------------------------------------------
     def final_choices(self) -> list[Choice]:

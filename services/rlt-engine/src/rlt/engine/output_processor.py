@@ -10,11 +10,13 @@ what a consumer reads, and each request's state lives in exactly one `RequestSta
   "stop";
 - what the consumer has not read yet, appended in place as deltas arrive.
 
-Consumers read one of two shapes of the same state (after vLLM's `RequestOutputKind`): deltas
-(the HTTP front end: each `take()` returns what is new since the previous one, however many
-core deltas that covers; while the request runs the last `len(longest stop string) - 1`
-characters are held back, because a later stop match could cut them), or the cumulative
-`output` (`LLMEngine.step()`: the growing `RequestOutput`).
+Consumers read one of three shapes of the same state (after vLLM's `RequestOutputKind`):
+DELTA (a streaming HTTP response: each `take()` returns what is new since the previous one,
+however many core deltas that covers; while the request runs the last
+`len(longest stop string) - 1` characters are held back, because a later stop match could cut
+them), FINAL (a non-streaming HTTP response: one `take()` once the request ended returns the
+whole output; its reader is not woken before, `CoreClient.stream_final`), or CUMULATIVE, the
+`output` itself (`LLMEngine.step()`: the growing `RequestOutput`).
 
 A request is finished for its consumer only when the core's final delta arrived (after a stop
 string too): by then its KV blocks are free and its timings are known.

@@ -13,6 +13,7 @@ on that loop through a transport:
       replies resolve submits; deltas go through the processor; each touched stream is woken;
       ids whose stop string matched go back as CoreAbort(STOP)
     stream(id): waits, takes what is new from its RequestState (nothing is merged or copied)
+    stream_final(id): woken once, when the request ended; takes its whole output at once
 
 Request identity (R17): a stream holds its `RequestState`, not an id, and `cancel` aborts only
 while the state registered for the id is that stream's and unfinished, so a cancel that
@@ -47,15 +48,19 @@ from rlt.engine.output_processor import OutputProcessor, RequestState
 
 
 class _Stream:
-    """Wake-ups of one request's consumer; the data stays in its `RequestState`."""
+    """Wake-ups of one request's consumer; the data stays in its `RequestState`.
 
-    __slots__ = ("state", "wakeup", "failure", "abandoned")
+    final_only: the consumer reads the request once, when it ended (FINAL), so it is not woken
+    before; otherwise at every round that brought it something (DELTA)."""
+
+    __slots__ = ("state", "wakeup", "failure", "abandoned", "final_only")
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
         self.wakeup = asyncio.Event()
         self.failure: BaseException | None = None
         self.abandoned = False  # its reader stopped before the end (a client that left)
+        self.final_only = False
 
 
 class CoreClient:
@@ -122,18 +127,30 @@ class CoreClient:
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
         """Claim the deltas of the latest accepted submit of `request_id` (once)."""
+        return self._read(self._claim(request_id))
+
+    def stream_final(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        """Claim `request_id` like `stream`, as a FINAL consumer (vLLM's
+        RequestOutputKind.FINAL_ONLY; a non-streaming HTTP response): it is woken once, when
+        the request ended, and reads one delta holding the whole output (tokens, exit depths,
+        text, logprobs, prompt scores, finish reason, timings), or the failure."""
+        stream = self._claim(request_id)
+        stream.final_only = True
+        return self._read(stream)
+
+    def _claim(self, request_id: str) -> _Stream:
         stream = self._unclaimed.pop(request_id, None)
         if stream is None:
             raise InvalidRequestError(
                 "request_id", f"no submitted, unclaimed request {request_id!r} to stream"
             )
-        return self._read(stream)
+        return stream
 
     async def _read(self, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
         state = stream.state
         try:
             while True:
-                if state.has_news():
+                if state.ended if stream.final_only else state.has_news():
                     delta = state.take()
                     yield delta
                     if delta.finished:
@@ -232,7 +249,7 @@ class CoreClient:
             if stream is not None and stream.state is state:
                 if stream.abandoned:
                     self._forget(stream)  # nobody reads it: drop it once it ended
-                else:
+                elif state.ended or not stream.final_only:
                     stream.wakeup.set()
         if stopped:
             self._transport_send_quietly(CoreAbort(tuple(stopped), FinishReason.STOP))

@@ -4,10 +4,10 @@
     python benchmarks/fleet_sim.py validate              # one instance against the served sweep
     python benchmarks/fleet_sim.py sweep --gpus 100      # policies x traces x rates -> goodput
     python benchmarks/fleet_sim.py scale --gpus 1000     # one rate per policy at 1,000 GPUs
-    uv run --with matplotlib python benchmarks/fleet_sim.py plot
+    python benchmarks/fleet_sim.py plot                  # the 100-GPU sweep's goodput as SVG
 
 Inputs: benchmarks/data/fleet_curves_h200.json (written by benchmarks/fleet_curves.py from
-measured files). Outputs: benchmarks/results/fleet_sim/*.json and docs/assets/fleet-sim.png.
+measured files). Outputs: benchmarks/results/fleet_sim/*.json and docs/assets/fleet-sim.svg.
 Goodput of a policy on a trace = the largest offered request rate (per GPU, on the rate grid,
 refined by bisection) at which the measured requests' TTFT p99 <= 1 s and TPOT p99 <= 50 ms
 with none left unfinished. Method and limits: docs/scale.md.
@@ -30,7 +30,7 @@ from fleetsim.traces import ChatTrace, RandomTrace, Trace
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fleet_sim"
-PLOT = ROOT / "docs" / "assets" / "fleet-sim.png"
+PLOT = ROOT / "docs" / "assets" / "fleet-sim.svg"
 POLICIES = (
     ("round_robin", (1, 1)),
     ("least_loaded", (1, 1)),
@@ -252,7 +252,7 @@ def main() -> None:
     if args.command == "plot":
         from fleetsim.plot import plot
 
-        plot(RESULTS, PLOT)
+        plot(args.out or RESULTS / f"sweep_{args.gpus}gpus.json", PLOT)
         return
 
     kwargs = {"horizon_s": args.horizon_s, "warmup_s": args.warmup_s, "seed": args.seed}

@@ -8,12 +8,15 @@ bucket member in a fixed order (deterministic).
 Prefix affinity keeps a router-side index from block key to the instance that last received a
 prompt with that block (as SGLang's cache-aware router and Ray Serve's prefix-cache-affinity
 router approximate the engines' caches), bounded in size like the fleet's caches. A request
-goes to the instance holding its longest indexed prefix unless that instance's load exceeds
-`(1 + load_slack) x mean load + load_margin`, in which case it goes to the least-loaded one.
+goes to the instance holding its longest indexed prefix unless that would break the load bound
+of rlt-ray's policy (services/rlt-ray/src/rlt_ray/policy.py): with n instances and T = their
+summed load + 1, an instance is eligible if its load + 1 <= ceil(load_factor x T / n) +
+load_slack (defaults 1.25 and 1); otherwise the request goes to the least-loaded instance.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -92,11 +95,11 @@ class PrefixAffinity(Router):
         members: list[int],
         *,
         index_blocks: int,
-        load_slack: float = 0.5,
-        load_margin: int = 4,
+        load_factor: float = 1.25,
+        load_slack: int = 1,
     ) -> None:
         super().__init__(members)
-        self.index_blocks, self.load_slack, self.load_margin = index_blocks, load_slack, load_margin
+        self.index_blocks, self.load_factor, self.load_slack = index_blocks, load_factor, load_slack
         self._index: OrderedDict[Hashable, int] = OrderedDict()
         self.affinity_hits = 0  # requests sent where their prefix was indexed
         self.overflows = 0  # requests whose indexed instance was over the bound
@@ -110,8 +113,8 @@ class PrefixAffinity(Router):
             target = member
         tracker = self.tracker
         if target >= 0:
-            bound = (1.0 + self.load_slack) * tracker.total / len(tracker.members)
-            if tracker.load[target] <= bound + self.load_margin:
+            cap = math.ceil(self.load_factor * (tracker.total + 1) / len(tracker.members))
+            if tracker.load[target] + 1 <= cap + self.load_slack:
                 self.affinity_hits += 1
             else:
                 self.overflows += 1

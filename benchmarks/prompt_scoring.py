@@ -6,8 +6,9 @@ send it: one request per choice, all of a question's choices at once). Arms, eac
 same prompts, after one warm-up question:
   prefill      max_tokens 1: what serving computes for these prompts (prefix caching shares
                the context across choices)
-  full_depth   prompt_logprobs 1: every prompt token scored at full depth (a scored prompt
-               takes no prefix-cache hit, so each choice computes its context)
+  full_depth   prompt_logprobs 1: every prompt token scored at full depth (a question's
+               choices arrive together, before any has published its pages and their
+               scores, so each computes its context)
   exit_depth   prompt_logprobs 1 + score_at_exit_depth at --threshold: scored at each
                position's exit depth (eager, position-major loops)
 Reported per arm: prompt tokens / second (wall clock, all requests of the arm), and the

@@ -33,8 +33,8 @@ def test_round_robin_cycles_whatever_the_load():
 def test_least_loaded_uses_the_larger_of_own_and_reported_load_then_kv_then_recency():
     policy = RoutingPolicy("least_loaded")
     replicas = [
-        ReplicaLoad("a", in_flight=1, running=0, waiting=0),
-        ReplicaLoad("b", in_flight=0, running=3, waiting=1),  # another router's load
+        ReplicaLoad("a", in_flight=1, ongoing=0),
+        ReplicaLoad("b", in_flight=0, ongoing=4),  # another router's load
         ReplicaLoad("c", in_flight=2),
     ]
     assert policy.decide([1], replicas).ranking == ("a", "c", "b")

@@ -12,10 +12,10 @@ Three policies:
 - `prefix_affinity`: the replica that most likely holds the longest cached prefix of the
   prompt, unless that would put it above the load bound; otherwise `least_loaded`.
 
-Load of a replica: `max(in_flight, running + waiting)`. `in_flight` counts the requests this
-router sent there that have not ended: exact and immediate, but blind to other routers (other
-ingress replicas). `running`/`waiting` are what the engine last reported (every stats period,
-so up to a period old) and cover every router. The larger of the two is the better estimate.
+Load of a replica: `max(in_flight, ongoing)`. `in_flight` counts the requests this router gave
+it that have not ended: exact and immediate, but blind to other routers (other ingress
+replicas). `ongoing` is what the replica last reported (requests it holds that have not ended,
+from every router; up to a stats period old). The larger of the two is the better estimate.
 
 Prefix-cache knowledge: the engines do not publish their cache contents, so the policy keeps,
 per replica, the block hashes of the prompts it routed there (as SGLang's router and Ray Serve
@@ -53,15 +53,14 @@ class ReplicaLoad:
     """What the policy knows about one live replica when it routes a request."""
 
     key: str  # the replica's identity (Ray's replica id); a restarted replica has a new one
-    in_flight: int = 0  # requests this router sent there that have not ended
-    running: int = 0  # engine-reported gauges, as of its last report
-    waiting: int = 0
+    in_flight: int = 0  # requests this router gave it that have not ended
+    ongoing: int = 0  # requests the replica reported holding (every router), as of its report
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
 
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.running + self.waiting)
+        return max(self.in_flight, self.ongoing)
 
     @property
     def kv_free_fraction(self) -> float:

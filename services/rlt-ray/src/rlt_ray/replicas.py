@@ -14,7 +14,7 @@ offers the ingress four calls and Ray two hooks:
   Ray replaces the replica; a replica is routed to only after its constructor returned and
   its first health check passed.
 - `record_routing_stats()` (Ray, every `request_routing_stats_period_s`): the load the router
-  reads (running, waiting, KV blocks), the prefix-cache counters, and where the replica runs
+  reads (its requests not ended, the engine's running / waiting, KV blocks), the prefix-cache counters, and where the replica runs
   (process id, Ray node id).
 
 State it owns: the engine (KV pool, prefix cache, requests). Nothing survives the process:
@@ -104,6 +104,9 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         stats = self.client.stats()
         return {
+            # requests here that have not ended, counted by this replica itself (fresh; the
+            # engine's running/waiting gauges are as of its last step and can lag when idle)
+            "ongoing": len(self.client.live_request_ids()),
             "running": stats.running_requests,
             "waiting": stats.waiting_requests,
             "kv_blocks_free": stats.kv_blocks_free,

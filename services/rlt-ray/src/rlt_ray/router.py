@@ -15,13 +15,17 @@ back to later ranks. This class only translates:
 Ray ships this class by value (cloudpickle), so this module holds no state of its own: the
 routers of a process are found through `rlt_ray.registry`.
 
-Its own state: requests in flight per replica, counted from `on_send_request` (Ray sent one)
-to `on_request_completed` (it ended: finished, failed or cancelled), and the policy's prefix
-tables. A replica that died or left (`update_replicas`) loses both.
+Its own state: which replica each request was given to (by Ray's internal request id), from
+the decision (`choose_replicas`) to `on_request_completed` (it ended: finished, failed or
+cancelled), so the policy's in-flight counts include requests chosen but not yet sent (Ray
+routes several requests concurrently: counting only sent ones would let a burst overshoot the
+load bound); and the policy's prefix tables. A replica that died or left (`update_replicas`)
+loses both.
 
-The prefix is recorded for the chosen replica when it is chosen: should that replica refuse
-the call (it is at `max_ongoing_requests`, set high so the engine's own queue decides), the
-table holds one wrong guess, which costs at most a cache miss later.
+The choice is recorded when it is made: should that replica refuse the call (it is at
+`max_ongoing_requests`, set high so the engine's own queue decides), Ray asks again and the
+request moves to the new choice; its prefix stays recorded on the first (one wrong guess,
+costing at most a cache miss later).
 
 Calls other than `generate` (model_info, stats) are ranked least loaded and not recorded.
 """
@@ -57,7 +61,8 @@ class RltRequestRouter(RequestRouter):
             load_slack=load_slack,
             max_cached_blocks=max_cached_blocks,
         )
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # requests given to each replica, not ended
+        self.assigned: dict[str, str] = {}  # Ray's internal request id -> replica key
         self.routed_total: Counter[str] = Counter()
         # the ingress of this process reads reports and switches the policy live through it
         registry.register(self._deployment_id.name, self)
@@ -77,8 +82,8 @@ class RltRequestRouter(RequestRouter):
             return [[by_key[load.key] for load in ranked]]
         decision = self.policy.decide(request.prompt_token_ids, loads)
         chosen = decision.ranking[0]
+        self._assign(pending_request.metadata.internal_request_id, chosen)
         self.policy.routed(chosen, request.prompt_token_ids)
-        self.routed_total[chosen] += 1
         rest = [by_key[key] for key in decision.ranking[1:]]
         return [[by_key[chosen]], rest] if rest else [[by_key[chosen]]]
 
@@ -88,22 +93,32 @@ class RltRequestRouter(RequestRouter):
         return ReplicaLoad(
             key,
             in_flight=self.in_flight[key],
-            running=int(stats.get("running", 0)),
-            waiting=int(stats.get("waiting", 0)),
+            ongoing=int(stats.get("ongoing", 0)),
             kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
             kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
         )
 
-    # -- Ray's lifecycle hooks ------------------------------------------------------------------
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self.in_flight[replica_id.unique_id] += 1
+    def _assign(self, request_id: str, key: str) -> None:
+        previous = self.assigned.get(request_id)
+        if previous is not None:  # asked again (the first choice refused it): move it
+            self._release(previous)
+        else:
+            self.routed_total[key] += 1
+        self.assigned[request_id] = key
+        self.in_flight[key] += 1
 
+    def _release(self, key: str) -> None:
+        if self.in_flight[key] > 1:
+            self.in_flight[key] -= 1
+        else:
+            self.in_flight.pop(key, None)
+
+    # -- Ray's lifecycle hooks ------------------------------------------------------------------
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        key = replica_id.unique_id
-        if self.in_flight[key] > 0:
-            self.in_flight[key] -= 1
+        key = self.assigned.pop(internal_request_id, None)
+        if key is not None:
+            self._release(key)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -118,6 +133,8 @@ class RltRequestRouter(RequestRouter):
 
     def _forget(self, key: str) -> None:
         self.in_flight.pop(key, None)
+        for request_id in [r for r, k in self.assigned.items() if k == key]:
+            del self.assigned[request_id]
         self.policy.forget(key)
 
     def report(self) -> dict:

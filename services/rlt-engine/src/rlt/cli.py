@@ -1,6 +1,6 @@
 """The `rlt` command: `rlt generate PROMPT ...`, `rlt serve [MODEL_DIR]`, `rlt bench serve`,
 `rlt pd serve` (the PD coordinator, rlt_pd_coordinator.cli) and `rlt ray serve` (Ray Serve,
-rlt_ray.cli, imported only when asked for: rlt does not depend on Ray)."""
+rlt_ray.cli, found through the `rlt.commands` entry point: rlt does not depend on Ray)."""
 
 from __future__ import annotations
 
@@ -485,6 +485,21 @@ def _enable_stack_dumps() -> None:
         pass  # no SIGUSR1 (Windows) or a stderr without a file descriptor (captured output)
 
 
+def _plugin_command(name: str, argv: list[str]) -> int:
+    """`rlt NAME ...` provided by another distribution through the `rlt.commands` entry point
+    group (rlt-ray's `ray`): rlt cannot depend on it, since it depends on rlt."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="rlt.commands", name=name))
+    if not found:
+        print(
+            f"rlt: error: `rlt {name}` is provided by rlt-{name}, which is not installed",
+            file=sys.stderr,
+        )
+        return 2
+    return found[0].load()(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _enable_stack_dumps()
@@ -492,15 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlt_pd_coordinator.cli import main as pd_main
 
         return pd_main(argv[1:])
-    if argv[:1] == ["ray"]:  # Ray Serve (services/rlt-ray), an optional distribution
-        try:
-            from rlt_ray.cli import main as ray_main
-        except ImportError as exc:
-            print(
-                f"rlt: error: `rlt ray` needs the rlt-ray package and Ray ({exc})", file=sys.stderr
-            )
-            return 2
-        return ray_main(argv[1:])
+    if argv[:1] == ["ray"]:  # Ray Serve: the optional rlt-ray distribution's plug-in
+        return _plugin_command("ray", argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +156,7 @@ class RoutingPolicy:
         self.affinity_hits = 0  # decisions that followed a cached prefix
         self.bounded = 0  # decisions where the best prefix replica was over the bound
         self.max_load_ratio = 0.0  # largest load_after / cap seen (<= 1 by construction)
+        self.recent: deque[tuple] = deque(maxlen=16)  # (reason, chosen, loads seen, cap)
 
     def set_policy(self, policy: str) -> None:
         """Switch policy live (the prefix tables are kept, so switching back resumes them)."""
@@ -214,6 +215,7 @@ class RoutingPolicy:
             self.bounded += 1
         if cap:
             self.max_load_ratio = max(self.max_load_ratio, load_after / cap)
+        self.recent.append((reason, chosen.key, tuple(r.load for r in ranking), cap))
         return Decision(tuple(r.key for r in ranking), reason, matched, load_after, cap)
 
     def _load_key(self, replica: ReplicaLoad):
@@ -266,4 +268,5 @@ class RoutingPolicy:
             "bounded": self.bounded,
             "max_load_ratio": self.max_load_ratio,
             "cached_blocks": {k: len(t.blocks) for k, t in self._tables.items()},
+            "recent": list(self.recent),
         }

@@ -14,8 +14,8 @@ offers the ingress four calls and Ray two hooks:
   Ray replaces the replica; a replica is routed to only after its constructor returned and
   its first health check passed.
 - `record_routing_stats()` (Ray, every `request_routing_stats_period_s`): the load the router
-  reads (its requests not ended, the engine's running / waiting, KV blocks), the prefix-cache counters, and where the replica runs
-  (process id, Ray node id).
+  reads (its requests not ended, the engine's running / waiting, KV blocks), the prefix-cache
+  counters, and where the replica runs (process id, Ray node id).
 
 State it owns: the engine (KV pool, prefix cache, requests). Nothing survives the process:
 a replica that Ray restarts starts with an empty cache and no requests.

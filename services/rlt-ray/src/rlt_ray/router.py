@@ -15,17 +15,17 @@ back to later ranks. This class only translates:
 Ray ships this class by value (cloudpickle), so this module holds no state of its own: the
 routers of a process are found through `rlt_ray.registry`.
 
-Its own state: which replica each request was given to (by Ray's internal request id), from
-the decision (`choose_replicas`) to `on_request_completed` (it ended: finished, failed or
-cancelled), so the policy's in-flight counts include requests chosen but not yet sent (Ray
-routes several requests concurrently: counting only sent ones would let a burst overshoot the
-load bound); and the policy's prefix tables. A replica that died or left (`update_replicas`)
-loses both.
+Its own state: requests in flight per replica, counted from Ray's `on_send_request` (one was
+sent there) to `on_request_completed` (it ended: finished, failed or cancelled); reservations,
+one per decision not yet followed by its send (Ray routes several requests concurrently and
+may probe queue lengths between deciding and sending: without them a burst would be decided
+against counts that miss its own earlier requests); and the policy's prefix tables. A send
+consumes the oldest reservation on its replica; a reservation never consumed (the replica
+refused, Ray sent the request elsewhere) expires after `RESERVATION_S`. A replica that died
+or left (`update_replicas`) loses all of it.
 
-The choice is recorded when it is made: should that replica refuse the call (it is at
-`max_ongoing_requests`, set high so the engine's own queue decides), Ray asks again and the
-request moves to the new choice; its prefix stays recorded on the first (one wrong guess,
-costing at most a cache miss later).
+The prefix is recorded when the choice is made: should the request end up elsewhere, the
+table holds one wrong guess, costing at most a cache miss later.
 
 Calls other than `generate` (model_info, stats) are ranked least loaded and not recorded.
 """
@@ -33,7 +33,8 @@ Calls other than `generate` (model_info, stats) are ranked least loaded and not 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from rlt_contracts import EngineRequest
@@ -42,6 +43,8 @@ from rlt_ray import registry
 from rlt_ray.policy import ReplicaLoad, RoutingPolicy
 
 logger = logging.getLogger(__name__)
+
+RESERVATION_S = 2.0
 
 
 class RltRequestRouter(RequestRouter):
@@ -61,8 +64,8 @@ class RltRequestRouter(RequestRouter):
             load_slack=load_slack,
             max_cached_blocks=max_cached_blocks,
         )
-        self.in_flight: Counter[str] = Counter()  # requests given to each replica, not ended
-        self.assigned: dict[str, str] = {}  # Ray's internal request id -> replica key
+        self.in_flight: Counter[str] = Counter()  # requests sent to each replica, not ended
+        self.reserved: dict[str, deque[float]] = {}  # decisions not yet sent: their times
         self.routed_total: Counter[str] = Counter()
         # the ingress of this process reads reports and switches the policy live through it
         registry.register(self._deployment_id.name, self)
@@ -82,7 +85,8 @@ class RltRequestRouter(RequestRouter):
             return [[by_key[load.key] for load in ranked]]
         decision = self.policy.decide(request.prompt_token_ids, loads)
         chosen = decision.ranking[0]
-        self._assign(pending_request.metadata.internal_request_id, chosen)
+        self.reserved.setdefault(chosen, deque()).append(time.monotonic())
+        self.routed_total[chosen] += 1
         self.policy.routed(chosen, request.prompt_token_ids)
         rest = [by_key[key] for key in decision.ranking[1:]]
         return [[by_key[chosen]], rest] if rest else [[by_key[chosen]]]
@@ -92,33 +96,37 @@ class RltRequestRouter(RequestRouter):
         stats = replica.routing_stats or {}
         return ReplicaLoad(
             key,
-            in_flight=self.in_flight[key],
+            in_flight=self.in_flight[key] + self._reservations(key),
             ongoing=int(stats.get("ongoing", 0)),
             kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
             kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
         )
 
-    def _assign(self, request_id: str, key: str) -> None:
-        previous = self.assigned.get(request_id)
-        if previous is not None:  # asked again (the first choice refused it): move it
-            self._release(previous)
-        else:
-            self.routed_total[key] += 1
-        self.assigned[request_id] = key
-        self.in_flight[key] += 1
+    def _reservations(self, key: str) -> int:
+        pending = self.reserved.get(key)
+        if not pending:
+            return 0
+        horizon = time.monotonic() - RESERVATION_S
+        while pending and pending[0] < horizon:
+            pending.popleft()
+        return len(pending)
 
-    def _release(self, key: str) -> None:
+    # -- Ray's lifecycle hooks ------------------------------------------------------------------
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        key = replica_id.unique_id
+        self.in_flight[key] += 1
+        pending = self.reserved.get(key)
+        if pending:
+            pending.popleft()
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        key = replica_id.unique_id
         if self.in_flight[key] > 1:
             self.in_flight[key] -= 1
         else:
             self.in_flight.pop(key, None)
-
-    # -- Ray's lifecycle hooks ------------------------------------------------------------------
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        super().on_request_completed(replica_id, internal_request_id)
-        key = self.assigned.pop(internal_request_id, None)
-        if key is not None:
-            self._release(key)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -127,14 +135,13 @@ class RltRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
-        for key in [k for k in self.in_flight if k not in live]:
+        for key in [k for k in {*self.in_flight, *self.reserved} if k not in live]:
             self._forget(key)
         self.policy.forget_except(live)
 
     def _forget(self, key: str) -> None:
         self.in_flight.pop(key, None)
-        for request_id in [r for r, k in self.assigned.items() if k == key]:
-            del self.assigned[request_id]
+        self.reserved.pop(key, None)
         self.policy.forget(key)
 
     def report(self) -> dict:
@@ -144,7 +151,7 @@ class RltRequestRouter(RequestRouter):
         for replica in list(self.curr_replicas.values()):
             key = replica.replica_id.unique_id
             replicas[key] = {
-                "in_flight": self.in_flight[key],
+                "in_flight": self.in_flight[key] + self._reservations(key),
                 "routed": self.routed_total[key],
                 "routing_stats": dict(replica.routing_stats or {}),
                 "cached_blocks": self.policy.cached_blocks(key),

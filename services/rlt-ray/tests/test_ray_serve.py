@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import random
 import signal
@@ -303,18 +302,23 @@ def test_prefix_affinity_raises_hit_rate_over_round_robin_within_the_load_bound(
     # affinity on one (1 of 4): about 0.46 vs 0.69 of the queried tokens
     assert rates["prefix_affinity"] >= rates["round_robin"] + 0.15, rates
 
-    # a burst of 8 concurrent requests on one hot prefix: affinity would put all 8 on one
-    # replica; the bound keeps it at ceil(1.25 * 8 / 2) + 1 = 6
-    report = fleet.report()
-    bound = math.ceil(report["load_factor"] * 8 / 2) + report["load_slack"]
+    # a burst of 8 requests on one hot prefix, sent at once: affinity alone would put all 8 on
+    # one replica; every decision must respect the bound, ceil(1.25 * T / 2) + 1 with T the
+    # load the router saw plus the request. (How many overlap at the router depends on the
+    # machine: on a starved CPU the first ones may finish before the last are routed, so the
+    # per-replica split is printed, and the decisions are what is checked.)
     before = _prefix_counters(fleet)
     hot = _trace(99, groups=1, per_group=8, prefix_len=96, suffix_len=8)
     _run_trace(fleet, hot, concurrency=8, max_tokens=160, gap_s=0, ignore_eos=True)
     served = sorted(d[2] for d in _delta(before, _prefix_counters(fleet)).values())
     report = fleet.report()
-    print(f"hot burst: requests per replica {served}, bound {bound}; {report}")
-    assert sum(served) == 8 and served[-1] <= bound, (served, report)
-    assert report["bounded"] > 0 and report["max_load_ratio"] <= 1.0, report
+    burst = report["recent"][-8:]
+    print(f"hot burst: requests per replica {served}; decisions {burst}")
+    assert sum(served) == 8
+    for reason, chosen, loads, cap in burst:
+        assert loads[0] + 1 <= cap, (reason, chosen, loads, cap)  # ranking[0] is the choice
+        assert reason in ("prefix", "bound", "no_match"), burst
+    assert report["max_load_ratio"] <= 1.0, report
 
 
 # -- (c) ----------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 # starlette, opentelemetry-api, pydantic, pydantic-core, annotated-types, typing-inspection,
 # uvicorn, openai, httpx2, httpcore2, truststore, jiter, sniffio, anyio, typing-extensions,
 # xgrammar, apache-tvm-ffi, pyzmq; `bash benchmarks/fetch_device_wheels.sh` downloads them), and
-# .whlpd for `pd` (benchmarks/repack_nixl_wheel.py). Results
+# .whlpd for `pd` (benchmarks/repack_nixl_wheel.py), .whlray for `ray-serve` (`bash
+# benchmarks/fetch_device_wheels.sh ray`: ray repacked slim and what Ray Serve needs). Results
 # land in $OUT. One mode per call (each fits a 10-minute device command):
 #   bash benchmarks/h200_run.sh fp8-kv             split-KV kernel tests, the product-order sweep
 #                                                  (fp8_kv_attention_sweep.py --orders keys),
@@ -58,6 +59,13 @@
 #                                                  (--prefill-step-decode-ticks auto), delay
 #                                                  (--scheduler-delay-factor 0.5); extra ARGS go
 #                                                  to benchmarks/served_vs_offline.py
+#   bash benchmarks/h200_run.sh ray-serve [ARGS...]  issue 24: `rlt ray serve --replicas 1` (one GPU
+#                                                  replica) against `rlt serve`, the same `rlt
+#                                                  bench serve` runs: 1,024 in / 128 out, C = 32
+#                                                  (128 requests) and 128 (384), twice each,
+#                                                  B / A per C (benchmarks/ray_vs_serve.py ARGS,
+#                                                  ~6 min; --arms serve,ray,serve re-runs A);
+#                                                  carry .whl and .whlray
 #   bash benchmarks/h200_run.sh scoring          issue 25: prompt-scoring throughput (full depth, exit
 #                                                  depth) against plain prefill, Ouro-1.4B shape
 #                                                  (benchmarks/prompt_scoring.py ARGS)
@@ -79,7 +87,7 @@ set -uo pipefail
 mode=${1:-table}
 shift || true
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl $(ls .whlpd/*.whl 2>/dev/null) || exit 1
+  .whl/*.whl $(ls .whlpd/*.whl .whlray/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src "$PWD"/services/*/src | paste -sd:) PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -205,6 +213,24 @@ case "$mode" in
     python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_ab.json" \
       --points 32:64,128:256 --burst 384 --arms "$arms" "$@" 2>&1 \
       | tee "$OUT/served_ab.log" | tail -8 ;;
+  ray-serve)
+    ckdir=/tmp/rlt-bench-checkpoints
+    export PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0
+    python3 -c "import ray, grpc, google.protobuf as p, aiohttp; print('ray', ray.__version__,
+      'grpcio', grpc.__version__, 'protobuf', p.__version__, 'aiohttp', aiohttp.__version__)" || exit 1
+    mkdir -p "$OUT/logs"
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir $ckdir \
+      --device cuda --dtype bfloat16 --write-checkpoint-only >"$OUT/logs/checkpoint.log" 2>&1 \
+      || { tail -20 "$OUT/logs/checkpoint.log"; exit 1; }
+    timeout ${RAY_SERVE_S:-420} python3 benchmarks/ray_vs_serve.py $ckdir/ouro-1.4b \
+      --device cuda --out "$OUT/ray_vs_serve.json" --log-dir "$OUT/logs" "$@" 2>&1 \
+      | tee "$OUT/ray_vs_serve.log"
+    rc=${PIPESTATUS[0]}
+    ray stop --force >/dev/null 2>&1  # whatever Ray left on this machine
+    (cd /tmp/ray/session_latest/logs 2>/dev/null && grep -h "Error\|cannot be loaded" *.err *.log \
+      2>/dev/null | grep -v "_head\b" | sort | uniq -c | sort -rn | head -20) >"$OUT/logs/ray_errors.txt"
+    tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
+    exit $rc ;;
   scoring)
     python3 benchmarks/prompt_scoring.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --out "$OUT/prompt_scoring.json" "$@" 2>&1 | tee "$OUT/prompt_scoring.log" | tail -5 ;;
@@ -264,6 +290,6 @@ case "$mode" in
   flash-attn)
     bash benchmarks/build_flash_attn.sh "$@" ;;
   *)
-    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd|flash-attn [args]" >&2
+    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd|ray-serve|flash-attn [args]" >&2
     exit 2 ;;
 esac

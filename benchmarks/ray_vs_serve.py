@@ -96,8 +96,10 @@ class Server:
 
     def __init__(self, args, arm: str) -> None:
         self.arm, self.port, self.stop_timeout = arm, free_port(), args.stop_timeout
-        command = [sys.executable, "-m", "rlt.cli"]
-        command += ["ray", "serve"] if arm == "ray" else ["serve"]
+        # `python -m rlt_ray` is `rlt ray`: rlt finds that command through rlt-ray's entry
+        # point, which needs rlt-ray installed (the GPU machine runs the sources on PYTHONPATH)
+        command = [sys.executable, "-m"]
+        command += ["rlt_ray", "serve"] if arm == "ray" else ["rlt.cli", "serve"]
         command += [args.model, "--port", str(self.port), "--dtype", args.dtype]
         command += ["--exit-threshold", "1.0", "--log-level", args.log_level]
         command += ["--served-model-name", "bench"]

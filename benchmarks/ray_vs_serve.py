@@ -30,7 +30,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,42 +38,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from server_processes import cpu_seconds, family, free_port
+
 FIGURES = ["output_throughput", "completed", "duration"] + [
     f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def family(pid: int) -> list[int]:
-    """pid and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                children.setdefault(int(stat[1]), []).append(int(entry.name))
-            except (OSError, IndexError):
-                pass
-    found, todo = [pid], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def gpu_processes() -> list[str]:

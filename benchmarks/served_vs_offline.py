@@ -30,17 +30,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from server_processes import cpu_seconds, family, free_port
 
 
 def offline(args, results: dict, options: dict | None = None) -> None:
@@ -96,34 +94,6 @@ def _drive(engine, prompts, params, concurrency: int) -> int:
     return tokens
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def family(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                children.setdefault(int(stat[1]), []).append(int(entry.name))
-            except (OSError, IndexError):
-                pass
-    found, todo = [pid], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 class Served:
     def __init__(self, args, *flags: str, options: dict | None = None) -> None:
         """`rlt serve` with --engine-json's options, then `options` (an arm's) on top."""
@@ -162,12 +132,14 @@ class Served:
         pids = family(self.process.pid)
         before = {p: cpu_seconds(p) for p in pids}
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        after = {p: cpu_seconds(p) for p in pids if Path(f"/proc/{p}").exists()}
+        after = {p: cpu_seconds(p) for p in pids}
         result = json.loads((out / "r.json").read_text())
         keys = ["output_throughput", "completed", "duration"]
         keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
         summary = {k: result.get(k) for k in keys}
-        summary["cpu_s"] = {str(p): after[p] - before[p] for p in after}
+        summary["cpu_s"] = {
+            str(p): after[p] - before[p] for p in pids if None not in (before[p], after[p])
+        }
         return summary
 
     def stop(self) -> str:

@@ -103,37 +103,23 @@ def metrics(base: str) -> dict[str, float]:
     return found
 
 
-def rlt_completions(depths: list[tuple[int, list[int]]]):
-    """`rlt-completions` (docs/evaluation.md) that also keeps (ctxlen, prompt_exit_depths) of
-    every scoring response in `depths`."""
+def rlt_completions_with_depths(depths: list[tuple[int, list[int]]]) -> str:
+    """Registers `rlt-completions-depths`: `rlt-completions` (rlt_lm_eval.py) that also keeps
+    (ctxlen, prompt_exit_depths) of every scoring response in `depths`; returns its name."""
     from lm_eval.api.registry import register_model
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from rlt_lm_eval import RltCompletions
 
-    @register_model("rlt-completions")
-    class RltCompletions(LocalCompletionsAPI):
-        def __init__(self, exit_threshold=None, min_loops=None, max_loops=None, **kwargs):
-            super().__init__(**kwargs)
-            loops = dict(exit_threshold=exit_threshold, min_loops=min_loops, max_loops=max_loops)
-            self.loop_fields = {k: v for k, v in loops.items() if v is not None}
-
-        def _create_payload(self, messages, generate=False, gen_kwargs=None, **kwargs):
-            payload = super()._create_payload(
-                messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs
-            )
-            payload.update(self.loop_fields)
-            if not generate:
-                payload["score_at_exit_depth"] = True
-            return payload
-
+    @register_model("rlt-completions-depths")
+    class RltCompletionsWithDepths(RltCompletions):
         def parse_logprobs(self, outputs, tokens=None, ctxlens=None, **kwargs):
             for output in outputs if isinstance(outputs, list) else [outputs]:
                 for choice, ctxlen in zip(
                     sorted(output["choices"], key=lambda c: c["index"]), ctxlens, strict=False
                 ):
                     depths.append((ctxlen, choice["logprobs"]["prompt_exit_depths"]))
-            return LocalCompletionsAPI.parse_logprobs(outputs, tokens, ctxlens, **kwargs)
+            return RltCompletions.parse_logprobs(outputs, tokens, ctxlens, **kwargs)
 
-    return RltCompletions
+    return "rlt-completions-depths"
 
 
 def main() -> None:
@@ -185,7 +171,7 @@ def run_settings(args, base: str, tokenizer: str) -> dict:
     from lm_eval.tasks import TaskManager
 
     depths: list[tuple[int, list[int]]] = []
-    rlt_completions(depths)
+    with_depths = rlt_completions_with_depths(depths)
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False)
     config = json.loads((Path(tokenizer) / "config.json").read_text())
     loops = config["total_ut_steps"]
@@ -202,7 +188,7 @@ def run_settings(args, base: str, tokenizer: str) -> dict:
     settings = {"full depth": ("local-completions", {})}
     for threshold in args.thresholds.split(","):
         settings[f"threshold {float(threshold)}"] = (
-            "rlt-completions",
+            with_depths,
             {"exit_threshold": float(threshold), "min_loops": 1},
         )
     items = sum(1 for _ in DATA.open())

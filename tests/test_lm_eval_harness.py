@@ -13,17 +13,18 @@ server's greedy chat completion of the messages the harness sent, also with rlt'
 passed as generation kwargs; a loglikelihood task is refused by the harness itself (0.4.13's
 chat model has no loglikelihood), before any request.
 
-Exit-depth scoring goes through `rlt-completions`, a subclass registered here that adds rlt's
-loop fields (`exit_threshold`, `min_loops`) to every request and `score_at_exit_depth: true` to
-the loglikelihood ones (the recipe of docs/evaluation.md); its loglikelihoods equal the
+Exit-depth scoring goes through `rlt-completions` (benchmarks/rlt_lm_eval.py, the script
+docs/evaluation.md runs), which adds rlt's loop fields (`exit_threshold`, `min_loops`) to every
+request and `score_at_exit_depth: true` to the loglikelihood ones; its loglikelihoods equal the
 server's exit-depth scoring of the same texts, and differ from the full-depth ones.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from serving_harness import run_server
@@ -101,31 +102,11 @@ def write_tasks(root) -> None:
     )
 
 
-@functools.cache
 def rlt_completions_model():
-    """`rlt-completions`: local-completions plus rlt's loop fields (model args
-    `exit_threshold`, `min_loops`, `max_loops`) on every request and `score_at_exit_depth`
-    on loglikelihood requests. Registered once per process."""
-    from lm_eval.api.registry import register_model
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-
-    @register_model("rlt-completions")
-    class RltCompletions(LocalCompletionsAPI):
-        def __init__(self, exit_threshold=None, min_loops=None, max_loops=None, **kwargs):
-            super().__init__(**kwargs)
-            loops = dict(exit_threshold=exit_threshold, min_loops=min_loops, max_loops=max_loops)
-            self.loop_fields = {k: v for k, v in loops.items() if v is not None}
-
-        def _create_payload(self, messages, generate=False, gen_kwargs=None, **kwargs):
-            payload = super()._create_payload(
-                messages, generate=generate, gen_kwargs=gen_kwargs, **kwargs
-            )
-            payload.update(self.loop_fields)
-            if not generate:  # loglikelihood and loglikelihood_rolling requests
-                payload["score_at_exit_depth"] = True
-            return payload
-
-    return RltCompletions
+    """Registers `rlt-completions` (benchmarks/rlt_lm_eval.py, the script docs/evaluation.md
+    runs) by importing it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import rlt_lm_eval  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DECODE_GROUPS = [(1, 1), (1, 2), (1, 17), (1, 40), (1, 100), (0, 0), (1, 33)]
 
 
+def assert_same_cache(case, other) -> None:
+    """Both cases' caches hold exactly the same values (NaN where nothing was written)."""
+    for name in ("key_cache", "value_cache"):
+        torch.testing.assert_close(
+            getattr(case.kv_cache, name),
+            getattr(other.kv_cache, name),
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+        )
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """Records which read kernel each layer call launched ("split" with its config, or "tiled")."""
@@ -89,14 +101,7 @@ def test_split_decode_matches_torch_backend_and_reference(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(triton_case), rtol=1e-5, atol=1e-5)
     # Same cache writes as the torch backend (stored by the split kernel itself).
-    for name in ("key_cache", "value_cache"):
-        torch.testing.assert_close(
-            getattr(triton_case.kv_cache, name),
-            getattr(torch_case.kv_cache, name),
-            rtol=0,
-            atol=0,
-            equal_nan=True,
-        )
+    assert_same_cache(triton_case, torch_case)
 
 
 @pytest.mark.parametrize("fusion", ["fused_decode", "store_in_split"])
@@ -118,14 +123,7 @@ def test_unfused_decode_store_and_combine_agree(paged_case, launches, monkeypatc
     plain = plain_case.run(TritonPagedAttention(num_splits=3, block_n=16))
     assert stores == [1]
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
-    for name in ("key_cache", "value_cache"):
-        torch.testing.assert_close(
-            getattr(fused_case.kv_cache, name),
-            getattr(plain_case.kv_cache, name),
-            rtol=0,
-            atol=0,
-            equal_nan=True,
-        )
+    assert_same_cache(fused_case, plain_case)
 
 
 def test_split_counts_agree(paged_case):
@@ -371,11 +369,4 @@ def test_keys_as_rows_products_match_the_torch_backend(
     expected = torch_case.run(TorchPagedAttention())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
-    for name in ("key_cache", "value_cache"):
-        torch.testing.assert_close(
-            getattr(case.kv_cache, name),
-            getattr(torch_case.kv_cache, name),
-            rtol=0,
-            atol=0,
-            equal_nan=True,
-        )
+    assert_same_cache(case, torch_case)

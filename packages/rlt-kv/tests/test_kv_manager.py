@@ -184,6 +184,26 @@ def test_salted_pages_are_found_only_under_their_salt():
     kv.free(ident("exit"))
 
 
+def test_page_keys_name_the_pages_publication_and_lookup_use():
+    """`page_keys`: the publishable pages' keys under a salt, so prompts that share k pages
+    share k keys (the scheduler compares them to wait for pages being computed)."""
+    kv = KVCacheManager(num_blocks=64, block_size=2, num_planes=2, enable_prefix_caching=True)
+    prompt = (1, 2, 3, 4, 5, 6)  # publishable: pages [1,2] [3,4] (6 is the final token's page)
+    keys = kv.page_keys(prompt)
+    assert len(keys) == 2 and kv.page_keys(prompt[:5] + (9,)) == keys
+    other = kv.page_keys((1, 2, 7, 4, 5, 6))
+    assert other[0] == keys[0] and other[1] != keys[1]
+    assert kv.page_keys((9, 2, 3, 4, 5, 6))[1] != keys[1]  # chained: page 0 differs
+    salted = kv.page_keys(prompt, salt=b"rule")
+    assert len(salted) == 2 and not set(salted) & set(keys)
+    kv.allocate(ident("a"), 6, prompt_length=6)
+    kv.publish_prefix(ident("a"), prompt, 6, salt=b"rule")
+    assert kv.match_prefix(prompt, salt=b"rule").keys == salted
+    kv.free(ident("a"))
+    plain = KVCacheManager(num_blocks=64, block_size=2, num_planes=2)
+    assert plain.page_keys(prompt) == ()
+
+
 def test_score_records_go_with_their_page_and_within_their_byte_bound():
     # 2 positions x (8 + 4 + 1 x (4 + 8)) bytes = 48 bytes per top-1 record
     kv = KVCacheManager(

@@ -25,10 +25,12 @@ def test_manager_has_every_port_member_with_the_declared_parameters():
     assert port_members() == sorted(
         [
             "num_blocks",
+            "block_size",
             "capacity",
             "blocks_for",
             "held_blocks",
             "allocated_tokens",
+            "page_keys",
             "match_prefix",
             "allocate",
             "grow",

@@ -39,6 +39,9 @@ class CountingKV:
     def allocated_tokens(self, identity) -> int:
         return self.pages.get(identity, 0) * self.block_size
 
+    def page_keys(self, prompt, *, salt=b""):
+        return ()  # no prefix cache
+
     def match_prefix(self, prompt, *, salt=b"", score_top_n=None):
         return NO_PREFIX
 

@@ -158,6 +158,7 @@ class KVPort(Protocol):
     """
 
     num_blocks: int  # blocks in the pool
+    block_size: int  # token positions per block (and per prefix-cache page)
 
     def capacity(self) -> KVCapacity: ...
 
@@ -169,6 +170,13 @@ class KVPort(Protocol):
 
     def allocated_tokens(self, identity: ExecutionIdentity) -> int:
         """Positions [0, n) the request's blocks can hold (0 if it holds none)."""
+        ...
+
+    def page_keys(self, prompt_token_ids: Sequence[int], *, salt: bytes = b"") -> tuple[bytes, ...]:
+        """Chained content keys of the prompt's publishable full pages (those inside
+        `prompt_token_ids[:-1]`) under `salt` (pure; () without a prefix cache): the keys its
+        pages are published and looked up by, so two prompts share their first k pages iff
+        their first k keys are equal. Opaque outside rlt-kv except for equality (0.1.12)."""
         ...
 
     def match_prefix(

@@ -105,6 +105,16 @@ class KVCacheManager:
         return tuple(tuple(table) for table in self._allocations[identity].tables)
 
     # -- prefix lookup -------------------------------------------------------------------------
+    def page_keys(self, prompt_token_ids: Sequence[int], *, salt: bytes = b"") -> tuple[bytes, ...]:
+        """Chained keys of the prompt's publishable full pages (those inside
+        `prompt_token_ids[:-1]`) under `salt`: the keys `publish_prefix` publishes them under
+        and `match_prefix` looks them up by (pure; () without a prefix cache). Two prompts
+        share their first k pages under a salt iff their first k keys are equal."""
+        if self._prefix is None:
+            return ()
+        num_pages = cacheable_pages(len(prompt_token_ids), len(prompt_token_ids), self.block_size)
+        return tuple(page_keys(prompt_token_ids, self.block_size, num_pages, salt=salt))
+
     def match_prefix(
         self,
         prompt_token_ids: Sequence[int],

@@ -9,6 +9,10 @@ Two operations, in `Scheduler.schedule`'s order:
   most `admission_scan_limit` are examined, and once a deferred request has been passed
   `max_admission_bypasses` times nobody passes it any more (no starvation).
 
+Both skip a request that waits for leading pages a running request is computing
+(`prefix_waits.py`): it is neither examined nor passed over, so it never holds up the requests
+behind it, and it is admitted in its turn once those pages are read back.
+
 A request is admitted when its budget fits (`admission.plan_admission`): a preempted one
 resumes (`suspension.resume`), a new one gets its first blocks, joins the running list
 (`admission.start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
@@ -26,7 +30,7 @@ from collections.abc import Callable
 
 from rlt_contracts import NO_PREFIX, AdmissionPlan, KVPort, PrefixMatch
 
-from rlt_scheduler import scored_prefix, siblings, suspension
+from rlt_scheduler import prefix_waits, scored_prefix, suspension
 from rlt_scheduler.admission import (
     RunningGrowth,
     headroom_blocks,
@@ -72,7 +76,7 @@ class Admitter:
         one arrival."""
         if not (self.config.enable_preemption and self.config.policy is SchedulingPolicy.PRIORITY):
             return
-        head = next((r for r in self.queues.waiting if not self.waits_for_sibling(r)), None)
+        head = next((r for r in self.queues.waiting if not self.waits_for_prefix(r)), None)
         if head is None:
             return
         prefix = self._prefix_of(head)
@@ -100,9 +104,10 @@ class Admitter:
                 return
             if self.queues.occupied_slots >= config.max_num_seqs:
                 return
-            if self.waits_for_sibling(request):
-                # Neither passed over nor scanned: it waits for its sibling's prompt, not for
-                # room, so the n - 1 siblings of a large n never hide later requests.
+            if self.waits_for_prefix(request):
+                # Neither passed over nor scanned: it waits for pages a running request is
+                # computing, not for room, so the n - 1 siblings of a large n or the other
+                # choices of a question never hide later requests.
                 continue
             scanned += 1
             if growth is None:
@@ -128,7 +133,7 @@ class Admitter:
         blocked one is still admitted by `admit`, in a longer step."""
         if self.queues.occupied_slots >= self.config.max_num_seqs:
             return False
-        head = next((r for r in self.queues.waiting if not self.waits_for_sibling(r)), None)
+        head = next((r for r in self.queues.waiting if not self.waits_for_prefix(r)), None)
         if head is None:
             return False
         growth = running_growth(self.config, self.kv, self.queues.running)
@@ -150,10 +155,11 @@ class Admitter:
             return NO_PREFIX
         return scored_prefix.match(self.kv, request)
 
-    def waits_for_sibling(self, request: ScheduledRequest) -> bool:
-        """`request` waits for a running sibling's prompt (`siblings.waits_for_sibling`)."""
-        return siblings.waits_for_sibling(
-            request, self.queues.running, prefix_caching=self.prefix_caching
+    def waits_for_prefix(self, request: ScheduledRequest) -> bool:
+        """`request` waits for leading pages a running request is computing and has not read
+        back yet (`prefix_waits.waits_for_prefix`)."""
+        return prefix_waits.waits_for_prefix(
+            self.kv, request, self.queues.running, prefix_caching=self.prefix_caching
         )
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
@@ -193,8 +199,6 @@ class Admitter:
         )
         if updates is None:
             return False
-        # The first of its group to run computes the prompt for all (siblings.py).
-        request.computes_group_prompt = siblings.computes_group_prompt(request, queues.running)
         queues.waiting.remove(request)
         queues.running.append(request)
         start_admitted(request, prefix, updates, step, scheduled_time=clock())

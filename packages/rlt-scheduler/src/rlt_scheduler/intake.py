@@ -99,6 +99,5 @@ def build_scheduled_request(
         arrival_index=generation,
         queued_time=queued_time,
         kv_transfer=new.kv_transfer,
-        sibling_group=new.sibling_group,
         constraint=constraint,
     )

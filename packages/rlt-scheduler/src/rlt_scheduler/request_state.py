@@ -66,7 +66,6 @@ class ScheduledRequest:
     delivered_tokens: int = 0  # outputs already reported in a delta
     kv_transfer: KVTransferParams | None = None  # PD role of this request, if any
     kv_landed: bool = False  # PD decode: the handoff completed; starts at the next step
-    sibling_group: str | None = None  # requests sharing this prompt (EngineRequest.sibling_group)
     # structured output: the grammar matcher, which has consumed exactly the outputs recorded
     # so far; `mask_sent`: the mask of the next output is on the device (its token may come in
     # a step in flight), so the next mask waits until that token is read back; `mask_ticks`:
@@ -74,7 +73,8 @@ class ScheduledRequest:
     constraint: TokenConstraint | None = None
     mask_sent: bool = False
     mask_ticks: int = 0
-    computes_group_prompt: bool = False  # admitted while no sibling ran: its pages are the group's
+    # chained keys of the prompt's publishable pages under its salt (prefix_waits.page_keys)
+    prompt_page_keys: tuple[bytes, ...] | None = None
     # lifecycle timestamps (host time.monotonic(); see rlt_contracts.RequestTimings)
     queued_time: float = 0.0  # accepted by add_request
     scheduled_time: float | None = None  # first admitted

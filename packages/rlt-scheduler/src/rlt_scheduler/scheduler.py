@@ -25,9 +25,10 @@ step-building order, and keeps the one cleanup path (`_finish`). It composes: `i
 (waiting room, request state), `step_building.py` (`StepPlanner`: decode rows, prompt chunks,
 PD remote starts and KV growth), `admitting.py` (`Admitter`: priority preemption and the
 bounded-bypass admission loop, budgets from `admission.py`), `suspension.py` (preemption and
-resumption), `constrained.py` (structured-output masks), `siblings.py` (a sibling group computes
-its prompt once), `pd_stages.py` (PD handoff stages and held blocks), `in_flight.py` (steps not
-yet applied) and `outputs.py` (applying prompt progress and tokens).
+resumption), `constrained.py` (structured-output masks), `prefix_waits.py` (a waiting request
+waits for leading pages a running request is computing, so they are computed once),
+`pd_stages.py` (PD handoff stages and held blocks), `in_flight.py` (steps not yet applied) and
+`outputs.py` (applying prompt progress and tokens).
 
 Each request records when it was queued (add_request), first admitted (schedule) and when the
 results holding its first and latest tokens were applied (update_from_output), on the host's
@@ -90,7 +91,8 @@ class Scheduler:
         constraint_compiler: ConstraintCompiler | None = None,
     ) -> None:
         """`prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
-        its KV manager's setting); only then do siblings wait for one another's prompt.
+        its KV manager's setting); only then does a waiting request wait for pages a running
+        request is computing (prefix_waits.py).
         `constraint_compiler`: builds the matchers of structured-output requests (None: such
         requests are rejected)."""
         self.config = config

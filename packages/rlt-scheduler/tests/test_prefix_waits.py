@@ -1,7 +1,11 @@
-"""Siblings (`EngineRequest.sibling_group`, e.g. the n choices of one prompt) compute their
-prompt once with a prefix cache: one is admitted, the others wait until its prompt pages are
-published (read back, R18), then start after the reused pages. Without a prefix cache they run
-as independent requests."""
+"""Prefix waits (`prefix_waits.py`): with a prefix cache, a waiting request whose leading pages
+a running request is computing waits until they are read back (R18) and is then admitted with
+the prefix-cache hit (their score records too, for a scored prompt): the n choices of one
+prompt (`EngineRequest.sibling_group`) and the choices of a question submitted together compute
+the shared part once. Only for a substantial share (at least half of the waiting prompt) that
+the computing request's pages serve (salt, alternatives, the token after the last page);
+waiters are released when the computing request leaves; without a prefix cache everything
+runs independently."""
 
 from __future__ import annotations
 
@@ -14,31 +18,38 @@ BLOCK = 4
 
 
 class PublishingKV(CountingKV):
-    """CountingKV plus a prefix cache of published prompt extents (whole pages of prompt[:-1],
-    as rlt-kv publishes them), per salt, with the pages' score records."""
+    """CountingKV plus a prefix cache keyed as rlt-kv keys it: page i of a prompt under a salt
+    is named by the salt and every token up to the page's end (what a chained hash names);
+    only full pages of prompt[:-1] are published, each with its score records keyed by (page
+    key, next token). `published[salt, prompt]`: positions published for that prompt."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.published: dict[tuple[int, ...], int] = {}
-        self.salted: dict[tuple[bytes, tuple[int, ...]], int] = {}
-        self.records: dict[tuple[bytes, tuple[int, ...], int], PageScores] = {}
+        self.cached: set[bytes] = set()
+        self.records: dict[tuple[bytes, int], PageScores] = {}
+        self.published: dict[tuple[bytes, tuple[int, ...]], int] = {}
         self.hits: list[int] = []
 
+    def page_keys(self, prompt, *, salt=b""):
+        pages = (len(prompt) - 1) // self.block_size
+        block = self.block_size
+        return tuple(repr((salt, tuple(prompt[: (i + 1) * block]))).encode() for i in range(pages))
+
     def match_prefix(self, prompt, *, salt=b"", score_top_n=None):
-        tokens = self.salted.get((salt, tuple(prompt)), 0)
-        pages = tokens // self.block_size
-        scores = []
-        if score_top_n is not None:
-            for page in range(pages):
-                record = self.records.get((salt, tuple(prompt), page))
+        keys, scores = [], []
+        for page, key in enumerate(self.page_keys(prompt, salt=salt)):
+            if key not in self.cached:
+                break
+            if score_top_n is not None:
+                record = self.records.get((key, prompt[(page + 1) * self.block_size]))
                 if record is None or record.top_n < score_top_n:
                     break
                 scores.append(record)
-            pages = len(scores)
+            keys.append(key)
         return PrefixMatch(
-            keys=tuple(b"k" for _ in range(pages)),
-            blocks=tuple((0,) * self.num_planes for _ in range(pages)),
-            num_tokens=pages * self.block_size,
+            keys=tuple(keys),
+            blocks=tuple((0,) * self.num_planes for _ in keys),
+            num_tokens=len(keys) * self.block_size,
             scores=tuple(scores),
         )
 
@@ -50,13 +61,17 @@ class PublishingKV(CountingKV):
 
     def publish_prefix(self, identity, prompt, computed, *, salt=b"", page_scores=None):
         pages = min(computed, len(prompt) - 1) // self.block_size
-        key = tuple(prompt)
-        self.salted[salt, key] = max(self.salted.get((salt, key), 0), pages * self.block_size)
-        self.published[key] = self.salted[salt, key]
+        keys = self.page_keys(prompt, salt=salt)[:pages]
+        self.cached.update(keys)
+        extent = (salt, tuple(prompt))
+        self.published[extent] = max(self.published.get(extent, 0), pages * self.block_size)
         if page_scores is not None:
-            for page in range(pages):
-                start = page * self.block_size
-                self.records[salt, key, page] = page_scores(start, start + self.block_size)
+            for page, key in enumerate(keys):
+                start, end = page * self.block_size, (page + 1) * self.block_size
+                slot = (key, prompt[end])
+                old = self.records.get(slot)
+                if old is None or old.top_n < page_scores(start, end).top_n:
+                    self.records[slot] = page_scores(start, end)
         return pages
 
 
@@ -116,7 +131,7 @@ def test_siblings_wait_until_the_prompt_is_read_back_not_only_scheduled():
             admitted_at[new.identity.request_id] = step_index
             # a sibling is admitted only once the prompt's pages are published
             if new.identity.request_id != "g-0":
-                assert kv.published[PROMPT] == 60
+                assert kv.published[b"", PROMPT] == 60
         pending.append(device.execute(step))
         while len(pending) > (1 if step.has_work else 0):
             scheduler.update_from_output(pending.pop(0))
@@ -160,7 +175,7 @@ def test_scored_siblings_compute_the_prompt_once_and_take_its_scores(at_exit_dep
     assert want[0] == (None, *(-(p + 1) / 8 for p in range(63)))
     assert want[2] == ((None, *(2,) * 63) if at_exit_depth else None)
     assert scored_prompt(finals, "s-1") == scored_prompt(finals, "s-2") == want
-    assert set(kv.salted) == {(b"exit-depth:hazard:2:4:1.0:" if at_exit_depth else b"", PROMPT)}
+    assert set(kv.published) == {(b"exit-depth:hazard:2:4:1.0:" if at_exit_depth else b"", PROMPT)}
 
 
 def test_a_sibling_wanting_more_alternatives_than_the_records_hold_computes_its_prompt():
@@ -207,13 +222,32 @@ def test_held_siblings_do_not_block_other_requests():
         assert scheduler.get_request(request_id).stage is RequestStage.WAITING
 
 
-def test_a_sibling_with_another_prompt_is_not_held():
+def test_a_group_member_with_another_last_token_still_shares_every_page():
+    """The rule looks at pages, not groups: b differs from a only in its last token, which is
+    never in a published page, so it waits for a's 15 pages like a sibling with a's prompt."""
     scheduler, kv = make(prefix_caching=True)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     scheduler.add_requests(
         [
             EngineRequest("a", PROMPT, params, sibling_group="g"),
             EngineRequest("b", PROMPT[:-1] + (3,), params, sibling_group="g"),
+        ]
+    )
+    device = FakeDevice(kv, depth=lambda rid, i: 2)
+    step = scheduler.schedule()
+    assert [n.identity.request_id for n in step.new_requests] == ["a"]
+    scheduler.update_from_output(device.execute(step))
+    run_until_idle(scheduler, device)
+    assert kv.hits == [0, 60]
+
+
+def test_a_prompt_sharing_no_page_is_not_held():
+    scheduler, kv = make(prefix_caching=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    scheduler.add_requests(
+        [
+            EngineRequest("a", PROMPT, params, sibling_group="g"),
+            EngineRequest("b", (9, *PROMPT[1:]), params, sibling_group="g"),  # differs in page 0
         ]
     )
     step = scheduler.schedule()
@@ -254,3 +288,105 @@ def test_waiting_siblings_do_not_count_toward_the_admission_scan_limit():
     scheduler.add_requests([EngineRequest("late", (5, 6, 7), other)])
     step = scheduler.schedule()
     assert [n.identity.request_id for n in step.new_requests] == ["late"]
+
+
+CONTEXT = tuple(range(100, 150))  # 50 tokens: 12 full pages, then 2 more context tokens
+CHOICES = [(7,), (8, 9), (10, 11, 12), (13,)]
+KINDS = {
+    "plain": SamplingParams(max_tokens=2, ignore_eos=True),
+    "scored": SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2),
+    "exit_depth": SamplingParams(
+        max_tokens=2, ignore_eos=True, prompt_logprobs=1, score_at_exit_depth=True
+    ),
+}
+
+
+def choices(params, context=CONTEXT, name="c"):
+    return [EngineRequest(f"{name}{i}", context + c, params) for i, c in enumerate(CHOICES)]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_choices_submitted_together_compute_their_context_once(kind):
+    """The 4 choices of a question queued before one step, with no group (one list-of-prompts
+    completion): the first computes the context, the others wait for its 12 pages to be read
+    back, then take them (and their scores) and compute only their last positions."""
+    scheduler, kv = make(prefix_caching=True)
+    requests = choices(KINDS[kind])
+    scheduler.add_requests(requests)
+    steps, finals = run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    assert [n.identity.request_id for n in steps[0].new_requests] == ["c0"]
+    assert kv.hits == [0, 48, 48, 48]
+    prompts = [r.prompt_token_ids for r in requests]
+    assert prefilled_tokens(steps) == len(prompts[0]) + sum(len(p) - 48 for p in prompts[1:])
+    if kind != "plain":  # every prompt token scored, the reused ones from the records
+        for request, prompt in zip(requests, prompts, strict=True):
+            logprobs, _, depths = scored_prompt(finals, request.request_id)
+            assert logprobs == (None, *(-(p + 1) / 8 for p in range(len(prompt) - 1)))
+            want_depths = (None, *(2,) * (len(prompt) - 1))
+            assert depths == (want_depths if kind == "exit_depth" else None)
+    assert kv.pages == {}  # every request's blocks returned
+
+
+@pytest.mark.parametrize("kind", ["plain", "scored"])
+def test_a_context_ending_on_a_page_boundary_shares_one_page_less_when_scored(kind):
+    """Context of 48 tokens: its 12th page's last position scores each choice's own first
+    token, so that page's record serves no other choice; a scored choice waits for and reuses
+    11 pages, a plain one all 12."""
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(choices(KINDS[kind], context=CONTEXT[:48]))
+    run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    shared = 44 if kind == "scored" else 48
+    assert kv.hits == [0, shared, shared, shared]
+
+
+def test_an_aborted_computing_request_releases_its_waiters():
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(choices(KINDS["scored"]))
+    device = FakeDevice(kv, depth=lambda rid, i: 2)
+    first = scheduler.schedule()
+    assert scheduler.running_request_ids() == ["c0"]
+    assert scheduler.waiting_request_ids() == ["c1", "c2", "c3"]
+    scheduler.abort_request("c0")  # its first chunk is in flight: nothing was published
+    scheduler.update_from_output(device.execute(first))
+    second = scheduler.schedule()
+    assert [n.identity.request_id for n in second.new_requests] == ["c1"]  # computes it now
+    assert scheduler.waiting_request_ids() == ["c2", "c3"]  # ... and they wait for c1
+    scheduler.update_from_output(device.execute(second))
+    steps, finals = run_until_idle(scheduler, device)
+    assert sorted(finals) == ["c0", "c1", "c2", "c3"]
+    assert kv.hits == [0, 0, 48, 48]
+    assert kv.pages == {}
+
+
+def test_a_plain_prompt_waits_for_a_scored_one_but_not_the_other_way_round():
+    """Full-depth scored pages hold prefill's KV: a plain prompt reuses them. A plain prompt's
+    pages carry no scores, and exit-depth pages are salted: those give no hit, so nobody waits
+    for them."""
+    scored, plain, exit_depth = KINDS["scored"], KINDS["plain"], KINDS["exit_depth"]
+    for first, second in ((plain, scored), (scored, exit_depth), (exit_depth, plain)):
+        scheduler, kv = make(prefix_caching=True)
+        scheduler.add_requests(
+            [EngineRequest("a", CONTEXT + (1,), first), EngineRequest("b", CONTEXT + (2,), second)]
+        )
+        assert [n.identity.request_id for n in scheduler.schedule().new_requests] == ["a", "b"]
+    scheduler, kv = make(prefix_caching=True)
+    scheduler.add_requests(
+        [EngineRequest("s", CONTEXT + (1,), scored), EngineRequest("p", CONTEXT + (2,), plain)]
+    )
+    run_until_idle(scheduler, FakeDevice(kv, depth=lambda rid, i: 2))
+    assert kv.hits == [0, 48]
+    assert kv.pages == {}
+
+
+@pytest.mark.parametrize(("length", "waits"), [(16, True), (17, False), (40, False)])
+def test_only_a_share_of_at_least_half_the_prompt_is_waited_for(length, waits):
+    """b shares 2 pages (8 tokens) with a: worth waiting for when they hold half of b's
+    prompt (16 tokens), not for 17 or 40 (a short wait would save little of b's prefill)."""
+    scheduler, kv = make(prefix_caching=True)
+    params = KINDS["plain"]
+    b_prompt = PROMPT[:8] + tuple(range(500, 500 + length - 8))
+    scheduler.add_requests(
+        [EngineRequest("a", PROMPT, params), EngineRequest("b", b_prompt, params)]
+    )
+    admitted = [n.identity.request_id for n in scheduler.schedule().new_requests]
+    assert admitted == (["a"] if waits else ["a", "b"])

@@ -1,0 +1,115 @@
+"""Prefix waits: a waiting request whose leading pages a running request is computing waits
+for them instead of computing them a second time.
+
+Pages reach the prefix cache only once the chunk that computed them is read back (completion
+evidence, R18), so requests admitted together (the n choices of one prompt, the choices of a
+multiple-choice question sent in one completion call, concurrent clients sharing a long
+context) would each compute the part they share. With a prefix cache, a waiting request W
+waits while a running request R has not yet read back the pages W would reuse from it:
+
+- shared pages: the leading full pages of W's prompt (inside prompt[:-1], the publishable
+  ones) whose chained keys (`KVPort.page_keys`, under W's salt: prefill's KV or an exit rule's)
+  equal R's, provided R's pages will serve W (`scored_prefix.serves`: the same salt and, for a
+  scored W, records with at least its alternatives). For a scored W the last shared page counts
+  only if the token after it is the same in both prompts, since its record is keyed by it.
+- substantial: at least one page, and the shared pages hold at least half of W's prompt
+  (2 * shared tokens >= prompt length).
+- pending: R's read-back prompt (`computed_prompt_tokens`) covers fewer than those pages.
+- R makes progress: it is in the running list, so each step schedules its prompt chunks ahead
+  of any admission (or its last chunk is in flight, or, PD decode, its prompt's KV is landing
+  and is published when it lands). A preempted R is back in the waiting queue, an aborted or
+  finished one is gone: either way W stops waiting at the next admission (and computes the
+  pages itself, or waits for another R). Never with no prefix cache to publish into, never
+  for a preempted W (it restores its own snapshot).
+
+Why half. W waits only for R, which is ahead of it: R's chunks take the step's token budget
+before any admission and R has already started, so R reads the shared pages back no later than
+W would have computed them itself, plus the step in which a chunk is read back and one partial
+chunk. Waiting thus costs W about two steps at most, and gains the shared positions' compute
+and prompt KV blocks (and, scored, their scores, copied exactly from the records). With at
+least half of its prompt shared, W skips at least half of its prefill for that bounded delay; a
+short prompt sharing one page with a long one would instead wait two steps to save a page. The
+choices of a question (a context followed by a few tokens each) and the n sequences of one
+prompt (every publishable page shared) always qualify.
+
+No deadlock or starvation: only running requests are waited for, and they never wait. A
+waiting W takes no slot and is skipped by admission without being scanned or passed over
+(`Admitter.admit`), so it never holds up requests behind it; once R has read the pages back
+(or left the running list) W is admitted in queue order with the prefix-cache hit.
+
+Pure functions of the requests, the KV port's page keys and the running list the scheduler
+passes in; each request's page keys are computed once (`ScheduledRequest.prompt_page_keys`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rlt_contracts import KVPort
+
+from rlt_scheduler import scored_prefix
+from rlt_scheduler.request_state import ScheduledRequest
+
+
+def page_keys(kv: KVPort, request: ScheduledRequest) -> tuple[bytes, ...]:
+    """The chained keys of `request`'s publishable pages under its salt (computed once: the
+    prompt and the salt never change)."""
+    if request.prompt_page_keys is None:
+        request.prompt_page_keys = kv.page_keys(
+            request.prompt_token_ids, salt=scored_prefix.prefix_salt(request)
+        )
+    return request.prompt_page_keys
+
+
+def shared_pages(kv: KVPort, request: ScheduledRequest, computing: ScheduledRequest) -> int:
+    """Leading pages of `request` that `computing`'s publication will give it as a hit (module
+    docstring): equal chained keys under one salt, records that serve it, and for a scored
+    `request` the same token after the last one."""
+    if computing is request or not scored_prefix.serves(computing, request):
+        return 0
+    mine, theirs = page_keys(kv, request), page_keys(kv, computing)
+    # chained keys: page k's keys are equal only if every earlier page's are, so the shared
+    # run ends where they first differ (binary search for it)
+    low, high = 0, min(len(mine), len(theirs))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if mine[middle - 1] == theirs[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    shared = low
+    if shared and request.sampling.prompt_logprobs is not None:
+        after = shared * kv.block_size  # inside both prompts: their pages are within prompt[:-1]
+        if request.prompt_token_ids[after] != computing.prompt_token_ids[after]:
+            shared -= 1  # the last page's record scores the other prompt's next token
+    return shared
+
+
+def worth_waiting(kv: KVPort, request: ScheduledRequest, pages: int) -> bool:
+    """At least one page, holding at least half of the prompt (module docstring: why half)."""
+    return pages > 0 and 2 * pages * kv.block_size >= request.prompt_length
+
+
+def waits_for(kv: KVPort, request: ScheduledRequest, computing: ScheduledRequest) -> bool:
+    """`computing` (running) has not yet read back the substantial shared pages of `request`."""
+    pages = shared_pages(kv, request, computing)
+    if not worth_waiting(kv, request, pages):
+        return False
+    read_back = min(computing.computed_prompt_tokens, computing.prompt_length - 1) // kv.block_size
+    return read_back < pages
+
+
+def waits_for_prefix(
+    kv: KVPort,
+    request: ScheduledRequest,
+    running: Iterable[ScheduledRequest],
+    *,
+    prefix_caching: bool,
+) -> bool:
+    """`request` (waiting) waits for pages a running request computes and has not yet read
+    back (module docstring). Never with no prefix cache, never for a preempted request."""
+    if not prefix_caching or request.preempted:
+        return False
+    if not worth_waiting(kv, request, len(page_keys(kv, request))):
+        return False  # even all its pages shared would not be worth a wait
+    return any(waits_for(kv, request, other) for other in running)

@@ -4,6 +4,7 @@ messages, the command line, child command lines and startup failures (no HTTP fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import sys
@@ -275,3 +276,47 @@ def test_a_child_that_exits_at_startup_fails_the_start_with_its_output(tmp_path)
     assert "prefill-0 exited with status 2 before it was ready" in message
     assert "decode-0 exited with status 2" in message
     assert "--bogus is not an option" in message
+
+
+# -- membership (rlt-ray's PD ingress adds and removes instances) -------------------------------
+def test_added_instances_are_admitted_and_connected_removed_ones_never_picked():
+    from fake_engine import FakeEngine, serve_fake
+
+    incompatible = msgspec.structs.replace(DEFAULT_COMPATIBILITY, block_size=32)
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    odd = FakeEngine("decode", compatibility=incompatible)
+
+    async def scenario(urls: dict[str, str]) -> None:
+        cluster = Cluster([], ClusterOptions(poll_interval=0.05, credit_wait=0))
+        cluster.start_polling()
+        try:
+            prefill = Instance("prefill-a", PDRole.PREFILL, urls["p"], 4)
+            decode = Instance("decode-b", PDRole.DECODE, urls["d"], 4)
+            cluster.add(prefill)
+            cluster.add(decode)
+            for _ in range(100):
+                if cluster.unavailable_reason() is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert cluster.unavailable_reason() is None
+            assert prefill.admitted_agent == p.agent and decode.admitted_agent == d.agent
+            assert d.agent in p.peers and p.agent in d.peers  # connected both ways
+
+            # an incompatible newcomer is refused, and stays refused across polls (before
+            # the admitted agent was recorded, a poll that saw the same agent routed to it)
+            other = Instance("decode-c", PDRole.DECODE, urls["odd"], 4)
+            cluster.add(other)
+            await asyncio.sleep(0.5)
+            assert other.state is not InstanceState.READY and other.admitted_agent is None
+
+            cluster.remove(decode, "replaced")
+            assert decode not in cluster.instances and decode.state is InstanceState.STOPPED
+            with pytest.raises(EngineDeadError):
+                cluster.try_acquire(PDRole.DECODE)  # only the refused one is left
+        finally:
+            await cluster.close()
+
+    with contextlib.ExitStack() as stack:
+        engines = {"p": p, "d": d, "odd": odd}
+        servers = {k: stack.enter_context(serve_fake(e)) for k, e in engines.items()}
+        asyncio.run(scenario({k: s.url for k, s in servers.items()}))

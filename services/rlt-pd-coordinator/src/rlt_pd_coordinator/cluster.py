@@ -12,8 +12,12 @@
   blocks, then the one picked longest ago. No ready instance: `EngineDeadError` (HTTP 503);
   ready ones but all at their credit limit for `credit_wait` seconds: `OverloadedError` (429).
 - polls every ready or unreachable instance's info every `poll_interval` seconds (load for
-  the pick and for `stats()`, reachability, and restarts: a new transport agent means the
-  instance restarted and is admitted again, reconnecting its peers).
+  the pick and for `stats()`, reachability, and restarts: a transport agent other than the
+  one admitted means the instance restarted, or was never admitted, and it is admitted
+  again, reconnecting its peers).
+- changes membership when a cluster manager (rlt-ray) says so: `add` admits a new instance
+  in the background, `remove` forgets one whose process is gone for good. The instances
+  given at construction (`rlt pd serve`) never change.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class Instance:
     last_pick: int = 0
     pid: int | None = None
     restarts: int = 0
+    # the transport agent this coordinator admitted and connected (None: not admitted yet,
+    # or its last admission failed); another agent at a poll means a new process
+    admitted_agent: str | None = None
 
     def __str__(self) -> str:
         return f"{self.role} instance {self.name} ({self.url})"
@@ -140,6 +147,7 @@ class Cluster:
         self._changed = asyncio.Event()
         self._poller: asyncio.Task | None = None
         self._readmitting: dict[Instance, asyncio.Task] = {}
+        self._admitting = asyncio.Lock()
         self._closed = False
 
     # -- roles --------------------------------------------------------------------------------
@@ -266,13 +274,23 @@ class Cluster:
             )
         await asyncio.gather(*(self.connect(i, self.peers_of(i)) for i in self.instances))
         for instance in self.instances:
+            instance.admitted_agent = instance.info.agent if instance.info else ""
             self._set_ready(instance)
 
     async def admit(self, instance: Instance) -> None:
         """(Re)admit one instance (a restart): check it against the admitted peers, connect it
-        to them and them to it, then route to it. Raises on a mismatch (it stays unroutable)."""
+        to them and them to it, then route to it. Raises on a mismatch (it stays unroutable).
+
+        One admission at a time: two instances admitted concurrently would each see the other
+        as not ready yet, connect to neither, and both become ready unconnected (a handoff
+        between them then fails: "prefill agent ... is not connected here")."""
+        async with self._admitting:
+            await self._admit(instance)
+
+    async def _admit(self, instance: Instance) -> None:
         instance.state = InstanceState.STARTING
         instance.reason = "being admitted"
+        instance.admitted_agent = None
         await self.describe(instance)
         admitted = [
             p
@@ -288,6 +306,7 @@ class Cluster:
         if instance.role is not PDRole.NONE:
             await self.connect(instance, admitted)
             await asyncio.gather(*(self.connect(p, [instance]) for p in admitted))
+        instance.admitted_agent = instance.info.agent if instance.info else ""
         self._set_ready(instance)
 
     def _check_model_shape(self, instances: Sequence[Instance]) -> None:
@@ -398,23 +417,24 @@ class Cluster:
             return
         if instance.state not in (InstanceState.READY, InstanceState.UNREACHABLE):
             return  # the supervisor took over meanwhile
-        previous = instance.info
-        if previous is not None and info.agent != previous.agent and info.role is not PDRole.NONE:
+        if info.agent != instance.admitted_agent:
+            # a new process (a restart: new transport agent), or an admission that failed
+            # (refused or unreachable peers): admit it again before routing to it
             logger.warning(
-                "%s restarted (agent %s -> %s): admitting it again",
+                "%s reports agent %s, admitted: %s; admitting it again",
                 instance,
-                previous.agent,
-                info.agent,
+                info.agent or "(none)",
+                instance.admitted_agent,
             )
-            self._start_readmission(instance)
+            self._start_admission(instance, "restarted; being admitted again")
             return
         instance.info = info
         if instance.state is InstanceState.UNREACHABLE:
             logger.info("%s is reachable again", instance)
             self._set_ready(instance)
 
-    def _start_readmission(self, instance: Instance) -> None:
-        self.mark_starting(instance, "restarted; being admitted again")
+    def _start_admission(self, instance: Instance, reason: str) -> None:
+        self.mark_starting(instance, reason)
 
         async def readmit() -> None:
             try:
@@ -427,6 +447,33 @@ class Cluster:
                 self._readmitting.pop(instance, None)
 
         self._readmitting[instance] = asyncio.create_task(readmit())
+
+    # -- membership (a cluster manager adds and removes instances) ----------------------------
+    def add(self, instance: Instance) -> None:
+        """A new instance (a replica a cluster manager started): admitted in the background
+        (checked against the ready peers, connected with them both ways) and routed to once
+        that succeeded; a failed admission is retried at the next polls."""
+        if self._closed or instance in self.instances:
+            return
+        self.instances.append(instance)
+        self._start_admission(instance, "new; being admitted")
+
+    def remove(self, instance: Instance, reason: str) -> None:
+        """Forget an instance whose process is gone for good (the cluster manager replaced or
+        removed it): it is never picked again. Requests already on it end through their own
+        connections and return their credits to the detached `Instance`. Its transport agent
+        stays known to the peers it was connected with: nothing addresses it any more (every
+        handoff names its decode agent), so it is inert."""
+        if instance not in self.instances:
+            return
+        task = self._readmitting.pop(instance, None)
+        if task is not None:
+            task.cancel()
+        self.instances.remove(instance)
+        instance.state = InstanceState.STOPPED
+        instance.reason = reason
+        logger.info("%s removed: %s", instance, reason)
+        self._notify()
 
     # -- shutdown -----------------------------------------------------------------------------
     async def close(self) -> None:

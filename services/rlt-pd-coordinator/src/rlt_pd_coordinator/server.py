@@ -237,6 +237,49 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def build_front(
+    client: PDEngineClient,
+    tokenizer: Any,
+    *,
+    served_model_name: str | None,
+    api_key: str | None,
+    max_body_bytes: int,
+    loop_defaults: LoopDefaults,
+    host: str,
+    allowed_origins: tuple[str, ...] = (),
+):
+    """The coordinator's HTTP front over `client`: rlt-serve's app (the OpenAI routes, health
+    from `client.unavailable`) plus `GET /v1/pd/instances`. `host` is where the front listens
+    (a loopback host turns the Host-header guard on). Used by `Coordinator` and by rlt-ray's
+    PD ingress, which hosts the same front inside a Ray Serve deployment."""
+    _check_loop_defaults(loop_defaults, client.model_info().num_loops)
+    app = build_app(
+        client,
+        served_model_name=served_model_name or client.model_info().name,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        loop_defaults=loop_defaults,
+        allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else None,
+        allowed_origins=allowed_origins,
+        engine_error=client.unavailable,
+    )
+
+    async def instances_view() -> JSONResponse:
+        return JSONResponse(
+            {"mode": client.mode, "instances": [i.snapshot() for i in client.cluster.instances]}
+        )
+
+    app.add_api_route(
+        INSTANCES_PATH,
+        instances_view,
+        methods=["GET"],
+        tags=["pd"],
+        summary="The coordinator's engine instances: role, state, load, credits",
+    )
+    return app
+
+
 class Coordinator:
     """One coordinator: cluster, supervisor, client and app (see the module docstring).
 
@@ -312,23 +355,15 @@ class Coordinator:
             self.supervisor.watch()
         self.cluster.start_polling()
         self.client = PDEngineClient(self.cluster, info, timeouts=options.timeouts)
-        self.app = build_app(
+        self.app = build_front(
             self.client,
-            served_model_name=options.served_model_name or info.name,
-            tokenizer=tokenizer,
+            tokenizer,
+            served_model_name=options.served_model_name,
             api_key=options.api_key,
             max_body_bytes=options.max_body_bytes,
             loop_defaults=options.loop_defaults,
-            allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+            host=options.host,
             allowed_origins=options.allowed_origins,
-            engine_error=self.client.unavailable,
-        )
-        self.app.add_api_route(
-            INSTANCES_PATH,
-            self._instances_view,
-            methods=["GET"],
-            tags=["pd"],
-            summary="The coordinator's engine instances: role, state, load, credits",
         )
         counts = {r: len(self.cluster.of_role(r)) for r in PDRole}
         logger.info(
@@ -341,14 +376,6 @@ class Coordinator:
 
     def _has_children(self) -> bool:
         return any(i.local for i in self.cluster.instances)
-
-    async def _instances_view(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "mode": self.options.mode,
-                "instances": [i.snapshot() for i in self.cluster.instances],
-            }
-        )
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         """Run the front until uvicorn is told to exit (signals, or `server.should_exit`)."""

@@ -1,9 +1,9 @@
 """`rlt ray serve` on a local three-node Ray cluster (CPU, the bundled model).
 
-One module-scoped cluster (`ray.cluster_utils.Cluster`) serves every test here, in order:
-the head node (Serve's controller and proxy, the ingress) and two worker nodes; each node
-offers one `rlt_replica` resource and each engine replica needs one, so the two replicas run
-on two different nodes and a replacement has exactly one free node to go to.
+The session's three-node cluster (conftest.py: `ray.cluster_utils.Cluster`) serves every test
+here, in order: the head node (Serve's controller and proxy, the ingress) and two worker
+nodes; each node offers one `rlt_replica` resource and each engine replica needs one, so the
+two replicas run on two different nodes and a replacement has exactly one free node to go to.
 
 (a) outputs through Ray equal one in-process engine's (tokens and exit depths);
 (d) on a trace with shared prefixes, prefix affinity raises the engines' summed prefix-cache
@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -32,13 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rlt-ray-cluster")]
 
 APP = "rlt"
 EXIT_THRESHOLD = 0.5  # early exits happen: exit depths vary per token
-ENV = {
-    # Ray's `uv run` integration would rebuild the workspace for every worker: the test
-    # processes already run in it
-    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-    "OMP_NUM_THREADS": "1",  # the same as the reference engine below (float reductions)
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
 
 
 @dataclass
@@ -70,92 +62,39 @@ class Fleet:
             time.sleep(0.25)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def fleet():
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    import ray
+def fleet(ray_cluster):
+    """The replicas app on the shared cluster (conftest.py): two engine replicas, each
+    needing the one `rlt_replica` resource of a node."""
     from ray import serve
-    from ray.cluster_utils import Cluster
     from rlt.engine.config import EngineConfig
     from rlt.serving.server_options import ServeOptions
     from rlt_ray import RayOptions, build_app
 
     started = time.monotonic()
-    phases = []
-
-    def phase(name: str) -> None:
-        phases.append(f"{name} {time.monotonic() - started:.1f} s")
-
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "resources": {"rlt_head": 1, "rlt_replica": 1},
-            "include_dashboard": False,
-            "no_monitor": True,  # no autoscaler: one Python process less
-            "_system_config": {
-                # a removed node is declared dead after ~3 missed 1 s health checks
-                "health_check_period_ms": 1000,
-                "health_check_failure_threshold": 3,
-                # no idle Python workers started ahead of need (2 CPUs are shared by all)
-                "enable_worker_prestart": False,
-                "prestart_worker_first_driver": False,
-            },
-        },
+    app = build_app(
+        EngineConfig(device="cpu", enable_prefix_caching=True),
+        ServeOptions(host="127.0.0.1"),
+        RayOptions(
+            replicas=2,
+            num_cpus=0,
+            resources={"rlt_replica": 1},
+            ingress_resources={"rlt_head": 1},
+            health_check_period_s=2,
+            health_check_timeout_s=30,
+            routing_stats_period_s=0.5,
+            submit_timeout_s=60,
+        ),
     )
+    serve.run(app, name=APP, route_prefix="/")
     try:
-        for _ in range(2):
-            cluster.add_node(wait=False, num_cpus=1, resources={"rlt_replica": 1})
-        cluster.wait_for_nodes()
-        phase("3 nodes")
-        ray.init(
-            address=cluster.address,
-            logging_level="WARNING",
-            log_to_driver=False,
-            runtime_env={"env_vars": dict(ENV)},
-        )
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        phase("serve")
-        app = build_app(
-            EngineConfig(device="cpu", enable_prefix_caching=True),
-            ServeOptions(host="127.0.0.1"),
-            RayOptions(
-                replicas=2,
-                num_cpus=0,
-                resources={"rlt_replica": 1},
-                ingress_resources={"rlt_head": 1},
-                health_check_period_s=2,
-                health_check_timeout_s=30,
-                routing_stats_period_s=0.5,
-                submit_timeout_s=60,
-            ),
-        )
-        serve.run(app, name=APP, route_prefix="/")
-        phase("app")
-        fleet = Fleet(cluster, f"http://127.0.0.1:{port}", cluster.head_node.node_id, 0.0)
+        fleet = Fleet(ray_cluster.cluster, ray_cluster.url, ray_cluster.head_node_id, 0.0)
         fleet.wait_for(lambda r: len(r["replicas"]) == 2, 60, "two replicas in the router")
         fleet.started_s = time.monotonic() - started
-        print(f"\nrlt-ray test cluster up: {', '.join(phases)}")
+        print(f"\nrlt ray serve app up in {fleet.started_s:.1f} s")
         yield fleet
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        serve.delete(APP)
 
 
 def complete(fleet: Fleet, prompt, max_tokens: int, **extra) -> httpx.Response:

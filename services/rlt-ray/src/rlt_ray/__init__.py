@@ -10,4 +10,22 @@ Importing this package does not import Ray or torch; building the app does.
 from rlt_ray.app import RayOptions, app_builder, build_app
 from rlt_ray.policy import POLICIES, ReplicaLoad, RoutingPolicy
 
-__all__ = ["POLICIES", "RayOptions", "ReplicaLoad", "RoutingPolicy", "app_builder", "build_app"]
+__all__ = [
+    "POLICIES",
+    "PDOptions",
+    "RayOptions",
+    "ReplicaLoad",
+    "RoutingPolicy",
+    "app_builder",
+    "build_app",
+    "build_pd_app",
+]
+
+
+def __getattr__(name: str):
+    # the PD app's module imports uvicorn and rlt-pd-coordinator: only when asked for
+    if name in ("PDOptions", "build_pd_app"):
+        from rlt_ray import pd
+
+        return getattr(pd, name)
+    raise AttributeError(f"module 'rlt_ray' has no attribute {name!r}")

@@ -1,9 +1,11 @@
-"""`rlt ray serve [MODEL] ...` (also `rlt-ray serve` and `python -m rlt_ray serve`).
+"""`rlt ray serve [MODEL] ...` and `rlt ray pd serve [MODEL] ...` (also `rlt-ray ...` and
+`python -m rlt_ray ...`).
 
 The engine and HTTP flags are `rlt serve`'s own (rlt.cli); the Ray flags say how many
-replicas, where they run and how requests are routed. Without `--address` a local Ray cluster
-starts in this process and stops with it; with `--address auto` (or host:port) the app joins
-that cluster and is deleted from it on exit.
+replicas, where they run and how requests are routed (`serve`), or how many prefill and
+decode replicas run where and the coordinator's credits and timeouts (`pd serve`). Without
+`--address` a local Ray cluster starts in this process and stops with it; with `--address
+auto` (or host:port) the app joins that cluster and is deleted from it on exit.
 """
 
 from __future__ import annotations
@@ -92,6 +94,63 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--submit-timeout-s", type=float, default=d.submit_timeout_s)
 
 
+def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
+    from rlt_ray.pd import PDOptions
+
+    d = PDOptions()
+    group = parser.add_argument_group("Ray PD (services/rlt-ray/README.md)")
+    group.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto': the one this node belongs to; host:port); "
+        "default: start a local one",
+    )
+    group.add_argument("--num-prefill", type=int, default=d.num_prefill, help="prefill replicas")
+    group.add_argument("--num-decode", type=int, default=d.num_decode, help="decode replicas")
+    group.add_argument(
+        "--prefill-resource",
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="custom Ray resource each prefill replica needs (pin them to labelled nodes)",
+    )
+    group.add_argument(
+        "--decode-resource",
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="custom Ray resource each decode replica needs",
+    )
+    group.add_argument(
+        "--num-gpus-per-replica",
+        dest="num_gpus",
+        type=float,
+        default=None,
+        help="default: 1 when the engine runs on CUDA, else 0",
+    )
+    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
+    group.add_argument("--max-replicas-per-node", type=int, default=None)
+    group.add_argument("--prefill-credits", type=int, default=d.prefill_credits)
+    group.add_argument("--decode-credits", type=int, default=d.decode_credits)
+    group.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s)
+    group.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)
+    group.add_argument("--credit-wait", type=float, default=d.credit_wait_s)
+    group.add_argument("--poll-interval", type=float, default=d.poll_interval_s)
+    group.add_argument(
+        "--discovery-period-s",
+        type=float,
+        default=d.discovery_period_s,
+        help="how often replicas report their URL and load, and the ingress applies it",
+    )
+    group.add_argument(
+        "--instance-api-key",
+        default=os.environ.get("RLT_INSTANCE_API_KEY"),
+        help="API key of the instances' HTTP servers (default: a random one)",
+    )
+    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
+    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rlt.cli import add_engine_arguments, add_serve_arguments
 
@@ -102,20 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="engine replicas behind one OpenAI-compatible endpoint"
     )
-    serve.add_argument(
-        "model_dir",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="checkpoint directory (default: the bundled model); every node must read it",
+    pd = commands.add_parser("pd", help="prefill/decode disaggregation on Ray Serve")
+    pd_serve = pd.add_subparsers(dest="pd_command", required=True).add_parser(
+        "serve",
+        help="prefill and decode replicas behind the PD coordinator's OpenAI-compatible front",
     )
-    add_engine_arguments(serve)
-    add_serve_arguments(serve)
+    for sub in (serve, pd_serve):
+        sub.add_argument(
+            "model_dir",
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help="checkpoint directory (default: the bundled model); every node must read it",
+        )
+        add_engine_arguments(sub)
+        add_serve_arguments(sub)
     add_ray_arguments(serve)
+    add_pd_arguments(pd_serve)
     return parser
 
 
-def _resources(items: Sequence[str]) -> dict[str, float]:
+def _resources(items: Sequence[str], flag: str = "replica_resource") -> dict[str, float]:
     resources = {}
     for item in items:
         name, sep, amount = item.partition("=")
@@ -124,16 +190,14 @@ def _resources(items: Sequence[str]) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if not sep or not name or value <= 0:
-            raise ConfigurationError(
-                "replica_resource", f"expected NAME=AMOUNT with AMOUNT > 0, got {item!r}"
-            )
+            raise ConfigurationError(flag, f"expected NAME=AMOUNT with AMOUNT > 0, got {item!r}")
         resources[name] = value
     return resources
 
 
-def options_from_args(args: argparse.Namespace):
-    """(EngineConfig, ServeOptions, RayOptions, address) from parsed `rlt ray serve` flags."""
-    from rlt.cli import engine_config_from_args
+def serve_options_from_args(args: argparse.Namespace):
+    """rlt's ServeOptions (the front) from `rlt ray serve` / `rlt ray pd serve` flags; sets
+    `args.model` from MODEL."""
     from rlt.serving.server_options import ServeOptions
     from rlt_serve import LoopDefaults
 
@@ -146,7 +210,7 @@ def options_from_args(args: argparse.Namespace):
         )
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
-    serve_options = ServeOptions(
+    return ServeOptions(
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -157,6 +221,13 @@ def options_from_args(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
+
+
+def options_from_args(args: argparse.Namespace):
+    """(EngineConfig, ServeOptions, RayOptions, address) from parsed `rlt ray serve` flags."""
+    from rlt.cli import engine_config_from_args
+
+    serve_options = serve_options_from_args(args)
     options = RayOptions(
         replicas=args.replicas,
         min_replicas=args.min_replicas,
@@ -181,13 +252,61 @@ def options_from_args(args: argparse.Namespace):
     return engine_config_from_args(args), serve_options, options, args.address
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
+def pd_options_from_args(args: argparse.Namespace):
+    """(EngineConfig, ServeOptions, PDOptions, address) from parsed `rlt ray pd serve` flags."""
+    from rlt.cli import engine_config_from_args
 
+    from rlt_ray.pd import PDOptions
+
+    serve_options = serve_options_from_args(args)
+    options = PDOptions(
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        num_gpus=args.num_gpus,
+        num_cpus=args.num_cpus,
+        prefill_resources=_resources(args.prefill_resource, "prefill_resource"),
+        decode_resources=_resources(args.decode_resource, "decode_resource"),
+        max_replicas_per_node=args.max_replicas_per_node,
+        prefill_credits=args.prefill_credits,
+        decode_credits=args.decode_credits,
+        admission_timeout_s=args.admission_timeout,
+        transfer_timeout_s=args.transfer_timeout,
+        credit_wait_s=args.credit_wait,
+        poll_interval_s=args.poll_interval,
+        discovery_period_s=args.discovery_period_s,
+        instance_api_key=args.instance_api_key or None,
+        health_check_period_s=args.health_check_period_s,
+        health_check_timeout_s=args.health_check_timeout_s,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+    )
+    options.validate()
+    return engine_config_from_args(args), serve_options, options, args.address
+
+
+def run_serve(args: argparse.Namespace) -> int:
     from rlt_ray.app import build_app
 
     config, serve_options, options, address = options_from_args(args)
+    line = f"{_replica_line(options)}, router {options.router}"
+    return _run_app(lambda: build_app(config, serve_options, options), serve_options, address, line)
+
+
+def run_pd_serve(args: argparse.Namespace) -> int:
+    from rlt_ray.pd import build_pd_app
+
+    config, serve_options, options, address = pd_options_from_args(args)
+    line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
+    return _run_app(
+        lambda: build_pd_app(config, serve_options, options), serve_options, address, line
+    )
+
+
+def _run_app(build, serve_options, address: str | None, line: str) -> int:
+    """Start (or join) Ray, run the app built by `build()` until SIGINT / SIGTERM, then
+    remove it (a local cluster stops with it)."""
+    import ray
+    from ray import serve
+
     local = address is None
     # the replicas load torch: idle OpenMP workers wait passively, as under `rlt serve`
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
@@ -199,15 +318,13 @@ def run_serve(args: argparse.Namespace) -> int:
     }
     try:
         serve.start(http_options={"host": serve_options.host, "port": serve_options.port})
-        app = build_app(config, serve_options, options)
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build(), name=APP_NAME, route_prefix="/", blocking=False)
         print(
-            f"rlt ray serve: ready at http://{serve_options.host}:{serve_options.port} "
-            f"({_replica_line(options)}, router {options.router})",
+            f"rlt ray: ready at http://{serve_options.host}:{serve_options.port} ({line})",
             flush=True,
         )
         stop.wait()
-        print("rlt ray serve: stopping", flush=True)
+        print("rlt ray: stopping", flush=True)
         return 0
     finally:
         try:
@@ -232,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return run_serve(args)
+        return run_pd_serve(args) if args.command == "pd" else run_serve(args)
     except RltError as exc:
         print(f"rlt ray: error: {exc}", file=sys.stderr)
         return 2

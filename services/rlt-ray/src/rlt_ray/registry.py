@@ -21,3 +21,10 @@ def register(name: str, router: object) -> None:
 def routers() -> list:
     with _LOCK:
         return list(_ROUTERS.values())
+
+
+def find(name: str):
+    """The router of the deployment `name` in this process, or None (its handle has not
+    been used yet)."""
+    with _LOCK:
+        return _ROUTERS.get(name)

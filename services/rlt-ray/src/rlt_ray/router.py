@@ -159,6 +159,32 @@ class RltRequestRouter(RequestRouter):
         return {**self.policy.report(), "replicas": replicas}
 
 
+class MembershipRouter(RequestRouter):
+    """The router of rlt ray pd serve's prefill and decode handles: what matters there is not
+    routing (the coordinator in the ingress picks instances itself and talks to them over
+    HTTP) but membership: which replicas Ray runs now, and what each last reported from
+    `record_routing_stats` (its URL, role, transport agent, pid, node, load). The ingress
+    reads that through `members()` (found in `rlt_ray.registry`). The few calls made through
+    these handles (`describe`) go to any replica."""
+
+    def initialize_state(self, **_ignored) -> None:
+        registry.register(self._deployment_id.name, self)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        return [list(candidate_replicas)] if candidate_replicas else []
+
+    def members(self) -> dict[str, dict]:
+        """Replica id -> its last routing stats ({} until its first report)."""
+        return {
+            r.replica_id.unique_id: dict(r.routing_stats or {})
+            for r in list(self.curr_replicas.values())
+        }
+
+
 def _engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
     if pending_request is None or not pending_request.args:
         return None

@@ -1,0 +1,424 @@
+"""`rlt ray pd serve`: prefill/decode disaggregation on Ray Serve.
+
+    HTTP (Serve's proxy) -> RltPDIngress: rlt-pd-coordinator's front and PDEngineClient
+                              | (picks P and D, drives the handoff, streams D's deltas)
+                              |  /internal/pd/* over HTTP, to the URLs the replicas report
+                   +----------+-----------+
+                   v                      v
+            RltPrefill replicas    RltDecode replicas      one `rlt serve --pd-role` engine
+            (engine + its HTTP) ==NIXL==> (engine + HTTP)  instance each, num_gpus=1 on CUDA
+
+Three deployments in one application. Ray places the replicas (Serve's default SPREAD
+scheduling, or the custom resources and `max_replicas_per_node` of `PDOptions`), checks their
+health (each replica's hook asks its engine and its HTTP server), restarts them and scales
+them. rlt owns the handoff: each replica is exactly one `rlt serve --pd-role prefill|decode`
+instance (the engine core on a thread, rlt-serve's app with the internal PD routes, served by
+uvicorn on a free port of its node), and the ingress is the coordinator of `rlt pd serve`
+(`rlt_pd_coordinator.PDEngineClient` over a `Cluster`, behind `build_front`), imported, not
+copied. The coordinator's routing, credits, timeouts and failure rules are therefore those of
+`rlt pd serve` (docs/pd.md); what differs is who supervises the instances:
+
+- membership: the handles to the two engine deployments carry `MembershipRouter`, which sees
+  the replicas Ray runs and their `record_routing_stats` (URL, role, transport agent, pid,
+  node, load). Every `discovery_period_s` the ingress adds a replica it has not seen to the
+  coordinator's `Cluster` (admitted in the background: compatibility checked, connected to
+  every peer of the other role both ways, then routed to) and removes one Ray no longer lists;
+- a replica Ray replaced is a new instance (new replica id, URL and transport agent: a new
+  handoff generation), never the old one come back, so no transfer addressed to the old
+  process can land in the new one's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from rlt_contracts import ConfigurationError
+
+from rlt_ray import registry
+from rlt_ray.replicas import _location, replica_tag
+
+logger = logging.getLogger(__name__)
+
+PD_INGRESS_NAME = "RltPDIngress"
+PREFILL_NAME = "RltPrefill"
+DECODE_NAME = "RltDecode"
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """How the prefill and decode replicas are deployed and coordinated (engine options live
+    in EngineConfig, HTTP options in rlt's ServeOptions).
+
+    num_prefill / num_decode: replicas of each role.
+    num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA, else 0.
+    num_cpus: CPUs Ray reserves per replica (scheduling only).
+    prefill_resources / decode_resources: custom Ray resources each replica of that role
+      needs: label nodes (`ray start --resources '{"rlt_prefill": 4}'`) to pin each role to its
+      nodes. Without them Serve spreads replicas over the nodes (best effort).
+    max_replicas_per_node: per deployment (None: no limit).
+    ingress_resources: custom Ray resources of the ingress (e.g. keep it on the head).
+    prefill_credits / decode_credits, admission_timeout_s, transfer_timeout_s, credit_wait_s,
+      poll_interval_s: the coordinator's (`rlt pd serve --prefill-credits ...`).
+    discovery_period_s: how often replicas report their URL and load to the ingress's
+      membership routers, and how often the ingress applies what they report.
+    startup_timeout_s: how long the ingress waits for a first prefill and decode instance to
+      be admitted.
+    instance_api_key: the key the coordinator sends to the instances' HTTP servers (None: a
+      random one; it travels in the deployments' arguments).
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_gpus: float | None = None
+    num_cpus: float = 1.0
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    max_replicas_per_node: int | None = None
+    ingress_resources: dict[str, float] = field(default_factory=dict)
+    prefill_credits: int = 32
+    decode_credits: int = 128
+    admission_timeout_s: float = 60.0
+    transfer_timeout_s: float = 120.0
+    credit_wait_s: float = 30.0
+    poll_interval_s: float = 1.0
+    discovery_period_s: float = 1.0
+    startup_timeout_s: float = 600.0
+    instance_api_key: str | None = None
+    max_ongoing_requests: int = 1024
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        for name in ("num_prefill", "num_decode", "prefill_credits", "decode_credits"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
+            raise ConfigurationError(
+                "max_replicas_per_node", f"must be >= 1, got {self.max_replicas_per_node}"
+            )
+        for name in ("num_cpus", "num_gpus", "credit_wait_s"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigurationError(name, f"must be >= 0, got {value}")
+        for name in (
+            "admission_timeout_s",
+            "transfer_timeout_s",
+            "poll_interval_s",
+            "discovery_period_s",
+            "startup_timeout_s",
+            "health_check_period_s",
+            "health_check_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
+
+
+def _node_host() -> str:
+    """The address peers reach this node at (Ray's own view of it)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (direct use): loopback
+        return "127.0.0.1"
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class PDInstanceReplica:
+    """One PD engine instance in one Ray Serve replica: what `rlt serve MODEL --pd-role ROLE`
+    runs, in the replica's process. The engine core runs on a thread (`build_server`), its
+    HTTP app (OpenAI routes plus /internal/pd/*, behind `api_key`) is served by uvicorn on a
+    free port of this node, on the replica's event loop.
+
+    Ray hooks: `check_health` raises once the engine died or the HTTP server stopped (Ray
+    then replaces the replica); `record_routing_stats` reports where to reach it and its load
+    (the ingress's membership). `describe()` returns the same (the ingress's first call).
+    """
+
+    async def __init__(self, config, role: str, api_key: str) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+        from rlt.engine.llm_engine import LLMEngine
+        from rlt.serving.server import build_server, uvicorn_config
+        from rlt.serving.server_options import ServeOptions
+
+        if config.pd_role != role:
+            config = dataclasses.replace(config, pd_role=role)
+        self.role = role
+        self.tag = replica_tag()
+        self.where = _location()
+        host = _node_host()
+        self.engine = LLMEngine(config)
+        options = ServeOptions(host=host, port=0, api_key=api_key, log_level="warning")
+        app, self.client = build_server(self.engine, options)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, 0))
+        self.url = _url(host, sock.getsockname()[1])
+        self.server = _InstanceServer(uvicorn_config(app, options))
+        self._serving = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self._serving.done():
+                self._serving.result()  # raises what stopped it
+                raise RuntimeError(f"the HTTP server of {role} replica {self.tag} stopped")
+            await asyncio.sleep(0.02)
+        logger.info("%s replica %s serves at %s", role, self.tag, self.url)
+
+    def _report(self) -> dict:
+        stats = self.client.stats()
+        pd = self.engine.parts.pd if self.engine.parts is not None else None
+        return {
+            "url": self.url,
+            "role": self.role,
+            "agent": pd.agent if pd is not None else "",
+            # transfers pending in this engine's handoff port (read from the engine thread's
+            # connectors without a lock: a snapshot, exact once the engine is idle)
+            "pd_busy": bool(pd.port.busy) if pd is not None else False,
+            "ongoing": len(self.client.live_request_ids()),
+            "running": stats.running_requests,
+            "waiting": stats.waiting_requests,
+            "kv_blocks_free": stats.kv_blocks_free,
+            "kv_blocks_total": stats.kv_blocks_total,
+            **self.where,
+        }
+
+    async def describe(self) -> dict:
+        return self._report()
+
+    async def record_routing_stats(self) -> dict:
+        return self._report()
+
+    async def check_health(self) -> None:
+        dead = self.client.dead
+        if dead is not None or self.client.stopped:
+            raise RuntimeError(f"{self.role} replica {self.tag}: the engine is not running: {dead}")
+        if self._serving.done():
+            raise RuntimeError(f"{self.role} replica {self.tag}: its HTTP server stopped")
+
+    async def __del__(self) -> None:
+        # Ray Serve calls this when it stops the replica: stop listening, abort what runs
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._serving, 10)
+        client = getattr(self, "client", None)
+        if client is not None:
+            await client.shutdown()
+
+
+class _InstanceServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the replica's process belongs to Ray."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class PDIngress:
+    """The HTTP front of `rlt ray pd serve`: rlt-pd-coordinator's coordinator over the
+    instances that Ray runs (see the module docstring). `prefill` / `decode`: handles to the
+    engine deployments (their routers report membership); `model`: the checkpoint directory
+    whose tokenizer and config this front reads (None: the bundled model);
+    `serve_options`: rlt's `ServeOptions`; `options`: `PDOptions`."""
+
+    async def __init__(self, prefill, decode, model, serve_options, options: PDOptions) -> None:
+        from rlt_contracts.pd import PDRole
+        from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient, Timeouts
+        from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model_dir
+
+        self.options = options
+        self.serve_options = serve_options
+        self.roles = ((PDRole.PREFILL, PREFILL_NAME), (PDRole.DECODE, DECODE_NAME))
+        self.cluster = Cluster(
+            [],
+            ClusterOptions(
+                mode="pd",
+                api_key=options.instance_api_key,
+                poll_interval=options.poll_interval_s,
+                credit_wait=options.credit_wait_s,
+            ),
+        )
+        self.known: dict[str, Any] = {}  # Ray replica id -> the cluster's Instance
+        model_dir = resolve_model_dir(model)
+        loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_dir))
+        # a first call to each deployment starts its handle's router (membership) and waits
+        # for a first replica of each role
+        await asyncio.gather(prefill.describe.remote(), decode.describe.remote())
+        self._syncing = asyncio.create_task(self._sync_loop(), name="rlt-pd-membership")
+        await self._wait_admitted(options.startup_timeout_s)
+        self.tokenizer = await loading
+        self.cluster.start_polling()
+        info = build_model_info(model_dir, serve_options.served_model_name, self.cluster.instances)
+        self.client = PDEngineClient(
+            self.cluster,
+            info,
+            timeouts=Timeouts(
+                admission=options.admission_timeout_s, transfer=options.transfer_timeout_s
+            ),
+        )
+        self._handles = (prefill, decode)  # keep the routers alive
+
+    def __serve_build_asgi_app__(self):
+        from rlt_pd_coordinator import build_front
+
+        s = self.serve_options
+        return build_front(
+            self.client,
+            self.tokenizer,
+            served_model_name=s.served_model_name,
+            api_key=s.api_key,
+            max_body_bytes=s.max_body_bytes,
+            loop_defaults=s.loop_defaults,
+            host=s.host,
+            allowed_origins=s.allowed_origins,
+        )
+
+    # -- membership ---------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Apply Ray's replica set to the coordinator's cluster: add what is new (once it
+        reported its URL), remove what Ray no longer lists."""
+        from rlt_pd_coordinator import Instance
+
+        credits = {"prefill": self.options.prefill_credits, "decode": self.options.decode_credits}
+        live: set[str] = set()
+        for role, deployment in self.roles:
+            router = registry.find(deployment)
+            members = router.members() if router is not None else {}
+            for key, stats in members.items():
+                live.add(key)
+                url = stats.get("url")
+                if key in self.known or not url:
+                    continue
+                instance = Instance(
+                    f"{role}-{key}", role, url, credits[str(role)], pid=stats.get("pid")
+                )
+                self.known[key] = instance
+                self.cluster.add(instance)
+        for key in [k for k in self.known if k not in live]:
+            self.cluster.remove(self.known.pop(key), "Ray Serve no longer runs this replica")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                self.sync()
+            except Exception:  # noqa: BLE001 - logged; the next round tries again
+                logger.exception("PD membership update failed")
+            await asyncio.sleep(self.options.discovery_period_s)
+
+    async def _wait_admitted(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (reason := self.cluster.unavailable_reason()) is not None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no PD pair was admitted within {timeout_s:g} s: {reason}")
+            await asyncio.sleep(0.1)
+
+    # -- operators and tests ------------------------------------------------------------------
+    async def instances(self) -> list[dict]:
+        """The coordinator's view (as `GET /v1/pd/instances`), plus each replica's last
+        report (pid, node, agent, KV blocks, transfers pending)."""
+        reports = {}
+        for _, deployment in self.roles:
+            router = registry.find(deployment)
+            if router is not None:
+                reports.update(router.members())
+        by_instance = {id(i): k for k, i in self.known.items()}
+        views = []
+        for instance in list(self.cluster.instances):
+            key = by_instance.get(id(instance))
+            views.append({**instance.snapshot(), "replica": key, "report": reports.get(key, {})})
+        return views
+
+    async def __del__(self) -> None:
+        syncing = getattr(self, "_syncing", None)
+        if syncing is not None:
+            syncing.cancel()
+        client = getattr(self, "client", None)
+        if client is not None:
+            await client.shutdown()
+        else:
+            cluster = getattr(self, "cluster", None)
+            if cluster is not None:
+                await cluster.close()
+
+
+def build_pd_app(config=None, serve_options=None, options: PDOptions | None = None):
+    """The Ray Serve application of `rlt ray pd serve`: `serve.run(build_pd_app(...))`.
+
+    config: rlt's `EngineConfig` for every instance (its `pd_role` must stay "none": each
+    deployment sets its own; the `pd_*` timeouts apply); serve_options: rlt's `ServeOptions`
+    for the front (API key, served model name, body limit, loop defaults; host/port are
+    Serve's HTTP options); options: `PDOptions`.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from rlt.engine.config import EngineConfig
+    from rlt.serving.server_options import ServeOptions
+
+    from rlt_ray.app import engine_gpus
+
+    config = config or EngineConfig()
+    serve_options = serve_options or ServeOptions()
+    options = options or PDOptions()
+    options.validate()
+    if str(config.device).startswith("cuda:"):
+        raise ConfigurationError(
+            "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
+        )
+    if config.pd_role != "none":
+        raise ConfigurationError(
+            "pd_role", "rlt ray pd serve sets each deployment's role: leave --pd-role out"
+        )
+    gpus = engine_gpus(config, options)
+    if gpus == 0 and str(config.device) == "auto":
+        config = dataclasses.replace(config, device="cpu")
+    key = options.instance_api_key or secrets.token_urlsafe(24)
+    options = dataclasses.replace(options, instance_api_key=key)
+    router_config = RequestRouterConfig(
+        request_router_class="rlt_ray.router:MembershipRouter",
+        request_routing_stats_period_s=options.discovery_period_s,
+        request_routing_stats_timeout_s=max(options.discovery_period_s * 5, 5.0),
+    )
+
+    def engines(role: str, name: str, count: int, resources: dict[str, float]):
+        actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
+        if resources:
+            actor_options["resources"] = dict(resources)
+        spread = {}
+        if options.max_replicas_per_node is not None:
+            spread["max_replicas_per_node"] = options.max_replicas_per_node
+        deployment = serve.deployment(PDInstanceReplica).options(
+            name=name,
+            num_replicas=count,
+            ray_actor_options=actor_options,
+            max_ongoing_requests=options.max_ongoing_requests,
+            health_check_period_s=options.health_check_period_s,
+            health_check_timeout_s=options.health_check_timeout_s,
+            graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
+            request_router_config=router_config,
+            **spread,
+        )
+        return deployment.bind(dataclasses.replace(config, pd_role=role), role, key)
+
+    prefill = engines("prefill", PREFILL_NAME, options.num_prefill, options.prefill_resources)
+    decode = engines("decode", DECODE_NAME, options.num_decode, options.decode_resources)
+    ingress = serve.deployment(serve.ingress()(PDIngress)).options(
+        name=PD_INGRESS_NAME,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
+        max_ongoing_requests=max(options.max_ongoing_requests, 1024),
+        graceful_shutdown_timeout_s=serve_options.shutdown_timeout,
+    )
+    return ingress.bind(prefill, decode, config.model, serve_options, options)

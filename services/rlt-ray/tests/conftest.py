@@ -1,0 +1,128 @@
+"""One local three-node Ray cluster (`ray.cluster_utils.Cluster`) for every Ray test here.
+
+Starting it (three raylets, GCS, Serve's controller and proxy) is most of these tests' time
+on a 2-core machine, so it is started once per test session (per xdist worker: every test
+that uses it carries the `rlt-ray-cluster` xdist group, so they share one worker) and each
+test module deploys its own Serve application on it, deleting it when the module ends.
+
+Nodes and their custom resources (placement is real: each deployment asks for one of them):
+
+    head      rlt_head 1, rlt_replica 1, rlt_prefill 1   Serve controller, proxy, ingresses
+    worker 1  rlt_replica 1, rlt_decode 1
+    worker 2  rlt_replica 1, rlt_decode 1
+
+`rlt ray serve` tests run two `rlt_replica` engines (a replacement has one free node);
+`rlt ray pd serve` tests run one prefill replica on the head and a decode replica on each
+worker, so every handoff crosses nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+ENV = {
+    # Ray's `uv run` integration would rebuild the workspace for every worker: the test
+    # processes already run in it
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "OMP_NUM_THREADS": "1",  # the same as the in-process reference engines (float reductions)
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+@dataclass
+class RayCluster:
+    cluster: object
+    port: int
+    head_node_id: str
+    phases: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ensure_nodes(self, resource: str, count: int) -> None:
+        """At least `count` live nodes offer `resource` (an earlier test may have removed a
+        node): add workers with one of it until they do."""
+        import ray
+
+        def live() -> int:
+            return sum(
+                1 for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource, 0) >= 1
+            )
+
+        missing = count - live()
+        for _ in range(missing):
+            self.cluster.add_node(num_cpus=1, resources={resource: 1, "rlt_replica": 1})
+        if missing > 0:
+            self.cluster.wait_for_nodes()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    started = time.monotonic()
+    phases: list[str] = []
+
+    def phase(name: str) -> None:
+        phases.append(f"{name} {time.monotonic() - started:.1f} s")
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"rlt_head": 1, "rlt_replica": 1, "rlt_prefill": 1},
+            "include_dashboard": False,
+            "no_monitor": True,  # no autoscaler: one Python process less
+            "_system_config": {
+                # a removed node is declared dead after ~3 missed 1 s health checks
+                "health_check_period_ms": 1000,
+                "health_check_failure_threshold": 3,
+                # no idle Python workers started ahead of need (2 CPUs are shared by all)
+                "enable_worker_prestart": False,
+                "prestart_worker_first_driver": False,
+            },
+        },
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(wait=False, num_cpus=1, resources={"rlt_replica": 1, "rlt_decode": 1})
+        cluster.wait_for_nodes()
+        phase("3 nodes")
+        ray.init(
+            address=cluster.address,
+            logging_level="WARNING",
+            log_to_driver=False,
+            runtime_env={"env_vars": dict(ENV)},
+        )
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        phase("serve")
+        print(f"\nrlt-ray test cluster up: {', '.join(phases)}")
+        yield RayCluster(cluster, port, cluster.head_node.node_id, phases)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

@@ -199,3 +199,51 @@ def test_choices_scored_at_exit_depth_share_their_context_through_the_prefix_cac
     run(core, [("other", prompts[3], at_exit_depth(0.7, 1, None))])
     assert core.stats().prefix_cache_hit_tokens == 3 * 12
     core.close()
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_choices_submitted_together_compute_their_context_once_at_exit_depth(checkpoint, layout):
+    """The 4 choices in one call, before any has published the context: the first computes it,
+    the others wait until its salted pages are read back (rlt-scheduler's prefix waits) and
+    take them with their scores and depths (3 x 12 hits); each still equals the teacher-forced
+    decode and the cold engine. Aborting the computing choice before its pages are read back
+    releases the others: the next one computes the context and the last two reuse it."""
+    params = at_exit_depth(0.5, 1, None)
+    prompts = [CONTEXT + choice for choice in CHOICES]
+    requests = [(f"c{i}", p, params) for i, p in enumerate(prompts)]
+    cold = make_core(checkpoint, kv_layout=layout)
+    reference = run(cold, requests)
+    cold.close()
+    oracle = GenerationOracle(DenseOuro(checkpoint), layout)
+
+    def assert_as_cold(got: Finished, rid: str, prompt) -> None:
+        assert_equals_teacher_forced(oracle, prompt, params, "ouro", got)
+        want = reference[rid]
+        assert got.prompt_exit_depths == want.prompt_exit_depths
+        assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-5)
+        assert (got.token_ids, got.exit_depths) == (want.token_ids, want.exit_depths)
+
+    core = make_core(checkpoint, kv_layout=layout, enable_prefix_caching=True)
+    got = run(core, requests)  # one add_requests call, then steps
+    stats = core.stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 12
+    assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 12 for p in prompts[1:])
+    for rid, prompt, _ in requests:
+        assert_as_cold(got[rid], rid, prompt)
+    core.close()
+
+    core = make_core(checkpoint, kv_layout=layout, enable_prefix_caching=True)
+    core.add_requests([EngineRequest(rid, tuple(p), params) for rid, p, params in requests])
+    finished = {rid: Finished() for rid, _, _ in requests}
+    for delta in core.step():  # c0 computes the first chunk of the context; the others wait
+        finished[delta.request_id].add(delta)
+    assert core.scheduler.running_request_ids() == ["c0"]
+    assert core.abort_request("c0")
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            finished[delta.request_id].add(delta)
+    assert core.leak_report() == []
+    assert core.stats().prefix_cache_hit_tokens == 2 * 12  # c1 computed it, c2 and c3 reused
+    for rid, prompt, _ in requests[1:]:
+        assert_as_cold(finished[rid], rid, prompt)
+    core.close()

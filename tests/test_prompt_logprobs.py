@@ -152,3 +152,41 @@ def test_the_choices_of_a_question_compute_their_shared_context_once(checkpoint,
     assert_same_scores(again, more)
     assert llm.engine.core.leak_report() == []
     llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_choices_submitted_together_compute_their_context_once(checkpoint, layout):
+    """The 4 choices in one call (as one list-of-prompts completion sends them), before any
+    has published the context: the first computes it, the other 3 wait until its 3 pages are
+    read back (rlt-scheduler's prefix waits) and take them with their scores. Scores and tokens
+    equal the cold engine's and the oracle's. Plain prompts sharing the running scored prompt's
+    pages (prefill's KV at full depth) wait for them the same way."""
+    prompts = [CONTEXT + choice for choice in CHOICES]
+    plain = SamplingParams(max_tokens=3, exit_threshold=0.6, ignore_eos=True)
+    cold = LLM(checkpoint, **ENGINE, kv_layout=layout)
+    reference = cold.generate(prompts, [scored()] * 4)
+    plain_reference = cold.generate(prompts[1:], plain)
+    assert cold.engine.core.leak_report() == []
+    cold.shutdown()
+    llm = LLM(checkpoint, **ENGINE, kv_layout=layout, enable_prefix_caching=True)
+    got = llm.generate(prompts, [scored()] * 4)
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hit_tokens == 3 * 12  # the context's 3 full pages, per choice
+    assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 12 for p in prompts[1:])
+    assert llm.engine.core.leak_report() == []
+    oracle = GenerationOracle(DenseOuro(checkpoint), layout)
+    for prompt, output, want in zip(prompts, got, reference, strict=True):
+        assert_same_scores(output, want)
+        assert output.token_ids == want.token_ids
+        assert output.prompt_logprobs[1:] == pytest.approx(
+            oracle.prompt_logprobs(tuple(prompt))[1:], abs=1e-4
+        )
+    llm.shutdown()
+    llm = LLM(checkpoint, **ENGINE, kv_layout=layout, enable_prefix_caching=True)
+    mixed = llm.generate(prompts, [scored(), plain, plain, plain])
+    assert llm.get_stats().prefix_cache_hit_tokens == 3 * 12
+    assert_same_scores(mixed[0], reference[0])
+    assert [o.token_ids for o in mixed[1:]] == [o.token_ids for o in plain_reference]
+    assert all(o.prompt_logprobs is None for o in mixed[1:])
+    assert llm.engine.core.leak_report() == []
+    llm.shutdown()

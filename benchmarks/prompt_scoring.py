@@ -7,8 +7,8 @@ same prompts, after one warm-up question:
   prefill      max_tokens 1: what serving computes for these prompts (prefix caching shares
                the context across choices)
   full_depth   prompt_logprobs 1: every prompt token scored at full depth (a question's
-               choices arrive together, before any has published its pages and their
-               scores, so each computes its context)
+               choices arrive together: the first computes the context, the others wait for
+               its pages and their scores, rlt-scheduler's prefix waits, and reuse them)
   exit_depth   prompt_logprobs 1 + score_at_exit_depth at --threshold: scored at each
                position's exit depth (eager, position-major loops)
 Reported per arm: prompt tokens / second (wall clock, all requests of the arm), and the

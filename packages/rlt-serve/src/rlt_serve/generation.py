@@ -18,8 +18,9 @@ Sequences of one prompt (n or best_of > 1):
   `(seed + j) mod 2**63` (vLLM's derivation), so the same request with the same seed gives the
   same sequences whatever else runs; without a seed each draws its own. Greedy sequences are
   identical (as in vLLM).
-- Prompt KV: the sequences of one prompt carry one `sibling_group`, so with prefix caching the
-  engine computes the prompt once and the others reuse its pages (rlt-scheduler README).
+- Prompt KV: the sequences of one prompt are submitted together (with one `sibling_group`);
+  with prefix caching the engine computes the prompt once and the others wait for its pages
+  and reuse them (prefix waits, rlt-scheduler README).
 - best_of > n: every sequence asks the engine for the sampled token's log-probability
   (`logprobs=0` unless the client asked for more; never returned unless asked) and the n with
   the highest cumulative log-probability are returned, best first (`final_choices`).

@@ -37,8 +37,9 @@ waiting W takes no slot and is skipped by admission without being scanned or pas
 (`Admitter.admit`), so it never holds up requests behind it; once R has read the pages back
 (or left the running list) W is admitted in queue order with the prefix-cache hit.
 
-Pure functions of the requests, the KV port's page keys and the running list the scheduler
-passes in; each request's page keys are computed once (`ScheduledRequest.prompt_page_keys`).
+Functions of the requests, the KV port's page keys and the running list the scheduler passes
+in; the only state they write is each request's page keys, computed once on first need
+(`ScheduledRequest.prompt_page_keys`), and never while nothing running has pages to publish.
 """
 
 from __future__ import annotations
@@ -110,6 +111,17 @@ def waits_for_prefix(
     back (module docstring). Never with no prefix cache, never for a preempted request."""
     if not prefix_caching or request.preempted:
         return False
-    if not worth_waiting(kv, request, len(page_keys(kv, request))):
+    computing = [other for other in running if _unpublished(kv, other)]
+    if not computing:
+        return False  # the usual case while requests decode: no page hashed
+    if not worth_waiting(kv, request, (request.prompt_length - 1) // kv.block_size):
         return False  # even all its pages shared would not be worth a wait
-    return any(waits_for(kv, request, other) for other in running)
+    return any(waits_for(kv, request, other) for other in computing)
+
+
+def _unpublished(kv: KVPort, request: ScheduledRequest) -> bool:
+    """Some of the request's publishable pages are not read back yet."""
+    publishable = request.prompt_length - 1
+    return min(request.computed_prompt_tokens, publishable) // kv.block_size < (
+        publishable // kv.block_size
+    )

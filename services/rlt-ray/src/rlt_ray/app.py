@@ -127,6 +127,23 @@ def engine_gpus(config, options: RayOptions) -> float:
     return 0.0
 
 
+def replica_engine_config(config, options, pd_role_refusal: str):
+    """The engine config every replica of a deployment runs, and the GPUs each asks Ray for:
+    a device index is refused (Ray assigns each replica its GPU), so is a `pd_role` (the
+    deployment decides roles; `pd_role_refusal` says why), and "auto" without a GPU is the
+    CPU."""
+    if str(config.device).startswith("cuda:"):
+        raise ConfigurationError(
+            "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
+        )
+    if config.pd_role != "none":
+        raise ConfigurationError("pd_role", pd_role_refusal)
+    gpus = engine_gpus(config, options)
+    if gpus == 0 and str(config.device) == "auto":
+        config = dataclasses.replace(config, device="cpu")
+    return config, gpus
+
+
 def build_app(config=None, serve_options=None, options: RayOptions | None = None):
     """The Ray Serve application: `serve.run(build_app(...))`.
 
@@ -143,19 +160,12 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
     from rlt_ray.ingress import OpenAIIngress
     from rlt_ray.replicas import EngineReplica
 
-    config = config or EngineConfig()
     serve_options = serve_options or ServeOptions()
     options = options or RayOptions()
     options.validate()
-    if str(config.device).startswith("cuda:"):
-        raise ConfigurationError(
-            "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
-        )
-    if config.pd_role != "none":
-        raise ConfigurationError("pd_role", "rlt ray serve runs whole engines (--pd-role none)")
-    gpus = engine_gpus(config, options)
-    if gpus == 0 and str(config.device) == "auto":
-        config = dataclasses.replace(config, device="cpu")
+    config, gpus = replica_engine_config(
+        config or EngineConfig(), options, "rlt ray serve runs whole engines (--pd-role none)"
+    )
     actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
     if options.resources:
         actor_options["resources"] = dict(options.resources)

@@ -367,23 +367,16 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
     from rlt.engine.config import EngineConfig
     from rlt.serving.server_options import ServeOptions
 
-    from rlt_ray.app import engine_gpus
+    from rlt_ray.app import replica_engine_config
 
-    config = config or EngineConfig()
     serve_options = serve_options or ServeOptions()
     options = options or PDOptions()
     options.validate()
-    if str(config.device).startswith("cuda:"):
-        raise ConfigurationError(
-            "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
-        )
-    if config.pd_role != "none":
-        raise ConfigurationError(
-            "pd_role", "rlt ray pd serve sets each deployment's role: leave --pd-role out"
-        )
-    gpus = engine_gpus(config, options)
-    if gpus == 0 and str(config.device) == "auto":
-        config = dataclasses.replace(config, device="cpu")
+    config, gpus = replica_engine_config(
+        config or EngineConfig(),
+        options,
+        "rlt ray pd serve sets each deployment's role: leave --pd-role out",
+    )
     key = options.instance_api_key or secrets.token_urlsafe(24)
     options = dataclasses.replace(options, instance_api_key=key)
     router_config = RequestRouterConfig(

@@ -306,7 +306,18 @@ def _served_by_new_replica(fleet: Fleet, new_key: str) -> None:
     assert fleet.report()["replicas"][new_key]["routed"] > before
 
 
+def _quiet(fleet: Fleet) -> dict:
+    """Waits until no replica has a request in flight from the router (an earlier test's
+    requests ended, unsent decisions expired), so that in-flight counts below are this test's."""
+    return fleet.wait_for(
+        lambda r: all(v["in_flight"] == 0 for v in r["replicas"].values()),
+        30,
+        "no request in flight",
+    )
+
+
 def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
+    _quiet(fleet)
     ingress = fleet.ingress()
     ingress.set_routing_policy.remote("prefix_affinity").result(timeout_s=30)
     victim_prompt = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home " * 3
@@ -336,7 +347,7 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
 
 
 def test_removed_node_fails_only_its_requests_and_the_replica_moves(fleet):
-    report = fleet.report()
+    report = _quiet(fleet)
     on_workers = [
         k
         for k, v in report["replicas"].items()
@@ -349,10 +360,11 @@ def test_removed_node_fails_only_its_requests_and_the_replica_moves(fleet):
         stream = Stream(fleet, f"Node test {i}: it was a dark and stormy night, and", 300)
         assert stream.started.wait(60)
         now = fleet.report()
-        key = next(
+        started = [
             k for k, v in now["replicas"].items() if v["in_flight"] == 1 and k not in streams
-        )
-        streams[key] = stream
+        ]
+        assert len(started) == 1, now
+        streams[started[0]] = stream
     assert set(streams) == set(report["replicas"]), (streams.keys(), report)
     node_id = report["replicas"][victim]["routing_stats"]["node_id"]
     [node] = [n for n in fleet.cluster.worker_nodes if n.node_id == node_id]

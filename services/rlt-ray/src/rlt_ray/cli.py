@@ -313,12 +313,18 @@ def _run_app(build, serve_options, address: str | None, line: str) -> int:
     init: dict = {"include_dashboard": False} if local else {"address": address}
     ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, **init)
     stop = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    ready = False
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        if not ready:  # serve.run waits for the replicas: interrupt that wait
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": serve_options.host, "port": serve_options.port})
         serve.run(build(), name=APP_NAME, route_prefix="/", blocking=False)
+        ready = True
         print(
             f"rlt ray: ready at http://{serve_options.host}:{serve_options.port} ({line})",
             flush=True,
@@ -326,6 +332,9 @@ def _run_app(build, serve_options, address: str | None, line: str) -> int:
         stop.wait()
         print("rlt ray: stopping", flush=True)
         return 0
+    except KeyboardInterrupt:
+        print("rlt ray: interrupted during start-up: stopping", flush=True)
+        return 130
     finally:
         try:
             if local:
@@ -345,6 +354,9 @@ def _replica_line(options: RayOptions) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Under `uv run`, Ray (2.60) would start every worker through `uv run` from a packaged
+    # copy of the working directory; the workers run this interpreter's environment instead.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

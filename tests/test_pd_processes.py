@@ -38,7 +38,9 @@ ENGINE_FLAGS = dict(
     prefill_chunk_size=5,
 )
 # Short transfer leases so that failure paths finish within a test (docs/pd.md, failures).
-PD_FLAGS = ["--pd-write-timeout-s", "2", "--pd-kv-lease-s", "3", "--pd-kv-timeout-s", "30"]
+KV_TIMEOUT_S, KV_LEASE_S = 30, 3
+PD_FLAGS = ["--pd-write-timeout-s", "2", "--pd-kv-lease-s", str(KV_LEASE_S)]
+PD_FLAGS += ["--pd-kv-timeout-s", str(KV_TIMEOUT_S)]
 
 PROMPTS = [
     [5, 17, 200, 3, 99, 42, 7, 8, 9, 10, 11, 12, 13],  # ends mid-block
@@ -261,4 +263,5 @@ def test_a_killed_instance_fails_its_request_and_the_survivors_serve(model, vict
         for i in (0, 2):
             choice = group.complete(PROMPTS[i], **request_params(i))
             assert (choice["token_ids"], choice["exit_depths"]) == expected[i]
-        group.wait_all_free(timeout=30)
+        # D frees a dead P's transfer at the latest when its KV wait times out, plus the lease
+        group.wait_all_free(timeout=KV_TIMEOUT_S + KV_LEASE_S + 10)

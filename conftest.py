@@ -38,6 +38,9 @@ def worker_count() -> int:
     return min(usable_cpus(), 4)
 
 
+LOADGROUP_ENV = "RLT_PYTEST_LOADGROUP"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """Spread a run over worker processes (pytest-xdist, `--dist loadgroup`) where xdist is
@@ -46,6 +49,10 @@ def pytest_cmdline_main(config):
     Not set in addopts because pytest refuses `-n` where the plugin is missing. Runs before
     xdist's own pytest_cmdline_main (conftest hooks are registered after the plugin's)."""
     option = config.option
+    if hasattr(config, "workerinput") and os.environ.get(LOADGROUP_ENV) == "1":
+        # A worker builds its options from the command line, which never said --dist
+        # loadgroup (set below): without this the `xdist_group` marks group nothing there.
+        option.loadgroup = True
     if (
         not config.pluginmanager.hasplugin("xdist")
         or hasattr(config, "workerinput")  # an xdist worker itself
@@ -59,9 +66,31 @@ def pytest_cmdline_main(config):
     if workers >= 2:
         option.numprocesses = workers
         option.dist = "loadgroup"
+        os.environ[LOADGROUP_ENV] = "1"  # read by the workers (above); they inherit it
         # The CPUs shared out: torch's intra-op pool in each worker (and in the servers its
         # tests start, which inherit the environment) is sized to its share, not to all of them.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // workers)))
+
+
+def _suffix_xdist_groups(items) -> None:
+    """`--dist loadgroup` sends the tests whose node ids end in "@GROUP" to one worker; xdist
+    3.8 appends that suffix by assigning `item._nodeid`, which pytest 9 no longer reads (node
+    ids live in `item._id`), so the `xdist_group` marks would group nothing (seen: the Ray
+    tests started one cluster per worker). Same suffix, on the attribute pytest reads."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):
+            old = item._id
+            last = old.names[-1] + (f"[{old.params}]" if old.params is not None else "")
+            item._id = NodeId(path=old.path, names=(*old.names[:-1], last + suffix))
 
 
 def cuda_available() -> bool:
@@ -79,7 +108,10 @@ if importlib.util.find_spec("torch") is not None and not cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's own hook, which adds the same suffix
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        _suffix_xdist_groups(items)
     if hasattr(config, "workerinput"):
         # On xdist workers (every worker sorts alike): the `slow` tests first, so that they are
         # dealt out across the workers at the start rather than left to one worker at the end.

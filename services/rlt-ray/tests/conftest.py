@@ -1,9 +1,10 @@
 """One local three-node Ray cluster (`ray.cluster_utils.Cluster`) for every Ray test here.
 
 Starting it (three raylets, GCS, Serve's controller and proxy) is most of these tests' time
-on a 2-core machine, so it is started once per test session (per xdist worker: every test
-that uses it carries the `rlt-ray-cluster` xdist group, so they share one worker) and each
-test module deploys its own Serve application on it, deleting it when the module ends.
+on a 2-core machine, so the modules that need it share it (every test that uses it carries
+the `rlt-ray-cluster` xdist group, so they run on one worker, one after the other), each
+deploying its own Serve application and deleting it when the module ends; the cluster stops
+after the last of them.
 
 Nodes and their custom resources (placement is real: each deployment asks for one of them):
 
@@ -40,6 +41,7 @@ class RayCluster:
     port: int
     head_node_id: str
     phases: list[str] = field(default_factory=list)
+    saved_env: dict[str, str | None] = field(default_factory=dict)  # restored at the stop
 
     @property
     def url(self) -> str:
@@ -68,8 +70,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+_running: RayCluster | None = None  # the cluster, between its first user and its last
+
+
+@pytest.fixture(scope="module")
 def ray_cluster():
+    """The cluster, started by the first module that needs it and shared by the next ones;
+    stopped (`pytest_runtest_teardown` below) after the last of a run of such tests, so that it
+    does not load the 2 CPUs while the rest of the suite runs (xdist sends the
+    `rlt-ray-cluster` group to one worker as one run)."""
+    global _running
+    if _running is None:
+        _running = _start_cluster()
+    yield _running
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the item's fixtures (a module's app) are gone; the cluster may go too
+    global _running
+    if _running is not None and (nextitem is None or "ray_cluster" not in nextitem.fixturenames):
+        cluster, _running = _running, None
+        _stop_cluster(cluster)
+
+
+def _start_cluster() -> RayCluster:
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
     import ray
@@ -99,6 +124,7 @@ def ray_cluster():
             },
         },
     )
+    running = RayCluster(cluster, 0, cluster.head_node.node_id, phases, saved)
     try:
         for _ in range(2):
             cluster.add_node(wait=False, num_cpus=1, resources={"rlt_replica": 1, "rlt_decode": 1})
@@ -110,19 +136,30 @@ def ray_cluster():
             log_to_driver=False,
             runtime_env={"env_vars": dict(ENV)},
         )
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        running.port = _free_port()
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": running.port}, proxy_location="HeadOnly"
+        )
         phase("serve")
         print(f"\nrlt-ray test cluster up: {', '.join(phases)}")
-        yield RayCluster(cluster, port, cluster.head_node.node_id, phases)
-    finally:
-        try:
+        return running
+    except BaseException:
+        _stop_cluster(running)
+        raise
+
+
+def _stop_cluster(running: RayCluster) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
             serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    finally:
+        ray.shutdown()
+        running.cluster.shutdown()
+        for key, value in running.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -307,12 +307,16 @@ def _served_by_new_replica(fleet: Fleet, new_key: str) -> None:
 
 
 def _quiet(fleet: Fleet) -> dict:
-    """Waits until no replica has a request in flight from the router (an earlier test's
-    requests ended, unsent decisions expired), so that in-flight counts below are this test's."""
+    """Waits until no replica has a request in flight, as the router counts them (unsent
+    decisions expired) and as each replica last reported them (an earlier test's requests
+    ended), so that the counts below are this test's and the router sees equal loads."""
     return fleet.wait_for(
-        lambda r: all(v["in_flight"] == 0 for v in r["replicas"].values()),
-        30,
-        "no request in flight",
+        lambda r: all(
+            v["in_flight"] == 0 and v["routing_stats"].get("ongoing", 0) == 0
+            for v in r["replicas"].values()
+        ),
+        60,
+        "no request in flight or held by a replica",
     )
 
 

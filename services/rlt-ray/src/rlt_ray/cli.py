@@ -27,15 +27,32 @@ APP_NAME = "rlt"
 logger = logging.getLogger(__name__)
 
 
-def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    d = RayOptions()
-    group = parser.add_argument_group("Ray (services/rlt-ray/README.md)")
+def _add_placement_arguments(group, d) -> None:
+    """The flags both commands share: the cluster, and what each engine replica asks Ray for
+    and how Ray checks it (`d`: the command's options with their defaults)."""
     group.add_argument(
         "--address",
         default=None,
         help="Ray cluster to join ('auto': the one this node belongs to; host:port); "
         "default: start a local one",
     )
+    group.add_argument(
+        "--num-gpus-per-replica",
+        dest="num_gpus",
+        type=float,
+        default=None,
+        help="default: 1 when the engine runs on CUDA, else 0",
+    )
+    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
+    group.add_argument("--max-replicas-per-node", type=int, default=None)
+    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
+    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
+
+
+def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RayOptions()
+    group = parser.add_argument_group("Ray (services/rlt-ray/README.md)")
+    _add_placement_arguments(group, d)
     group.add_argument("--replicas", type=int, default=d.replicas, help="engine replicas")
     group.add_argument(
         "--min-replicas", type=int, default=None, help="autoscale from this many (with --max)"
@@ -64,27 +81,16 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--load-slack", type=int, default=d.load_slack)
     group.add_argument(
-        "--num-gpus-per-replica",
-        dest="num_gpus",
-        type=float,
-        default=None,
-        help="default: 1 when the engine runs on CUDA, else 0",
-    )
-    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
-    group.add_argument(
         "--replica-resource",
         action="append",
         default=[],
         metavar="NAME=AMOUNT",
         help="custom Ray resource each replica needs (repeatable)",
     )
-    group.add_argument("--max-replicas-per-node", type=int, default=None)
     group.add_argument("--ingress-replicas", type=int, default=d.ingress_replicas)
     group.add_argument(
         "--max-ongoing-requests", type=int, default=d.max_ongoing_requests, help="per replica"
     )
-    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
-    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
     group.add_argument(
         "--routing-stats-period-s",
         type=float,
@@ -99,12 +105,7 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = PDOptions()
     group = parser.add_argument_group("Ray PD (services/rlt-ray/README.md)")
-    group.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster to join ('auto': the one this node belongs to; host:port); "
-        "default: start a local one",
-    )
+    _add_placement_arguments(group, d)
     group.add_argument("--num-prefill", type=int, default=d.num_prefill, help="prefill replicas")
     group.add_argument("--num-decode", type=int, default=d.num_decode, help="decode replicas")
     group.add_argument(
@@ -121,15 +122,6 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=AMOUNT",
         help="custom Ray resource each decode replica needs",
     )
-    group.add_argument(
-        "--num-gpus-per-replica",
-        dest="num_gpus",
-        type=float,
-        default=None,
-        help="default: 1 when the engine runs on CUDA, else 0",
-    )
-    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
-    group.add_argument("--max-replicas-per-node", type=int, default=None)
     group.add_argument("--prefill-credits", type=int, default=d.prefill_credits)
     group.add_argument("--decode-credits", type=int, default=d.decode_credits)
     group.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s)
@@ -147,8 +139,6 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("RLT_INSTANCE_API_KEY"),
         help="API key of the instances' HTTP servers (default: a random one)",
     )
-    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
-    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

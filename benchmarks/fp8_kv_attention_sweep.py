@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "rlt-attention" / "src"))
 
+from rlt_attention import split_config  # noqa: E402
 from rlt_attention import split_decode_kernel as sdk  # noqa: E402
 from rlt_attention.kv_store import quantize  # noqa: E402
 
@@ -84,7 +85,7 @@ def main() -> None:
     out = torch.empty_like(query)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     heuristic = {
-        fp8: sdk.choose_splits(
+        fp8: split_config.choose_splits(
             num_groups=rows,
             num_kv_heads=HEADS,
             max_context_len=context,

@@ -309,7 +309,7 @@ def loop_paths(device: str) -> dict:
 
 def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[dict]:
     import torch
-    from rlt_attention import split_decode_kernel
+    from rlt_attention import split_config
 
     config = model.config
     gen = torch.Generator(device=device).manual_seed(rows)
@@ -337,7 +337,7 @@ def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[
             "kv_gb_per_s": paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9,
         }
         if name == "split":
-            entry["num_splits"] = split_decode_kernel.choose_splits(
+            entry["num_splits"] = split_config.choose_splits(
                 num_groups=rows,
                 num_kv_heads=config.num_key_value_heads,
                 max_context_len=paged.pages * paged.block_size,
@@ -346,7 +346,7 @@ def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[
                 sm_count=(
                     torch.cuda.get_device_properties(device).multi_processor_count
                     if device == "cuda"
-                    else split_decode_kernel.DEFAULT_SM_COUNT
+                    else split_config.DEFAULT_SM_COUNT
                 ),
             ).num_splits
         results.append(entry)

@@ -127,8 +127,7 @@ def bench_attention(model, paged, rows_list, timer) -> list[dict]:
     """One layer call of the Triton backend (KV store, split, combine) per candidate split
     configuration, forced in through `choose_splits` (the backend looks it up per call)."""
     import torch
-    from rlt_attention import TritonPagedAttention
-    from rlt_attention import split_decode_kernel as sdk
+    from rlt_attention import TritonPagedAttention, split_config
 
     config = model.config
     heads, kv_heads, head_dim = (
@@ -136,7 +135,7 @@ def bench_attention(model, paged, rows_list, timer) -> list[dict]:
         config.num_key_value_heads,
         config.head_dim,
     )
-    original_choose = sdk.choose_splits
+    original_choose = split_config.choose_splits
     dtype = paged.kv.key_cache.dtype
     results = []
     for rows in rows_list:
@@ -168,7 +167,7 @@ def bench_attention(model, paged, rows_list, timer) -> list[dict]:
                     )
                 )
         for name, split in candidates:
-            sdk.choose_splits = partial(fixed_split, split)
+            split_config.choose_splits = partial(fixed_split, split)
             bound = TritonPagedAttention().bind(paged.kv, batch)
             us = time_per_call(
                 timer,
@@ -184,7 +183,7 @@ def bench_attention(model, paged, rows_list, timer) -> list[dict]:
                     "kv_gb_per_s": round(paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9, 1),
                 }
             )
-        sdk.choose_splits = original_choose
+        split_config.choose_splits = original_choose
         print(f"attention rows={rows} done", flush=True)
     return results
 
@@ -192,8 +191,7 @@ def bench_attention(model, paged, rows_list, timer) -> list[dict]:
 def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
     """The fused loop with today's selection, then with the sweep's best choices forced in."""
     import torch
-    from rlt_attention import TritonPagedAttention
-    from rlt_attention import split_decode_kernel as sdk
+    from rlt_attention import TritonPagedAttention, split_config
     from rlt_models import small_batch_linear as sbl
 
     configs = {_config_name(c): c for c in all_configs()}
@@ -206,7 +204,7 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
             "down": model.layers[0].mlp.down_proj,
         }.items()
     }
-    original_choose = sdk.choose_splits
+    original_choose = split_config.choose_splits
     results = []
     for rows in rows_list:
         gen = torch.Generator(device="cuda").manual_seed(100 + rows)
@@ -219,7 +217,7 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
         variants = ("engine", "sweep_best", "row_best", "tile_best", "cublas")
         for variant in variants if rows == 1 else [v for v in variants if v != "row_best"]:
             sbl.small_batch_linear.choices.clear()
-            sdk.choose_splits = original_choose
+            split_config.choose_splits = original_choose
             chosen = {}
             if variant != "engine":  # each projection's fastest impl of the variant's kind
                 kind = {"sweep_best": "", "row_best": "row_", "tile_best": "tile_"}.get(variant)
@@ -239,7 +237,8 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
                 if variant == "sweep_best" and splits:
                     best_split = min(splits, key=lambda a: a["us"])
                     chosen["attention"] = best_split["config"]
-                    sdk.choose_splits = partial(fixed_split, sdk.SplitConfig(**best_split["split"]))
+                    best = split_config.SplitConfig(**best_split["split"])
+                    split_config.choose_splits = partial(fixed_split, best)
             bound = TritonPagedAttention().bind(paged.kv, batch)
             run, _ = timer.capture(
                 partial(model.recurrent_step, hidden, positions, bound, compute_gate=True)
@@ -257,7 +256,7 @@ def bench_loops(model, paged, rows_list, timer, gemms, attention) -> list[dict]:
                 }
             )
         print(f"loop rows={rows} done", flush=True)
-    sdk.choose_splits = original_choose
+    split_config.choose_splits = original_choose
     return results
 
 

@@ -138,11 +138,11 @@ def test_split_decode_product_orders_read_the_fp8_cache_alike(
     """Both product orders of the split kernel attend over the dequantized fp8 values."""
     import dataclasses
 
-    from rlt_attention import split_decode_kernel
+    from rlt_attention import split_config
 
-    choose = split_decode_kernel.choose_splits
+    choose = split_config.choose_splits
     monkeypatch.setattr(
-        split_decode_kernel,
+        split_config,
         "choose_splits",
         lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=keys_as_rows),
     )

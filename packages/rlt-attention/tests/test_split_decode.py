@@ -15,6 +15,7 @@ import torch
 from rlt_attention import (
     TorchPagedAttention,
     TritonPagedAttention,
+    split_config,
     split_decode_kernel,
     triton_kernel,
 )
@@ -43,7 +44,7 @@ def launches(monkeypatch):
     split_launch = split_decode_kernel.launch_split_decode_attention
     tiled_launch = triton_kernel.launch_paged_attention
 
-    def spy_split(*args, split: split_decode_kernel.SplitConfig, **kwargs):
+    def spy_split(*args, split: split_config.SplitConfig, **kwargs):
         calls.append(("split", split))
         return split_launch(*args, split=split, **kwargs)
 
@@ -214,7 +215,7 @@ def test_few_query_groups_use_split_kv_and_match_the_torch_backend(
 
 def test_choose_splits_heuristic():
     def config(groups, kv_heads, context, **kwargs):
-        return split_decode_kernel.choose_splits(
+        return split_config.choose_splits(
             num_groups=groups,
             num_kv_heads=kv_heads,
             max_context_len=context,
@@ -238,19 +239,19 @@ def test_choose_splits_heuristic():
     eight_rows = config(8, 16, 8192)
     assert (eight_rows.num_splits, eight_rows.block_n, eight_rows.num_stages) == (3, 64, 3)
     assert splits(32, 16, 1088) == 1  # 512 programs already fill the GPU
-    assert splits(1, 1, 100_000) == split_decode_kernel.MAX_SPLITS
+    assert splits(1, 1, 100_000) == split_config.MAX_SPLITS
     assert splits(1, 16, 16) == 1  # one key step: nothing to split
     assert splits(1, 16, 1088, num_splits=5) == 5
     assert splits(1, 16, 1088, sm_count=78) == 30  # ceil(6 * 78 / 16)
     assert splits(1, 16, 1088, block_n=64) == 17  # at most one 64-key step per split
     assert (
-        split_decode_kernel.choose_splits(
+        split_config.choose_splits(
             num_groups=1, num_kv_heads=2, max_context_len=64, queries_per_kv=4, head_dim=12
         ).block_m
         == 16
     )
     # an fp8 cache: the large grid takes the fp8 key step, the small grid keeps its own
-    step = split_decode_kernel._fp8_step
+    step = split_config._fp8_step
     fp8 = config(32, 16, 1088, kv_fp8=True)
     assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.keys_as_rows) == step
     assert config(1, 16, 1088, kv_fp8=True) == one_row
@@ -355,9 +356,9 @@ def test_keys_as_rows_products_match_the_torch_backend(
 ):
     """The split kernel computing K q^T and V^T p^T (keys as the tile's rows) gives the same
     attention as the rows-by-keys products, one split (direct output) or several."""
-    choose = split_decode_kernel.choose_splits
+    choose = split_config.choose_splits
     monkeypatch.setattr(
-        split_decode_kernel,
+        split_config,
         "choose_splits",
         lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=True),
     )

@@ -24,9 +24,9 @@ from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_input
 from rlt_attention.kv_store import SlotViews, slot_views
 
 try:
-    from rlt_attention import split_decode_kernel, triton_kernel
+    from rlt_attention import split_config, split_decode_kernel, triton_kernel
 except ImportError as exc:  # triton is an optional platform dependency (linux only)
-    split_decode_kernel = triton_kernel = None
+    split_config = split_decode_kernel = triton_kernel = None
     _TRITON_IMPORT_ERROR: str | None = f"triton not importable ({exc})"
 else:
     _TRITON_IMPORT_ERROR = None
@@ -59,7 +59,7 @@ def triton_unavailable_reason() -> str | None:
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a host query); the H100/H200 count elsewhere."""
     if device.type != "cuda":
-        return split_decode_kernel.DEFAULT_SM_COUNT
+        return split_config.DEFAULT_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -68,7 +68,7 @@ class TritonPagedAttention:
 
     `split_kv=False` serves decode-only calls with the tiled kernel too (the split-KV kernels are
     the default for them); `num_splits` forces the split count of decode-only calls (tests,
-    tuning; default: `split_decode_kernel.choose_splits`). `fused_decode=True` makes decode-only
+    tuning; default: `split_config.choose_splits`). `fused_decode=True` makes decode-only
     calls store the new keys and values inside the split kernel and merge the partials in its last
     split (atomic ticket) instead of separate store and combine kernels; measured on an H200
     (Ouro-1.4B, context 1088) it was slower (13.8 vs 11.7 us per layer call at batch 1, 114 vs
@@ -232,7 +232,7 @@ class _TritonBoundAttention:
                 self._block_tables,
                 self._batch.query_start,
                 self._batch.context_lengths,
-                split=split_decode_kernel.choose_splits(
+                split=split_config.choose_splits(
                     num_groups=self._shape.num_groups,
                     num_kv_heads=kv_heads,
                     max_context_len=self._shape.max_context_len,

@@ -33,12 +33,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from server_processes import cpu_seconds, family, free_port
+from server_processes import family, free_port, run_bench_serve
 
 FIGURES = ["output_throughput", "completed", "duration"] + [
     f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")
@@ -105,25 +104,17 @@ class Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def bench(self, args, concurrency: int | None, count: int, seed: int) -> dict:
-        out = Path(tempfile.mkdtemp(prefix="ray-vs-serve-"))
-        command = [sys.executable, "-m", "rlt.cli", "bench", "serve", "--port", str(self.port)]
-        command += ["--model", "bench", "--dataset-name", "random", "--metric-percentiles", "50,99"]
-        command += ["--random-input-len", str(args.input_len)]
-        command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
-        command += ["--ignore-eos", "--disable-tqdm", "--num-prompts", str(count)]
-        command += ["--save-result", "--result-dir", str(out), "--result-filename", "r.json"]
-        command += ["--seed", str(seed)]
-        if concurrency is not None:
-            command += ["--max-concurrency", str(concurrency)]
-        pids = family(self.process.pid)
-        before = {p: cpu_seconds(p) for p in pids}
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        after = {p: cpu_seconds(p) for p in pids}
-        result = json.loads((out / "r.json").read_text())
-        summary = {k: result.get(k) for k in FIGURES}
-        summary["server_cpu_s"] = round(
-            sum(after[p] - before[p] for p in pids if before[p] is not None and after[p]), 2
+        result, cpu = run_bench_serve(
+            self.port,
+            self.process.pid,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            count=count,
+            seed=seed,
+            concurrency=concurrency,
         )
+        summary = {k: result.get(k) for k in FIGURES}
+        summary["server_cpu_s"] = round(sum(cpu.values()), 2)
         return summary
 
     def stop(self) -> float:

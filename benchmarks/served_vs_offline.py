@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from server_processes import cpu_seconds, family, free_port
+from server_processes import free_port, run_bench_serve
 
 
 def offline(args, results: dict, options: dict | None = None) -> None:
@@ -119,27 +119,19 @@ class Served:
         self.startup_s = time.perf_counter() - start
 
     def bench(self, args, concurrency: int | None, count: int) -> dict:
-        out = Path(tempfile.mkdtemp())
-        command = [sys.executable, "-m", "rlt.cli", "bench", "serve", "--port", str(self.port)]
-        command += ["--model", "bench", "--dataset-name", "random", "--metric-percentiles", "50,99"]
-        command += ["--random-input-len", str(args.input_len)]
-        command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
-        command += ["--ignore-eos", "--disable-tqdm", "--num-prompts", str(count)]
-        command += ["--save-result", "--result-dir", str(out), "--result-filename", "r.json"]
-        command += ["--seed", str(count)]
-        if concurrency is not None:
-            command += ["--max-concurrency", str(concurrency)]
-        pids = family(self.process.pid)
-        before = {p: cpu_seconds(p) for p in pids}
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        after = {p: cpu_seconds(p) for p in pids}
-        result = json.loads((out / "r.json").read_text())
+        result, cpu = run_bench_serve(
+            self.port,
+            self.process.pid,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            count=count,
+            seed=count,
+            concurrency=concurrency,
+        )
         keys = ["output_throughput", "completed", "duration"]
         keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
         summary = {k: result.get(k) for k in keys}
-        summary["cpu_s"] = {
-            str(p): after[p] - before[p] for p in pids if None not in (before[p], after[p])
-        }
+        summary["cpu_s"] = {str(p): seconds for p, seconds in cpu.items()}
         return summary
 
     def stop(self) -> str:

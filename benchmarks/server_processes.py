@@ -42,3 +42,40 @@ def family(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def run_bench_serve(
+    port: int,
+    server_pid: int,
+    *,
+    input_len: int,
+    output_len: int,
+    count: int,
+    seed: int,
+    concurrency: int | None,
+) -> tuple[dict, dict[int, float]]:
+    """One `rlt bench serve` run against the server on `port` (random prompts of `input_len`
+    tokens, `output_len` generated, ignore_eos; at most `concurrency` in flight): its result
+    JSON, and the CPU seconds each process of the server's tree spent meanwhile (processes
+    that came or went in between left out)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    command = [sys.executable, "-m", "rlt.cli", "bench", "serve", "--port", str(port)]
+    command += ["--model", "bench", "--dataset-name", "random", "--metric-percentiles", "50,99"]
+    command += ["--random-input-len", str(input_len)]
+    command += ["--random-output-len", str(output_len), "--random-range-ratio", "0"]
+    command += ["--ignore-eos", "--disable-tqdm", "--num-prompts", str(count)]
+    command += ["--save-result", "--result-dir", str(out), "--result-filename", "r.json"]
+    command += ["--seed", str(seed)]
+    if concurrency is not None:
+        command += ["--max-concurrency", str(concurrency)]
+    pids = family(server_pid)
+    before = {p: cpu_seconds(p) for p in pids}
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    after = {p: cpu_seconds(p) for p in pids}
+    cpu = {p: after[p] - before[p] for p in pids if None not in (before[p], after[p])}
+    return json.loads((out / "r.json").read_text()), cpu

@@ -501,6 +501,32 @@ def test_cancel_through_the_engine_client_closes_both_connections():
         assert not p.engine.held and not d.engine.held
 
 
+def test_a_cancel_right_after_submit_closes_both_connections_and_returns_the_credits():
+    """The front end cancels as soon as submit returns when the client left during the
+    submission: the request's task has not run yet. It must still close D's connection (D
+    aborts) and return the credits; a task cancelled before it first ran never entered its
+    cleanup, and D held the request until its KV wait timed out."""
+    from rlt_contracts import EngineRequest, SamplingParams
+
+    with pd_group() as (running, http, servers):
+        (d,) = by_role(servers, "decode")
+        client = running.coordinator.client
+
+        async def submit_then_cancel_at_once():
+            request = EngineRequest("r-2", (1, 2, 3), SamplingParams(max_tokens=2))
+            await client.submit(request)
+            await client.cancel("r-2")  # no await in between: the task has not started
+
+        running.call(submit_then_cancel_at_once)
+        wait_for(lambda: d.engine.closed_early, what="D's connection closed")
+        assert not d.engine.held
+        cluster = running.coordinator.cluster
+        wait_for(lambda: all(i.in_flight == 0 for i in cluster.instances), what="credits back")
+        # the id is free again and serves normally
+        events = streamed(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert events[-1] == "[DONE]"
+
+
 # -- `rlt pd serve` as a process: supervision and Ctrl-C ------------------------------------------
 def free_port() -> int:
     with socket.socket() as sock:

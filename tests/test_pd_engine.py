@@ -130,15 +130,35 @@ def test_prefix_hits_on_the_decode_side_are_not_sent_again(llm_factory):
     assert pair.written == {"t0": 13 + 4}
 
 
+def test_a_prefix_cached_on_the_prefill_side_but_not_on_the_decode_side_is_sent(llm_factory):
+    """P computed a prompt for one decode instance; the same prompt then goes to another D
+    that has none of it cached: P's prefix-cache hit covers positions it does not compute
+    again, and they must still reach D (they go with P's first computed chunk)."""
+    all_params = [params(1)]
+    prompt = PROMPTS[1]  # 16 tokens: 3 full pages cached on P after the first request
+    expected = reference(llm_factory, [prompt], all_params)
+    prefill = llm_factory(pd_role="prefill", enable_prefix_caching=True)
+    first = llm_factory(pd_role="decode")
+    second = llm_factory(pd_role="decode")
+    agent = connect_nixl(prefill, first)
+    assert connect_nixl(prefill, second) == agent
+    once = run_pd(prefill, first, [prompt], all_params, prefill_agent=agent, transfer="a")
+    again = run_pd(prefill, second, [prompt], all_params, prefill_agent=agent, transfer="b")
+    assert prefill.get_stats().prefix_cache_hit_tokens == 12  # P did not compute them again
+    for finals in (once, again):
+        assert (finals["r0"].token_ids, finals["r0"].exit_depths) == expected[0]
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("side", ["P", "D"])
-def test_abort_during_transfer_frees_both_sides(llm_factory, side):
+def test_abort_during_transfer_frees_both_sides(llm_factory, side, layout):
     """A long prompt in chunks of 5: abort it after P's second step on either side. Both
     engines end with every block and row free (the leak check of llm_factory), the aborted
     request reports "abort", and the other request is unaffected."""
     all_params = [params(0), params(1)]
     prompts = [list(range(1, 40)), PROMPTS[1]]
-    expected = reference(llm_factory, prompts, all_params)
-    prefill, decode = llm_factory(), llm_factory()
+    expected = reference(llm_factory, prompts, all_params, kv_layout=layout)
+    prefill, decode = llm_factory(kv_layout=layout), llm_factory(kv_layout=layout)
     connect(prefill, decode)
     finals = run_pd(prefill, decode, prompts, all_params, abort=(side, "r0", 2))
     assert finals["r0"].finish_reason == "abort"
@@ -168,16 +188,18 @@ def test_pd_over_nixl_equals_a_single_engine(llm_factory, layout):
     )
 
 
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("side", ["P", "D"])
-def test_abort_over_nixl_then_reuse_the_request_id_at_once(llm_factory, side):
+def test_abort_over_nixl_then_reuse_the_request_id_at_once(llm_factory, side, layout):
     """Abort mid-transfer over the real transport, then submit the same request id again at
     once (a fresh transfer id): the new request gets its own blocks (the aborted transfer's
     stay held until P drained), no late write of the old transfer reaches it, and its output
     equals a single engine's."""
     all_params = [params(0), params(1)]
     prompts = [list(range(1, 40)), PROMPTS[1]]
-    expected = reference(llm_factory, prompts, all_params)
-    prefill, decode = llm_factory(pd_role="prefill"), llm_factory(pd_role="decode")
+    expected = reference(llm_factory, prompts, all_params, kv_layout=layout)
+    prefill = llm_factory(pd_role="prefill", kv_layout=layout)
+    decode = llm_factory(pd_role="decode", kv_layout=layout)
     agent = connect_nixl(prefill, decode)
     finals = run_pd(
         prefill, decode, prompts, all_params, abort=(side, "r0", 2), prefill_agent=agent
@@ -297,3 +319,43 @@ def test_decode_instance_speculates_after_the_handoff(llm_factory, layout):
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected
     assert decode.get_stats().spec_drafts > 0
+
+
+def test_abort_on_the_decode_side_before_prefill_heard_of_it_frees_its_blocks(llm_factory):
+    """D admitted a request and reported its target, then the client went away before any
+    prefill instance got the request: D aborts it, holds its blocks while a late write could
+    still come, and frees them once the lease expired. Driven through CoreLoop (what the
+    serving loops run): the front end's last statistics show every block free (the step that
+    left the core idle produced no delta and used to send none, so the front end kept
+    reporting the held blocks). The same request id then runs again correctly."""
+    import time
+
+    from rlt.engine.core_loop import CoreLoop
+    from rlt_contracts import CoreAbort, CoreAdd, EngineRequest
+
+    timeouts = dict(pd_write_timeout_s=0.1, pd_kv_lease_s=0.3)
+    prefill = llm_factory(pd_role="prefill", **timeouts)
+    decode = llm_factory(pd_role="decode", **timeouts)
+    agent = connect_nixl(prefill, decode)
+    prompt = list(range(1, 40))
+    transfer = KVTransferParams(PDRole.DECODE, "t-gone", prefill_agent=agent)
+    loop = CoreLoop(decode.engine.core)
+    request = EngineRequest("r0", tuple(prompt), params(0), 0.0, transfer)
+    loop.handle("fe", CoreAdd(1, (request,)))
+    received = []
+    while not any(d.kv_target is not None for o in received for d in o.deltas):
+        loop.step()
+        received.extend(loop.take_outputs().values())
+    assert received[-1].stats.kv_blocks_used > 0  # admitted: its blocks are reserved
+    loop.handle("fe", CoreAbort(("r0",)))
+    deadline = time.monotonic() + 10
+    while loop.has_work:  # the held transfer keeps the loop stepping until the lease expired
+        assert time.monotonic() < deadline, "D never released the aborted request's blocks"
+        loop.step()
+        received.extend(loop.take_outputs().values())
+    [final] = [d for o in received for d in o.deltas if d.finished]
+    assert final.finish_reason == "abort"
+    assert received[-1].stats.kv_blocks_used == 0
+    expected = reference(llm_factory, [prompt], [params(0)])
+    again = run_pd(prefill, decode, [prompt], [params(0)], prefill_agent=agent, transfer="u")
+    assert (again["r0"].token_ids, again["r0"].exit_depths) == expected[0]

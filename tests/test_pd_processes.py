@@ -5,8 +5,14 @@ instances through NIXL (UCX over host memory on loopback).
 Checked over HTTP: PD output equals a single engine's (tokens and exit depths; greedy and
 seeded; both KV layouts; refill and no_refill; chunked prefill; prompts ending mid-block;
 prefix-cache hits on D); a client that goes away mid-transfer leaves both instances with
-every block free; a prefill instance killed mid-transfer fails its request with a clear error
-while D frees everything and the next requests use the surviving prefill instance.
+every block free; a prefill (decode) instance killed mid-transfer fails its request with a
+clear error while the other side frees everything and the next requests use the surviving
+instances.
+
+Starting a group (the coordinator and its children, each importing torch) is most of these
+tests' time, so all but the first share one group of two prefill and two decode instances
+(`group`), in the order they are written: each waits until every instance is ready and idle
+(the supervisor restarts a killed child), and they run on one xdist worker.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from rlt import LLM, SamplingParams
 
 pytest.importorskip("nixl")
 
-pytestmark = pytest.mark.slow  # each test starts a PD group of processes
+# each test uses a PD group of processes; the shared group's tests run on one worker, in order
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pd-processes")]
 
 ENGINE_FLAGS = dict(
     dtype="float32",
@@ -39,6 +46,8 @@ ENGINE_FLAGS = dict(
 )
 # Short transfer leases so that failure paths finish within a test (docs/pd.md, failures).
 KV_TIMEOUT_S, KV_LEASE_S = 30, 3
+# The shared group's engine settings (the prefix cache on, for hits on D).
+SHARED_FLAGS = dict(kv_layout="last_exited", enable_prefix_caching=True, num_kv_blocks=1024)
 PD_FLAGS = ["--pd-write-timeout-s", "2", "--pd-kv-lease-s", str(KV_LEASE_S)]
 PD_FLAGS += ["--pd-kv-timeout-s", str(KV_TIMEOUT_S)]
 
@@ -102,6 +111,18 @@ class Group:
                 raise AssertionError(f"instances still hold work or blocks: {loads}")
             time.sleep(0.1)
 
+    def wait_ready(self, count: int, timeout: float = 120.0) -> None:
+        """`count` instances are ready (a killed child was restarted and admitted again) and
+        all of them idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = [(i["name"], i["state"]) for i in self.instances()]
+            if sum(state == "ready" for _, state in states) >= count:
+                break
+            assert time.monotonic() < deadline, f"not {count} instances ready: {states}"
+            time.sleep(0.2)
+        self.wait_all_free()
+
 
 @contextlib.contextmanager
 def pd_group(
@@ -162,9 +183,13 @@ def model(tmp_path_factory) -> str:
     return str(write_random_checkpoint(out, config, seed=3, init=RandomInit(gate_std=0.3)))
 
 
-@pytest.fixture(autouse=True)
-def instance_key(monkeypatch):
-    monkeypatch.setenv("RLT_INSTANCE_API_KEY", "pd-test-key")
+@pytest.fixture(scope="module", autouse=True)
+def instance_key():
+    """The key the coordinator and its children share (read from the environment), set for
+    the module: the shared group starts before any function-scoped fixture."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLT_INSTANCE_API_KEY", "pd-test-key")
+        yield
 
 
 _REFERENCES: dict[tuple, list[tuple[list[int], list[int]]]] = {}
@@ -182,86 +207,94 @@ def reference(model: str, flags: dict) -> list[tuple[list[int], list[int]]]:
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        dict(kv_layout="last_exited", enable_prefix_caching=True),
-        dict(kv_layout="shared", scheduling_mode="no_refill"),
-    ],
-    ids=["last_exited-prefix_cache", "shared-no_refill"],
-)
-def test_pd_over_processes_equals_a_single_engine(model, flags):
-    expected = reference(model, flags)
+@pytest.fixture(scope="module")
+def group(model) -> Iterator[Group]:
+    """Two prefill and two decode instances with SHARED_FLAGS, for the tests below."""
+    with pd_group(model, num_prefill=2, num_decode=2, flags=SHARED_FLAGS) as shared:
+        yield shared
+        shared.wait_ready(4)  # the killed children were restarted and admitted again
+
+
+def check_equal_to_a_single_engine(group: Group, expected: list) -> None:
+    got = []
+    for i, prompt in enumerate(PROMPTS):
+        choice = group.complete(prompt, **request_params(i))
+        got.append((choice["token_ids"], choice["exit_depths"]))
+    assert got == expected
+    # again, all at once: batched on D, prefix hits on D for the repeated prompts
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [
+            pool.submit(group.complete, prompt, **request_params(i))
+            for i, prompt in enumerate(PROMPTS)
+        ]
+        again = [(f.result()["token_ids"], f.result()["exit_depths"]) for f in futures]
+    assert again == expected
+    group.wait_all_free()
+
+
+def test_pd_over_processes_with_the_shared_layout_and_no_refill_equals_a_single_engine(model):
+    flags = dict(kv_layout="shared", scheduling_mode="no_refill")  # a group of its own
     with pd_group(model, flags=flags) as group:
-        got = []
-        for i, prompt in enumerate(PROMPTS):
-            choice = group.complete(prompt, **request_params(i))
-            got.append((choice["token_ids"], choice["exit_depths"]))
-        assert got == expected
-        # again, all at once: batched on D, prefix hits on D for the repeated prompts
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [
-                pool.submit(group.complete, prompt, **request_params(i))
-                for i, prompt in enumerate(PROMPTS)
-            ]
-            again = [(f.result()["token_ids"], f.result()["exit_depths"]) for f in futures]
-        assert again == expected
-        group.wait_all_free()
+        check_equal_to_a_single_engine(group, reference(model, flags))
 
 
-def test_client_gone_mid_transfer_frees_both_sides(model):
+def test_pd_over_processes_equals_a_single_engine(model, group):
+    group.wait_ready(4)
+    check_equal_to_a_single_engine(group, reference(model, SHARED_FLAGS))
+
+
+def test_client_gone_mid_transfer_frees_both_sides(model, group):
+    group.wait_ready(4)
     long_prompt = [(7 * i) % 250 + 1 for i in range(400)]
-    with pd_group(model, flags={}) as group:
-        for delay in (0.05, 0.3, 1.0):
-            body = {"model": group.model, "prompt": long_prompt, "max_tokens": 50, "stream": True}
-            with contextlib.suppress(httpx.ReadTimeout):
-                with httpx.Client(base_url=group.url, timeout=delay, trust_env=False) as http:
-                    with http.stream("POST", "/v1/completions", json=body) as response:
-                        for _ in response.iter_lines():
-                            pass
-            group.wait_all_free()
-        # the instances serve on, with the same results as before
-        choice = group.complete(PROMPTS[0], **request_params(1))
-        assert len(choice["token_ids"]) == request_params(1)["max_tokens"]
+    for delay in (0.05, 0.3, 1.0):
+        body = {"model": group.model, "prompt": long_prompt, "max_tokens": 50, "stream": True}
+        with contextlib.suppress(httpx.ReadTimeout):
+            with httpx.Client(base_url=group.url, timeout=delay, trust_env=False) as http:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for _ in response.iter_lines():
+                        pass
         group.wait_all_free()
+    # the instances serve on, with the same results as before
+    choice = group.complete(PROMPTS[0], **request_params(1))
+    assert len(choice["token_ids"]) == request_params(1)["max_tokens"]
+    group.wait_all_free()
 
 
 @pytest.mark.parametrize("victim_role", ["prefill", "decode"])
-def test_a_killed_instance_fails_its_request_and_the_survivors_serve(model, victim_role):
+def test_a_killed_instance_fails_its_request_and_the_survivors_serve(model, group, victim_role):
     """SIGKILL the prefill (or decode) instance while P computes a long prompt and pushes its
     KV: the request fails with a clear error; the other side frees everything (D after its
     lease, P once its writes failed or their lease expired); the next requests go to the
     surviving instances with correct output."""
+    group.wait_ready(4)
     long_prompt = [(11 * i) % 250 + 1 for i in range(480)]
-    counts = dict(num_prefill=2) if victim_role == "prefill" else dict(num_decode=2)
-    with pd_group(model, flags=dict(num_kv_blocks=1024), **counts) as group:
-        body = {"model": group.model, "prompt": long_prompt, "max_tokens": 4}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(group.http.post, "/v1/completions", json=body)
-            victim = busy = None
-            deadline = time.monotonic() + 30
-            while busy is None and time.monotonic() < deadline:
-                instances = group.instances()
-                for instance in instances:  # P is computing the prompt
-                    if (
-                        instance["role"] == "prefill"
-                        and instance["in_flight"]
-                        and group.instance_info(instance)["load"]["running"]
-                    ):
-                        busy = instance
-                time.sleep(0.005)
-            assert busy is not None, "the request never ran on a prefill instance"
-            if victim_role == "prefill":
-                victim = busy
-            else:
-                victim = next(i for i in instances if i["role"] == "decode" and i["in_flight"])
-            os.kill(victim["pid"], signal.SIGKILL)
-            response = pending.result(timeout=60)
-        assert response.status_code == 500, response.text
-        assert victim_role in response.json()["error"]["message"]
-        expected = reference(model, {})
-        for i in (0, 2):
-            choice = group.complete(PROMPTS[i], **request_params(i))
-            assert (choice["token_ids"], choice["exit_depths"]) == expected[i]
-        # D frees a dead P's transfer at the latest when its KV wait times out, plus the lease
-        group.wait_all_free(timeout=KV_TIMEOUT_S + KV_LEASE_S + 10)
+    body = {"model": group.model, "prompt": long_prompt, "max_tokens": 4}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(group.http.post, "/v1/completions", json=body)
+        victim = busy = None
+        deadline = time.monotonic() + 30
+        while busy is None and time.monotonic() < deadline:
+            instances = group.instances()
+            for instance in instances:  # P is computing the prompt
+                if (
+                    instance["role"] == "prefill"
+                    and instance["in_flight"]
+                    and group.instance_info(instance)["load"]["running"]
+                ):
+                    busy = instance
+            time.sleep(0.005)
+        assert busy is not None, "the request never ran on a prefill instance"
+        if victim_role == "prefill":
+            victim = busy
+        else:
+            victim = next(i for i in instances if i["role"] == "decode" and i["in_flight"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        response = pending.result(timeout=60)
+    assert response.status_code == 500, response.text
+    assert victim_role in response.json()["error"]["message"]
+    expected = reference(model, SHARED_FLAGS)
+    for i in (0, 2):
+        choice = group.complete(PROMPTS[i], **request_params(i))
+        assert (choice["token_ids"], choice["exit_depths"]) == expected[i]
+    # D frees a dead P's transfer at the latest when its KV wait times out, plus the lease
+    group.wait_all_free(timeout=KV_TIMEOUT_S + KV_LEASE_S + 10)

@@ -20,7 +20,14 @@ import anyio
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from rlt_contracts import EngineClient, FinishReason, PDControl, PDRole, RequestOutputDelta
+from rlt_contracts import (
+    EngineClient,
+    FinishReason,
+    KVTransferParams,
+    PDControl,
+    PDRole,
+    RequestOutputDelta,
+)
 from rlt_contracts.pd_wire import (
     CONNECT_PATH,
     GENERATE_PATH,
@@ -71,23 +78,39 @@ def add_pd_routes(app: FastAPI, client: EngineClient, control: PDControl) -> Non
         except Exception as exc:
             raise from_engine_error(exc) from exc
         deltas = client.stream(engine_request.request_id)
-        lines = _lines(client, engine_request.request_id, deltas, params.role, params.transfer_id)
-        return StreamingResponse(lines, media_type=NDJSON)
+        return _RequestStream(client, engine_request.request_id, deltas, params)
 
 
-async def _lines(
-    client: EngineClient,
-    request_id: str,
-    deltas: AsyncIterator[RequestOutputDelta],
-    role: PDRole,
-    transfer_id: str,
-) -> AsyncIterator[bytes]:
-    """The request's stream lines; if the stream ends early (the client went away, which
-    cancels this generator), the request is aborted on the engine."""
-    finished = False
-    try:
+class _RequestStream(StreamingResponse):
+    """One engine request's stream lines. However the response ends before the request did
+    (the client went away, even before the first line was read from the engine), the request
+    is aborted on the engine: the check is here, not in the lines' generator, whose cleanup
+    never runs when it is closed before it started."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        request_id: str,
+        deltas: AsyncIterator[RequestOutputDelta],
+        params: KVTransferParams,
+    ) -> None:
+        self._client, self._request_id = client, request_id
+        self._finished = False
+        super().__init__(self._lines(deltas, params.role, params.transfer_id), media_type=NDJSON)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._finished:
+                with anyio.CancelScope(shield=True):
+                    await self._client.cancel(self._request_id)
+
+    async def _lines(
+        self, deltas: AsyncIterator[RequestOutputDelta], role: PDRole, transfer_id: str
+    ) -> AsyncIterator[bytes]:
         async for delta in deltas:
-            finished = delta.finished
+            self._finished = delta.finished
             if delta.kv_target is not None:
                 yield _line(StreamLine(target=delta.kv_target))
                 delta = msgspec.structs.replace(delta, kv_target=None)
@@ -98,10 +121,6 @@ async def _lines(
                     yield _line(_prefill_outcome(delta, transfer_id))
                 continue
             yield _line(StreamLine(delta=delta))
-    finally:
-        if not finished:
-            with anyio.CancelScope(shield=True):
-                await client.cancel(request_id)
 
 
 def _prefill_outcome(delta: RequestOutputDelta, transfer_id: str) -> StreamLine:

@@ -86,6 +86,9 @@ class _Flow:
     prefill: Instance | None = None
     responses: list[httpx.Response] = field(default_factory=list)
     task: asyncio.Task | None = None
+    # the task entered its body: from then on cancelling it runs its cleanup (a task cancelled
+    # before it first runs never enters its body, so it would close nothing and free nothing)
+    started: bool = False
     claimed: bool = False
     finished: bool = False  # the final delta is queued
     cancelled: bool = False
@@ -180,9 +183,8 @@ class PDEngineClient:
                 del self._flows[request.request_id]
             raise
         self._counters.prompt_tokens += len(request.prompt_token_ids)
+        # a cancel() that arrived while submitting is seen by the task when it starts
         flow.task = asyncio.create_task(self._run(flow), name=f"rlt-pd-{request.request_id}")
-        if flow.cancelled:  # cancel() arrived while submitting
-            flow.task.cancel()
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
         flow = self._flows.get(request_id)
@@ -200,7 +202,9 @@ class PDEngineClient:
         first = not flow.cancelled
         flow.cancelled = True
         if flow.task is not None:
-            if first:  # a second cancel must not interrupt the task's closing of connections
+            # a second cancel must not interrupt the task's closing of connections; a task
+            # not started yet sees `cancelled` when it starts
+            if first and flow.started:
                 flow.task.cancel()
             await asyncio.wait({flow.task}, timeout=CANCEL_WAIT_S)
 
@@ -211,9 +215,11 @@ class PDEngineClient:
         if self._shutdown_done:
             return
         self._shutdown_done = True
-        tasks = [f.task for f in self._flows.values() if f.task is not None and not f.task.done()]
-        for task in tasks:
-            task.cancel()
+        flows = [f for f in self._flows.values() if f.task is not None and not f.task.done()]
+        for flow in flows:
+            if flow.started:  # (one not started yet sees _shutting_down when it starts)
+                flow.task.cancel()
+        tasks = [f.task for f in flows]
         if tasks:
             await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
         await self.cluster.close()
@@ -292,8 +298,11 @@ class PDEngineClient:
 
     # -- the request's task -------------------------------------------------------------------
     async def _run(self, flow: _Flow) -> None:
+        flow.started = True
         lines = self._lines(flow.decode, flow.responses[0])
         try:
+            if flow.cancelled or self._shutting_down:
+                raise asyncio.CancelledError  # before this task ran: only the cleanup below
             if self.mode != "pd":
                 await self._pump(flow, lines)
             else:
@@ -314,6 +323,8 @@ class PDEngineClient:
                 pass
             self._release(flow)
             self._finish(flow, error=None, log=False)
+            if flow.cancelled and self._flows.get(flow.request_id) is flow:
+                del self._flows[flow.request_id]  # its consumer left: nobody reads the rest
 
     async def _handoff(self, flow: _Flow, lines: AsyncIterator[StreamLine]) -> None:
         d, p = flow.decode, flow.prefill

@@ -199,9 +199,12 @@ class CoreLoop:
         if self.core.has_unfinished_requests():
             deltas = self.core.step()
             now = time.monotonic()
-            if deltas or now - self._stats_sent_s >= STATS_INTERVAL_S:
+            idle = not self.core.has_unfinished_requests()
+            if deltas or idle or now - self._stats_sent_s >= STATS_INTERVAL_S:
                 # a step without results (a prompt chunk, a PD instance polling its transfers
-                # thousands of times a second) sends its statistics at most every interval
+                # thousands of times a second) sends its statistics at most every interval;
+                # the step that left the core idle always does (the loop then blocks: a held
+                # transfer released without a delta would stay in the front's load forever)
                 self._changed = True
             self._route(deltas)
 

@@ -123,6 +123,11 @@ class PDLink:
                 continue
             target = request.kv_transfer.target
             start = max(chunk.start_position, target.first_token)
+            if target.transfer_id not in self._by_transfer:
+                # the first chunk sent starts at D's first missing position: it also carries
+                # the positions P took from its own prefix cache (computed for an earlier
+                # request, so no chunk of this one computes them)
+                start = target.first_token
             if start >= chunk.end_position and not chunk.completes_prompt:
                 continue  # positions D has cached already
             self._track(target.transfer_id, request.identity)

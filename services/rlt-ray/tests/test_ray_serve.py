@@ -115,6 +115,7 @@ class Stream:
 
     def __init__(self, fleet: Fleet, prompt: str, max_tokens: int) -> None:
         self.events: list[object] = []
+        self.arrivals: list[float] = []
         self.status: int | None = None
         self.started = threading.Event()
         body = {
@@ -137,14 +138,23 @@ class Stream:
                         continue
                     data = line[len("data: ") :]
                     self.events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+                    self.arrivals.append(time.monotonic())
                     self.started.set()
         finally:
             self.started.set()
 
     def result(self, timeout: float = 120) -> list[object]:
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), "stream did not end"
+        ended = not self.thread.is_alive()
+        assert ended, f"stream did not end within {timeout:g} s: {self.progress()}"
         return self.events
+
+    def progress(self) -> str:
+        if not self.arrivals:
+            return "no event yet"
+        span = self.arrivals[-1] - self.arrivals[0]
+        last = time.monotonic() - self.arrivals[-1]
+        return f"{len(self.events)} events in {span:.1f} s, the last {last:.1f} s ago"
 
 
 def replica_on_pid(report: dict, key: str) -> int:
@@ -345,7 +355,7 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
     assert response.status_code == 500, response.text
     assert "lost engine replica" in response.json()["error"]["message"]
     for other in others:
-        _assert_completed(other.result(), 24)
+        _assert_completed(other.result(timeout=300), 24)
     new_key = _wait_replacement(fleet, {victim, survivor}, timeout_s=120)
     _served_by_new_replica(fleet, new_key)
 
@@ -375,7 +385,8 @@ def test_removed_node_fails_only_its_requests_and_the_replica_moves(fleet):
     fleet.cluster.remove_node(node, allow_graceful=False)
     _assert_failed_cleanly(streams[victim].result(), streams[victim].status)
     survivor = next(k for k in streams if k != victim)
-    _assert_completed(streams[survivor].result(), 300)
+    # (a loaded 2-core machine: the replacement starts meanwhile; a stall says how far it got)
+    _assert_completed(streams[survivor].result(timeout=300), 300)
     new_key = _wait_replacement(fleet, set(streams), timeout_s=150)
     new_node = fleet.report()["replicas"][new_key]["routing_stats"]["node_id"]
     assert new_node != node_id

@@ -96,9 +96,11 @@ def pd_fleet(ray_cluster):
             ingress_resources={"rlt_head": 1},
             admission_timeout_s=30,
             transfer_timeout_s=30,
-            poll_interval_s=0.5,
-            discovery_period_s=0.25,
-            health_check_period_s=1,
+            # (each period wakes every replica and the ingress: on a loaded 2-core machine
+            # short ones slow everything else)
+            poll_interval_s=1.0,
+            discovery_period_s=0.5,
+            health_check_period_s=2,
             health_check_timeout_s=30,
         ),
     )

@@ -23,6 +23,7 @@ import time
 
 import httpx
 import pytest
+from ray_test_streams import Stream
 
 pytest.importorskip("nixl")
 
@@ -207,63 +208,17 @@ def test_pd_across_nodes_matches_one_engine(pd_fleet, reference):
 
 
 # -- failure ------------------------------------------------------------------------------------
-class _Stream:
-    """One streamed completion on a thread: its events so far (with their arrival times), so
-    that a slow or stalled stream can say how far it got."""
-
-    def __init__(self, fleet: PDFleet, prompt: str, max_tokens: int) -> None:
-        import threading
-
-        self.fleet, self.prompt, self.max_tokens = fleet, prompt, max_tokens
-        self.events: list = []
-        self.arrivals: list[float] = []
-        self.started = threading.Event()
-
-    def run(self) -> list:
-        import json
-
-        body = {
-            "model": "default_model",
-            "prompt": self.prompt,
-            "max_tokens": self.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        url = f"{self.fleet.url}/v1/completions"
-        try:
-            with httpx.stream("POST", url, json=body, timeout=120) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        data = line[len("data: ") :]
-                        self.events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-                        self.arrivals.append(time.monotonic())
-                        self.started.set()
-        finally:
-            self.started.set()
-        return self.events
-
-    def progress(self) -> str:
-        if not self.arrivals:
-            return "no event yet"
-        last = time.monotonic() - self.arrivals[-1]
-        span = self.arrivals[-1] - self.arrivals[0]
-        return f"{len(self.events)} events in {span:.1f} s, the last {last:.1f} s ago"
-
-
-def _result(future, stream: _Stream, timeout_s: float, what: str, fleet: PDFleet) -> list:
+def _result(stream: Stream, timeout_s: float, what: str, fleet: PDFleet) -> list:
+    """The stream's events; if it did not end, what each instance holds is in the error."""
     try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
+        return stream.result(timeout_s, what)
+    except AssertionError as exc:
         views = [
             {k: v.get(k) for k in ("name", "role", "state", "in_flight", "reason")}
             | {k: v["report"].get(k) for k in ("running", "waiting", "ongoing", "pd_busy")}
             for v in fleet.instances()
         ]
-        raise AssertionError(
-            f"{what} did not end within {timeout_s:g} s: {stream.progress()}; {views}"
-        ) from None
+        raise AssertionError(f"{exc}; {views}") from None
 
 
 def _decode_in_flight(fleet: PDFleet) -> dict[str, int]:
@@ -275,17 +230,16 @@ def test_killed_decode_replica_fails_only_its_requests_and_its_replacement_is_cl
 ):
     before = {v["name"]: v for v in pd_fleet.instances()}
     [p_name] = [n for n, v in before.items() if v["role"] == "prefill"]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         # two streams, one per decode replica (least loaded first)
         streams = {}
         for prompt in ("Stream one: the long night", "Stream two: the morning"):
-            stream = _Stream(pd_fleet, prompt, 200)
-            future = pool.submit(stream.run)
-            assert stream.started.wait(60) and not future.done(), future.result()
+            stream = Stream(pd_fleet.url, prompt, 200)
+            assert stream.started.wait(60) and stream.running, (stream.status, stream.events)
             [name] = [
                 n for n, k in _decode_in_flight(pd_fleet).items() if k == 1 and n not in streams
             ]
-            streams[name] = (future, stream)
+            streams[name] = stream
         # a third request with a long prompt (many chunks and KV partitions): the decode
         # replica it went to is killed while P is still prefilling and writing its KV there
         long_prompt = "Emma Woodhouse, handsome, clever, and rich, " * 30
@@ -300,7 +254,7 @@ def test_killed_decode_replica_fails_only_its_requests_and_its_replacement_is_cl
         os.kill(int(before[victim]["report"]["pid"]), signal.SIGKILL)
         killed_at = time.monotonic()
 
-        events = _result(*streams[victim], 120, "the killed replica's stream", pd_fleet)
+        events = _result(streams[victim], 120, "the killed replica's stream", pd_fleet)
         assert events[-1] == "[DONE]", events[-3:]
         error = events[-2]["error"]["message"]
         assert "decode instance" in error and victim in error, error
@@ -311,7 +265,7 @@ def test_killed_decode_replica_fails_only_its_requests_and_its_replacement_is_cl
         message = response.json()["error"]["message"]
         assert victim in message or before[victim]["agent"] in message, message
         # (a slow machine: the replacement starts meanwhile; a stall says how far it got)
-        survivor_events = _result(*streams[survivor], 240, "the other stream", pd_fleet)
+        survivor_events = _result(streams[survivor], 240, "the other stream", pd_fleet)
         assert not any(isinstance(e, dict) and "error" in e for e in survivor_events)
         chunks = [e for e in survivor_events if isinstance(e, dict) and e.get("choices")]
         assert sum(len(c["choices"][0].get("exit_depths") or []) for c in chunks) == 200

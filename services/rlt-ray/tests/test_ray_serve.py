@@ -16,16 +16,15 @@ two replicas run on two different nodes and a replacement has exactly one free n
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import random
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from ray_test_streams import Stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rlt-ray-cluster")]
 
@@ -108,53 +107,6 @@ def complete(fleet: Fleet, prompt, max_tokens: int, **extra) -> httpx.Response:
         **extra,
     }
     return httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=120)
-
-
-class Stream:
-    """A streaming completion read on a thread; `started` is set at the first token chunk."""
-
-    def __init__(self, fleet: Fleet, prompt: str, max_tokens: int) -> None:
-        self.events: list[object] = []
-        self.arrivals: list[float] = []
-        self.status: int | None = None
-        self.started = threading.Event()
-        body = {
-            "model": "default_model",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        self.thread = threading.Thread(target=self._run, args=(fleet.url, body), daemon=True)
-        self.thread.start()
-
-    def _run(self, url: str, body: dict) -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    self.events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-                    self.arrivals.append(time.monotonic())
-                    self.started.set()
-        finally:
-            self.started.set()
-
-    def result(self, timeout: float = 120) -> list[object]:
-        self.thread.join(timeout)
-        ended = not self.thread.is_alive()
-        assert ended, f"stream did not end within {timeout:g} s: {self.progress()}"
-        return self.events
-
-    def progress(self) -> str:
-        if not self.arrivals:
-            return "no event yet"
-        span = self.arrivals[-1] - self.arrivals[0]
-        last = time.monotonic() - self.arrivals[-1]
-        return f"{len(self.events)} events in {span:.1f} s, the last {last:.1f} s ago"
 
 
 def replica_on_pid(report: dict, key: str) -> int:
@@ -335,7 +287,7 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
     ingress = fleet.ingress()
     ingress.set_routing_policy.remote("prefix_affinity").result(timeout_s=30)
     victim_prompt = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home " * 3
-    stream = Stream(fleet, victim_prompt, max_tokens=400)
+    stream = Stream(fleet.url, victim_prompt, max_tokens=400)
     assert stream.started.wait(60)
     report = fleet.report()
     [victim] = [k for k, v in report["replicas"].items() if v["in_flight"] == 1]
@@ -344,7 +296,8 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         plain = pool.submit(complete, fleet, victim_prompt + " and", 400, ignore_eos=True)
         fleet.wait_for(lambda r: r["replicas"][victim]["in_flight"] == 2, 30, "the plain one")
-        others = [Stream(fleet, f"Other request {i}: the weather at Hartfield", 24) for i in (1, 2)]
+        other_prompts = [f"Other request {i}: the weather at Hartfield" for i in (1, 2)]
+        others = [Stream(fleet.url, prompt, 24) for prompt in other_prompts]
         for other in others:
             assert other.started.wait(60)
         report = fleet.report()
@@ -371,7 +324,7 @@ def test_removed_node_fails_only_its_requests_and_the_replica_moves(fleet):
     victim = on_workers[0]
     streams = {}
     for i in range(2):  # two distinct prompts: one per replica (least loaded)
-        stream = Stream(fleet, f"Node test {i}: it was a dark and stormy night, and", 300)
+        stream = Stream(fleet.url, f"Node test {i}: it was a dark and stormy night, and", 300)
         assert stream.started.wait(60)
         now = fleet.report()
         started = [

@@ -6,7 +6,7 @@ standard library and pytest at its top level: torch is imported only where it is
 the fixtures below import the rlt packages they need inside their bodies (a member whose tests
 use one declares what it imports).
 
-- Hugging Face libraries run offline.
+- Hugging Face libraries run offline; engines use no start-up cache ($RLT_CACHE_DIR=off).
 - Tests marked `cuda` are skipped, with the reason, where no CUDA device is present; Triton
   kernels then run in Triton's interpreter.
 - `tiny_checkpoint` writes small random Ouro checkpoints once per session and shape.
@@ -22,6 +22,10 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines built by tests (and the servers they start) neither read nor write the kernel-choice
+# cache: tests that force a choice must see it measured (tests/test_kernel_choice_cache.py
+# passes its own directory).
+os.environ["RLT_CACHE_DIR"] = "off"
 
 
 def usable_cpus() -> int:

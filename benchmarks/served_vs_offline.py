@@ -14,6 +14,11 @@ Every figure goes to --out (JSON) as it is measured, so a run cut short still re
 
     python3 benchmarks/served_vs_offline.py /tmp/rlt-bench-checkpoints/ouro-1.4b --out r.json
 
+--step-logs DIR: both sides record every engine step (offline `EngineCore.step_log`, served
+`RLT_STEP_LOG`, the log files kept in DIR), and each measured phase gets a `timeline`
+(benchmarks/step_timeline.py): the device's busy and idle seconds over the phase and the steps
+split by whether they computed prompts, so served and offline runs compare step by step.
+
 A/B of scheduler options (--arms, a JSON object {arm name: {EngineConfig field: value}}): per
 arm, in the order given, the offline engine and then one `rlt serve` with the arm's options
 on top of --engine-json, --warmup requests to the server first (not measured), then every
@@ -39,6 +44,8 @@ import time
 from pathlib import Path
 
 from server_processes import free_port, run_bench_serve
+from step_timeline import load as load_step_log
+from step_timeline import summarize
 
 
 def offline(args, results: dict, options: dict | None = None) -> None:
@@ -59,12 +66,16 @@ def offline(args, results: dict, options: dict | None = None) -> None:
         warm = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(2)]
         _drive(engine, warm, params, concurrency)
         before = dataclasses.replace(engine.core.timings)
+        if args.step_logs:
+            engine.core.step_log = []
         start = time.perf_counter()
         tokens = _drive(engine, prompts, params, concurrency)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
+        wall = end - start
         after = engine.core.timings
+        records, engine.core.step_log = engine.core.step_log, None
         results["offline"][str(concurrency)] = dict(
             requests=count,
             output_tokens=tokens,
@@ -75,6 +86,11 @@ def offline(args, results: dict, options: dict | None = None) -> None:
             host_s=after.host_s - before.host_s,
             readback_wait_s=after.readback_wait_s - before.readback_wait_s,
         )
+        if records is not None:
+            results["offline"][str(concurrency)]["timeline"] = summarize(records, start, end)
+            name = f"offline_{args.tag}_c{concurrency}.jsonl"
+            with open(Path(args.step_logs) / name, "w") as out:
+                out.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
         _save(args, results)
     engine.shutdown()
 
@@ -96,8 +112,16 @@ def _drive(engine, prompts, params, concurrency: int) -> int:
 
 class Served:
     def __init__(self, args, *flags: str, options: dict | None = None) -> None:
-        """`rlt serve` with --engine-json's options, then `options` (an arm's) on top."""
+        """`rlt serve` with --engine-json's options, then `options` (an arm's) on top; with
+        --step-logs its core records every step into a file there."""
+        import os
+
         self.port = free_port()
+        env = dict(os.environ)
+        self.step_log = None
+        if args.step_logs:
+            self.step_log = Path(args.step_logs) / f"served_{args.tag}_{self.port}.jsonl"
+            env["RLT_STEP_LOG"] = str(self.step_log)
         command = [sys.executable, "-m", "rlt.cli", "serve", args.model, "--port", str(self.port)]
         command += ["--dtype", args.dtype, "--exit-threshold", "1.0", *flags]
         command += ["--log-level", "info", "--served-model-name", "bench"]
@@ -105,7 +129,7 @@ class Served:
             command += [f"--{key.replace('_', '-')}", str(value)]
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         start = time.perf_counter()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         import urllib.request
 
         while True:
@@ -119,6 +143,7 @@ class Served:
         self.startup_s = time.perf_counter() - start
 
     def bench(self, args, concurrency: int | None, count: int) -> dict:
+        start = time.perf_counter()
         result, cpu = run_bench_serve(
             self.port,
             self.process.pid,
@@ -132,6 +157,7 @@ class Served:
         keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
         summary = {k: result.get(k) for k in keys}
         summary["cpu_s"] = {str(p): seconds for p, seconds in cpu.items()}
+        summary["window_s"] = [start, time.perf_counter()]  # bench's process start included
         return summary
 
     def stop(self) -> str:
@@ -141,6 +167,15 @@ class Served:
         except subprocess.TimeoutExpired:
             self.process.kill()
         return Path(self.log.name).read_text()
+
+    def timelines(self, section: dict) -> None:
+        """Each measured phase of `section` (entries with a window) gets its step timeline."""
+        if self.step_log is None or not self.step_log.exists():
+            return
+        records = load_step_log(self.step_log)
+        for figures in section.values():
+            if isinstance(figures, dict) and "window_s" in figures:
+                figures["timeline"] = summarize(records, *figures["window_s"])
 
 
 def served(args, results: dict) -> None:
@@ -158,6 +193,7 @@ def served(args, results: dict) -> None:
         _save(args, results)
     finally:
         log = server.stop()
+    server.timelines(results["served"])
     results["startup_log"] = [line for line in log.splitlines() if "start-up" in line]
     results["served_core_totals"] = [line for line in log.splitlines() if "core totals" in line]
     _save(args, results)
@@ -171,6 +207,7 @@ def served(args, results: dict) -> None:
         }
     finally:
         two.stop()
+    two.timelines(results["served_2_api"])
     _save(args, results)
 
 
@@ -182,6 +219,7 @@ def run_arms(args, results: dict) -> None:
     for name, options in arms.items():
         arm = results["arms"][name] = {"options": options, "offline": {}, "served": {}}
         print(f"arm {name}: {options}", flush=True)
+        args.tag = name
         if not args.skip_offline:
             offline(args, arm, options)
         server = Served(args, options=options)
@@ -196,6 +234,7 @@ def run_arms(args, results: dict) -> None:
                 arm["served"]["burst"] = server.bench(args, None, args.burst)
         finally:
             log = server.stop()
+        server.timelines(arm["served"])
         arm["served_core_totals"] = [line for line in log.splitlines() if "core totals" in line]
         arm["ratios"] = ratios(args, arm)
         _save(args, results)
@@ -254,6 +293,9 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=512)
     parser.add_argument("--engine-json", default="{}", help="EngineConfig fields for both sides")
     parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument(
+        "--step-logs", default=None, help="a directory: record every step on both sides there"
+    )
     parser.add_argument("--no-two", action="store_true", help="skip --api-server-count 2")
     parser.add_argument(
         "--arms",
@@ -266,6 +308,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.points = [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
+    args.tag = "main"
+    if args.step_logs:
+        Path(args.step_logs).mkdir(parents=True, exist_ok=True)
     results: dict = {"setup": vars(args) | {"points": args.points}, "offline": {}, "served": {}}
     if args.arms is not None:
         run_arms(args, results)

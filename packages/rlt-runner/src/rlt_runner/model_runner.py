@@ -46,7 +46,7 @@ from rlt_runner.kv_storage import FP8, KVScales, KVStorage
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.prompt_chunks import run_prompt_chunks, token0_depths
-from rlt_runner.readback import PendingStep, finish_readback, start_readback
+from rlt_runner.readback import PendingStep, finish_readback, mark_step_start, start_readback
 from rlt_runner.row_state import DecodeRows, RowRecord
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
@@ -283,6 +283,7 @@ class ModelRunner:
     def submit(self, step: SchedulerOutput) -> PendingStep:
         """Queue every device operation of `step`; returns before the device has run them."""
         pending = PendingStep(step.step_id)
+        mark_step_start(pending, self.device)
         try:
             with torch.inference_mode():
                 pending.failures.extend(self.bookkeeping.apply(step))

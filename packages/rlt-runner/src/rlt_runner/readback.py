@@ -76,10 +76,20 @@ class PendingStep:
     queued_progress: tuple[PrefillProgress, ...] = ()
     prompt_scores: list[tuple[RowRecord, int, torch.Tensor]] = field(default_factory=list)
     host: torch.Tensor | None = None
+    start_event: torch.cuda.Event | None = None  # recorded before the step's first operation
     event: torch.cuda.Event | None = None
     completion: StepCompletion = StepCompletion.UNKNOWN
     failures: list[ExecutionFailure] = field(default_factory=list)
     step_failed: bool = False
+
+
+def mark_step_start(pending: PendingStep, device: torch.device) -> None:
+    """On CUDA, a timing event before the step's first operation: against the previous step's
+    `event` it gives how long the device sat idle before this step (its stream reaches the event
+    at once when the host submits late, or when the previous step's work ends)."""
+    if device.type == "cuda":
+        pending.start_event = torch.cuda.Event(enable_timing=True)
+        pending.start_event.record()
 
 
 def start_readback(

@@ -82,6 +82,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --cuda-graphs, run prompt chunks as CUDA graphs too (default: on)",
     )
     group.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where start-up keeps the kernel choices it measured on CUDA for the next start "
+        "(default: $RLT_CACHE_DIR, else $XDG_CACHE_HOME/rlt, else ~/.cache/rlt; off: none)",
+    )
+    group.add_argument(
         "--fused-kernels",
         action=argparse.BooleanOptionalAction,
         default=d.fused_kernels,

@@ -37,7 +37,7 @@ from rlt_scheduler import Scheduler, make_exit_policy, max_rounds_per_step
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
-from rlt.engine.startup import StartupClock
+from rlt.engine.startup import StartupClock, keep_kernel_choices, restore_kernel_choices
 from rlt.engine.structured_output import XGrammarCompiler
 
 if TYPE_CHECKING:
@@ -107,6 +107,8 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
                 quantization=config.quantization,
                 quantize_lm_head=config.quantize_lm_head,
             )
+    cache_dir = config.resolved_cache_dir()
+    restored_choices = restore_kernel_choices(cache_dir, device)
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape
@@ -218,6 +220,7 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         lambda: _graphs_line(runner) if graphs else "",
     ):
         runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
+    keep_kernel_choices(cache_dir, device, restored_choices)
     if runner.graphs is None and device.type == "cuda":
         log = logger.warning if config.cuda_graphs else logger.info
         log("decode runs eagerly: %s", runner.graphs_disabled_reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ class EngineConfig:
       captured at start for every token bucket, the rest on first use), and the SHARED
       layout's position waves (captured at start); False runs them eagerly.
       Batch-invariant engines always prefill eagerly.
+    cache_dir: where start-up keeps what it measured for the next start (the projections'
+      kernel choices on CUDA, `rlt_models.kernel_choice_cache`); None: $RLT_CACHE_DIR, else
+      $XDG_CACHE_HOME/rlt, else ~/.cache/rlt; "off" (here or in $RLT_CACHE_DIR): nothing is
+      read or written.
     fused_kernels: run the recurrent step's elementwise work as fused Triton kernels (norm +
       residual, RoPE, SwiGLU) when on CUDA; False keeps the eager torch ops. (Attention is the
       selected backend's either way.)
@@ -127,6 +132,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
     prefill_cuda_graphs: bool = True
+    cache_dir: str | Path | None = None
     fused_kernels: bool = True
     async_scheduling: bool = True
     decode_ticks_per_step: int = 8
@@ -153,6 +159,16 @@ class EngineConfig:
     pd_kv_lease_s: float = 480.0
     pd_write_timeout_s: float = 300.0
     pd_max_inflight_bytes: int | None = None
+
+    def resolved_cache_dir(self) -> Path | None:
+        """The cache directory start-up uses (cache_dir above); None when "off"."""
+        given = self.cache_dir if self.cache_dir is not None else os.environ.get("RLT_CACHE_DIR")
+        if given == "off":
+            return None
+        if given:
+            return Path(given).expanduser()
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "rlt"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

@@ -80,7 +80,11 @@ class StepRecord:
     work to the end of this one's, idle time included. Unlike differences of `done_s`, it does
     not charge a step with host work done for a later one (the pipeline submits step n + 1,
     e.g. a long eager prefill, before it collects step n). None on the CPU or for a step with
-    nothing to read back."""
+    nothing to read back.
+    device_idle_s (CUDA): the part of device_s before this step's first operation, when the
+    device had nothing to do because the host had not submitted the step yet.
+    scheduled_s / submitted_s: the host clock when the step's scheduling began and when its
+    submission returned; decode_rows: rows its decode ran."""
 
     step_id: int
     prefill_tokens: int
@@ -88,6 +92,10 @@ class StepRecord:
     generated: int
     done_s: float
     device_s: float | None = None
+    device_idle_s: float | None = None
+    scheduled_s: float = 0.0
+    submitted_s: float = 0.0
+    decode_rows: int = 0
 
 
 class EngineCore:
@@ -107,7 +115,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.timings = StepTimings()
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
-        self._inflight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        # each submitted step with the host clock when its scheduling began and its submit ended
+        self._inflight: deque[tuple[SchedulerOutput, PendingStep, float, float]] = deque()
         self._last_event = None  # the latest collected step's end-of-work event (CUDA)
         self.pd: PDLink | None = None  # set for a PD prefill or decode instance
         self._pd_deltas: list[RequestOutputDelta] = []
@@ -174,7 +183,8 @@ class EngineCore:
             self.pd.poll()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self._inflight.append((scheduled, self.runner.submit(scheduled)))
+        pending = self.runner.submit(scheduled)
+        self._inflight.append((scheduled, pending, t0, time.perf_counter()))
         if self.pd is not None:
             self._pd_deltas.extend(self.pd.after_submit())
         t2 = time.perf_counter()
@@ -197,7 +207,7 @@ class EngineCore:
                 self._apply_oldest()
 
     def _apply_oldest(self) -> None:
-        scheduled, pending = self._inflight.popleft()
+        scheduled, pending, scheduled_s, submitted_s = self._inflight.popleft()
         t0 = time.perf_counter()
         wait_before = self.runner.readback_wait_s
         result = self.runner.collect(pending)
@@ -215,10 +225,13 @@ class EngineCore:
         timings.readback_wait_s += self.runner.readback_wait_s - wait_before
         timings.update_s += t2 - t1
         timings.decode_ticks += result.decode_ticks
-        device_s = None
+        device_s = device_idle_s = None
         if pending.event is not None:
-            if self._last_event is not None:
-                device_s = self._last_event.elapsed_time(pending.event) / 1000.0
+            previous = self._last_event
+            if previous is not None:
+                device_s = previous.elapsed_time(pending.event) / 1000.0
+                if pending.start_event is not None:
+                    device_idle_s = previous.elapsed_time(pending.start_event) / 1000.0
             self._last_event = pending.event
         if self.step_log is not None:
             self.step_log.append(
@@ -229,6 +242,10 @@ class EngineCore:
                     sum(len(g.token_ids) for g in result.generated),
                     t1,
                     device_s,
+                    device_idle_s,
+                    scheduled_s,
+                    submitted_s,
+                    pending.rows,
                 )
             )
 

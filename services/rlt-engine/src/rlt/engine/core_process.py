@@ -36,6 +36,9 @@ from rlt.engine.startup import configure_logging
 logger = logging.getLogger(__name__)
 
 COMPILE_POLL_MS = 5  # an idle core with grammars compiling looks again this often
+# A file path: the core records every step (EngineCore.step_log) and writes them there as JSON
+# lines when it stops (diagnostics: where served time goes, benchmarks/step_timeline.py).
+STEP_LOG_VARIABLE = "RLT_STEP_LOG"
 
 
 def run_core_process(
@@ -79,11 +82,16 @@ def run_core_process(
         stats=parts.core.stats(),
         pd=pd.static_info() if pd is not None else None,
     )
+    step_log_path = os.environ.get(STEP_LOG_VARIABLE)
+    if step_log_path:
+        parts.core.step_log = []
     ready.send(("ready", msgspec.msgpack.encode(ready_message)))
     ready.close()
     try:
         _serve(core_loop, socket, parent_alive)
         _log_totals(parts.core)
+        if step_log_path:
+            _write_step_log(parts.core.step_log, step_log_path)
     finally:
         socket.close(linger=1000)  # the last outputs (final deltas) still go out
         context.term()
@@ -136,6 +144,16 @@ def _log_totals(core) -> None:
         timings.host_s,
         timings.readback_wait_s,
     )
+
+
+def _write_step_log(records, path: str) -> None:
+    import dataclasses
+    import json
+
+    with open(path, "w") as out:
+        for record in records:
+            out.write(json.dumps(dataclasses.asdict(record)) + "\n")
+    logger.info("step log: %d steps written to %s", len(records), path)
 
 
 def _send(socket, encoder, outputs: dict) -> None:

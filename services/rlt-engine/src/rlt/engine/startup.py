@@ -50,3 +50,36 @@ class StartupClock:
         seconds = time.perf_counter() - self.started
         logger.info("start-up: %s in %.1f s", what, seconds)
         return seconds
+
+
+def restore_kernel_choices(cache_dir, device) -> int:
+    """Before the first forward pass on CUDA: the kernel choices an earlier start measured
+    (`rlt_models.kernel_choice_cache`); returns how many were read."""
+    if cache_dir is None or device.type != "cuda":
+        return 0
+    from rlt_models import kernel_choice_cache
+
+    restored = kernel_choice_cache.load(cache_dir, device)
+    if restored:
+        logger.info(
+            "start-up: %d kernel choices from %s",
+            restored,
+            kernel_choice_cache.cache_file(cache_dir, device),
+        )
+    return restored
+
+
+def keep_kernel_choices(cache_dir, device, restored: int) -> None:
+    """After the warm-up measured every decode shape: write the choices for the next start
+    when this one measured any (a cache directory that cannot be written is only logged)."""
+    if cache_dir is None or device.type != "cuda":
+        return
+    from rlt_models import kernel_choice_cache
+
+    try:
+        path = kernel_choice_cache.save(cache_dir, device)
+    except OSError as error:
+        logger.warning("start-up: kernel choices not kept in %s (%s)", cache_dir, error)
+        return
+    if path is not None and kernel_choice_cache.count(device) > restored:
+        logger.info("start-up: kernel choices kept in %s for the next start", path)

@@ -13,7 +13,8 @@
 #                                                  the sweep's best configurations exported
 #   bash benchmarks/h200_run.sh kv-pool            tokens of the memory-sized KV pool, bf16 vs fp8
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
-#   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository
+#   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository, then
+#                                                  the kernel suites that run on CUDA when present
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
 #   bash benchmarks/h200_run.sh speculative [ARGS...]  speculation's CUDA tests (SPEC_TESTS=0 skips
@@ -96,7 +97,11 @@ case "$mode" in
   tests|tests-all)
     tests=(tests/test_cuda_engine.py)
     [ "$mode" = tests-all ] && tests=(tests packages services)
-    python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4 ;;
+    python3 -m pytest -q -p no:cacheprovider -m cuda "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -4
+    # tests-all: also the kernel suites that run compiled on CUDA when it is there
+    [ "$mode" = tests ] || python3 -m pytest -q -p no:cacheprovider -m "not cuda" \
+      packages/rlt-attention/tests packages/rlt-models/tests tests/test_speculative_kernels.py \
+      tests/test_tick_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -3 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
   speculative)

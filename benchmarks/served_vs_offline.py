@@ -157,7 +157,10 @@ class Served:
         keys += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
         summary = {k: result.get(k) for k in keys}
         summary["cpu_s"] = {str(p): seconds for p, seconds in cpu.items()}
-        summary["window_s"] = [start, time.perf_counter()]  # bench's process start included
+        started = result["started_perf_counter_s"]  # the bench's own start (same clock)
+        summary["window_s"] = [started, started + result["duration"]]
+        summary["client"] = client_timeline(result, concurrency)
+        summary["bench_process_s"] = time.perf_counter() - start  # its start-up included
         return summary
 
     def stop(self) -> str:
@@ -176,6 +179,24 @@ class Served:
         for figures in section.values():
             if isinstance(figures, dict) and "window_s" in figures:
                 figures["timeline"] = summarize(records, *figures["window_s"])
+
+
+def client_timeline(result: dict, concurrency: int | None) -> dict:
+    """When the bench sent its first wave of requests and when the first and last responses
+    ended, in seconds after its start."""
+    starts = sorted(t for t in result["start_times"] if t is not None)
+    wave = min(concurrency or len(starts), len(starts))
+    ends = [
+        s + e for s, e in zip(result["start_times"], result["e2els"], strict=True) if e is not None
+    ]
+    firsts = [
+        s + t for s, t in zip(result["start_times"], result["ttfts"], strict=True) if t is not None
+    ]
+    return {
+        "first_wave_sent_s": round(starts[wave - 1], 4) if starts else None,
+        "first_token_s": round(min(firsts), 4) if firsts else None,
+        "last_end_s": round(max(ends), 4) if ends else None,
+    }
 
 
 def served(args, results: dict) -> None:

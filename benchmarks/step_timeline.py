@@ -7,7 +7,11 @@ the machine) of its scheduling, submission and results, and on CUDA its device t
 device's idle time before it.
 
 `summarize(records, start_s, end_s)` covers the steps scheduled in [start_s, end_s) (a
-benchmark phase's window on the same clock):
+benchmark phase's window on the same clock; `rlt bench serve` saves its start as
+`started_perf_counter_s`), the gap before the first of them left out of the idle time:
+
+    before_first_step_s / after_last_result_s   the window's start to the first step's
+                    scheduling, the last step's results to the window's end
 
     device_busy_s   device time of the steps, idle gaps excluded
     device_idle_s   gaps before the steps in which the device had nothing to run
@@ -29,6 +33,14 @@ from pathlib import Path
 
 def _get(record, name: str):
     return record[name] if isinstance(record, dict) else getattr(record, name)
+
+
+def _replace(record, **fields):
+    if isinstance(record, dict):
+        return record | fields
+    import dataclasses
+
+    return dataclasses.replace(record, **fields)
 
 
 def _kind(records: list) -> dict:
@@ -64,6 +76,8 @@ def summarize(records, start_s: float | None = None, end_s: float | None = None)
     if not chosen:
         return {"steps": 0}
     first, last = _get(chosen[0], "scheduled_s"), _get(chosen[-1], "done_s")
+    if start_s is not None:  # the first step's gap began before the window (an idle core)
+        chosen = [_replace(chosen[0], device_idle_s=0.0), *chosen[1:]]
     idle = [_get(r, "device_idle_s") or 0.0 for r in chosen]
     host_lead = [_get(r, "submitted_s") - _get(r, "scheduled_s") for r in chosen]
     # The core collects step n, then (front end, messages) schedules step n + 2 (n + 1 is in
@@ -75,6 +89,8 @@ def summarize(records, start_s: float | None = None, end_s: float | None = None)
     summary = {
         "window_s": round((end_s or last) - (start_s or first), 4),
         "first_step_to_last_result_s": round(last - first, 4),
+        "before_first_step_s": round(first - start_s, 4) if start_s is not None else None,
+        "after_last_result_s": round(end_s - last, 4) if end_s is not None else None,
         **_kind(chosen),
         "idle_gaps_over_1ms": sum(1 for i in idle if i > 1e-3),
         "largest_idle_gaps_ms": sorted((round(1000 * i, 2) for i in idle), reverse=True)[:8],

@@ -28,7 +28,7 @@ from rlt.bench import (
 from rlt.bench.metrics import LATENCY_METRICS, parse_percentiles
 from rlt.bench.plot import plot_sweep, require_matplotlib
 from rlt.bench.request import RequestOptions, send_request
-from rlt.bench.runner import run_requests
+from rlt.bench.runner import list_models, run_requests
 from rlt.cli import build_parser, main
 from rlt_contracts import ConfigurationError
 
@@ -539,3 +539,117 @@ def test_server_metrics_agree_with_the_benchmarks_own_counts(live_server, tmp_pa
     )
     assert moved("rlt:loops_per_token_sum") == pytest.approx(decoded_loops)
     assert moved("rlt:decode_loops_total") == pytest.approx(decoded_loops)
+
+
+# -- the wire client: the server's bytes in, the measured request out ----------------------------
+
+
+def wire_client(handler):
+    import httpx2
+    from rlt.bench.wire_client import WireClient
+
+    client = WireClient("http://bench.test/v1", api_key="k", timeout=5, trust_env=False)
+    client._http = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+    return client
+
+
+def sse(*events) -> bytes:
+    """Server-sent events; one starting with ":" is a comment line."""
+    return b"".join((e if e.startswith(":") else f"data: {e}").encode() + b"\n\n" for e in events)
+
+
+def test_the_wire_client_sends_the_body_and_reads_chunks_usage_and_depths():
+    import httpx2
+
+    seen = []
+
+    def handler(request):
+        seen.append((request.url.path, json.loads(request.content), request.headers))
+        events = [
+            json.dumps({"choices": [{"index": 0, "text": "It", "exit_depths": [4]}]}),
+            ": a comment line",
+            json.dumps(
+                {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": " is",
+                            "exit_depths": [2, 3],
+                            "finish_reason": "length",
+                        }
+                    ]
+                }
+            ),
+            json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}),
+            "[DONE]",
+        ]
+        return httpx2.Response(200, content=sse(*events))
+
+    request = BenchRequest(0, 3, prompt=[1, 2, 3], prompt_len=3)
+    result = RequestResult(index=0)
+
+    async def main():
+        async with wire_client(handler) as client:
+            await send_request(client, ENDPOINT, request, OPTIONS, result, 0.0)
+
+    asyncio.run(main())
+    [(path, body, headers)] = seen
+    assert path == "/v1/completions" and headers["authorization"] == "Bearer k"
+    assert body == {
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "exit_threshold": 0.5,
+        "max_loops": 4,
+    }
+    assert result.success and result.chunk_tokens == [1, 2] and result.exit_depths == [4, 2, 3]
+    assert (result.prompt_tokens, result.output_tokens, result.finish_reason) == (3, 3, "length")
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [
+        ("status", "http_429"),
+        ("error_event", "stream_error"),
+        ("refused", "connection_error"),
+        ("timeout", "timeout"),
+    ],
+)
+def test_the_wire_client_turns_failures_into_error_kinds(answer, kind):
+    import httpx2
+
+    def handler(request):
+        if answer == "status":
+            body = {"error": {"message": "too many", "type": "overloaded", "code": 429}}
+            return httpx2.Response(429, json=body)
+        if answer == "error_event":
+            event = json.dumps({"error": {"message": "engine died", "code": 500}})
+            return httpx2.Response(200, content=sse(event, "[DONE]"))
+        if answer == "refused":
+            raise httpx2.ConnectError("refused", request=request)
+        raise httpx2.ReadTimeout("slow", request=request)
+
+    result = RequestResult(index=0)
+
+    async def main():
+        async with wire_client(handler) as client:
+            await send_request(client, ENDPOINT, BenchRequest(0, 2, prompt=[1]), OPTIONS, result, 0)
+
+    asyncio.run(main())
+    assert not result.success and result.error_kind == kind
+
+
+def test_the_wire_client_lists_the_models_cards():
+    import httpx2
+
+    cards = [{"id": "rlt", "object": "model", "vocab_size": 49152}]
+
+    async def main():
+        async with wire_client(lambda r: httpx2.Response(200, json={"data": cards})) as client:
+            return await list_models(client)
+
+    assert asyncio.run(main()) == cards

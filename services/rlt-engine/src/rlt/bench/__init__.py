@@ -4,7 +4,8 @@ OpenAI-compatible endpoint (rlt, the PD coordinator, or another server).
 Modules, each usable on its own:
 - `datasets`: the requests to send (a seeded synthetic length distribution, or a JSONL file);
 - `arrival`: when to send them (Poisson/gamma, constant or burst arrivals at a request rate);
-- `request`: send one streaming request with the official `openai` client and measure it;
+- `request`: send one streaming request and measure it;
+- `wire_client`: OpenAI's wire format over HTTP without the SDK's cost per request;
 - `runner`: send a whole workload on schedule, with a concurrency cap and a progress bar;
 - `metrics`: aggregate the per-request measurements (vLLM's result keys);
 - `report`: print and save the results; `plot`: draw a request-rate sweep (matplotlib);

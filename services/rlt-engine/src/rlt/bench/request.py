@@ -1,5 +1,5 @@
-"""Send one streaming request with the official `openai` client (it parses the SSE stream)
-and measure it.
+"""Send one streaming request (`wire_client.WireClient`, or anything with the `openai`
+client's `create` and stream interface) and measure it.
 
 Definitions (times from `time.perf_counter`, in seconds):
 - send: just before the request is handed to the client (after any concurrency wait).

@@ -25,25 +25,20 @@ class RunOutcome:
     results: list[RequestResult | None]
     duration: float  # seconds from the first arrival slot to the last request's end
     interrupted: bool = False
+    started_s: float = 0.0  # the run's start on time.perf_counter (the machine's monotonic clock)
 
 
 def make_client(endpoint: Endpoint, *, api_key: str, timeout: float, trust_env: bool):
-    """The official async client, without retries (a retried request would skew latencies)."""
-    import openai
+    """The benchmark's client (`wire_client.WireClient`: OpenAI's wire format, no retries, so
+    no retried request skews latencies)."""
+    from rlt.bench.wire_client import WireClient
 
-    return openai.AsyncOpenAI(
-        base_url=endpoint.api_base,
-        api_key=api_key,
-        max_retries=0,
-        timeout=timeout,
-        http_client=openai.DefaultAsyncHttpxClient(trust_env=trust_env),
-    )
+    return WireClient(endpoint.api_base, api_key=api_key, timeout=timeout, trust_env=trust_env)
 
 
 async def list_models(client) -> list[dict]:
     """GET /v1/models: each card as a dict (extension fields included)."""
-    page = await client.models.list()
-    return [card.model_dump() for card in page.data]
+    return await client.list_models()
 
 
 @contextlib.contextmanager
@@ -106,7 +101,7 @@ async def run_requests(
     for result in results:  # a request cancelled before send_request started
         if result is not None and result.error_kind is None and not result.success:
             result.error_kind, result.error = "cancelled", "the benchmark was interrupted"
-    return RunOutcome(results, duration, state["interrupted"])
+    return RunOutcome(results, duration, state["interrupted"], start)
 
 
 async def run_benchmark(

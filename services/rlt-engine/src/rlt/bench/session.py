@@ -166,6 +166,9 @@ class BenchSession:
             )
         result = result_metadata(args, self.endpoint, self.model, rate, self.date)
         result.update(interrupted=outcome.interrupted, percentiles=list(self.percentiles))
+        # the run's start on the machine's monotonic clock: lines a server's step log
+        # (RLT_STEP_LOG, same clock) up with the requests' start_times
+        result["started_perf_counter_s"] = outcome.started_s
         result.update(
             summarize(
                 outcome.results,

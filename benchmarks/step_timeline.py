@@ -8,7 +8,8 @@ device's idle time before it.
 
 `summarize(records, start_s, end_s)` covers the steps scheduled in [start_s, end_s) (a
 benchmark phase's window on the same clock; `rlt bench serve` saves its start as
-`started_perf_counter_s`), the gap before the first of them left out of the idle time:
+`started_perf_counter_s`), the gap before the first of them left out of its device and idle
+time:
 
     before_first_step_s / after_last_result_s   the window's start to the first step's
                     scheduling, the last step's results to the window's end
@@ -77,7 +78,10 @@ def summarize(records, start_s: float | None = None, end_s: float | None = None)
         return {"steps": 0}
     first, last = _get(chosen[0], "scheduled_s"), _get(chosen[-1], "done_s")
     if start_s is not None:  # the first step's gap began before the window (an idle core)
-        chosen = [_replace(chosen[0], device_idle_s=0.0), *chosen[1:]]
+        head = chosen[0]
+        gap = _get(head, "device_idle_s") or 0.0
+        busy = None if _get(head, "device_s") is None else _get(head, "device_s") - gap
+        chosen = [_replace(head, device_s=busy, device_idle_s=0.0), *chosen[1:]]
     idle = [_get(r, "device_idle_s") or 0.0 for r in chosen]
     host_lead = [_get(r, "submitted_s") - _get(r, "scheduled_s") for r in chosen]
     # The core collects step n, then (front end, messages) schedules step n + 2 (n + 1 is in

@@ -26,10 +26,7 @@ from typing import Any
 
 import openai
 
-try:  # the HTTP library `openai.DefaultAsyncHttpxClient` is built on (httpx2 from openai 3)
-    import httpx2 as httpx
-except ImportError:  # pragma: no cover - older openai releases use httpx
-    import httpx
+import httpx2 as httpx  # what `openai.DefaultAsyncHttpxClient` is built on (openai >= 3)
 
 
 class WireClient:

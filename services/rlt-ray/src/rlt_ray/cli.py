@@ -98,6 +98,13 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often each replica reports its load to the router",
     )
     group.add_argument("--submit-timeout-s", type=float, default=d.submit_timeout_s)
+    group.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=d.engine_process,
+        help="each replica's engine core in a process of its own, as under `rlt serve` "
+        "(default: when the replica has a GPU)",
+    )
 
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
@@ -237,6 +244,7 @@ def options_from_args(args: argparse.Namespace):
         routing_stats_period_s=args.routing_stats_period_s,
         submit_timeout_s=args.submit_timeout_s,
         graceful_shutdown_timeout_s=args.shutdown_timeout,
+        engine_process=args.engine_process,
     )
     options.validate()
     return engine_config_from_args(args), serve_options, options, args.address
@@ -268,6 +276,7 @@ def pd_options_from_args(args: argparse.Namespace):
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=args.health_check_timeout_s,
         graceful_shutdown_timeout_s=args.shutdown_timeout,
+        engine_process=args.engine_process,
     )
     options.validate()
     return engine_config_from_args(args), serve_options, options, args.address

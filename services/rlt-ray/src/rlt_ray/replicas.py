@@ -1,9 +1,14 @@
 """`EngineReplica`: one rlt engine in one Ray Serve replica (an actor process).
 
-The engine runs exactly as under `rlt serve`'s in-process wiring: an `LLMEngine` whose core
-loop runs on a thread of this process, reached through `AsyncEngine` (the `CoreClient` that
-tokenizes nothing and detokenizes the deltas), on the replica's asyncio loop. The replica
-offers the ingress four calls and Ray two hooks:
+The engine runs as under `rlt serve`: with `engine_process` (the default for a GPU replica)
+its core is a process of its own that this one starts and owns (`CoreProcess`, ZeroMQ,
+`CoreClient`: the front end's half, which detokenizes the deltas), so Ray's streaming of every
+chunk through this process never competes with the engine loop for the GIL; without it, an
+`LLMEngine` whose core loop runs on a thread of this process, reached through `AsyncEngine`
+(the same `CoreClient` over a thread). Either way the client lives on the replica's asyncio
+loop. If the core process dies, the health check fails and Ray replaces the replica; if the
+replica's process dies, the core sees its parent gone and exits. The replica offers the
+ingress four calls and Ray two hooks:
 
 - `generate(request)`: a stream; first `Accepted` or `Rejected` (the submit's answer), then
   the engine's deltas unchanged, then `Finished` with the engine's statistics
@@ -57,21 +62,61 @@ def _location() -> dict:
     return where
 
 
-class EngineReplica:
-    """One engine per replica (see the module docstring). `config`: rlt's `EngineConfig`."""
+def _tokenizer_or_none(model_dir: str):
+    """The checkpoint's tokenizer, or None without tokenizer files (token-id prompts still
+    work), as the in-thread engine has it."""
+    from rlt_models import load_tokenizer
 
-    def __init__(self, config) -> None:
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+class EngineReplica:
+    """One engine per replica (see the module docstring). `config`: rlt's `EngineConfig`;
+    `engine_process`: the engine core in a process of its own (else on a thread here)."""
+
+    async def __init__(self, config, *, engine_process: bool = False) -> None:
         # idle OpenMP workers must not spin a core each (as under `rlt serve`); read when
         # torch loads OpenMP, so before the engine's imports
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        from rlt.engine.llm_engine import LLMEngine
-        from rlt.serving.async_engine import AsyncEngine
-
         self.tag = replica_tag()
         self.where = _location()
-        self.engine = LLMEngine(config)
-        self.client = AsyncEngine(self.engine, thread_name=f"rlt-engine-{self.tag or 'replica'}")
+        self.core = None
+        if engine_process:
+            self.client = await self._start_core_process(config)
+        else:
+            from rlt.engine.llm_engine import LLMEngine
+            from rlt.serving.async_engine import AsyncEngine
+
+            engine = LLMEngine(config)
+            self.client = AsyncEngine(engine, thread_name=f"rlt-engine-{self.tag or 'replica'}")
         logger.info("engine replica %s ready: %s", self.tag, self.client.model_info().name)
+
+    async def _start_core_process(self, config):
+        import asyncio
+
+        from rlt.serving.core_client import CoreClient
+        from rlt.serving.core_process_client import CoreProcess, ProcessTransport
+
+        self.core = CoreProcess.spawn(config, start_method="spawn")  # Ray's threads run here
+        try:
+            endpoint = await asyncio.to_thread(self.core.wait_ready)
+            tokenizer = await asyncio.to_thread(_tokenizer_or_none, endpoint.ready.model_info.path)
+            transport = ProcessTransport(endpoint, "replica", owns_core=True)
+            client = CoreClient(
+                transport,
+                model_info=endpoint.ready.model_info,
+                stats=endpoint.ready.stats,
+                tokenizer=lambda: tokenizer,
+            )
+            await transport.start(client)
+        except BaseException:
+            self.core.stop(timeout_s=0)
+            raise
+        self._transport = transport
+        return client
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[object]:
         try:
@@ -98,7 +143,7 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         dead = self.client.dead
-        if dead is not None or self.client.stopped:
+        if dead is not None or getattr(self.client, "stopped", False):
             raise RuntimeError(f"engine replica {self.tag} is not running: {dead}")
 
     async def record_routing_stats(self) -> dict:
@@ -122,3 +167,6 @@ class EngineReplica:
         client = getattr(self, "client", None)
         if client is not None:
             await client.shutdown()
+        if getattr(self, "core", None) is not None:
+            self._transport.dispose()
+            self.core.stop()

@@ -82,10 +82,14 @@ class CoreProcess:
         return core
 
     @classmethod
-    def spawn(cls, config: EngineConfig, *, log_level: str = "info") -> CoreProcess:
+    def spawn(
+        cls, config: EngineConfig, *, log_level: str = "info", start_method: str | None = None
+    ) -> CoreProcess:
         """Start the core process and return at once (`wait_ready` waits for it): the caller
-        can prepare its front end while the core builds the engine."""
-        context = multiprocessing.get_context(child_start_method(config))
+        can prepare its front end while the core builds the engine. `start_method`: None
+        chooses by device (`child_start_method`); a caller with threads running (a Ray
+        replica) passes "spawn", since a fork copies their locks in whatever state they are."""
+        context = multiprocessing.get_context(start_method or child_start_method(config))
         directory = tempfile.TemporaryDirectory(prefix="rlt-core-")
         address = f"ipc://{directory.name}/core.sock"
         ready_r, ready_w = context.Pipe(duplex=False)

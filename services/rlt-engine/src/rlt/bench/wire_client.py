@@ -24,9 +24,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-import openai
-
 import httpx2 as httpx  # what `openai.DefaultAsyncHttpxClient` is built on (openai >= 3)
+import openai
 
 
 class WireClient:

@@ -65,7 +65,9 @@
 #                                                  bench serve` runs: 1,024 in / 128 out, C = 32
 #                                                  (128 requests) and 128 (384), twice each,
 #                                                  B / A per C (benchmarks/ray_vs_serve.py ARGS,
-#                                                  ~6 min; --arms serve,ray,serve re-runs A);
+#                                                  ~6 min; --arms serve,ray,serve re-runs A;
+#                                                  --arms serve,ray,ray_process adds the
+#                                                  replica's engine core in its own process);
 #                                                  carry .whl and .whlray
 #   bash benchmarks/h200_run.sh scoring          issue 25: prompt-scoring throughput (full depth, exit
 #                                                  depth) against plain prefill, Ouro-1.4B shape

@@ -12,7 +12,10 @@ cluster stops with `rlt ray serve`). Per measurement: output tokens/s, TTFT/TPOT
 p99, and the CPU seconds of the server's process tree (Ray's processes included: they are
 children of `rlt ray serve`). `comparison` holds per concurrency the Ray arm's figures over
 `rlt serve`'s (means over the repeats) and `within_5pct`: output throughput >= 0.95x at every
-concurrency. Every figure goes to --out as it is measured; each server's log to --log-dir.
+concurrency. The arm `ray_process` runs the replica's engine core in a process of its own
+(`--engine-process`; `ray` runs it on a thread of the replica) and gets its own
+`comparison_engine_process`. Every figure goes to --out as it is measured; each server's log
+to --log-dir.
 
     python3 benchmarks/ray_vs_serve.py /tmp/rlt-bench-checkpoints/ouro-1.4b --out r.json
 
@@ -66,7 +69,8 @@ class Server:
         # `python -m rlt_ray` is `rlt ray`: rlt finds that command through rlt-ray's entry
         # point, which needs rlt-ray installed (the GPU machine runs the sources on PYTHONPATH)
         command = [sys.executable, "-m"]
-        command += ["rlt_ray", "serve"] if arm == "ray" else ["rlt.cli", "serve"]
+        ray = arm in ("ray", "ray_process")
+        command += ["rlt_ray", "serve"] if ray else ["rlt.cli", "serve"]
         command += [args.model, "--port", str(self.port), "--dtype", args.dtype]
         command += ["--exit-threshold", "1.0", "--log-level", args.log_level]
         command += ["--served-model-name", "bench"]
@@ -74,8 +78,9 @@ class Server:
             command += ["--device", args.device]
         for key, value in json.loads(args.engine_json).items():
             command += [f"--{key.replace('_', '-')}", str(value)]
-        if arm == "ray":
+        if ray:
             command += ["--replicas", "1", *shlex.split(args.ray_args)]
+            command += ["--engine-process" if arm == "ray_process" else "--no-engine-process"]
         self.command = command
         self.log_path = Path(args.log_dir) / f"server-{arm}-{int(time.time())}.log"
         self.log = self.log_path.open("w")
@@ -240,6 +245,8 @@ def run(args) -> dict:
             entry["log"] = str(server.log_path)
         save(args, results)
     results["comparison"] = compare(results)
+    if "ray_process" in results["arms"]:
+        results["comparison_engine_process"] = compare(results, "serve", "ray_process")
     if "serve_again" in results["arms"]:
         results["comparison_drift"] = compare(results, "serve", "serve_again")
     save(args, results)
@@ -251,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="checkpoint directory")
     parser.add_argument("--out", required=True, help="JSON results")
     parser.add_argument("--log-dir", default=None, help="server logs (default: --out's folder)")
-    parser.add_argument("--arms", default="serve,ray", help="order; 'serve,ray,serve' re-runs A")
+    parser.add_argument(
+        "--arms",
+        default="serve,ray",
+        help="order; 'serve,ray,serve' re-runs A; ray_process: the replica's engine core in "
+        "its own process (--engine-process)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None, help="engine device (default: the engine's)")
     parser.add_argument("--input-len", type=int, default=1024)

@@ -45,8 +45,9 @@ class RayOptions:
       the engine's queue (and its 429) decides.
     engine_process: run each replica's engine core in a process of its own, as `rlt serve`
       does, so that Ray's per-chunk streaming in the replica's process does not share a GIL
-      with the engine loop; None: when the replica has a GPU (a CPU replica keeps the
-      engine on a thread of its process: no second process to start).
+      with the engine loop (off: the engine runs on a thread of the replica's process, the
+      configuration measured on the H200; on is tested on the CPU, in and outside a Ray
+      cluster, and not yet measured on a GPU).
     """
 
     replicas: int = 1
@@ -69,7 +70,7 @@ class RayOptions:
     routing_stats_period_s: float = 1.0
     submit_timeout_s: float = 60.0
     graceful_shutdown_timeout_s: float = 10.0
-    engine_process: bool | None = None
+    engine_process: bool = False
 
     def validate(self) -> None:
         def positive(name: str, value, minimum=1) -> None:
@@ -216,9 +217,8 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         max_ongoing_requests=max(options.max_ongoing_requests, 1024),
         graceful_shutdown_timeout_s=serve_options.shutdown_timeout,
     )
-    engine_process = options.engine_process if options.engine_process is not None else gpus > 0
     return ingress.bind(
-        engine.bind(config, engine_process=engine_process),
+        engine.bind(config, engine_process=options.engine_process),
         config.model,
         serve_options,
         options.submit_timeout_s,

@@ -103,7 +103,7 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.engine_process,
         help="each replica's engine core in a process of its own, as under `rlt serve` "
-        "(default: when the replica has a GPU)",
+        "(default: on a thread of the replica's process)",
     )
 
 

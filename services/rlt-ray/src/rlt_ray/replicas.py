@@ -1,9 +1,9 @@
 """`EngineReplica`: one rlt engine in one Ray Serve replica (an actor process).
 
-The engine runs as under `rlt serve`: with `engine_process` (the default for a GPU replica)
-its core is a process of its own that this one starts and owns (`CoreProcess`, ZeroMQ,
-`CoreClient`: the front end's half, which detokenizes the deltas), so Ray's streaming of every
-chunk through this process never competes with the engine loop for the GIL; without it, an
+With `engine_process` (`--engine-process`) the engine runs as under `rlt serve`: its core is
+a process of its own that this one starts and owns (`CoreProcess`, ZeroMQ, `CoreClient`: the
+front end's half, which detokenizes the deltas), so Ray's streaming of every chunk through
+this process never competes with the engine loop for the GIL. Without it (the default), an
 `LLMEngine` whose core loop runs on a thread of this process, reached through `AsyncEngine`
 (the same `CoreClient` over a thread). Either way the client lives on the replica's asyncio
 loop. If the core process dies, the health check fails and Ray replaces the replica; if the

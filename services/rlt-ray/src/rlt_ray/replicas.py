@@ -43,8 +43,11 @@ def replica_tag() -> str:
     """This replica's id within its deployment (the router's key for it; "" outside Ray
     Serve). A restarted replica has a new one."""
     try:
+        import ray
         from ray import serve
 
+        if not ray.is_initialized():  # direct use, tests: asking Serve would start a cluster
+            return ""
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not inside a Serve replica (direct use, tests)
         return ""
@@ -56,7 +59,8 @@ def _location() -> dict:
     try:
         import ray
 
-        where["node_id"] = ray.get_runtime_context().get_node_id()
+        if ray.is_initialized():
+            where["node_id"] = ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - not inside Ray
         pass
     return where

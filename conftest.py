@@ -70,6 +70,10 @@ def pytest_cmdline_main(config):
     if workers >= 2:
         option.numprocesses = workers
         option.dist = "loadgroup"
+        if getattr(option, "maxworkerrestart", None) is None:
+            # a crashed worker ends the run with its test named: replaced workers under
+            # loadgroup once left the run waiting forever at 98% (2026-12-02)
+            option.maxworkerrestart = "0"
         os.environ[LOADGROUP_ENV] = "1"  # read by the workers (above); they inherit it
         # The CPUs shared out: torch's intra-op pool in each worker (and in the servers its
         # tests start, which inherit the environment) is sized to its share, not to all of them.

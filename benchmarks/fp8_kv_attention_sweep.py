@@ -1,13 +1,14 @@
-"""Split-KV decode attention over an fp8 cache against bf16, per key-step configuration.
+"""Split-KV decode attention over an fp8 cache against bf16, per key step and product.
 
 The decode attention of one loop at 128 requests (Ouro-1.4B: 24 layers, 16 heads of 128,
 G = 1), each request with a `--context`-token history in its own fragmented pages: one CUDA
 graph calls the split-KV kernel once per layer (each layer's KV is read once, far beyond the
-L2 cache, as a loop reads it), median of replays. bf16 runs the engine's heuristic
-(`choose_splits`) and the keys-as-rows product order over (block_n, warps, stages); fp8 runs
-every (block_n, warps, stages) candidate in both product orders (rows x keys, keys x rows) and
-the heuristic's current choice. Reports microseconds per loop and KV bytes per second, the
-best configurations and their `RLT_FP8_SPLIT_DECODE` / `RLT_SPLIT_DECODE` values. Run on a GPU:
+L2 cache, as a loop reads it), median of replays. Both caches run the engine's heuristic
+(`choose_splits`); then, for each product of `--products` (`split_config.PRODUCTS`: the
+tensor-core tile's rows by keys or keys by rows, or `vector`, CUDA-core multiply-and-sum for one
+row per tile), fp8 runs its candidate (block_n, warps, stages) and bf16 a few. Reports
+microseconds per loop and KV bytes per second, the best configurations and their
+`RLT_FP8_SPLIT_DECODE` / `RLT_SPLIT_DECODE` values. Run on a GPU:
 
     python3 benchmarks/fp8_kv_attention_sweep.py --out fp8_kv_attention_sweep.json
 """
@@ -58,10 +59,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1100)
     parser.add_argument("--out")
     parser.add_argument(
-        "--orders",
-        choices=("both", "keys"),
-        default="both",
-        help="fp8 candidates in both product orders, or keys-as-rows only",
+        "--products",
+        default=",".join(split_config.PRODUCTS),
+        help="comma-separated products to sweep (of split_config.PRODUCTS)",
     )
     args = parser.parse_args()
     rows, context = args.rows, args.context
@@ -143,36 +143,34 @@ def main() -> None:
 
     record("heuristic", heuristic[False], False)
     record("heuristic", heuristic[True], True)
-    base = heuristic[True]
-    # the heuristic's splits (the RLT_*SPLIT_DECODE overrides set the key step and order only)
-    grid = itertools.product((64, 128, 256), (4, 8), (2, 3, 4))
-    for block_n, warps, stages in grid:
-        for keys_as_rows in (False, True) if args.orders == "both" else (True,):
-            split = replace(
-                base,
-                block_n=block_n,
-                num_warps=warps,
-                num_stages=stages,
-                keys_as_rows=keys_as_rows,
-            )
-            order = "_keys" if keys_as_rows else ""
-            record(f"n{block_n}_w{warps}_st{stages}{order}", split, True)
-    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3)):
-        split = replace(
-            heuristic[False],
-            block_n=block_n,
-            num_warps=warps,
-            num_stages=stages,
-            keys_as_rows=True,
-        )
-        record(f"n{block_n}_w{warps}_st{stages}_keys", split, False)
+    # the heuristic's splits (the RLT_*SPLIT_DECODE overrides set the key step and product only)
+    tensor_core = list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))
+    vector = list(itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 3)))
+    vector += list(itertools.product((128,), (4, 8), (2, 3)))
+    candidates = {  # product: (fp8 candidates, bf16 candidates)
+        "rows_by_keys": (tensor_core, []),
+        "keys_by_rows": (tensor_core, list(itertools.product((64, 128), (4, 8), (2, 3)))),
+        "vector": (vector, list(itertools.product((32, 64), (2, 4), (2, 3)))),
+    }
+    for product in args.products.split(","):
+        for fp8, grid in zip((True, False), candidates[product]):
+            for block_n, warps, stages in grid:
+                split = replace(
+                    heuristic[fp8],
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                    product=product,
+                )
+                record(f"n{block_n}_w{warps}_st{stages}_{product}", split, fp8)
 
     def best_of(kv):
         return min((r for r in results if r["kv"] == kv), key=lambda r: r["us_per_loop"])
 
     def env(line):
-        fields = ("block_n", "num_warps", "num_stages", "keys_as_rows")
-        return ",".join(str(int(line["split"][k])) for k in fields)
+        split = line["split"]
+        fields = [split[k] for k in ("block_n", "num_warps", "num_stages")]
+        return ",".join(map(str, [*fields, split_config.PRODUCTS.index(split["product"])]))
 
     fp8_results = [r for r in results if r["kv"] == "fp8"]
     best, best_bf16 = best_of("fp8"), best_of("bf16")

@@ -8,7 +8,7 @@
 # benchmarks/fetch_device_wheels.sh ray`: ray repacked slim and what Ray Serve needs). Results
 # land in $OUT. One mode per call (each fits a 10-minute device command):
 #   bash benchmarks/h200_run.sh fp8-kv             split-KV kernel tests, the product-order sweep
-#                                                  (fp8_kv_attention_sweep.py --orders keys),
+#                                                  (fp8_kv_attention_sweep.py: keys by rows, vector),
 #                                                  then 128 requests bf16 / fp8 KV / both with
 #                                                  the sweep's best configurations exported
 #   bash benchmarks/h200_run.sh kv-pool            tokens of the memory-sized KV pool, bf16 vs fp8
@@ -175,7 +175,7 @@ case "$mode" in
   fp8-kv)  # the split-KV product orders: CUDA tests, the sweep, then 128 requests with its best
     python3 -m pytest -q -p no:cacheprovider packages/rlt-attention/tests/test_fp8_kv.py \
       packages/rlt-attention/tests/test_split_decode.py 2>&1 | tee "$OUT/split_tests.log" | tail -2
-    python3 benchmarks/fp8_kv_attention_sweep.py --orders keys --out "$OUT/kv_sweep.json" \
+    python3 benchmarks/fp8_kv_attention_sweep.py --products keys_by_rows,vector --out "$OUT/kv_sweep.json" \
       >"$OUT/kv_sweep.log" 2>&1
     tail -n 1 "$OUT/kv_sweep.log"
     get() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['summary'][sys.argv[2]])" "$OUT/kv_sweep.json" "$1"; }

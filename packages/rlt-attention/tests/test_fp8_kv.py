@@ -131,11 +131,9 @@ def test_selection_refuses_a_backend_without_fp8_kv():
     assert select_attention_backend(requirements, "auto").name in ("triton", "torch")
 
 
-@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["rows_by_keys", "keys_as_rows"])
-def test_split_decode_product_orders_read_the_fp8_cache_alike(
-    paged_case, monkeypatch, keys_as_rows
-):
-    """Both product orders of the split kernel attend over the dequantized fp8 values."""
+@pytest.mark.parametrize("product", ["rows_by_keys", "keys_by_rows", "vector"])
+def test_split_decode_products_read_the_fp8_cache_alike(paged_case, monkeypatch, product):
+    """Every product of the split kernel attends over the dequantized fp8 values."""
     import dataclasses
 
     from rlt_attention import split_config
@@ -144,9 +142,10 @@ def test_split_decode_product_orders_read_the_fp8_cache_alike(
     monkeypatch.setattr(
         split_config,
         "choose_splits",
-        lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=keys_as_rows),
+        lambda **kw: dataclasses.replace(choose(**kw), product=product),
     )
-    case = paged_case(DECODE_GROUPS, block_size=4, head_dim=16, seed=7, device=DEVICE)
+    heads = dict(num_heads=2, num_kv_heads=2) if product == "vector" else {}  # one row per tile
+    case = paged_case(DECODE_GROUPS, block_size=4, head_dim=16, seed=7, device=DEVICE, **heads)
     fp8, plain, key, value = _fp8_pair(case)
     out = _run(TritonPagedAttention(num_splits=3), fp8, case, case.key, case.value)
     expected = _run(TorchPagedAttention(), plain, case, key, value)

@@ -253,7 +253,7 @@ def test_choose_splits_heuristic():
     # an fp8 cache: the large grid takes the fp8 key step, the small grid keeps its own
     step = split_config._fp8_step
     fp8 = config(32, 16, 1088, kv_fp8=True)
-    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.keys_as_rows) == step
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages, fp8.product) == step
     assert config(1, 16, 1088, kv_fp8=True) == one_row
     with pytest.raises(ValueError, match="num_splits"):
         TritonPagedAttention(num_splits=0)
@@ -360,7 +360,7 @@ def test_keys_as_rows_products_match_the_torch_backend(
     monkeypatch.setattr(
         split_config,
         "choose_splits",
-        lambda **kw: dataclasses.replace(choose(**kw), keys_as_rows=True),
+        lambda **kw: dataclasses.replace(choose(**kw), product="keys_by_rows"),
     )
     shapes = dict(block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16)
     case = paged_case(DECODE_GROUPS, seed=11, device=DEVICE, **shapes)
@@ -371,3 +371,54 @@ def test_keys_as_rows_products_match_the_torch_backend(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
     assert_same_cache(case, torch_case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_vector_products_match_the_torch_backend(
+    paged_case, reference, monkeypatch, num_splits, dtype
+):
+    """The CUDA-core split kernel (one row per (group, kv head): multiply-and-sum over the head
+    dim) gives the attention of the tensor-core kernel, one split or several; with G = 2 it is
+    not eligible and choose_splits keeps keys by rows."""
+    choose = split_config.choose_splits
+    monkeypatch.setattr(
+        split_config,
+        "choose_splits",
+        lambda **kw: dataclasses.replace(choose(**kw), product="vector"),
+    )
+    shapes = dict(block_size=4, num_heads=2, num_kv_heads=2, head_dim=16, dtype=dtype)
+    case = paged_case(DECODE_GROUPS, seed=13, device=DEVICE, **shapes)
+    torch_case = paged_case(DECODE_GROUPS, seed=13, device=DEVICE, **shapes)
+    out = case.run(TritonPagedAttention(num_splits=num_splits, block_n=16))
+    expected = torch_case.run(TorchPagedAttention())
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert_same_cache(case, torch_case)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
+    grouped = paged_case(DECODE_GROUPS, seed=13, device=DEVICE, block_size=4, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="vector product needs one query row"):
+        grouped.run(TritonPagedAttention(num_splits=num_splits, block_n=16))
+
+
+def test_a_vector_step_applies_only_to_one_row_tiles(monkeypatch):
+    """RLT_FP8_SPLIT_DECODE's product 2 (vector) is taken where a tile holds one row and no
+    store or merge runs in the kernel; elsewhere the fp8 cache keeps keys by rows."""
+    monkeypatch.setattr(split_config, "_fp8_step", (32, 2, 2, "vector"))
+    kwargs = dict(num_kv_heads=16, max_context_len=1088, head_dim=128, kv_fp8=True)
+    assert split_config.choose_splits(num_groups=32, queries_per_kv=1, **kwargs).product == "vector"
+    grouped = split_config.choose_splits(num_groups=32, queries_per_kv=2, **kwargs)
+    assert grouped.product == "keys_by_rows"
+    stores = split_config.choose_splits(
+        num_groups=32, queries_per_kv=1, stores_in_kernel=True, **kwargs
+    )
+    assert stores.product == "keys_by_rows"
+    monkeypatch.setenv(split_config.FP8_SPLIT_ENV, "32,2,2,2")
+    assert split_config._large_grid_step(split_config.FP8_SPLIT_ENV, None)[3] == "vector"
+    monkeypatch.setenv(split_config.FP8_SPLIT_ENV, "32,2,2,3")
+    with pytest.raises(ValueError, match="RLT_FP8_SPLIT_DECODE"):
+        split_config._large_grid_step(split_config.FP8_SPLIT_ENV, None)
+    with pytest.raises(ValueError, match="product must be one of"):
+        dataclasses.replace(stores, product="columns")

@@ -15,29 +15,35 @@ DEFAULT_SM_COUNT = 132
 MAX_SPLITS = 64
 # programs (groups x kv heads) up to which decode uses many short splits (`choose_splits`)
 SMALL_GRID = 64
-# An fp8 cache's large-grid key step (block_n, num_warps, num_stages, keys_as_rows): its keys
-# and values are widened in registers, so the kernel is bound by that per-element work rather
-# than by memory; with keys as the products' rows the widened tiles feed the tensor cores from
+# The products of the split kernel: the tile's (query, head) rows times the keys (the default),
+# keys times rows (K q^T and V^T p^T: the widened keys and values of an fp8 cache are then the
+# tensor-core product's register operand), or `vector`: one row per tile, multiply-and-sum on
+# the CUDA cores (`split_decode_vector.py`; only for one query row per (group, kv head)).
+PRODUCTS = ("rows_by_keys", "keys_by_rows", "vector")
+# An fp8 cache's large-grid key step (block_n, num_warps, num_stages, product): its keys and
+# values are widened in registers, so the kernel is bound by that per-element work rather than
+# by memory; with keys as the products' rows the widened tiles feed the tensor cores from
 # registers. Best of 28 on an H200 at 128 rows x 1,100 keys (24 layers): 5.92 ms per loop
 # against 6.28 for the best rows-by-keys step (128, 4, 4) and 6.45 for bf16
 # (benchmarks/fp8_kv_attention_sweep.py, benchmarks/results/fp8_h200/keys_as_rows_1a31911/).
 # Environment overrides, read at import (sweeps): RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE =
-# "block_n,num_warps,num_stages[,keys_as_rows 0|1]" for the fp8 / model-dtype cache's large grid
-# (keys as rows did not pay for bf16: 7.45 ms at best).
+# "block_n,num_warps,num_stages[,product 0|1|2]" (an index into PRODUCTS) for the fp8 /
+# model-dtype cache's large grid (keys by rows did not pay for bf16: 7.45 ms at best). A vector
+# step applies only where a tile would hold one row; elsewhere that cache keeps keys by rows.
 FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
 SPLIT_ENV = "RLT_SPLIT_DECODE"
-FP8_LARGE_GRID_STEP = (64, 4, 2, True)
+FP8_LARGE_GRID_STEP = (64, 4, 2, "keys_by_rows")
 
 
-def _large_grid_step(variable: str, default: tuple[int, int, int, bool] | None):
+def _large_grid_step(variable: str, default: tuple[int, int, int, str] | None):
     given = os.environ.get(variable)
     if not given:
         return default
     fields = [int(v) for v in given.split(",")]
-    if len(fields) not in (3, 4):
-        raise ValueError(f"{variable}={given!r}: expected block_n,num_warps,num_stages[,0|1]")
+    if len(fields) not in (3, 4) or (len(fields) == 4 and not 0 <= fields[3] < len(PRODUCTS)):
+        raise ValueError(f"{variable}={given!r}: expected block_n,num_warps,num_stages[,0|1|2]")
     block_n, num_warps, num_stages = fields[:3]
-    return block_n, num_warps, num_stages, bool(fields[3]) if len(fields) == 4 else False
+    return block_n, num_warps, num_stages, PRODUCTS[fields[3] if len(fields) == 4 else 0]
 
 
 _fp8_step = _large_grid_step(FP8_SPLIT_ENV, FP8_LARGE_GRID_STEP)
@@ -54,9 +60,11 @@ class SplitConfig:
     block_d: int
     num_warps: int
     num_stages: int = 3  # software-pipelining depth of the key loop (Triton's default)
-    # products as keys x rows (K q^T, V^T p^T) instead of rows x keys: the widened keys and
-    # values of an fp8 cache are then the register operand of the tensor-core product
-    keys_as_rows: bool = False
+    product: str = "rows_by_keys"  # one of PRODUCTS
+
+    def __post_init__(self) -> None:
+        if self.product not in PRODUCTS:
+            raise ValueError(f"product must be one of {PRODUCTS}, got {self.product!r}")
 
 
 def choose_splits(
@@ -71,6 +79,7 @@ def choose_splits(
     block_n: int | None = None,
     queries_per_group: int = 1,
     kv_fp8: bool = False,
+    stores_in_kernel: bool = False,
 ) -> SplitConfig:
     """Splits per (group, kv head) and the key step, from bind-time host ints only (a graph
     captured with full-width tables keeps a fixed grid). `num_splits` / `block_n` override the
@@ -85,17 +94,21 @@ def choose_splits(
     - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
     Splits are capped at MAX_SPLITS and at one key step each. `queries_per_group`: the call's
     max_query_len (a group's q queries x G heads are the tile's rows). `kv_fp8`: the large
-    grid takes FP8_LARGE_GRID_STEP's key step, warps, stages and product order instead (the
-    model-dtype cache takes RLT_SPLIT_DECODE's when it is set)."""
+    grid takes FP8_LARGE_GRID_STEP's key step, warps, stages and product instead (the
+    model-dtype cache takes RLT_SPLIT_DECODE's when it is set); a `vector` product needs one
+    row per tile and no in-kernel store or merge (`stores_in_kernel`), else keys by rows."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     programs = max(1, num_groups * num_kv_heads)
     small_grid = programs <= SMALL_GRID and block_d <= 128
     num_stages = 3
     step = _fp8_step if kv_fp8 else _model_dtype_step
     tuned_step = step is not None and not small_grid and block_n is None and block_d <= 128
-    keys_as_rows = False
+    product = "rows_by_keys"
     if tuned_step:
-        block_n, tuned_warps, num_stages, keys_as_rows = step
+        block_n, tuned_warps, num_stages, product = step
+        one_row = queries_per_group * queries_per_kv == 1
+        if product == "vector" and (stores_in_kernel or not one_row):
+            product = "keys_by_rows"
     if block_n is None:
         if small_grid:
             block_n = 16 if programs <= SMALL_GRID // 2 else 32
@@ -117,4 +130,4 @@ def choose_splits(
         num_warps, num_stages = (2 if block_n == 16 else 4), 2
     if tuned_step:
         num_warps = tuned_warps
-    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages, keys_as_rows)
+    return SplitConfig(num_splits, block_m, block_n, block_d, num_warps, num_stages, product)

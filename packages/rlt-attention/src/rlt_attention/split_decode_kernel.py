@@ -31,6 +31,7 @@ import triton.language as tl
 from rlt_attention import dependent_launch
 from rlt_attention.dependent_launch import wait_for_prior_grid
 from rlt_attention.split_config import SplitConfig
+from rlt_attention.split_decode_vector import split_decode_vector_kernel
 from rlt_attention.triton_kernel import quantize_fp8
 
 
@@ -412,6 +413,52 @@ def launch_split_decode_attention(
         )
     store_new = new_key is not None
     fused_combine = tickets is not None and not direct
+    if split.product == "vector":
+        if queries_per_group * (num_heads // kv_heads) != 1 or store_new or tickets is not None:
+            raise ValueError(
+                "the vector product needs one query row per (group, kv head) and no in-kernel "
+                "store or merge"
+            )
+        split_decode_vector_kernel[(num_groups, kv_heads, num_splits)](
+            out,
+            partial_max,
+            partial_sum,
+            partial_acc,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start,
+            context_lengths,
+            query if key_scale is None else key_scale,
+            query if value_scale is None else value_scale,
+            head_dim**-0.5 * math.log2(math.e),
+            num_splits,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_tables.stride(0),
+            HEAD_DIM=head_dim,
+            BLOCK_D=split.block_d,
+            PAGE_SIZE=page_size,
+            BLOCK_N=split.block_n,
+            DIRECT_OUTPUT=direct,
+            USE_PDL=pdl,
+            KV_FP8=key_scale is not None,
+            num_warps=split.num_warps,
+            num_stages=split.num_stages,
+            **dependent_launch.launch_options(pdl),
+        )
+        if not direct:
+            _launch_combine(out, partial_max, partial_sum, partial_acc, query_start, 1, split, pdl)
+        return
     if store_new:
         if new_key.stride(-1) != 1:
             new_key = new_key.contiguous()
@@ -466,13 +513,26 @@ def launch_split_decode_attention(
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
-        KEYS_AS_ROWS=split.keys_as_rows,
+        KEYS_AS_ROWS=split.product == "keys_by_rows",
         num_warps=split.num_warps,
         num_stages=split.num_stages,
         **dependent_launch.launch_options(pdl),
     )
     if direct or fused_combine:
         return
+    _launch_combine(
+        out, partial_max, partial_sum, partial_acc, query_start, queries_per_group, split, pdl
+    )
+
+
+def _launch_combine(
+    out, partial_max, partial_sum, partial_acc, query_start, queries_per_group, split, pdl
+) -> None:
+    """Merge the splits' partials of every (query row, head) into `out`: grid (groups, heads,
+    the groups' most queries)."""
+    num_groups = query_start.shape[0] - 1
+    _, num_heads, num_splits = partial_max.shape
+    head_dim = partial_acc.shape[-1]
     _split_combine_kernel[(num_groups, num_heads, queries_per_group)](
         out,
         partial_max,

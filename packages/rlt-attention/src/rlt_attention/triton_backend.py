@@ -243,6 +243,7 @@ class _TritonBoundAttention:
                     block_n=self._block_n,
                     queries_per_group=self._shape.max_query_len,
                     kv_fp8=views.fp8,
+                    stores_in_kernel=store_in_split or self._tickets is not None,
                 ),
                 new_key=key if store_in_split else None,
                 new_value=value if store_in_split else None,

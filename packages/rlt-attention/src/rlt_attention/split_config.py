@@ -32,7 +32,7 @@ PRODUCTS = ("rows_by_keys", "keys_by_rows", "vector")
 # step applies only where a tile would hold one row; elsewhere that cache keeps keys by rows.
 FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
 SPLIT_ENV = "RLT_SPLIT_DECODE"
-FP8_LARGE_GRID_STEP = (64, 4, 2, "keys_by_rows")
+FP8_LARGE_GRID_STEP = (16, 1, 2, "vector")
 
 
 def _large_grid_step(variable: str, default: tuple[int, int, int, str] | None):

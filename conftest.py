@@ -199,8 +199,13 @@ def llm_factory(tiny_checkpoint):
         return llm
 
     yield make
-    for llm in engines:
-        assert_no_kv_leak(llm)
+    try:
+        for llm in engines:
+            assert_no_kv_leak(llm)
+    finally:
+        for llm in engines:  # a PD engine's NIXL agent polls a core until it is closed
+            if llm.engine.core is not None and getattr(llm.engine.parts, "pd", None) is not None:
+                llm.engine.shutdown()
 
 
 def assert_no_kv_leak(llm) -> None:

@@ -107,9 +107,15 @@ def run_server(
         thread.join(timeout=30)
         client.close(timeout=30)
         sock.close()
-    assert not thread.is_alive(), "uvicorn did not stop"
-    if check_leaks:
-        assert_engine_clean(llm_engine)
+    try:
+        assert not thread.is_alive(), "uvicorn did not stop"
+        if check_leaks:
+            assert_engine_clean(llm_engine)
+    finally:
+        # the engine's owner releases it: its KV pool and, for a PD role, its NIXL agent,
+        # whose UCX progress thread polls without pause while the agent lives
+        if client.stopped:
+            llm_engine.shutdown()
 
 
 def assert_engine_clean(engine: LLMEngine) -> None:

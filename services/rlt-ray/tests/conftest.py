@@ -37,6 +37,9 @@ ENV = {
     # failed with the proxy "killed by ray.kill" before it ever ran)
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    # what `rlt ray serve` sets for the Ray instance it starts (rlt_ray.cli): the tests run
+    # Serve's direct gRPC data plane too
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
 }
 
 

@@ -153,7 +153,7 @@ def main() -> None:
         "vector": (vector, list(itertools.product((32, 64), (2, 4), (2, 3)))),
     }
     for product in args.products.split(","):
-        for fp8, grid in zip((True, False), candidates[product]):
+        for fp8, grid in zip((True, False), candidates[product], strict=True):
             for block_n, warps, stages in grid:
                 split = replace(
                     heuristic[fp8],

@@ -78,7 +78,9 @@ def test_lone_surrogates_answer_400_naming_the_field_on_a_connection_that_stays_
         status, answer = post_raw(connection, "/v1/completions", rb'{"prompt": "ok", "\ud800": 1}')
         assert status == 400 and answer["error"]["param"] == "\\ud800"
         status, answer = post_raw(
-            connection, "/v1/completions", b'{"prompt": "It is", "max_tokens": 2, "ignore_eos": true}'
+            connection,
+            "/v1/completions",
+            b'{"prompt": "It is", "max_tokens": 2, "ignore_eos": true}',
         )
         assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
         assert connection.sock is socket

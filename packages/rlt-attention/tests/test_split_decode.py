@@ -397,8 +397,15 @@ def test_vector_products_match_the_torch_backend(
     assert_same_cache(case, torch_case)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double().cpu(), reference(case), rtol=1e-5, atol=1e-5)
-    grouped = paged_case(DECODE_GROUPS, seed=13, device=DEVICE, block_size=4, num_heads=4,
-                         num_kv_heads=2, head_dim=16)
+    grouped = paged_case(
+        DECODE_GROUPS,
+        seed=13,
+        device=DEVICE,
+        block_size=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     with pytest.raises(ValueError, match="vector product needs one query row"):
         grouped.run(TritonPagedAttention(num_splits=num_splits, block_n=16))
 

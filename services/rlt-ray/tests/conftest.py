@@ -40,7 +40,11 @@ ENV = {
     # what `rlt ray serve` sets for the Ray instance it starts (rlt_ray.cli): the tests run
     # Serve's direct gRPC data plane too
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    # its direct ingress drains a removed app's ingress for at least 30 s (time for a load
+    # balancer to notice, which no test has): each module's app goes in 1 s
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
+DRIVER_ROUTER_ENV = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 
 
 @dataclass
@@ -143,9 +147,17 @@ def _kill_session_processes(session_dir: str) -> None:
 def _try_start_cluster() -> RayCluster:
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
+    # This process calls Serve handles from synchronous test code, which the throughput-
+    # optimized setting refuses (its routers run on the caller's event loop): here only, the
+    # router keeps its own loop. Read when ray.serve is first imported, and unset before any
+    # node starts, so the cluster runs what `rlt ray serve` runs.
+    os.environ[DRIVER_ROUTER_ENV] = "1"
+    try:
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
+    finally:
+        del os.environ[DRIVER_ROUTER_ENV]
 
     started = time.monotonic()
     phases: list[str] = []

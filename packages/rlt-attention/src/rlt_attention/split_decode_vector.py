@@ -108,9 +108,7 @@ def split_decode_vector_kernel(
         value_row = (
             block * stride_value_block + offset * stride_value_offset + head * stride_value_head
         )
-        v = tl.load(
-            value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-        )
+        v = tl.load(value_cache_ptr + value_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = v.to(tl.float16)
         lane_acc = lane_acc * correction + v.to(tl.float32) * probs[:, None]

@@ -353,15 +353,21 @@ def _replica_line(options: RayOptions) -> str:
     return f"{options.replicas} engine replica{'s' if options.replicas != 1 else ''}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def set_ray_environment_defaults() -> None:
+    """What `rlt ray serve` / `rlt ray pd serve` set before Ray starts, unless the environment
+    already says otherwise (read by the processes of the local Ray instance they start; a
+    cluster joined with --address has its own from `ray start`)."""
     # Under `uv run`, Ray (2.60) would start every worker through `uv run` from a packaged
     # copy of the working directory; the workers run this interpreter's environment instead.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     # Serve's data plane as direct gRPC between proxy, ingress and replicas instead of Ray's
     # object streaming per chunk: on an H200 it took one replica from 0.94 to 0.97-0.99 of
-    # `rlt serve`'s throughput (docs/results.md). The local Ray instance started below inherits
-    # it; a cluster joined with --address has it from its own `ray start`.
+    # `rlt serve`'s throughput (docs/results.md).
     os.environ.setdefault(THROUGHPUT_OPTIMIZED_ENV, "1")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    set_ray_environment_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

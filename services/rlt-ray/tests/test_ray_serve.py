@@ -9,8 +9,9 @@ two replicas run on two different nodes and a replacement has exactly one free n
 (d) on a trace with shared prefixes, prefix affinity raises the engines' summed prefix-cache
     hit rate over round robin, and a burst on one hot prefix stays within the load bound;
 (c) a replica's process SIGKILLed and a worker node removed mid-stream: those requests end
-    with clean errors (an SSE error event, a JSON 500), the others complete, Ray starts a
-    replacement and the router sends requests to it once it is healthy.
+    with clean errors (an SSE error event, a JSON 500), the others complete and leave the
+    survivor with every KV block free, Ray starts a replacement and the router sends requests
+    to it once it is healthy.
 """
 
 from __future__ import annotations
@@ -268,6 +269,20 @@ def _served_by_new_replica(fleet: Fleet, new_key: str) -> None:
     assert fleet.report()["replicas"][new_key]["routed"] > before
 
 
+def _holds_no_kv(fleet: Fleet, replica: str) -> None:
+    """A survivor, once its requests ended, holds no KV block (prefix-cached blocks no request
+    references count as free) and no request, as its own routing stats report."""
+    fleet.wait_for(
+        lambda r: (
+            (stats := r["replicas"][replica]["routing_stats"]).get("ongoing") == 0
+            and stats["running"] == stats["waiting"] == 0
+            and stats["kv_blocks_free"] == stats["kv_blocks_total"] > 0
+        ),
+        30,
+        f"survivor {replica} idle with every KV block free",
+    )
+
+
 def _quiet(fleet: Fleet) -> dict:
     """Waits until no replica has a request in flight, as the router counts them (unsent
     decisions expired) and as each replica last reported them (an earlier test's requests
@@ -309,6 +324,7 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
     assert "lost engine replica" in response.json()["error"]["message"]
     for other in others:
         _assert_completed(other.result(timeout=300), 24)
+    _holds_no_kv(fleet, survivor)
     new_key = _wait_replacement(fleet, {victim, survivor}, timeout_s=120)
     _served_by_new_replica(fleet, new_key)
 
@@ -340,6 +356,7 @@ def test_removed_node_fails_only_its_requests_and_the_replica_moves(fleet):
     survivor = next(k for k in streams if k != victim)
     # (a loaded 2-core machine: the replacement starts meanwhile; a stall says how far it got)
     _assert_completed(streams[survivor].result(timeout=300), 300)
+    _holds_no_kv(fleet, survivor)
     new_key = _wait_replacement(fleet, set(streams), timeout_s=150)
     new_node = fleet.report()["replicas"][new_key]["routing_stats"]["node_id"]
     assert new_node != node_id

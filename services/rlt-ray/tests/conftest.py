@@ -43,6 +43,9 @@ ENV = {
     # its direct ingress drains a removed app's ingress for at least 30 s (time for a load
     # balancer to notice, which no test has): each module's app goes in 1 s
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    # the autoscaling test's load reaches Serve's controller within a second (default 10 s)
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 }
 DRIVER_ROUTER_ENV = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 

@@ -30,7 +30,10 @@ class RayOptions:
     HTTP options in rlt's ServeOptions).
 
     replicas: engine replicas (fixed), unless min_replicas/max_replicas are given: then Serve
-      autoscales between them, aiming at `target_ongoing_requests` per replica.
+      autoscales between them, aiming at `target_ongoing_requests` per replica, averaged over
+      `autoscale_look_back_s`; it adds replicas after the target was exceeded for
+      `upscale_delay_s` and removes them after `downscale_delay_s` below it (Serve's defaults:
+      30 s, 30 s, 600 s).
     num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA (device "cuda", or "auto"
       on a cluster with GPUs), else 0.
     num_cpus: CPUs Ray reserves per replica (scheduling only; torch threads are not limited).
@@ -45,15 +48,17 @@ class RayOptions:
       the engine's queue (and its 429) decides.
     engine_process: run each replica's engine core in a process of its own, as `rlt serve`
       does, so that Ray's per-chunk streaming in the replica's process does not share a GIL
-      with the engine loop (off: the engine runs on a thread of the replica's process, the
-      configuration measured on the H200; on is tested on the CPU, in and outside a Ray
-      cluster, and not yet measured on a GPU).
+      with the engine loop (off: the engine runs on a thread of the replica's process; on an
+      H200 the option did not change throughput, docs/results.md).
     """
 
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0
+    autoscale_look_back_s: float = 30.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
     num_gpus: float | None = None
     num_cpus: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)
@@ -87,8 +92,12 @@ class RayOptions:
         positive("block_size", self.block_size)
         positive("num_cpus", self.num_cpus, 0)
         positive("num_gpus", self.num_gpus, 0)
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigurationError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in (
             "target_ongoing_requests",
+            "autoscale_look_back_s",
             "health_check_period_s",
             "health_check_timeout_s",
             "routing_stats_period_s",
@@ -183,6 +192,9 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
                 "initial_replicas": max(options.min_replicas, 1),
                 "max_replicas": options.max_replicas,
                 "target_ongoing_requests": options.target_ongoing_requests,
+                "look_back_period_s": options.autoscale_look_back_s,
+                "upscale_delay_s": options.upscale_delay_s,
+                "downscale_delay_s": options.downscale_delay_s,
             }
         }
     else:

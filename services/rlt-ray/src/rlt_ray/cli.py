@@ -67,6 +67,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.target_ongoing_requests,
         help="autoscaling target: ongoing (queued + running) requests per replica",
     )
+    for flag, default, what in (
+        ("--autoscale-look-back-s", d.autoscale_look_back_s, "window the load is averaged over"),
+        ("--upscale-delay-s", d.upscale_delay_s, "load above target this long adds replicas"),
+        ("--downscale-delay-s", d.downscale_delay_s, "below target this long removes them"),
+    ):
+        group.add_argument(flag, type=float, default=default, help=f"autoscaling: {what}")
     group.add_argument(
         "--router",
         default=d.router,
@@ -231,6 +237,9 @@ def options_from_args(args: argparse.Namespace):
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests,
+        autoscale_look_back_s=args.autoscale_look_back_s,
+        upscale_delay_s=args.upscale_delay_s,
+        downscale_delay_s=args.downscale_delay_s,
         num_gpus=args.num_gpus,
         num_cpus=args.num_cpus,
         resources=_resources(args.replica_resource),

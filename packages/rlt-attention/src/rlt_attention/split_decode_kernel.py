@@ -413,6 +413,16 @@ def launch_split_decode_attention(
         )
     store_new = new_key is not None
     fused_combine = tickets is not None and not direct
+    # the arguments both split kernels take, in their order
+    tensors = (out, partial_max, partial_sum, partial_acc, query, key_cache, value_cache)
+    tensors += (block_tables, query_start, context_lengths)
+    scales = (
+        query if key_scale is None else key_scale,
+        query if value_scale is None else value_scale,
+    )
+    scalars = (head_dim**-0.5 * math.log2(math.e), num_splits)
+    strides = (*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3])
+    strides += (*value_cache.stride()[:3], block_tables.stride(0))
     if split.product == "vector":
         if queries_per_group * (num_heads // kv_heads) != 1 or store_new or tickets is not None:
             raise ValueError(
@@ -420,31 +430,10 @@ def launch_split_decode_attention(
                 "store or merge"
             )
         split_decode_vector_kernel[(num_groups, kv_heads, num_splits)](
-            out,
-            partial_max,
-            partial_sum,
-            partial_acc,
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            query_start,
-            context_lengths,
-            query if key_scale is None else key_scale,
-            query if value_scale is None else value_scale,
-            head_dim**-0.5 * math.log2(math.e),
-            num_splits,
-            query.stride(0),
-            query.stride(1),
-            out.stride(0),
-            out.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            block_tables.stride(0),
+            *tensors,
+            *scales,
+            *scalars,
+            *strides,
             HEAD_DIM=head_dim,
             BLOCK_D=split.block_d,
             PAGE_SIZE=page_size,
@@ -467,39 +456,16 @@ def launch_split_decode_attention(
     else:
         new_key = new_value = write_slots = query  # unused
     _split_decode_kernel[(num_groups, kv_heads, num_splits)](
-        out,
-        partial_max,
-        partial_sum,
-        partial_acc,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start,
-        context_lengths,
+        *tensors,
         new_key,
         new_value,
         write_slots,
         tickets if fused_combine else context_lengths,
-        query if key_scale is None else key_scale,
-        query if value_scale is None else value_scale,
-        head_dim**-0.5 * math.log2(math.e),
-        num_splits,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
-        new_key.stride(0),
-        new_key.stride(1),
-        new_value.stride(0),
-        new_value.stride(1),
+        *scales,
+        *scalars,
+        *strides,
+        *new_key.stride()[:2],
+        *new_value.stride()[:2],
         HEAD_DIM=head_dim,
         BLOCK_D=split.block_d,
         PAGE_SIZE=page_size,

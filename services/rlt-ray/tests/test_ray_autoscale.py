@@ -53,7 +53,7 @@ class SteadyLoad:
     def _run(self, lane: int) -> None:
         n = 0
         while not self.stop.is_set():
-            stream = Stream(self.url, f"Lane {lane}, request {n}: the autumn at Donwell", 96)
+            stream = Stream(self.url, f"Lane {lane}, request {n}: the autumn at Donwell", 48)
             self.done.append(stream)
             stream.thread.join(300)
             n += 1
@@ -97,7 +97,7 @@ def test_serve_adds_a_replica_under_load_and_removes_it_when_idle(ray_cluster):
         try:
             report = _wait_for(lambda r: len(r["replicas"]) == 2, 180, "a second replica")
             [added] = [k for k in report["replicas"] if k != first]
-            _wait_for(lambda r: r["replicas"][added]["routed"] >= 2, 60, "requests on it")
+            _wait_for(lambda r: r["replicas"][added]["routed"] >= 1, 60, "a request on it")
         finally:
             ended = load.finish()
         assert ended, "no stream ended"

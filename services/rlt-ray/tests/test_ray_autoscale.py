@@ -10,13 +10,23 @@ push their load every 0.5 s instead of every 10 s.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 from ray_test_streams import Stream
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rlt-ray-cluster")]
+OPT_IN = "RLT_TEST_RAY_AUTOSCALE"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("rlt-ray-cluster"),
+    # 1.5-4.5 minutes on the 2-core machine (a replica started under load), which the whole
+    # suite's 10-minute CI budget cannot hold beside the other Ray tests
+    pytest.mark.skipif(
+        os.environ.get(OPT_IN) != "1", reason=f"opt-in: {OPT_IN}=1 (adds 1.5-4.5 min)"
+    ),
+]
 
 APP = "rlt-autoscale"
 

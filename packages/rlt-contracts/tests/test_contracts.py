@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 from rlt_contracts import (
+    COLUMNS,
+    OPTIONAL_COLUMNS,
     AdmissionPlan,
     ConfigurationError,
     DecodeRule,
@@ -22,6 +24,9 @@ from rlt_contracts import (
     RequestTimings,
     SamplingParams,
     SchedulerOutput,
+    TokenLog,
+    columns_of,
+    requested_columns,
 )
 
 
@@ -111,7 +116,12 @@ def test_admission_plan_budget():
 def test_runner_output_round_trips_through_msgpack():
     identity = ExecutionIdentity("a", 3)
     generated = GeneratedTokens(
-        identity, 2, (42, 7), (3, 4), logprobs=(-0.5, -1.0), top_logprobs=(((42, -0.5),), ())
+        identity=identity,
+        first_output_index=2,
+        token_ids=(42, 7),
+        exit_depths=(3, 4),
+        logprobs=(-0.5, -1.0),
+        top_logprobs=(((42, -0.5),), ()),
     )
     out = ModelRunnerOutput(step_id=9, generated=(generated,), decode_ticks=8, loop_slots=32)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=ModelRunnerOutput) == out
@@ -126,13 +136,20 @@ def test_prompt_exit_depths_round_trip_and_default_to_full_depth():
     assert not SamplingParams(prompt_logprobs=1).score_at_exit_depth
     scores = PromptLogprobs(ExecutionIdentity("a", 0), 1, (-0.5,), (1,), (((3, -0.5),),), (2,))
     delta = RequestOutputDelta(
-        "a", (5,), (2,), prompt_logprobs=(None, -0.5), prompt_exit_depths=(None, 2)
+        request_id="a",
+        token_ids=(5,),
+        exit_depths=(2,),
+        prompt_logprobs=(None, -0.5),
+        prompt_exit_depths=(None, 2),
     )
     for value, kind in ((params, SamplingParams), (scores, PromptLogprobs)):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=kind) == value
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(delta), type=RequestOutputDelta) == delta
     assert PromptLogprobs(scores.identity, 1, (-0.5,), (1,), ((),)).exit_depths == ()
-    assert RequestOutputDelta("a", (5,), (4,)).prompt_exit_depths is None
+    assert (
+        RequestOutputDelta(request_id="a", token_ids=(5,), exit_depths=(4,)).prompt_exit_depths
+        is None
+    )
 
 
 def test_decode_rule_round_trips_and_bounds_tokens_per_tick():
@@ -159,8 +176,49 @@ def test_request_timings_intervals_and_backward_compatible_deltas():
     assert (timings.decode_time, timings.inference_time) == (1.75, 2.5)
     waiting = RequestTimings(queued=1.0)
     assert waiting.queue_time is waiting.prefill_time is waiting.inference_time is None
-    delta = RequestOutputDelta("r", (5,), (4,), finished=True, timings=timings)
+    delta = RequestOutputDelta(
+        request_id="r", token_ids=(5,), exit_depths=(4,), finished=True, timings=timings
+    )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(delta), type=RequestOutputDelta) == delta
-    old = RequestOutputDelta("r", (5,), (4,))  # engines that record no timings
+    old = RequestOutputDelta(
+        request_id="r", token_ids=(5,), exit_depths=(4,)
+    )  # engines that record no timings
     assert old.timings is None
     assert msgspec.json.decode(msgspec.json.encode(old), type=RequestOutputDelta) == old
+
+
+def test_token_columns_are_declared_once_and_copied_by_name():
+    """The per-token columns (0.2.0): both messages carry exactly TokenColumns' fields, and a
+    TokenLog copies every column by name, keeping optional ones only where asked for."""
+    for message in (GeneratedTokens, RequestOutputDelta):
+        assert message.__struct_fields__[: len(COLUMNS)] == COLUMNS
+    assert OPTIONAL_COLUMNS == {"logprobs", "top_logprobs"}
+    assert requested_columns(SamplingParams()) == frozenset()
+    assert requested_columns(SamplingParams(logprobs=0)) == OPTIONAL_COLUMNS
+    delta = RequestOutputDelta(
+        request_id="r",
+        token_ids=(5, 6, 7),
+        exit_depths=(4, 2, 3),
+        logprobs=(-0.1, -0.2, -0.3),
+        top_logprobs=(((5, -0.1),), ((6, -0.2),), ((7, -0.3),)),
+    )
+    plain, scored = TokenLog.for_request(SamplingParams()), TokenLog(OPTIONAL_COLUMNS)
+    for log in (plain, scored):
+        log.extend(delta, 1)
+        log.extend(delta, 0, 1)
+        assert len(log) == 3 and log.token_ids == [6, 7, 5] and log.exit_depths == [2, 3, 4]
+    assert plain.logprobs is None and plain.since(1)["logprobs"] is None
+    assert scored.since(2) == {
+        "token_ids": (5,),
+        "exit_depths": (4,),
+        "logprobs": (-0.1,),
+        "top_logprobs": (((5, -0.1),),),
+    }
+    assert columns_of(delta, 0, 1) == scored.since(2)
+    rebuilt = RequestOutputDelta(request_id="r", **scored.since())
+    assert rebuilt.top_logprobs == (((6, -0.2),), ((7, -0.3),), ((5, -0.1),))
+    # a delta without the optional columns keeps a log that has them aligned (None entries)
+    scored.extend(RequestOutputDelta(request_id="r", token_ids=(9,), exit_depths=(1,)))
+    assert scored.logprobs[-1] is None and len(scored.top_logprobs) == 4
+    with pytest.raises(ValueError, match="not optional"):
+        TokenLog({"exit_depths"})

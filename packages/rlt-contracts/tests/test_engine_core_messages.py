@@ -32,7 +32,15 @@ def test_inputs_and_outputs_round_trip_through_msgpack():
         wire = msgspec.msgpack.encode(message)
         assert msgspec.msgpack.decode(wire, type=CoreInput) == message
     outputs = CoreOutputs(
-        deltas=(RequestOutputDelta("r", (5,), (3,), finished=True, finish_reason="length"),),
+        deltas=(
+            RequestOutputDelta(
+                request_id="r",
+                token_ids=(5,),
+                exit_depths=(3,),
+                finished=True,
+                finish_reason="length",
+            ),
+        ),
         replies=(CoreReply(7, None, [["agent"], [], []]),),
     )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(outputs), type=CoreOutputs) == outputs

@@ -151,10 +151,12 @@ class FakeDevice:
             ),
             generated=tuple(
                 GeneratedTokens(
-                    identity,
-                    self.rows[identity].outputs - len(tokens) if identity in self.rows else 0,
-                    tuple(t for t, _ in tokens),
-                    tuple(d for _, d in tokens),
+                    identity=identity,
+                    first_output_index=(
+                        self.rows[identity].outputs - len(tokens) if identity in self.rows else 0
+                    ),
+                    token_ids=tuple(t for t, _ in tokens),
+                    exit_depths=tuple(d for _, d in tokens),
                 )
                 for identity, tokens in made.items()
             ),

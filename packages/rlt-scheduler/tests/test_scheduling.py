@@ -196,7 +196,10 @@ def test_late_results_after_abort_and_id_reuse_are_dropped():
     scheduler.abort_request("x")
     new = scheduler.add_request("x", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
     late = ModelRunnerOutput(
-        step_id=step.step_id, generated=(GeneratedTokens(old, 0, (42,), (4,)),)
+        step_id=step.step_id,
+        generated=(
+            GeneratedTokens(identity=old, first_output_index=0, token_ids=(42,), exit_depths=(4,)),
+        ),
     )
     scheduler.update_from_output(late)  # results of the aborted generation
     assert new.output_token_ids == [] and new.stage is RequestStage.WAITING
@@ -216,7 +219,12 @@ def test_a_gap_in_reported_outputs_is_an_error():
     with pytest.raises(RuntimeError, match="output 2 reported"):
         scheduler.update_from_output(
             ModelRunnerOutput(
-                step_id=step.step_id, generated=(GeneratedTokens(identity, 2, (5,), (4,)),)
+                step_id=step.step_id,
+                generated=(
+                    GeneratedTokens(
+                        identity=identity, first_output_index=2, token_ids=(5,), exit_depths=(4,)
+                    ),
+                ),
             )
         )
 

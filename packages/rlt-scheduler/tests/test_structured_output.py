@@ -66,7 +66,15 @@ def make(compiler=None, **config) -> Scheduler:
 def tokens(step, identity, index, *ids) -> ModelRunnerOutput:
     depths = (4,) * len(ids)
     return ModelRunnerOutput(
-        step.step_id, generated=(GeneratedTokens(identity, index, tuple(ids), depths),)
+        step.step_id,
+        generated=(
+            GeneratedTokens(
+                identity=identity,
+                first_output_index=index,
+                token_ids=tuple(ids),
+                exit_depths=depths,
+            ),
+        ),
     )
 
 
@@ -86,7 +94,11 @@ def test_masks_go_out_one_per_token_and_never_to_two_steps_in_flight():
     assert step1.token_masks == () and request.unconfirmed_tokens == 1
     first = ModelRunnerOutput(
         step0.step_id,
-        generated=(GeneratedTokens(request.identity, 0, (1,), (4,)),),
+        generated=(
+            GeneratedTokens(
+                identity=request.identity, first_output_index=0, token_ids=(1,), exit_depths=(4,)
+            ),
+        ),
         prefill_progress=(PrefillProgress(request.identity, 2),),
     )
     scheduler.update_from_output(first)
@@ -125,7 +137,11 @@ def test_the_grammar_ending_without_a_stop_token_finishes_with_stop():
     step = scheduler.schedule()
     result = ModelRunnerOutput(
         step.step_id,
-        generated=(GeneratedTokens(request.identity, 0, (2,), (4,)),),
+        generated=(
+            GeneratedTokens(
+                identity=request.identity, first_output_index=0, token_ids=(2,), exit_depths=(4,)
+            ),
+        ),
         prefill_progress=(PrefillProgress(request.identity, 1),),
     )
     scheduler.update_from_output(result)
@@ -138,7 +154,11 @@ def test_a_token_the_grammar_rejects_aborts_the_request_with_the_error():
     step = scheduler.schedule()
     result = ModelRunnerOutput(
         step.step_id,
-        generated=(GeneratedTokens(request.identity, 0, (7,), (4,)),),
+        generated=(
+            GeneratedTokens(
+                identity=request.identity, first_output_index=0, token_ids=(7,), exit_depths=(4,)
+            ),
+        ),
         prefill_progress=(PrefillProgress(request.identity, 1),),
     )
     scheduler.update_from_output(result)

@@ -64,13 +64,19 @@ class FakeClient:
             raise error
 
     async def _deltas(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
-        yield RequestOutputDelta(request_id, (111, 107), (4, 2), text="ok", num_prompt_tokens=3)
+        yield RequestOutputDelta(
+            request_id=request_id,
+            token_ids=(111, 107),
+            exit_depths=(4, 2),
+            text="ok",
+            num_prompt_tokens=3,
+        )
         if self.fail_stream is not None:
             raise self.fail_stream
         yield RequestOutputDelta(
-            request_id,
-            (33,),
-            (3,),
+            request_id=request_id,
+            token_ids=(33,),
+            exit_depths=(3,),
             text="!",
             finished=True,
             finish_reason=FinishReason.LENGTH,
@@ -251,9 +257,9 @@ class FinalClient(FakeClient):
 
         async def whole() -> AsyncIterator[RequestOutputDelta]:
             yield RequestOutputDelta(
-                request_id,
-                (111, 107, 33),
-                (4, 2, 3),
+                request_id=request_id,
+                token_ids=(111, 107, 33),
+                exit_depths=(4, 2, 3),
                 text="ok!",
                 finished=True,
                 finish_reason=FinishReason.LENGTH,

@@ -128,7 +128,7 @@ def test_streaming_holds_back_text_only_while_a_stop_string_could_cut_it():
     def state(**options) -> RequestState:
         params = SamplingParams(stop=("abc",), **options)
         request_state = RequestState(EngineRequest("r", (1,), params), None)
-        request_state.output.token_ids += [5, 6]
+        request_state.output.token_ids.extend([5, 6])
         request_state.output.text = "hello ab"
         return request_state
 

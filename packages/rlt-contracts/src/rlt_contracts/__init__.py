@@ -101,6 +101,14 @@ from rlt_contracts.structured import (
     TokenConstraint,
     TokenMask,
 )
+from rlt_contracts.tokens import (
+    COLUMNS,
+    OPTIONAL_COLUMNS,
+    TokenColumns,
+    TokenLog,
+    columns_of,
+    requested_columns,
+)
 
 __all__ = [
     "CoreAbort",
@@ -186,5 +194,11 @@ __all__ = [
     "SpeculativeSampler",
     "VerifiedRows",
     "UnmetRequirement",
+    "COLUMNS",
+    "OPTIONAL_COLUMNS",
+    "TokenColumns",
+    "TokenLog",
+    "columns_of",
+    "requested_columns",
     "unmet_requirements",
 ]

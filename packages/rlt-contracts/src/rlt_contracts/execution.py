@@ -11,25 +11,18 @@ import enum
 import msgspec
 
 from rlt_contracts.requests import ExecutionIdentity
+from rlt_contracts.tokens import TokenColumns
 
 
-class GeneratedTokens(msgspec.Struct, frozen=True):
-    """Consecutive output tokens of one request produced in one step, in output order.
+class GeneratedTokens(TokenColumns, frozen=True, kw_only=True):
+    """Consecutive output tokens of one request produced in one step, in output order: their
+    per-token columns (`TokenColumns`: ids, exit depths, logprobs) and where they start.
 
     first_output_index: output index of token_ids[0] (0 = the token produced by prefill).
-    exit_depths[i]: loops the hidden state that produced token_ids[i] went through.
-    logprobs: per token, its log-probability under the model's raw distribution (log_softmax of
-      the logits in fp32, before temperature / top-k / top-p); None if the request asked for none.
-    top_logprobs: per token, the requested number of most likely (token_id, logprob) pairs, most
-      likely first; None if the request asked for no logprobs.
     """
 
     identity: ExecutionIdentity
     first_output_index: int
-    token_ids: tuple[int, ...]
-    exit_depths: tuple[int, ...]
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 class PrefillProgress(msgspec.Struct, frozen=True, array_like=True):

@@ -7,6 +7,7 @@ import msgspec
 from rlt_contracts.pd import HandoffTarget, KVTransferParams
 from rlt_contracts.requests import FinishReason
 from rlt_contracts.sampling import SamplingParams
+from rlt_contracts.tokens import TokenColumns
 
 
 class EngineRequest(msgspec.Struct, frozen=True):
@@ -78,8 +79,9 @@ class RequestTimings(msgspec.Struct, frozen=True):
         return self.last_token - self.scheduled
 
 
-class RequestOutputDelta(msgspec.Struct, frozen=True):
-    """New results of one request since its previous delta.
+class RequestOutputDelta(TokenColumns, frozen=True, kw_only=True):
+    """New results of one request since its previous delta: the per-token columns of its new
+    tokens (`TokenColumns`: token_ids, exit_depths, logprobs, top_logprobs) and the rest.
 
     text: the newly decoded text (special tokens skipped; may be empty while a multi-byte
       character is incomplete; a matched stop string and anything after it are never included).
@@ -104,11 +106,7 @@ class RequestOutputDelta(msgspec.Struct, frozen=True):
     """
 
     request_id: str
-    token_ids: tuple[int, ...]
-    exit_depths: tuple[int, ...]
     text: str = ""
-    logprobs: tuple[float, ...] | None = None
-    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_token_ranks: tuple[int | None, ...] | None = None
     prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None

@@ -106,15 +106,10 @@ def record_generated(
             request.first_token_time = now
         request.last_token_time = now
     for i, token in enumerate(generated.token_ids):
-        depth = generated.exit_depths[i]
-        request.output_token_ids.append(token)
-        request.exit_depths.append(depth)
-        if generated.logprobs is not None and generated.top_logprobs is not None:
-            request.logprobs.append(generated.logprobs[i])
-            request.top_logprobs.append(generated.top_logprobs[i])
+        request.outputs.extend(generated, i, i + 1)
         stats.generation_tokens += 1
         if request.num_outputs > 1:
-            stats.decode_loops += depth
+            stats.decode_loops += generated.exit_depths[i]
         if request.constraint is not None:
             error = accept_output(request, token)
             if error is not None:

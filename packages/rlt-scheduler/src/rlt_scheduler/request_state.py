@@ -23,6 +23,7 @@ from rlt_contracts import (
     RequestTimings,
     SamplingParams,
     TokenConstraint,
+    TokenLog,
 )
 
 from rlt_scheduler.exit_policy import LoopBounds
@@ -47,10 +48,8 @@ class ScheduledRequest:
     computed_prompt_tokens: int = 0  # prompt positions [0, n) confirmed to hold KV at all depths
     unconfirmed_tokens: int = 0  # upper bound of outputs made by submitted, unread steps
     confirmed_ticks: int = 0  # decode ticks it took part in, of steps already read back
-    output_token_ids: list[int] = field(default_factory=list)
-    exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # the outputs' per-token columns recorded so far (ids, exit depths, logprobs, ...)
+    outputs: TokenLog = field(init=False)
     # prompt_logprobs: token i's (log-probability, rank, top) at index i - 1, chunk by chunk;
     # with score_at_exit_depth, prompt_exit_depths[i - 1]: the loops of the state that scored it
     prompt_scores: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(
@@ -80,6 +79,17 @@ class ScheduledRequest:
     scheduled_time: float | None = None  # first admitted
     first_token_time: float | None = None  # results holding output 0 applied
     last_token_time: float | None = None  # results holding the latest output applied
+
+    def __post_init__(self) -> None:
+        self.outputs = TokenLog.for_request(self.sampling)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs.token_ids
+
+    @property
+    def exit_depths(self) -> list[int]:
+        return self.outputs.exit_depths
 
     @property
     def prompt_length(self) -> int:
@@ -138,14 +148,10 @@ class ScheduledRequest:
         """Outputs produced since the previous delta (and the finish, if any; the final delta
         carries the request's timings)."""
         start, self.delivered_tokens = self.delivered_tokens, self.num_outputs
-        wants_logprobs = self.sampling.logprobs is not None
         scored = self.sampling.prompt_logprobs is not None and start == 0 and self.num_outputs > 0
         return RequestOutputDelta(
             request_id=self.identity.request_id,
-            token_ids=tuple(self.output_token_ids[start:]),
-            exit_depths=tuple(self.exit_depths[start:]),
-            logprobs=tuple(self.logprobs[start:]) if wants_logprobs else None,
-            top_logprobs=tuple(self.top_logprobs[start:]) if wants_logprobs else None,
+            **self.outputs.since(start),
             prompt_logprobs=(None, *(s[0] for s in self.prompt_scores)) if scored else None,
             prompt_token_ranks=(None, *(s[1] for s in self.prompt_scores)) if scored else None,
             prompt_top_logprobs=(None, *(s[2] for s in self.prompt_scores)) if scored else None,

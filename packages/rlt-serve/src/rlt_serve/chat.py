@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from rlt_contracts import RequestOutputDelta
+from rlt_contracts import RequestOutputDelta, TokenColumns
 
 from rlt_serve.chat_template import chat_prompt, chat_stop_token_ids, message_text
 from rlt_serve.context import ServerContext, new_id
@@ -27,6 +27,7 @@ from rlt_serve.response_schemas import (
     ChatLogprobs,
     TokenLogprob,
     TopLogprob,
+    token_fields,
 )
 from rlt_serve.streaming import stream_generation
 from rlt_serve.unicode_input import check_valid_unicode
@@ -113,7 +114,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         else None
                     ),
                     finish_reason=choice.finish_reason,
-                    exit_depths=choice.exit_depths,
+                    **token_fields(choice.tokens),
                     token_ids=choice.token_ids if want_ids else None,
                 )
                 for choice in final
@@ -136,7 +137,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     def opening_chunk(index: int, delta: ChatDelta) -> ChatCompletionChunk:
         return make_chunk(
-            [ChatChunkChoice(index=index, delta=delta, finish_reason=None, exit_depths=[])]
+            [
+                ChatChunkChoice(
+                    index=index, delta=delta, finish_reason=None, **token_fields(TokenColumns())
+                )
+            ]
         )
 
     # per choice (streamed: best_of == n), its role, then the echoed assistant content, before
@@ -156,7 +161,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                     delta=ChatDelta(content=delta.text),
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason if delta.finished else None,
-                    exit_depths=list(delta.exit_depths),
+                    **token_fields(delta),
                     token_ids=list(delta.token_ids) if want_ids else None,
                 )
             ]

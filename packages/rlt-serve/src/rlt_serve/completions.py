@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from rlt_contracts import RequestOutputDelta
+from rlt_contracts import COLUMNS, RequestOutputDelta, TokenColumns
 
 from rlt_serve.context import ServerContext, new_id
 from rlt_serve.generation import Choice, Generation
@@ -27,6 +27,7 @@ from rlt_serve.response_schemas import (
     CompletionResponse,
     LoopUsage,
     Usage,
+    token_fields,
 )
 from rlt_serve.streaming import stream_generation
 from rlt_serve.unicode_input import check_valid_unicode
@@ -99,7 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                     text=prefix + (c.text if kept else ""),
                     logprobs=logprobs,
                     finish_reason=_finish_reason(c, scoring_only),
-                    exit_depths=c.exit_depths[:kept],
+                    **token_fields(c.tokens, 0, kept),
                     token_ids=c.token_ids[:kept] if want_ids else None,
                     prompt_logprobs=(
                         vllm_prompt_logprobs(ctx, prompt, c)
@@ -137,7 +138,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 text=text,
                 logprobs=None,  # the prompt's come with the first generated token's
                 finish_reason=None,
-                exit_depths=[],
+                **token_fields(TokenColumns()),
                 token_ids=[] if want_ids else None,
             )
         )
@@ -168,7 +169,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 text=delta.text,
                 logprobs=logprobs,
                 finish_reason=(_finish_reason(choice, scoring_only) if delta.finished else None),
-                exit_depths=list(delta.exit_depths),
+                **token_fields(delta),
                 token_ids=list(delta.token_ids) if want_ids else None,
                 prompt_logprobs=vllm_prompt_logprobs(ctx, prompt, choice) if scored else None,
                 prompt_exit_depths=(
@@ -232,14 +233,8 @@ def _usage(generation: Generation, model_depth: int, scoring_only: bool) -> Usag
 
 def _without_tokens(delta: RequestOutputDelta) -> RequestOutputDelta:
     """`delta` without its tokens, text and their logprobs (scoring only)."""
-    return msgspec.structs.replace(
-        delta,
-        token_ids=(),
-        exit_depths=(),
-        text="",
-        logprobs=() if delta.logprobs is not None else None,
-        top_logprobs=() if delta.top_logprobs is not None else None,
-    )
+    empty = {name: None if getattr(delta, name) is None else () for name in COLUMNS}
+    return msgspec.structs.replace(delta, text="", **empty)
 
 
 def _finish_reason(choice: Choice, scoring_only: bool) -> str | None:

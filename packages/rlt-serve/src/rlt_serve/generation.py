@@ -44,6 +44,7 @@ from rlt_contracts import (
     EngineRequest,
     RequestOutputDelta,
     SamplingParams,
+    TokenLog,
 )
 from rlt_contracts.sampling import MAX_SEED
 
@@ -72,11 +73,9 @@ class Choice:
     request_id: str
     prompt_tokens: int
     prompt_index: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    exit_depths: list[int] = field(default_factory=list)
+    # per-token columns (ids, exit depths; logprobs when the engine request asked for them)
+    tokens: TokenLog = field(default_factory=TokenLog)
     text_parts: list[str] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     # per prompt token (None for the first) when the request scored its prompt
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_token_ranks: tuple[int | None, ...] | None = None
@@ -86,6 +85,22 @@ class Choice:
     error: str | None = None
     last_token_time: float | None = None
     cancel_sent: bool = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.token_ids
+
+    @property
+    def exit_depths(self) -> list[int]:
+        return self.tokens.exit_depths
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.tokens.logprobs
+
+    @property
+    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+        return self.tokens.top_logprobs
 
     @property
     def text(self) -> str:
@@ -146,6 +161,7 @@ class Generation:
                 request_id=f"{response_id}-{p * self.per_prompt + j}",
                 prompt_tokens=len(ids),
                 prompt_index=p,
+                tokens=TokenLog.for_request(sampling),
             )
             for p, ids in enumerate(prompts)
             for j in range(self.per_prompt)
@@ -244,13 +260,9 @@ class Generation:
                 now=now,
             )
             choice.last_token_time = now
-        choice.token_ids.extend(delta.token_ids)
-        choice.exit_depths.extend(delta.exit_depths)
+        choice.tokens.extend(delta)
         if delta.text:
             choice.text_parts.append(delta.text)
-        if delta.logprobs is not None:
-            choice.logprobs.extend(delta.logprobs)
-            choice.top_logprobs.extend(delta.top_logprobs or ((),) * len(delta.logprobs))
         if delta.prompt_logprobs is not None:
             choice.prompt_logprobs = delta.prompt_logprobs
             choice.prompt_token_ranks = delta.prompt_token_ranks

@@ -13,6 +13,35 @@ from pydantic import BaseModel, Field, model_serializer
 FinishReasonName = Literal["stop", "length", "abort"]
 
 
+class TokenFields(BaseModel):
+    """rlt's per-token fields of a choice, aligned with its generated tokens (in a stream: with
+    this chunk's). Declared once, here: `token_fields` fills every one of them by name from the
+    engine's per-token columns (`rlt_contracts.TokenColumns`), so a per-token column reaches
+    every completion and chat choice and chunk by adding its field to this class."""
+
+    exit_depths: list[int] = Field(
+        description="rlt: loops each generated token's hidden state went through (token 0 "
+        "comes from prefill at the full depth). In a stream: those of this chunk's tokens."
+    )
+
+    @model_serializer(mode="wrap")
+    def _openai_fields_first(self, handler):
+        """A choice's own (OpenAI) fields first, then these extensions (as before 0.2.0)."""
+        body = handler(self)
+        extensions = TokenFields.model_fields
+        return {k: v for k, v in body.items() if k not in extensions} | {
+            k: body[k] for k in extensions if k in body
+        }
+
+
+def token_fields(tokens: object, start: int = 0, end: int | None = None) -> dict[str, object]:
+    """`TokenFields`' values over tokens [start, end) of a delta or a choice's `TokenLog`."""
+    return {
+        name: None if (values := getattr(tokens, name)) is None else list(values[start:end])
+        for name in TokenFields.model_fields
+    }
+
+
 class LoopUsage(BaseModel):
     """rlt: recurrent-loop accounting of one response (all choices)."""
 
@@ -63,15 +92,11 @@ class CompletionLogprobs(BaseModel):
         return body
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(TokenFields):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None
-    exit_depths: list[int] = Field(
-        description="rlt: loops each generated token's hidden state went through (token 0 "
-        "comes from prefill at the full depth). In a stream: those of this chunk's tokens."
-    )
     token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         None,
@@ -114,12 +139,11 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(TokenFields):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None
-    exit_depths: list[int] = Field(description="rlt: as in CompletionChoice.")
     token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
 
 
@@ -151,12 +175,11 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(TokenFields):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None
-    exit_depths: list[int] = Field(description="rlt: exit depths of this chunk's tokens.")
     token_ids: list[int] | None = Field(None, description="rlt: with return_token_ids=true.")
 
 

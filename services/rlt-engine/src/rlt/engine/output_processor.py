@@ -31,6 +31,7 @@ from rlt_contracts import (
     FinishReason,
     InvalidRequestError,
     RequestOutputDelta,
+    TokenLog,
 )
 
 from rlt.engine.detokenizer import IncrementalDetokenizer
@@ -49,8 +50,7 @@ class RequestState:
         self.output = RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
-            logprobs=[] if params.logprobs is not None else None,
-            top_logprobs=[] if params.logprobs is not None else None,
+            tokens=TokenLog.for_request(params),
             seed=params.seed,
         )
         self.stopped = False  # a stop string matched: later tokens are dropped
@@ -76,11 +76,7 @@ class RequestState:
                 output.prompt_exit_depths = list(delta.prompt_exit_depths)
         matched = False
         if not self.stopped:
-            output.token_ids.extend(delta.token_ids)
-            output.exit_depths.extend(delta.exit_depths)
-            if delta.logprobs is not None and output.logprobs is not None:
-                output.logprobs.extend(delta.logprobs)
-                output.top_logprobs.extend(list(top) for top in delta.top_logprobs)
+            output.tokens.extend(delta)
             detokenizer = self.detokenizer
             if detokenizer is not None:
                 # the core ends a request on a stop token with that token last in its delta
@@ -115,18 +111,10 @@ class RequestState:
         target = output.kv_target if not self._target_taken else None
         self._target_taken = self._target_taken or target is not None
         self._tokens_taken, self._text_taken = end, text_end
-        wants_logprobs = output.logprobs is not None
         return RequestOutputDelta(
+            **output.tokens.since(start, end),
             request_id=output.request_id,
-            token_ids=tuple(output.token_ids[start:end]),
-            exit_depths=tuple(output.exit_depths[start:end]),
             text=text,
-            logprobs=tuple(output.logprobs[start:end]) if wants_logprobs else None,
-            top_logprobs=(
-                tuple(tuple(top) for top in output.top_logprobs[start:end])
-                if wants_logprobs
-                else None
-            ),
             prompt_logprobs=tuple(output.prompt_logprobs) if scored else None,
             prompt_token_ranks=tuple(output.prompt_token_ranks) if scored else None,
             prompt_top_logprobs=(

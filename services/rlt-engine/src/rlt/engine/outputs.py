@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlt_contracts import FinishReason, HandoffTarget, RequestTimings
+from rlt_contracts import FinishReason, HandoffTarget, RequestTimings, TokenLog
 
 
 @dataclass
 class RequestOutput:
     """Everything generated so far for one request.
 
-    token_ids / exit_depths / logprobs are aligned: exit_depths[i] is the number of loops the
-    hidden state that produced token i went through (token 0 comes from prefill at full depth).
+    tokens: the per-token columns (`rlt_contracts.TokenColumns`), aligned: token_ids,
+    exit_depths (exit_depths[i] is the number of loops the hidden state that produced token i
+    went through; token 0 comes from prefill at full depth), logprobs and top_logprobs (None
+    unless the request asked for logprobs); the four are also attributes of the output itself.
     prompt_logprobs / prompt_token_ranks / prompt_top_logprobs (`SamplingParams.prompt_logprobs`):
     one entry per prompt token, None for the first, at full depth; set with token 0.
     prompt_exit_depths: with `SamplingParams.score_at_exit_depth`, the loop at which each prompt
@@ -23,11 +25,8 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
+    tokens: TokenLog = field(default_factory=TokenLog)
     text: str = ""
-    exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -38,6 +37,22 @@ class RequestOutput:
     error: str | None = None
     timings: RequestTimings | None = None  # lifecycle timestamps, once finished
     kv_target: HandoffTarget | None = None  # PD decode: where the prefill instance writes
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens.token_ids
+
+    @property
+    def exit_depths(self) -> list[int]:
+        return self.tokens.exit_depths
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.tokens.logprobs
+
+    @property
+    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
+        return self.tokens.top_logprobs
 
     @property
     def mean_loops(self) -> float:

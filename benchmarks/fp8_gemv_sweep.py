@@ -3,11 +3,16 @@
 For every projection shape of the Ouro-1.4B stack (qkv, o, gate_up, down) and row count, the
 same loop-like timing as `small_batch_linear` (a CUDA graph of one call per cold weight copy,
 copies over twice the L2 cache, median of replays): cuBLAS bf16, the fastest bf16 Triton tile,
-every fp8 weight-only tile, W8A8 and the dequantize reference; the fp8 selector's choice; and
-the bandwidth each reaches (weight bytes / time). Times are per call: a graph's time over its
-number of copies (fp8 weights are half the bytes, so they get twice the copies). Run on a GPU:
+every fp8 candidate of `Fp8Linear.candidates` (weight-only tiles, at one row the persistent
+GEMVs of `fp8_gemv`, W8A8, the dequantize reference), each checked against the dequantized
+product first; the fp8 selector's choice; and the bandwidth each reaches (weight bytes / time).
+Times are per call: a graph's time over its number of copies (fp8 weights are half the bytes,
+so they get twice the copies). Per shape the JSON gives every candidate's time and GB/s, the
+best per kind and the best overall. Needs only torch and triton (the package's __init__, which
+imports the tokenizer and checkpoint code, is not run). Run on a GPU:
 
     python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out fp8_gemv_sweep.json
+    python3 benchmarks/fp8_gemv_sweep.py --rows 1 --out fp8_gemv_rows1.json
 """
 
 from __future__ import annotations
@@ -15,13 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "packages" / "rlt-models" / "src"))
+SRC = ROOT / "packages" / "rlt-models" / "src"
+sys.path.insert(0, str(SRC))
+if "rlt_models" not in sys.modules:  # the kernel modules only, without the package's imports
+    package = types.ModuleType("rlt_models")
+    package.__path__ = [str(SRC / "rlt_models")]
+    sys.modules["rlt_models"] = package
 
 from rlt_models import fp8_linear as fl  # noqa: E402
 from rlt_models import small_batch_linear as sbl  # noqa: E402
@@ -53,11 +64,30 @@ def sweep(rows: int, name: str, n: int, k: int) -> dict:
             continue
         bf16_tiles[str(tile)] = per_call_bf16(lambda w, t=tile: sbl.launch(x, w, t))
     result["bf16_best_tile_ms"] = min(bf16_tiles.values())
-    fp8_times = {}
+    reference = F.linear(x.float(), data.float() * scale[:, None])
+    largest = reference.abs().max().item() + 1e-6
+    fp8_times, kinds, failed = {}, {}, {}
     for choice in fl.Fp8Linear.candidates(rows, data, torch.bfloat16):
         label = choice.kind if choice.tile is None else f"{choice.kind} {choice.tile}"
-        fp8_times[label] = per_call_fp8(fl._timed(choice, x))
+        try:  # a config the device's Triton cannot compile is reported, not fatal
+            error = (fl.run(choice, x, data, scale).float() - reference).abs().max().item()
+            if error > fl.TOLERANCE[choice.kind] * largest:
+                failed[label] = f"max error {error:.3g} of {largest:.3g}"
+                continue
+            fp8_times[label] = per_call_fp8(fl._timed(choice, x))
+        except Exception as exc:  # noqa: BLE001
+            failed[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        best = kinds.get(choice.kind)
+        if best is None or fp8_times[label] < fp8_times[best]:
+            kinds[choice.kind] = label
     result["fp8_ms"] = fp8_times
+    result["fp8_gbps_by_choice"] = {label: n * k / ms / 1e6 for label, ms in fp8_times.items()}
+    result["fp8_best_by_kind"] = {
+        kind: {"choice": label, "ms": fp8_times[label], "gbps": n * k / fp8_times[label] / 1e6}
+        for kind, label in kinds.items()
+    }
+    result["fp8_failed"] = failed
     result["fp8_best"] = min(fp8_times, key=fp8_times.get)
     result["fp8_best_ms"] = fp8_times[result["fp8_best"]]
     selector = fl.Fp8Linear()
@@ -88,10 +118,18 @@ def main() -> None:
                 f"{r['fp8_speedup']:.2f}x  best {r['fp8_best']}  selector {r['selector_choice']}",
                 flush=True,
             )
-    if args.out:
-        Path(args.out).write_text(
-            json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=1)
-        )
+            for kind, best in r["fp8_best_by_kind"].items():
+                print(
+                    f"    {kind:24s} {best['ms']:.4f} ms {best['gbps']:5.0f} GB/s  {best['choice']}"
+                )
+            for label, why in r["fp8_failed"].items():
+                print(f"    failed {label}: {why}")
+            if args.out:  # after every shape: a run cut short keeps what it measured
+                Path(args.out).write_text(
+                    json.dumps(
+                        {"device": torch.cuda.get_device_name(), "results": results}, indent=1
+                    )
+                )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ unless `linear` is the small-batch selector on CUDA, the engine's fast path; the
 - **weight-only** (rows <= 16): the small-batch Triton kernels streaming the fp8 weight, each
   element widened to the activation dtype in registers, fp32 accumulation, the channel scale
   applied once per output in the epilogue. Half the bytes of bf16 at batch 1, where a loop is
-  bound by reading its weights; bf16 activations, so no activation rounding at all.
+  bound by reading its weights; bf16 activations, so no activation rounding at all. At one row
+  also the persistent GEMV of `fp8_gemv` (**weight_only_persistent**: one wave of programs
+  walking whole-K tiles with x held in registers, fewer instructions per weight byte).
 - **W8A8**: each row of x quantized to e4m3 with its own scale (one Triton kernel,
   scale = max|x_row| / 448), then `torch._scaled_mm` on the fp8 tensor cores with the row
   scales and the channel scales (bf16 out). Twice the bf16 tensor-core rate where a projection
@@ -32,17 +34,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from rlt_models import fp8_gemv
 from rlt_models import small_batch_linear as sbl
 from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
 
 triton, tl = sbl.triton, (sbl.tl if sbl.triton is not None else None)
 
 WEIGHT_ONLY, W8A8, DEQUANTIZE = "weight_only", "w8a8", "dequantize"
+WEIGHT_ONLY_PERSISTENT = "weight_only_persistent"  # fp8_gemv.launch_persistent, one row
 # Weight-only tiles beside the bf16 ones: an fp8 tile of the same shape has half the bytes in
 # flight, so wider K steps (or more rows per CTA) keep as many loads outstanding.
 FP8_TILES = (
@@ -59,15 +63,21 @@ FP8_TILES = (
     sbl.TileConfig(16, 128, 2, 8),
 )
 # output error allowed in the correctness check, relative to the largest output magnitude
-TOLERANCE = {WEIGHT_ONLY: 0.02, W8A8: 0.1, DEQUANTIZE: 0.02}
+TOLERANCE = {WEIGHT_ONLY: 0.02, WEIGHT_ONLY_PERSISTENT: 0.02, W8A8: 0.1, DEQUANTIZE: 0.02}
 
 
 @dataclass(frozen=True)
 class Fp8Choice:
-    """How one fp8 shape is computed; `tile` only for WEIGHT_ONLY."""
+    """How one fp8 shape is computed; `tile` only for WEIGHT_ONLY (a TileConfig) and
+    WEIGHT_ONLY_PERSISTENT (a GemvConfig: one restored from the kernel-choice cache, which
+    stores every tile as a TileConfig, is mapped back)."""
 
     kind: str
-    tile: sbl.TileConfig | None = None
+    tile: sbl.TileConfig | fp8_gemv.GemvConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == WEIGHT_ONLY_PERSISTENT and isinstance(self.tile, sbl.TileConfig):
+            object.__setattr__(self, "tile", fp8_gemv.GemvConfig(**asdict(self.tile)))
 
 
 W8A8_CHOICE, DEQUANTIZE_CHOICE = Fp8Choice(W8A8), Fp8Choice(DEQUANTIZE)
@@ -117,6 +127,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def run(choice: Fp8Choice, x, data, scale, needed=None) -> torch.Tensor:
     if choice.kind == WEIGHT_ONLY:
         return sbl.launch(x, data, choice.tile, needed, scale=scale)
+    if choice.kind == WEIGHT_ONLY_PERSISTENT:
+        return fp8_gemv.launch_persistent(x, data, scale, choice.tile, needed)
     if choice.kind == W8A8:
         return w8a8(x, data, scale)
     return F.linear(x, (data.float() * scale[:, None]).to(x.dtype))
@@ -163,6 +175,12 @@ class Fp8Linear:
                 Fp8Choice(WEIGHT_ONLY, tile)
                 for tile in sbl.CONFIGS + FP8_TILES
                 if rows == 1 or not tile.single_row
+            ]
+        if rows == 1:
+            found += [
+                Fp8Choice(WEIGHT_ONLY_PERSISTENT, config)
+                for config in fp8_gemv.CONFIGS
+                if fp8_gemv.eligible(data, config)
             ]
         if Fp8Linear.w8a8_eligible(data, dtype):
             found.append(W8A8_CHOICE)

@@ -11,6 +11,9 @@
 #                                                  (fp8_kv_attention_sweep.py: keys by rows, vector),
 #                                                  then 128 requests bf16 / fp8 KV / both with
 #                                                  the sweep's best configurations exported
+#   bash benchmarks/h200_run.sh fp8-c1             the fp8 GEMV kernels' tests, the GEMV sweep at
+#                                                  one row (fp8_gemv_sweep.py), then one request
+#                                                  bf16 / fp8 weights, fixed and the 2.5-loop mix
 #   bash benchmarks/h200_run.sh kv-pool            tokens of the memory-sized KV pool, bf16 vs fp8
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository, then
@@ -172,6 +175,20 @@ case "$mode" in
         --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     fi
     tail -n 14 "$OUT"/fp8_*.log ;;
+  fp8-c1)  # issue 22 at one request: the fp8 GEMV kernels' tests, the GEMV sweep at one row,
+    # then bf16 against fp8 weights at one request (fixed depth and the 2.5-loop mix)
+    python3 -m pytest -q -p no:cacheprovider packages/rlt-models/tests/test_fp8_gemv.py \
+      packages/rlt-models/tests/test_fp8_linear.py packages/rlt-models/tests/test_small_batch_linear.py \
+      packages/rlt-models/tests/test_kernel_choice_cache.py 2>&1 | tee "$OUT/fp8_gemv_tests.log" | tail -2
+    python3 benchmarks/fp8_gemv_sweep.py --rows 1 --out "$OUT/fp8_gemv_rows1.json" \
+      >"$OUT/fp8_gemv_rows1.log" 2>&1
+    tail -n 12 "$OUT/fp8_gemv_rows1.log"
+    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir /tmp/rlt-bench-checkpoints \
+      --device cuda --dtype bfloat16 --prompt-len 1024 --output-len 128 --prefill-chunk-size 1024 \
+      --num-requests 4 --max-num-seqs 1 --max-num-batched-tokens 1100 --arm fixed --arm fixed@fp8 \
+      --arm trace:0.55,0.40,0.05 --arm trace:0.55,0.40,0.05@fp8 --json-out "$OUT/fp8_c1.json" \
+      >"$OUT/fp8_c1.log" 2>&1
+    tail -n 8 "$OUT/fp8_c1.log" ;;
   fp8-kv)  # the split-KV product orders: CUDA tests, the sweep, then 128 requests with its best
     python3 -m pytest -q -p no:cacheprovider packages/rlt-attention/tests/test_fp8_kv.py \
       packages/rlt-attention/tests/test_split_decode.py 2>&1 | tee "$OUT/split_tests.log" | tail -2

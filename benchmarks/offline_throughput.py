@@ -385,16 +385,24 @@ def allocator_delta(before: dict | None, after: dict | None) -> dict | None:
 
 def gemv_choices() -> dict:
     """{"rows x N x K": "cublas" or the Triton tile} of the process's small-batch GEMV
-    selections so far (empty off CUDA)."""
+    selections so far, and {"fp8 rows x N x K": kind and tile} of its fp8 ones (empty off
+    CUDA)."""
+    from rlt_models.fp8_linear import fp8_linear
     from rlt_models.small_batch_linear import small_batch_linear
 
-    return {
-        f"{rows}x{n}x{k}": "cublas"
-        if config is None
-        else f"{config.block_n}x{config.block_k}/w{config.num_warps}/s{config.num_stages}"
-        + ("/row" if config.single_row else "")
+    def tile(config) -> str:
+        return f"{config.block_n}x{config.block_k}/w{config.num_warps}/s{config.num_stages}" + (
+            "/row" if config.single_row else ""
+        )
+
+    choices = {
+        f"{rows}x{n}x{k}": "cublas" if config is None else tile(config)
         for (rows, n, k, *_), config in small_batch_linear.choices.items()
     }
+    for (rows, n, k, *_), choice in fp8_linear.choices.items():
+        label = choice.kind if choice.tile is None else f"{choice.kind} {tile(choice.tile)}"
+        choices[f"fp8 {rows}x{n}x{k}"] = label
+    return choices
 
 
 # -- profile window ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from rlt_contracts import (
     SamplingParams,
     SchedulerOutput,
     TokenLog,
+    TokenLogColumns,
     columns_of,
     requested_columns,
 )
@@ -222,3 +223,10 @@ def test_token_columns_are_declared_once_and_copied_by_name():
     assert scored.logprobs[-1] is None and len(scored.top_logprobs) == 4
     with pytest.raises(ValueError, match="not optional"):
         TokenLog({"exit_depths"})
+
+    class Holder(TokenLogColumns):
+        def __init__(self, tokens: TokenLog) -> None:
+            self.tokens = tokens
+
+    holder = Holder(scored)
+    assert all(getattr(holder, name) is getattr(scored, name) for name in COLUMNS)

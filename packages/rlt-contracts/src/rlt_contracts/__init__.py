@@ -106,6 +106,7 @@ from rlt_contracts.tokens import (
     OPTIONAL_COLUMNS,
     TokenColumns,
     TokenLog,
+    TokenLogColumns,
     columns_of,
     requested_columns,
 )
@@ -198,6 +199,7 @@ __all__ = [
     "OPTIONAL_COLUMNS",
     "TokenColumns",
     "TokenLog",
+    "TokenLogColumns",
     "columns_of",
     "requested_columns",
     "unmet_requirements",

@@ -103,11 +103,29 @@ class TokenLog:
         return columns_of(self, start, end)  # type: ignore[arg-type]
 
 
+class TokenLogColumns:
+    """Mixin for a holder of a `tokens: TokenLog` (the front end's `RequestOutput`, the API's
+    choice): every column is also a read-only attribute of the holder (`output.exit_depths` is
+    `output.tokens.exit_depths`), a new column included."""
+
+    __slots__ = ()
+    tokens: TokenLog
+
+
+def _column(name: str) -> property:
+    return property(lambda holder: getattr(holder.tokens, name), doc=f"`tokens.{name}`")
+
+
+for _name in COLUMNS:
+    setattr(TokenLogColumns, _name, _column(_name))
+
+
 __all__ = [
     "COLUMNS",
     "OPTIONAL_COLUMNS",
     "TokenColumns",
     "TokenLog",
+    "TokenLogColumns",
     "columns_of",
     "requested_columns",
 ]

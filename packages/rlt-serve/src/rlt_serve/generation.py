@@ -45,6 +45,7 @@ from rlt_contracts import (
     RequestOutputDelta,
     SamplingParams,
     TokenLog,
+    TokenLogColumns,
 )
 from rlt_contracts.sampling import MAX_SEED
 
@@ -66,7 +67,7 @@ class FinalOutputs(Protocol):
 
 
 @dataclass
-class Choice:
+class Choice(TokenLogColumns):
     """Everything one choice generated so far."""
 
     index: int  # prompt_index * sequences per prompt + sequence
@@ -85,22 +86,6 @@ class Choice:
     error: str | None = None
     last_token_time: float | None = None
     cancel_sent: bool = False
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokens.token_ids
-
-    @property
-    def exit_depths(self) -> list[int]:
-        return self.tokens.exit_depths
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.tokens.logprobs
-
-    @property
-    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
-        return self.tokens.top_logprobs
 
     @property
     def text(self) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlt_contracts import FinishReason, HandoffTarget, RequestTimings, TokenLog
+from rlt_contracts import FinishReason, HandoffTarget, RequestTimings, TokenLog, TokenLogColumns
 
 
 @dataclass
-class RequestOutput:
+class RequestOutput(TokenLogColumns):
     """Everything generated so far for one request.
 
     tokens: the per-token columns (`rlt_contracts.TokenColumns`), aligned: token_ids,
@@ -37,22 +37,6 @@ class RequestOutput:
     error: str | None = None
     timings: RequestTimings | None = None  # lifecycle timestamps, once finished
     kv_target: HandoffTarget | None = None  # PD decode: where the prefill instance writes
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokens.token_ids
-
-    @property
-    def exit_depths(self) -> list[int]:
-        return self.tokens.exit_depths
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.tokens.logprobs
-
-    @property
-    def top_logprobs(self) -> list[tuple[tuple[int, float], ...]] | None:
-        return self.tokens.top_logprobs
 
     @property
     def mean_loops(self) -> float:

@@ -86,15 +86,15 @@ def count_mask_ticks(request: ScheduledRequest, work: DecodeWork) -> None:
         request.mask_ticks += work.mask_loops(request)
 
 
-def accept_output(request: ScheduledRequest, token_id: int) -> str | None:
-    """The matcher consumes the request's latest recorded output (its mask was used up, so the
-    next one is due). Returns None if the grammar accepts it, else the error to abort the
+def accept_output(request: ScheduledRequest, token_id: int, index: int) -> str | None:
+    """The matcher consumes the request's output `index` (its mask was used up, so the next one
+    is due). Returns None if the grammar accepts it, else the error to abort the
     request with: a token the grammar rejects cannot come from a masked row, so the request is
     not continued off the grammar. Requires `request.constraint`."""
     request.mask_sent = False
     if request.constraint.accept_token(token_id):
         return None
-    return f"token {token_id} (output {request.num_outputs - 1}) violates the grammar"
+    return f"token {token_id} (output {index}) violates the grammar"
 
 
 def grammar_terminated(request: ScheduledRequest) -> bool:

@@ -98,35 +98,39 @@ def check_output_index(request: ScheduledRequest, generated: GeneratedTokens) ->
 def record_generated(
     request: ScheduledRequest, generated: GeneratedTokens, now: float, stats: SchedulerStats
 ) -> FinishDecision | None:
-    """Append the tokens (exit depths, logprobs) of `generated` up to the first one that ends
+    """Append the tokens (every per-token column) of `generated` up to the first one that ends
     the request, and stamp the token times with `now` (host monotonic seconds). Returns how the
     request ends, or None while it continues; the caller finishes it."""
-    if generated.token_ids:
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
-    for i, token in enumerate(generated.token_ids):
-        request.outputs.extend(generated, i, i + 1)
-        stats.generation_tokens += 1
-        if request.num_outputs > 1:
-            stats.decode_loops += generated.exit_depths[i]
+    token_ids = generated.token_ids
+    if not token_ids:
+        return None
+    if request.first_token_time is None:
+        request.first_token_time = now
+    request.last_token_time = now
+    start, end, decision = request.num_outputs, len(token_ids), None
+    for i, token in enumerate(token_ids):
         if request.constraint is not None:
-            error = accept_output(request, token)
+            error = accept_output(request, token, start + i)
             if error is not None:
-                return FinishDecision(FinishReason.ABORT, error)
-        reason = finish_reason(request, token)
+                end, decision = i + 1, FinishDecision(FinishReason.ABORT, error)
+                break
+        reason = finish_reason(request, token, start + i + 1)
         if reason is not None:
-            return FinishDecision(reason)
-    return None
+            end, decision = i + 1, FinishDecision(reason)
+            break
+    request.outputs.extend(generated, 0, end)
+    stats.generation_tokens += end
+    stats.decode_loops += sum(generated.exit_depths[max(0, 1 - start) : end])  # not token 0
+    return decision
 
 
-def finish_reason(request: ScheduledRequest, token_id: int) -> FinishReason | None:
-    """Why recording `token_id` (already appended) ends the request, or None."""
+def finish_reason(request: ScheduledRequest, token_id: int, outputs: int) -> FinishReason | None:
+    """Why recording `token_id` as the request's `outputs`-th output ends it, or None."""
     if token_id in request.rule.stop_token_ids:
         return FinishReason.STOP
     if grammar_terminated(request):
         return FinishReason.STOP  # the grammar is complete (vLLM's rule)
-    if request.num_outputs >= request.sampling.max_tokens:
+    if outputs >= request.sampling.max_tokens:
         return FinishReason.LENGTH
     return None
 

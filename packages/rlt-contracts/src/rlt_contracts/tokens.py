@@ -14,6 +14,7 @@ request asked for it (`requested_columns`), then aligned as well.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -71,6 +72,11 @@ class TokenLog:
     """
 
     __slots__ = COLUMNS
+    if TYPE_CHECKING:  # the columns, typed for readers (at run time: COLUMNS' slots)
+        token_ids: list[int]
+        exit_depths: list[int]
+        logprobs: list[float | None] | None
+        top_logprobs: list[tuple[tuple[int, float], ...] | None] | None
 
     def __init__(self, optional: Iterable[str] = ()) -> None:
         enabled = frozenset(optional)
@@ -110,6 +116,11 @@ class TokenLogColumns:
 
     __slots__ = ()
     tokens: TokenLog
+    if TYPE_CHECKING:  # as TokenLog's (at run time: properties made from COLUMNS below)
+        token_ids: list[int]
+        exit_depths: list[int]
+        logprobs: list[float | None] | None
+        top_logprobs: list[tuple[tuple[int, float], ...] | None] | None
 
 
 def _column(name: str) -> property:

@@ -130,13 +130,3 @@ def _column(name: str) -> property:
 for _name in COLUMNS:
     setattr(TokenLogColumns, _name, _column(_name))
 
-
-__all__ = [
-    "COLUMNS",
-    "OPTIONAL_COLUMNS",
-    "TokenColumns",
-    "TokenLog",
-    "TokenLogColumns",
-    "columns_of",
-    "requested_columns",
-]

@@ -129,4 +129,3 @@ def _column(name: str) -> property:
 
 for _name in COLUMNS:
     setattr(TokenLogColumns, _name, _column(_name))
-

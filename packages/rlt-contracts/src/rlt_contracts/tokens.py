@@ -40,13 +40,7 @@ class TokenColumns(msgspec.Struct, frozen=True, kw_only=True):
 COLUMNS: tuple[str, ...] = TokenColumns.__struct_fields__
 # columns that are None unless the request asked for them
 OPTIONAL_COLUMNS: frozenset[str] = frozenset(
-    name
-    for name, default in zip(
-        COLUMNS[len(COLUMNS) - len(TokenColumns.__struct_defaults__) :],
-        TokenColumns.__struct_defaults__,
-        strict=True,
-    )
-    if default is None
+    field.name for field in msgspec.structs.fields(TokenColumns) if field.default is None
 )
 
 

@@ -1,6 +1,6 @@
-"""A streamed completion read on its own thread, shared by the rlt-ray tests: the events so
-far with their arrival times, so that a stream that is slow or stalled after a kill says how
-far it got."""
+"""What the rlt-ray cluster tests share: a streamed completion read on its own thread (the
+events so far with their arrival times, so that a stream that is slow or stalled after a kill
+says how far it got), and the replicas' placement and health options on the test cluster."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import threading
 import time
 
 import httpx
+
+# RayOptions of a replicas app on the test cluster: replicas on the "rlt_replica" nodes (no CPU
+# reserved: 2 cores), the ingress on the head, health and routing statistics polled briskly
+CLUSTER_REPLICA_OPTIONS = dict(
+    num_cpus=0,
+    resources={"rlt_replica": 1},
+    ingress_resources={"rlt_head": 1},
+    health_check_period_s=2,
+    health_check_timeout_s=30,
+    routing_stats_period_s=0.5,
+)
 
 
 class Stream:

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from ray_test_streams import Stream
+from ray_test_streams import CLUSTER_REPLICA_OPTIONS, Stream
 
 OPT_IN = "RLT_TEST_RAY_AUTOSCALE"
 pytestmark = [
@@ -92,12 +92,7 @@ def test_serve_adds_a_replica_under_load_and_removes_it_when_idle(ray_cluster):
             autoscale_look_back_s=2,
             upscale_delay_s=1,
             downscale_delay_s=3,
-            num_cpus=0,
-            resources={"rlt_replica": 1},
-            ingress_resources={"rlt_head": 1},
-            health_check_period_s=2,
-            health_check_timeout_s=30,
-            routing_stats_period_s=0.5,
+            **CLUSTER_REPLICA_OPTIONS,
         ),
     )
     serve.run(app, name=APP, route_prefix="/")

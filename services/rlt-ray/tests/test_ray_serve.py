@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from ray_test_streams import Stream
+from ray_test_streams import CLUSTER_REPLICA_OPTIONS, Stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rlt-ray-cluster")]
 
@@ -77,12 +77,7 @@ def fleet(ray_cluster):
         ServeOptions(host="127.0.0.1"),
         RayOptions(
             replicas=2,
-            num_cpus=0,
-            resources={"rlt_replica": 1},
-            ingress_resources={"rlt_head": 1},
-            health_check_period_s=2,
-            health_check_timeout_s=30,
-            routing_stats_period_s=0.5,
+            **CLUSTER_REPLICA_OPTIONS,
             submit_timeout_s=60,
         ),
     )

@@ -253,11 +253,25 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
         group = descendants(server.process.pid)
         results: dict = {}
         stream = start_stream(server, results)
-        os.kill(server.core_pid(), signal.SIGKILL)
-        plain = httpx.post(
-            server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=30
+        plain: dict = {}
+        body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
+        waiting = threading.Thread(
+            target=lambda: plain.update(response=server.http.post("/v1/completions", json=body))
         )
-        assert plain.status_code == 503 and plain.json()["error"]["code"] == "engine_unavailable"
+        waiting.start()
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while server.running() != 2:  # both requests are in the core when it dies
+            assert time.monotonic() < deadline, server.running()
+            time.sleep(0.02)
+        os.kill(server.core_pid(), signal.SIGKILL)
+        waiting.join(30)
+        response = plain["response"]
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_unavailable"
+        # a request after the death: 503 until the server has stopped listening, then refused
+        with contextlib.suppress(httpx.ConnectError):
+            late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
         stream.join(30)
         events = results["events"]
         assert any(isinstance(e, dict) and "error" in e for e in events), results

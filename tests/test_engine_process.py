@@ -268,10 +268,15 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
         response = plain["response"]
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "engine_unavailable"
-        # a request after the death: 503 until the server has stopped listening, then refused
-        with contextlib.suppress(httpx.ConnectError):
+        # after the death, until the server has stopped listening: 503s (then: refused)
+        with contextlib.suppress(httpx.TransportError):
             late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
+            health = httpx.get(server.url + "/health", timeout=30)
+            assert health.status_code == 503 and health.json()["status"] in (
+                "dead",
+                "shutting_down",
+            )
         stream.join(30)
         events = results["events"]
         assert any(isinstance(e, dict) and "error" in e for e in events), results

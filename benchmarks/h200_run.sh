@@ -83,6 +83,10 @@
 #                                                  and 1P1D against 2 replicas: P and D on two GPUs
 #                                                  (nvidia-h200-x2), else both on one at 0.45 each;
 #                                                  carry .whlpd (slim NIXL wheels) too
+#   bash benchmarks/h200_run.sh pd-transfer        rlt-pd's tests, then KV transfers on the GPU(s)
+#                                                  at NIXL progress-thread delays $DELAYS (0,100)
+#                                                  side by side (pd_transfer.py --quick); carry
+#                                                  .whlpd
 #   bash benchmarks/h200_run.sh flash-attn [STEPS]  flash-attn 2 built from its sdist (head dim 128,
 #                                                  forward only, sm_90; 9 files: 3.7 min on 2 cores),
 #                                                  its adapter tests on CUDA, then Triton vs
@@ -311,6 +315,12 @@ case "$mode" in
       --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 \
       --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
       --gpu-memory-utilization $share ;;
+  pd-transfer)
+    python3 -m pytest -q -p no:cacheprovider packages/rlt-pd/tests 2>&1 | tee "$OUT/pd_tests.log" \
+      | tail -3
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then devices=cuda:0,cuda:1; else devices=cuda:0; fi
+    python3 benchmarks/pd_transfer.py --device $devices --quick --tables contiguous \
+      --progress-delay-us "${DELAYS:-0,100}" --out "$OUT/pd_transfer_delay_h200.json" ;;
   flash-attn)
     bash benchmarks/build_flash_attn.sh "$@" ;;
   *)

@@ -171,7 +171,9 @@ def make_tables(geometry: Geometry, tokens: int, kind: str, seed: int) -> tuple:
 class Side:
     """One process's tensors and transport (P's in this process, D's in the child)."""
 
-    def __init__(self, name: str, device: str, geometry: Geometry, fill_seed, ucx_params) -> None:
+    def __init__(
+        self, name: str, device: str, geometry: Geometry, fill_seed, ucx_params, delay_us: int
+    ) -> None:
         import torch
         from rlt_pd.transport import KVTransport
 
@@ -201,7 +203,16 @@ class Side:
             self.hidden,
             geometry.compatibility(),
             backend_params=ucx_params or None,
+            progress_delay_us=delay_us,
         )
+
+    @staticmethod
+    def idle_cpu(seconds: float) -> float:
+        """This process's CPU seconds per wall second while it waits (NIXL's progress thread
+        is what runs)."""
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        return (time.process_time() - cpu) / (time.monotonic() - wall)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -259,10 +270,10 @@ class DecodeSide:
         self.receiver = None
         self.poll_s = 0.0
 
-    def init(self, device, geometry, ucx_params, poll_s, wait_timeout_s):
+    def init(self, device, geometry, ucx_params, poll_s, wait_timeout_s, delay_us):
         from rlt_pd import KVReceiver, ReceiverConfig
 
-        self.side = Side("D", device, Geometry(**geometry), None, ucx_params)
+        self.side = Side("D", device, Geometry(**geometry), None, ucx_params, delay_us)
         self.receiver = KVReceiver(
             self.side.transport, ReceiverConfig(wait_timeout_s, wait_timeout_s + 60)
         )
@@ -277,6 +288,9 @@ class DecodeSide:
         from rlt_contracts.pd import HandoffTarget
 
         self.receiver.expect(msgspec.msgpack.decode(target, type=HandoffTarget), "P")
+
+    def idle_cpu(self, seconds):
+        return self.side.idle_cpu(seconds)
 
     def clear(self, tables, tokens):
         self.side.clear(tables, tokens, D_HIDDEN_ROW)
@@ -500,6 +514,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=50.0,
         help="sleep between polls on both sides (0: spin)",
     )
+    parser.add_argument(
+        "--progress-delay-us",
+        default="100",
+        help="NIXL progress-thread delays to compare, comma-separated (rlt_pd.nixl_agent; "
+        "0 = NIXL's own, polling without pause); both sides are rebuilt for each",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
     parser.add_argument("--no-verify", action="store_true", help="skip the bytewise check")
     parser.add_argument("--seed", type=int, default=0)
@@ -534,10 +554,13 @@ def main(argv=None) -> int:
     )
     ucx_params = dict(p.split("=", 1) for p in args.ucx_param)
     p_device, d_device = parse_devices(args.device)
+    delays = [int(d) for d in args.progress_delay_us.split(",") if d.strip()]
+    if not delays or min(delays) < 0:
+        raise SystemExit("--progress-delay-us: give delays >= 0 (microseconds)")
 
     import nixl  # noqa: F401 - fail early when NIXL is missing
     import torch
-    from rlt_pd import KVSender, SenderConfig
+    from rlt_pd import SenderConfig
 
     sender_config = SenderConfig(
         max_inflight_bytes=args.max_inflight_mib << 20,
@@ -553,6 +576,75 @@ def main(argv=None) -> int:
     )
     load_before = os.getloadavg()
     started = time.monotonic()
+    results, fill_s, idle_cpu = [], {}, {}
+    for delay_us in delays:
+        measured = measure(args, geometry, sizes, table_kinds, ucx_params, sender_config, delay_us)
+        results += measured["results"]
+        fill_s = measured["fill_s"]
+        idle_cpu[str(delay_us)] = measured["idle_cpu"]
+        print(
+            f"  progress delay {delay_us} us: idle CPU P {measured['idle_cpu']['prefill']:.2f}, "
+            f"D {measured['idle_cpu']['decode']:.2f} (CPU s per s)",
+            file=sys.stderr,
+        )
+
+    report = dict(
+        benchmark="pd_transfer",
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        host=dict(
+            hostname=socket.gethostname(),
+            cpus=os.cpu_count(),
+            platform=platform.platform(),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            nixl=_version("nixl"),
+            cuda_devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available()
+            else [],
+            ucx_tls=os.environ.get("UCX_TLS"),
+            load_average_before=load_before,
+            load_average_after=os.getloadavg(),
+        ),
+        wall_s=time.monotonic() - started,
+        config=dict(
+            shape=args.shape,
+            geometry=asdict(geometry),
+            planes=geometry.planes,
+            bytes_per_token=geometry.kv_bytes(1),
+            pool_bytes_per_side=geometry.pool_bytes,
+            prefill_device=p_device,
+            decode_device=d_device,
+            sizes=sizes,
+            tables=table_kinds,
+            chunk_tokens=args.chunk_tokens,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            sender=asdict(sender_config),
+            ucx_params=ucx_params,
+            poll_interval_us=args.poll_interval_us,
+            progress_delay_us=delays,
+            idle_cpu_per_s=idle_cpu,
+            fill_s=fill_s,
+        ),
+        results=results,
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(markdown(report))
+    return 0
+
+
+IDLE_CPU_S = 1.0  # idle time over which each side's CPU use is measured
+
+
+def measure(args, geometry, sizes, table_kinds, ucx_params, sender_config, delay_us) -> dict:
+    """Every size and table kind with both sides' agents at one progress-thread delay."""
+    from rlt_pd import KVSender
+
+    p_device, d_device = parse_devices(args.device)
     peer = Peer()
     try:
         peer.submit(
@@ -562,12 +654,15 @@ def main(argv=None) -> int:
             ucx_params=ucx_params,
             poll_s=args.poll_interval_us / 1e6,
             wait_timeout_s=args.timeout,
+            delay_us=delay_us,
         )
-        side = Side("P", p_device, geometry, args.seed + 1, ucx_params)
+        side = Side("P", p_device, geometry, args.seed + 1, ucx_params, delay_us)
         d_metadata, d_fill_s = peer.reply()
         side.transport.connect(d_metadata)
         peer.call("connect", metadata=side.transport.metadata())
         sender = KVSender(side.transport, sender_config)
+        peer.submit("idle_cpu", seconds=IDLE_CPU_S)
+        idle_cpu = dict(prefill=side.idle_cpu(IDLE_CPU_S), decode=peer.reply())
         results = []
         trial_number = 0
         for kind in table_kinds:
@@ -607,6 +702,7 @@ def main(argv=None) -> int:
                 walls = [t["wall_s"] for t in trials]
                 median = statistics.median(walls)
                 row = dict(
+                    progress_delay_us=delay_us,
                     tokens=tokens,
                     tables=kind,
                     bytes=total,
@@ -629,7 +725,8 @@ def main(argv=None) -> int:
                 )
                 results.append(row)
                 print(
-                    f"  {kind:10} {tokens:6} tokens: {total / 2**20:9.1f} MiB, median "
+                    f"  delay {delay_us:5} us {kind:10} {tokens:6} tokens: "
+                    f"{total / 2**20:9.1f} MiB, median "
                     f"{median * 1e3:8.2f} ms, {row['gbps_median']:6.2f} GB/s "
                     f"(verification {verify_s:.1f} s, load average {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
@@ -638,52 +735,8 @@ def main(argv=None) -> int:
         peer.stop()
         if "side" in locals():
             side.transport.close()
-
-    report = dict(
-        benchmark="pd_transfer",
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        host=dict(
-            hostname=socket.gethostname(),
-            cpus=os.cpu_count(),
-            platform=platform.platform(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            nixl=_version("nixl"),
-            cuda_devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available()
-            else [],
-            ucx_tls=os.environ.get("UCX_TLS"),
-            load_average_before=load_before,
-            load_average_after=os.getloadavg(),
-        ),
-        wall_s=time.monotonic() - started,
-        config=dict(
-            shape=args.shape,
-            geometry=asdict(geometry),
-            planes=geometry.planes,
-            bytes_per_token=geometry.kv_bytes(1),
-            pool_bytes_per_side=geometry.pool_bytes,
-            prefill_device=p_device,
-            decode_device=d_device,
-            sizes=sizes,
-            tables=table_kinds,
-            chunk_tokens=args.chunk_tokens,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            sender=asdict(sender_config),
-            ucx_params=ucx_params,
-            poll_interval_us=args.poll_interval_us,
-            fill_s=dict(prefill=side.fill_s, decode=d_fill_s),
-        ),
-        results=results,
-    )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
-    print(markdown(report))
-    return 0
+    fill_s = dict(prefill=side.fill_s, decode=d_fill_s)
+    return dict(results=results, fill_s=fill_s, idle_cpu=idle_cpu)
 
 
 def _version(name: str) -> str | None:
@@ -704,15 +757,23 @@ def markdown(report: dict) -> str:
         f"{config['chunk_tokens'] or 'all'} tokens; median of {config['repeats']} "
         f"(+{config['warmup']} warm-up); wall = first send_chunk -> D COMPLETED",
         "",
-        "| tokens | tables | MiB | partitions | writes (idx/expl) | descriptors | wall median ms "
-        "| min ms | max ms | P posted ms | P DONE ms | GB/s median | GB/s best | verified |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| delay us | tokens | tables | MiB | partitions | writes (idx/expl) | descriptors "
+        "| wall median ms | min ms | max ms | P posted ms | P DONE ms | GB/s median | GB/s best "
+        "| verified |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | --- |",
+    ]
+    idle = config["idle_cpu_per_s"]
+    lines[1:1] = [
+        "idle CPU seconds per second (P, D) by progress delay: "
+        + ", ".join(f"{d} us: {v['prefill']:.2f}, {v['decode']:.2f}" for d, v in idle.items()),
+        "",
     ]
     for r in report["results"]:
         verified = {True: "yes", False: "NO", None: "-"}[r["verified"]]
         lines.append(
-            f"| {r['tokens']} | {r['tables']} | {r['bytes'] / 2**20:.1f} | {r['partitions']} | "
+            f"| {r['progress_delay_us']} | {r['tokens']} | {r['tables']} | "
+            f"{r['bytes'] / 2**20:.1f} | {r['partitions']} | "
             f"{r['writes_prepped']}/{r['writes_explicit']} | {r['descriptors']} | "
             f"{r['median_wall_s'] * 1e3:.2f} | {r['min_wall_s'] * 1e3:.2f} | "
             f"{r['max_wall_s'] * 1e3:.2f} | {r['median_posted_s'] * 1e3:.2f} | "

@@ -46,6 +46,7 @@ from rlt_pd.messages import (
     check_compatibility,
     encode_message,
 )
+from rlt_pd.nixl_agent import DEFAULT_PROGRESS_DELAY_US, make_agent
 from rlt_pd.region import KVRegion
 from rlt_pd.transport_api import TransportPoll
 
@@ -67,14 +68,6 @@ class _Write:
     xfer: object  # nixl_xfer_handle
 
 
-def _nixl():
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as error:  # pragma: no cover - the dependency is declared
-        raise PDTransportError(f"the nixl package is not usable here: {error}") from error
-    return nixl_agent, nixl_agent_config
-
-
 def _as_str(name: bytes | str) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
@@ -89,6 +82,8 @@ class KVTransport:
     compatibility: what the peer must match; its geometry fields are checked against the
         tensors here (ValueError on a mismatch).
     backend_params: UCX backend parameters overriding NIXL's defaults (e.g. num_workers).
+    progress_delay_us: the longest wait of the agent's progress thread between passes when
+        nothing progresses (`rlt_pd.nixl_agent`; 0 = NIXL's own, which polls without pause).
     """
 
     def __init__(
@@ -101,6 +96,7 @@ class KVTransport:
         *,
         scratch_blocks: int = 1,
         backend_params: dict[str, str] | None = None,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         descriptors.check_tensors(key_cache, value_cache, hidden, compatibility, scratch_blocks)
         num_layers, allocated, block_size, heads, head_dim = key_cache.shape
@@ -127,12 +123,8 @@ class KVTransport:
         self._closed = False
         self._posted = {"prepped": 0, "explicit": 0}
 
-        nixl_agent, nixl_agent_config = _nixl()
         try:
-            agent = nixl_agent(
-                name,
-                nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[]),
-            )
+            agent = make_agent(name, progress_delay_us)
             if "UCX" not in agent.get_plugin_list():
                 raise PDTransportError(
                     f"NIXL has no UCX plugin here (plugins: {agent.get_plugin_list()})"

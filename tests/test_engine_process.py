@@ -255,8 +255,9 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
         stream = start_stream(server, results)
         plain: dict = {}
         body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
+        url = server.url + "/v1/completions"
         waiting = threading.Thread(
-            target=lambda: plain.update(response=server.http.post("/v1/completions", json=body))
+            target=lambda: plain.update(response=httpx.post(url, json=body, timeout=60))
         )
         waiting.start()
         deadline = time.monotonic() + EXIT_WAIT_S
@@ -270,7 +271,7 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
         assert response.json()["error"]["code"] == "engine_unavailable"
         # after the death, until the server has stopped listening: 503s (then: refused)
         with contextlib.suppress(httpx.TransportError):
-            late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            late = httpx.post(url, json=body, timeout=30)
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
             health = httpx.get(server.url + "/health", timeout=30)
             assert health.status_code == 503 and health.json()["status"] in (

@@ -51,6 +51,10 @@ set `UCX_TLS` in the environment to force one, and `--ucx-param KEY=VALUE` passe
 parameters to NIXL (e.g. num_workers). NVLink multicast is never used; NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set for both processes anyway.
 
+`--progress-delay-us 0,100` rebuilds both sides for each NIXL progress-thread delay
+(`rlt_pd.nixl_agent`; 0 = NIXL's own, which polls without pause) and measures each side's idle
+CPU and every size at each, side by side in one run.
+
 Output: a JSON file (`--out`: configuration, host, every repetition's times, per-size summary)
 and a markdown table on stdout. Caveats: on a small CPU machine P's main thread, P's NIXL
 progress thread and D's polling loop share the cores, so CPU numbers measure memcpy under

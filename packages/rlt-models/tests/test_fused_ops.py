@@ -101,11 +101,12 @@ def test_rms_norm_reference_is_the_module():
     assert torch.equal(fused_ops.rms_norm_reference(x, norm.weight, EPS), norm(x))
 
 
+@pytest.mark.parametrize("norm_delta", [True, False], ids=["sandwich", "pre_norm"])
 @pytest.mark.parametrize("hidden", [48, 80])
-def test_add_rms_norm(dtype, hidden):
+def test_add_rms_norm(dtype, hidden, norm_delta):
     residual = randn(6, hidden, dtype=dtype, seed=10, scale=4.0)
     delta = randn(6, hidden, dtype=dtype, seed=11, scale=0.5)
-    delta_weight = randn(hidden, dtype=dtype, seed=12, scale=0.1, offset=1.0)
+    delta_weight = randn(hidden, dtype=dtype, seed=12, scale=0.1, offset=1.0) if norm_delta else None
     out_weight = randn(hidden, dtype=dtype, seed=13, scale=0.1, offset=1.0)
     args = (residual, delta, delta_weight, out_weight, EPS)
     residual_before = residual.clone()

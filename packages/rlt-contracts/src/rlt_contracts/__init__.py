@@ -45,6 +45,14 @@ from rlt_contracts.execution import (
     PromptLogprobs,
     SpeculationCounts,
 )
+from rlt_contracts.family import (
+    ExitSignal,
+    FamilyDeclaration,
+    Feature,
+    KVPlan,
+    PromptMask,
+    StagePlan,
+)
 from rlt_contracts.kv import (
     NO_PREFIX,
     AdmissionPlan,
@@ -112,6 +120,12 @@ from rlt_contracts.tokens import (
 )
 
 __all__ = [
+    "ExitSignal",
+    "FamilyDeclaration",
+    "Feature",
+    "KVPlan",
+    "PromptMask",
+    "StagePlan",
     "CoreAbort",
     "CoreAdd",
     "CoreClientGone",

@@ -177,7 +177,9 @@ class EngineStats(msgspec.Struct, frozen=True):
 class ModelInfo(msgspec.Struct, frozen=True):
     """What a frontend needs to know about the served model. (0.1.8) weight_dtype: the stack's
     projections ("bfloat16", "float8_e4m3fn", ...); kv_cache_dtype; kv_capacity_tokens: tokens
-    the KV pool holds at full depth (empty / 0 where unknown, e.g. a PD coordinator)."""
+    the KV pool holds at full depth (empty / 0 where unknown, e.g. a PD coordinator).
+    (0.2.1) family: the model family's name ("ouro"); exit_signal: its `ExitSignal` value
+    ("gate" / "none"; empty where unknown), which decides the server's default threshold."""
 
     name: str
     path: str
@@ -188,6 +190,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     weight_dtype: str = ""
     kv_cache_dtype: str = ""
     kv_capacity_tokens: int = 0
+    family: str = ""
+    exit_signal: str = ""
 
 
 __all__ = [

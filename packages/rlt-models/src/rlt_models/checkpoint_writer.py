@@ -1,4 +1,5 @@
-"""Write a random-initialised Ouro checkpoint directory in the real Hugging Face layout.
+"""Write a random-initialised checkpoint directory of any registered family (Ouro,
+Nanbeige, ...) in the real Hugging Face layout.
 
 The directory holds config.json, model.safetensors (or shards + model.safetensors.index.json),
 and a byte-level BPE tokenizer trained offline (tokenizer.json, tokenizer_config.json with the
@@ -8,6 +9,7 @@ benchmarks use it for Ouro-1.4B-shaped models.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from rlt_models.config import OuroConfig
+from rlt_models.families import family_of
 from rlt_models.loading import DTYPES, INDEX_FILE, SINGLE_FILE
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_models.tokenizer import MIN_VOCAB_SIZE, save_hf_tokenizer, train_byte_level_bpe
-from rlt_models.weights import checkpoint_tensor_shapes
 
 MAX_TOKENIZER_VOCAB = 4096
 
@@ -45,9 +47,17 @@ def random_ouro_tensors(
     config: OuroConfig, *, seed: int, init: RandomInit = RandomInit(), device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor (fp32, on `device`), reproducible from `seed`."""
+    return random_checkpoint_tensors(config, seed=seed, init=init, device=device)
+
+
+def random_checkpoint_tensors(
+    config, *, seed: int, init: RandomInit = RandomInit(), device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint of `config`'s family (fp32, on `device`), reproducible
+    from `seed`: norms near 1, the exit gate (if any) as `init` says, the rest normal."""
     generator = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    for name, shape in checkpoint_tensor_shapes(config).items():
+    for name, shape in family_of(config).tensor_shapes(config).items():
         noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
         if name.endswith("norm.weight") or "layernorm" in name:
             tensors[name] = 1.0 + init.norm_jitter * noise
@@ -62,7 +72,7 @@ def random_ouro_tensors(
 
 def write_random_checkpoint(
     out_dir: str | Path,
-    config: OuroConfig,
+    config,
     *,
     seed: int = 0,
     dtype: str = "float32",
@@ -81,12 +91,10 @@ def write_random_checkpoint(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if config.vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE} to hold a byte-level tokenizer")
-    config = OuroConfig(**{**config.__dict__, "torch_dtype": dtype})
+    config = dataclasses.replace(config, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    tensors = {
-        name: tensor.to(DTYPES[dtype]).cpu().contiguous()
-        for name, tensor in random_ouro_tensors(config, seed=seed, init=init, device=device).items()
-    }
+    random = random_checkpoint_tensors(config, seed=seed, init=init, device=device)
+    tensors = {name: tensor.to(DTYPES[dtype]).cpu().contiguous() for name, tensor in random.items()}
     if max_shard_bytes is None:
         save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     else:

@@ -8,16 +8,17 @@ exactly is never loaded silently.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rlt_contracts import LoopedModelShape
+from rlt_contracts import ExitSignal, FamilyDeclaration, KVPlan, LoopedModelShape, StagePlan
 
+from rlt_models.config_fields import read_raw_config
 from rlt_models.errors import ModelConfigError
 
 MODEL_TYPE = "ouro"
+ARCHITECTURE = "OuroForCausalLM"
 
 # Keys a real Ouro / Qwen2-derived config carries that do not change the computation.
 _IGNORED_KEYS = frozenset(
@@ -180,14 +181,7 @@ class OuroConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> OuroConfig:
-        path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ModelConfigError("config.json", f"not found in {model_dir}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelConfigError("config.json", f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(read_raw_config(model_dir))
 
     def to_dict(self) -> dict[str, Any]:
         """A Hugging Face style config.json mapping that `from_dict` reads back identically."""
@@ -196,7 +190,7 @@ class OuroConfig:
             list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0]
         )
         return {
-            "architectures": ["OuroForCausalLM"],
+            "architectures": [ARCHITECTURE],
             "model_type": MODEL_TYPE,
             **fields,
             "hidden_act": "silu",
@@ -222,6 +216,20 @@ class OuroConfig:
             vocab_size=self.vocab_size,
             max_position_embeddings=self.max_position_embeddings,
             eos_token_ids=self.eos_token_id,
+        )
+
+    def declaration(self) -> FamilyDeclaration:
+        """Ouro as a looped family: one stack of L layers applied T times, a learned gate."""
+        return FamilyDeclaration(
+            name=MODEL_TYPE,
+            architecture=ARCHITECTURE,
+            stages=StagePlan(core_layers=self.num_hidden_layers),
+            state=("hidden",),
+            loop_input="the previous loop's output after the end-of-loop norm",
+            kv=KVPlan(layers_per_plane=self.num_hidden_layers),
+            exit_signal=ExitSignal.GATE,
+            default_loops=self.total_ut_steps,
+            max_loops=self.total_ut_steps,
         )
 
     def num_parameters(self) -> int:

@@ -67,6 +67,7 @@ def _add_rms_norm_kernel(
     n_cols,
     eps,
     BLOCK: tl.constexpr,
+    NORM_DELTA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -75,12 +76,13 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     act = new_residual_ptr.dtype.element_ty
-    # rms_norm(delta, delta_weight), rounded to act dtype at the same two places as RMSNorm.
     delta = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(delta * delta, 0) / n_cols + eps)
-    delta = (delta * inv_rms).to(act).to(tl.float32)
-    delta_weight = tl.load(delta_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    delta = (delta_weight * delta).to(act).to(tl.float32)
+    if NORM_DELTA:
+        # rms_norm(delta, delta_weight), rounded to act dtype at the same two places as RMSNorm.
+        inv_rms = 1.0 / tl.sqrt(tl.sum(delta * delta, 0) / n_cols + eps)
+        delta = (delta * inv_rms).to(act).to(tl.float32)
+        delta_weight = tl.load(delta_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        delta = (delta_weight * delta).to(act).to(tl.float32)
     # residual add in act dtype
     residual = tl.load(residual_ptr + row * stride_residual + offs, mask=mask, other=0.0)
     new_residual = (residual.to(tl.float32) + delta).to(act)
@@ -225,12 +227,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     residual: torch.Tensor,
     delta: torch.Tensor,
-    delta_weight: torch.Tensor,
+    delta_weight: torch.Tensor | None,
     out_weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + rms_norm(delta) * delta_weight, rms_norm(that) * out_weight), both [N, d]."""
-    _check_device(residual, delta, delta_weight, out_weight)
+    """(residual + rms_norm(delta) * delta_weight, rms_norm(that) * out_weight), both [N, d];
+    with delta_weight None the delta is added as it is (a pre-norm layer's residual add)."""
+    norm_delta = delta_weight is not None
+    _check_device(residual, delta, out_weight, *([delta_weight] if norm_delta else []))
     pdl = dependent_launch.enabled(residual)
     num_rows, d = residual.shape
     new_residual = torch.empty((num_rows, d), dtype=residual.dtype, device=residual.device)
@@ -241,7 +245,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(num_rows,)](
         residual,
         delta,
-        delta_weight,
+        delta_weight if norm_delta else out_weight,  # not read without NORM_DELTA
         out_weight,
         new_residual,
         normed,
@@ -252,6 +256,7 @@ def add_rms_norm(
         d,
         eps,
         BLOCK=block,
+        NORM_DELTA=norm_delta,
         num_warps=_row_warps(block),
         USE_PDL=pdl,
         **NO_FMA,

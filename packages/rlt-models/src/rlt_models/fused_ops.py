@@ -7,7 +7,8 @@ the next sublayer's normed input side by side, so a layer is 4 GEMMs, `rotary_qk
 Numerics (ouro-model-spec.md 3.3-3.5, identical to the eager modules in `layers.py`):
 - `rms_norm`: fp32 mean of squares, x * rsqrt(ms + eps) in fp32, cast to x's dtype, then
   weight * that in x's dtype (fp32 product rounded once, as torch's bf16 mul does).
-- `add_rms_norm`: residual + rms_norm(delta) added in act dtype, then rms_norm of the rounded sum.
+- `add_rms_norm`: residual + rms_norm(delta) added in act dtype (or + delta itself, for pre-norm
+  layers), then rms_norm of the rounded sum.
 - `rotary_qk_`: split-half RoPE on the q and k heads of the packed qkv projection, in place; each
   product rounded to act dtype, then the sum rounded (`apply_rotary`).
 - `silu_mul`: silu(gate) rounded to act dtype, times up, rounded (`F.silu(gate) * up`).
@@ -86,11 +87,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def add_rms_norm_reference(
     residual: torch.Tensor,
     delta: torch.Tensor,
-    delta_weight: torch.Tensor,
+    delta_weight: torch.Tensor | None,
     out_weight: torch.Tensor,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    new_residual = residual + rms_norm_reference(delta, delta_weight, eps)
+    if delta_weight is None:  # pre-norm layers add the sublayer's output as it is
+        new_residual = residual + delta
+    else:
+        new_residual = residual + rms_norm_reference(delta, delta_weight, eps)
     return new_residual, rms_norm_reference(new_residual, out_weight, eps)
 
 
@@ -135,14 +139,15 @@ def rms_norm(
 def add_rms_norm(
     residual: torch.Tensor,
     delta: torch.Tensor,
-    delta_weight: torch.Tensor,
+    delta_weight: torch.Tensor | None,
     out_weight: torch.Tensor,
     eps: float,
     *,
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new_residual, normed) [N, d]: new_residual = residual + rms_norm(delta, delta_weight),
-    normed = rms_norm(new_residual, out_weight). Fresh tensors; the inputs are not modified."""
+    """(new_residual, normed) [N, d]: new_residual = residual + rms_norm(delta, delta_weight)
+    (residual + delta when delta_weight is None: a pre-norm layer), normed =
+    rms_norm(new_residual, out_weight). Fresh tensors; the inputs are not modified."""
     if resolve_impl(impl, residual) == "torch":
         return add_rms_norm_reference(residual, delta, delta_weight, out_weight, eps)
     return _kernels.add_rms_norm(residual, delta, delta_weight, out_weight, eps)

@@ -1,4 +1,5 @@
-"""Strict loading of an Ouro checkpoint directory (config.json + safetensors + tokenizer)."""
+"""Strict loading of a looped model's checkpoint directory (config.json + safetensors +
+tokenizer): config.json's `architectures` picks the family (`rlt_models.families`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rlt_models.config import OuroConfig
 from rlt_models.errors import CheckpointError
+from rlt_models.families import family_of, read_config
 from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
 from rlt_models.fp8_checkpoint import (
     Fp8Scheme,
@@ -22,8 +23,6 @@ from rlt_models.fp8_checkpoint import (
     scale_vector,
 )
 from rlt_models.kv_scales import checkpoint_kv_scales, kv_scale_names
-from rlt_models.ouro import OuroModel
-from rlt_models.weights import checkpoint_tensor_shapes, parameter_sources
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,7 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, config: OuroConfig) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, config) -> torch.dtype:
     """`None` or "auto" means the checkpoint's `torch_dtype`."""
     if dtype is None or dtype == "auto":
         return DTYPES[config.torch_dtype]
@@ -96,17 +95,19 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
     quantize_lm_head: bool = False,
-) -> OuroModel:
-    """Build `OuroModel` from a checkpoint directory, checking names and shapes strictly.
+    hf_overrides: dict | None = None,
+):
+    """Build the family's model from a checkpoint directory, checking names and shapes strictly.
 
     Missing, unexpected or mis-shaped tensors raise `CheckpointError` naming the tensor.
     `quantization` "fp8": the stack's projections (and the LM head with `quantize_lm_head`)
     become fp8 with per-channel scales (`rlt_models.fp8`); a checkpoint that is already fp8
     (compressed-tensors, `rlt_models.fp8_checkpoint`) loads as fp8 whatever is asked.
-    `dtype` is the activations' (and every unquantized weight's) dtype.
+    `dtype` is the activations' (and every unquantized weight's) dtype. `hf_overrides`: keys
+    applied to config.json before the family reads it.
     """
     model_dir = Path(model_dir)
-    config = OuroConfig.from_pretrained(model_dir)
+    config = read_config(model_dir, hf_overrides)
     scheme = read_scheme(json.loads((model_dir / "config.json").read_text()))
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
@@ -124,7 +125,7 @@ def load_model(
 
 
 def build_model(
-    config: OuroConfig,
+    config,
     tensors: dict[str, torch.Tensor],
     *,
     dtype: torch.dtype,
@@ -133,26 +134,29 @@ def build_model(
     quantization: str | None = None,
     quantize_lm_head: bool = False,
     scheme: Fp8Scheme | None = None,
-) -> OuroModel:
-    """`OuroModel` from checkpoint tensors keyed by their Hugging Face names (checked strictly;
+):
+    """The family's model of `config` (a registered family's parsed config) from checkpoint
+    tensors keyed by their Hugging Face names (checked strictly;
     q/k/v and gate/up are fused here). `scheme`: the tensors are an fp8 checkpoint's.
     `tensors` is not modified."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantize_lm_head and quantization is None and scheme is None:
         raise ValueError("quantize_lm_head needs quantization='fp8' (or an fp8 checkpoint)")
+    family = family_of(config)
+    sources = family.parameter_sources(config)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
-    _check_tensors(config, tensors, stored_fp8, source)
+    _check_tensors(family.tensor_shapes(config), tensors, stored_fp8, kv_scale_names(config), source)
     with torch.device(device):
-        model = OuroModel(config).to(dtype)
+        model = family.model(config).to(dtype)
     quantized = set()
     if quantization == "fp8" or scheme is not None:
-        quantized = {n for n in parameter_sources(config) if n.endswith(_PROJECTION_PARAMS)}
+        quantized = {n for n in sources if n.endswith(_PROJECTION_PARAMS)}
         if quantize_lm_head or (scheme is not None and scheme.lm_head):
             quantized.add("lm_head")
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for param_name, source_names in parameter_sources(config).items():
+        for param_name, source_names in sources.items():
             if param_name in quantized:
                 _install_fp8(model, param_name, source_names, tensors, stored_fp8, device)
                 continue
@@ -169,11 +173,13 @@ _PROJECTION_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _check_tensors(
-    config: OuroConfig, tensors: dict[str, torch.Tensor], stored_fp8: set[str], source: str
+    expected: dict[str, tuple[int, ...]],
+    tensors: dict[str, torch.Tensor],
+    stored_fp8: set[str],
+    kv_scales: dict,
+    source: str,
 ) -> None:
-    expected = checkpoint_tensor_shapes(config)
     scales = {scale_name(name): name for name in stored_fp8}
-    kv_scales = kv_scale_names(config)
     for name, tensor in tensors.items():
         if name in scales or name in kv_scales:
             continue  # checked where it is used (its weight's rows; checkpoint_kv_scales)
@@ -182,7 +188,7 @@ def _check_tensors(
                 raise CheckpointError(
                     f"tensor {name!r} in {source}: static activation scales are not supported"
                 )
-            raise CheckpointError(f"unexpected tensor {name!r} in {source} (not an Ouro weight)")
+            raise CheckpointError(f"unexpected tensor {name!r} in {source} (not a weight of this model)")
         if name in stored_fp8:
             check_quantized_tensor(name, tensor, expected[name])
             continue

@@ -5,10 +5,12 @@ from rlt_scheduler.decode_work import DecodeWork, max_rounds_per_step
 from rlt_scheduler.exit_policy import (
     DelayedOuroExitPolicy,
     ExitPolicy,
+    FixedDepthExitPolicy,
     ExitPolicyName,
     LoopBounds,
     OuroExitPolicy,
     TraceExitPolicy,
+    default_exit_policy,
     make_exit_policy,
 )
 from rlt_scheduler.request_state import ScheduledRequest
@@ -21,6 +23,8 @@ __all__ = [
     "DelayedOuroExitPolicy",
     "ExitPolicy",
     "ExitPolicyName",
+    "FixedDepthExitPolicy",
+    "default_exit_policy",
     "TraceExitPolicy",
     "make_exit_policy",
     "SchedulingPolicy",

@@ -11,6 +11,11 @@ from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule
                 loop is what reaches coda.
   trace         replays recorded per-token depths (token i exits at trace[i]); the gate is
                 never computed or read.
+  fixed         every token runs its request's max_loops (families without an exit signal);
+                a request that asks for an adaptive threshold is refused at admission.
+
+`reads` says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a
+policy the model's family does not produce.
 """
 
 from __future__ import annotations
@@ -22,13 +27,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rlt_contracts import ConfigurationError, ExitRule, ExitRuleKind, InvalidRequestError
+from rlt_contracts import (
+    ConfigurationError,
+    ExitRule,
+    ExitRuleKind,
+    ExitSignal,
+    InvalidRequestError,
+)
 
 
 class ExitPolicyName(enum.StrEnum):
     OURO = "ouro"
     OURO_DELAYED = "ouro_delayed"
     TRACE = "trace"
+    FIXED = "fixed"
+
+
+def default_exit_policy(signal: ExitSignal) -> str:
+    """The policy of a family's own exit signal: its gate's hazard, or its fixed depth."""
+    return ExitPolicyName.OURO.value if signal is ExitSignal.GATE else ExitPolicyName.FIXED.value
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class LoopBounds:
 
 class ExitPolicy(Protocol):
     name: str
+    reads: ExitSignal | None  # the model output its rules read
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         """Raise InvalidRequestError if this policy cannot serve the request (at admission)."""
@@ -59,6 +77,7 @@ class ExitPolicy(Protocol):
 class OuroExitPolicy:
     name = ExitPolicyName.OURO.value
     kind = ExitRuleKind.HAZARD
+    reads = ExitSignal.GATE
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         return None
@@ -86,6 +105,7 @@ class TraceExitPolicy:
     ANY_REQUEST = "*"
 
     name = ExitPolicyName.TRACE.value
+    reads = None
 
     def __init__(self, depths_by_request: Mapping[str, Sequence[int]], model_depth: int) -> None:
         self.depths = {key: tuple(value) for key, value in depths_by_request.items()}
@@ -141,6 +161,25 @@ class TraceExitPolicy:
         )
 
 
+class FixedDepthExitPolicy:
+    """A token runs exactly its request's max_loops: the policy of a family without an exit
+    signal. An adaptive threshold has nothing to read there, so it is a request error."""
+
+    name = ExitPolicyName.FIXED.value
+    reads = None
+
+    def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
+        if bounds.adaptive:
+            raise InvalidRequestError(
+                "exit_threshold",
+                f"this model has no exit signal: every token runs max_loops loops, so "
+                f"exit_threshold must be left out (or 1.0), got {bounds.threshold}",
+            )
+
+    def rule(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> ExitRule:
+        return ExitRule(ExitRuleKind.HAZARD, bounds.min_loops, bounds.max_loops, 1.0)
+
+
 def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: int) -> ExitPolicy:
     """Build the engine's policy; `exit_trace` is required for, and only for, "trace"."""
     try:
@@ -160,4 +199,6 @@ def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: i
             ("exit_trace", "exit_policy"),
             f"an exit_trace is only read by exit_policy 'trace', not {name!r}",
         )
+    if policy is ExitPolicyName.FIXED:
+        return FixedDepthExitPolicy()
     return OuroExitPolicy() if policy is ExitPolicyName.OURO else DelayedOuroExitPolicy()

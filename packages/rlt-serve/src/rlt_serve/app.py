@@ -100,7 +100,9 @@ def build_app(
     tokenizer: the served model's tokenizer (encode / decode / apply_chat_template).
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>`.
     max_body_bytes: larger request bodies answer 413.
-    loop_defaults: min_loops / max_loops / exit_threshold for requests that omit them.
+    loop_defaults: min_loops / max_loops / exit_threshold for requests that omit them
+      (`LoopDefaults.for_model`: checked against the model; a bad default raises
+      `ConfigurationError` here, at start-up).
     allowed_hosts: accepted Host names (None: any); pass loopback names when bound to loopback.
     allowed_origins: browser origins allowed to call the API (CORS); others get 403.
     engine_error: returns why the engine stopped, or None while it runs (drives /health).
@@ -128,7 +130,7 @@ def build_app(
         tokenizer=tokenizer,
         served_model_name=served_model_name,
         model_info=info,
-        loop_defaults=loop_defaults or LoopDefaults(),
+        loop_defaults=(loop_defaults or LoopDefaults()).for_model(info),
         metrics=metrics,
         engine_error=current_engine_error,
     )

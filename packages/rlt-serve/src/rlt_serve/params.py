@@ -2,23 +2,58 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rlt_contracts import InvalidRequestError, SamplingParams
+from rlt_contracts import (
+    ConfigurationError,
+    ExitSignal,
+    InvalidRequestError,
+    ModelInfo,
+    SamplingParams,
+)
 
 from rlt_serve.errors import APIError, invalid
 from rlt_serve.request_schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
 from rlt_serve.structured_output import structured_output_of
 
 
+# The servers' and `rlt generate`'s exit threshold for a model with an exit gate, when
+# neither the request nor the command line gives one.
+GATED_DEFAULT_EXIT_THRESHOLD = 0.5
+
+
 @dataclass(frozen=True)
 class LoopDefaults:
     """Loop settings applied when a request leaves them out (the server's --min-loops,
-    --max-loops and --exit-threshold). max_loops None means the model depth."""
+    --max-loops and --exit-threshold). max_loops None means the model depth; exit_threshold
+    None means the model's own default (`for_model`)."""
 
     min_loops: int = 2
     max_loops: int | None = None
-    exit_threshold: float = 1.0
+    exit_threshold: float | None = 1.0
+
+    def for_model(self, info: ModelInfo) -> LoopDefaults:
+        """These defaults made concrete for the served model, checked against it (else every
+        request would fail): an unset threshold is GATED_DEFAULT_EXIT_THRESHOLD for a model
+        with an exit gate and the fixed depth (1.0) otherwise; an adaptive threshold for a
+        model without an exit signal is a `ConfigurationError`."""
+        threshold = self.exit_threshold
+        gated = info.exit_signal in ("", ExitSignal.GATE)  # "" : a peer that does not say
+        if threshold is None:
+            threshold = GATED_DEFAULT_EXIT_THRESHOLD if gated else 1.0
+        elif threshold < 1.0 and not gated:
+            raise ConfigurationError(
+                "exit_threshold",
+                f"loop default: the {info.family or 'served'} model has no exit signal, so an "
+                f"exit threshold ({threshold}) cannot apply; leave it unset",
+            )
+        try:
+            SamplingParams(
+                min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=threshold
+            ).resolve_max_loops(info.num_loops)
+        except InvalidRequestError as exc:
+            raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
+        return replace(self, exit_threshold=threshold)
 
 
 def check_model(requested: str | None, served_model_name: str) -> None:

@@ -31,6 +31,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="checkpoint directory (default: the bundled model)"
     )
     group.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        help='JSON object of config.json keys applied before the model loads, e.g. '
+        '\'{"num_loops": 1}\' (vLLM\'s --hf-overrides)',
+    )
+    group.add_argument(
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
     )
     group.add_argument(
@@ -151,7 +158,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--enable-preemption", action="store_true")
     group.add_argument(
-        "--exit-policy", default=d.exit_policy, choices=["ouro", "ouro_delayed", "trace"]
+        "--exit-policy",
+        default=d.exit_policy,
+        choices=["ouro", "ouro_delayed", "fixed", "trace"],
+        help="default: the model family's own exit signal (ouro for a gated family, fixed "
+        "depth for one without a signal)",
     )
     group.add_argument(
         "--exit-trace",
@@ -187,6 +198,16 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode without speculation while more requests than this decode "
         "('none': never pause)",
     )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _ticks_or_auto(text: str) -> int | str:

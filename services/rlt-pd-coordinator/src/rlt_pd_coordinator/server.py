@@ -26,7 +26,7 @@ from typing import Any
 
 import uvicorn
 from fastapi.responses import JSONResponse
-from rlt_contracts import ConfigurationError, InvalidRequestError, ModelInfo, SamplingParams
+from rlt_contracts import ConfigurationError, FamilyDeclaration, ModelInfo
 from rlt_contracts.pd import PDRole
 from rlt_serve import (
     DEFAULT_MAX_BODY_BYTES,
@@ -174,15 +174,16 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def model_facts(model_dir: Path) -> tuple[int, tuple[int, ...], int]:
-    """(vocab_size, eos_token_ids, num_loops) from the checkpoint's config.json."""
-    from rlt_models import OuroConfig
+def model_facts(model_dir: Path) -> tuple[int, tuple[int, ...], int, FamilyDeclaration]:
+    """(vocab_size, eos_token_ids, num_loops, family) from the checkpoint's config.json."""
+    from rlt_models import read_config
 
     try:
-        config = OuroConfig.from_pretrained(model_dir)
+        config = read_config(model_dir)
     except Exception as exc:  # noqa: BLE001 - any unreadable config is a configuration error
         raise ConfigurationError("model", f"cannot read {model_dir}/config.json: {exc}") from None
-    return config.vocab_size, tuple(config.eos_token_id), config.total_ut_steps
+    shape = config.shape()
+    return shape.vocab_size, tuple(shape.eos_token_ids), shape.num_loops, config.declaration()
 
 
 def load_tokenizer(model_dir: Path):
@@ -197,7 +198,7 @@ def load_tokenizer(model_dir: Path):
 def build_model_info(
     model_dir: Path, served_name: str | None, instances: list[Instance]
 ) -> ModelInfo:
-    vocab_size, eos, config_loops = model_facts(model_dir)
+    vocab_size, eos, config_loops, family = model_facts(model_dir)
     loops = {i.num_loops for i in instances if i.num_loops is not None}
     if loops and loops != {config_loops}:
         raise ConfigurationError(
@@ -221,6 +222,8 @@ def build_model_info(
         vocab_size=vocab_size,
         num_loops=config_loops,
         eos_token_ids=eos,
+        family=family.name,
+        exit_signal=family.exit_signal.value,
     )
 
 
@@ -252,7 +255,6 @@ def build_front(
     from `client.unavailable`) plus `GET /v1/pd/instances`. `host` is where the front listens
     (a loopback host turns the Host-header guard on). Used by `Coordinator` and by rlt-ray's
     PD ingress, which hosts the same front inside a Ray Serve deployment."""
-    _check_loop_defaults(loop_defaults, client.model_info().num_loops)
     app = build_app(
         client,
         served_model_name=served_model_name or client.model_info().name,
@@ -350,7 +352,6 @@ class Coordinator:
         info = self._model_info or build_model_info(
             model_dir, options.served_model_name, self.cluster.instances
         )
-        _check_loop_defaults(options.loop_defaults, info.num_loops)
         if self.supervisor is not None:
             self.supervisor.watch()
         self.cluster.start_polling()
@@ -438,17 +439,6 @@ class _DrainingServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             abort.cancel()
-
-
-def _check_loop_defaults(defaults: LoopDefaults, num_loops: int) -> None:
-    try:  # the loop defaults must suit this model, or every request would fail
-        SamplingParams(
-            min_loops=defaults.min_loops,
-            max_loops=defaults.max_loops,
-            exit_threshold=defaults.exit_threshold,
-        ).resolve_max_loops(num_loops)
-    except InvalidRequestError as exc:
-        raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
 
 
 # -- the process ------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ from rlt_attention import select_attention_backend
 from rlt_contracts import (
     AttentionRequirements,
     ConfigurationError,
+    FamilyDeclaration,
+    Feature,
     KVLayout,
     ModelInfo,
     PDRole,
 )
 from rlt_kv import KVCacheManager
-from rlt_models import OuroModel, load_model, load_tokenizer
+from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
@@ -33,7 +35,12 @@ from rlt_runner import (
     profile_blocks,
 )
 from rlt_sampling import Sampler
-from rlt_scheduler import Scheduler, make_exit_policy, max_rounds_per_step
+from rlt_scheduler import (
+    Scheduler,
+    default_exit_policy,
+    make_exit_policy,
+    max_rounds_per_step,
+)
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
@@ -53,7 +60,7 @@ DEFAULT_MODEL_SHA256 = "10a62a2cba0bed7a599fac26c38fe48776c0895366032e2cb8ae77d1
 @dataclass(frozen=True)
 class EngineParts:
     core: EngineCore
-    model: OuroModel
+    model: LoopedModelBase
     model_dir: Path
     device: torch.device
     attention_backend: str
@@ -92,7 +99,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> EngineParts:
+def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) -> EngineParts:
     """The engine's parts. `model`: already loaded from `config.model` with its dtype on its
     device (benchmarks share one between engines); None loads it."""
     clock = StartupClock()
@@ -106,9 +113,31 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
                 device=device,
                 quantization=config.quantization,
                 quantize_lm_head=config.quantize_lm_head,
+                hf_overrides=config.hf_overrides,
             )
     cache_dir = config.resolved_cache_dir()
     restored_choices = restore_kernel_choices(cache_dir, device)
+    family = model.family
+    logger.info(
+        "model family %s (%s): %d loops by default, exit signal %s",
+        family.name,
+        family.architecture,
+        family.default_loops,
+        family.exit_signal.value,
+    )
+    check_family_features(config, family)
+    exit_policy = make_exit_policy(
+        config.exit_policy or default_exit_policy(family.exit_signal),
+        exit_trace=config.exit_trace,
+        model_depth=model.shape.num_loops,
+    )
+    if exit_policy.reads is not None and exit_policy.reads is not family.exit_signal:
+        raise ConfigurationError(
+            "exit_policy",
+            f"{exit_policy.name!r} reads the model's {exit_policy.reads.value} signal, which "
+            f"{family.name} does not produce (exit signal: {family.exit_signal.value}); use "
+            f"{default_exit_policy(family.exit_signal)!r} or 'trace'",
+        )
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape
@@ -168,7 +197,7 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
             dtype=model.dtype,
             cohort_decoding=config.scheduling_mode == "no_refill",
             max_decode_ticks=config.decode_ticks_per_step,
-            trace_capacity=max_model_len if config.exit_policy == "trace" else 1,
+            trace_capacity=max_model_len if exit_policy.name == "trace" else 1,
             cuda_graphs=cuda_graphs,
             prefill_graph_tokens=prefill_graph_tokens,
             max_prefill_chunk=config.prefill_chunk_size,
@@ -208,9 +237,7 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
         vocab_size=shape.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=shape.eos_token_ids,
-        exit_policy=make_exit_policy(
-            config.exit_policy, exit_trace=config.exit_trace, model_depth=shape.num_loops
-        ),
+        exit_policy=exit_policy,
         prefix_caching=kv.prefix_caching,
         constraint_compiler=constraint_compiler,
     )
@@ -275,7 +302,24 @@ def build_engine(config: EngineConfig, *, model: OuroModel | None = None) -> Eng
     )
 
 
-def _weights_line(model: OuroModel | None, device: torch.device) -> str:
+def check_family_features(config: EngineConfig, family: FamilyDeclaration) -> None:
+    """Refuse, with the family's reason, an engine option its declaration does not support."""
+    asked = {
+        Feature.CHUNKED_PREFILL: config.prefill_chunk_size is not None,
+        Feature.PREFIX_CACHING: config.enable_prefix_caching,
+        Feature.SHARED_KV: config.layout is KVLayout.SHARED,
+        Feature.SPECULATIVE_DECODING: config.num_speculative_tokens > 0,
+        Feature.FP8_WEIGHTS: config.quantization == "fp8",
+        Feature.FP8_KV: config.kv_cache_dtype == "fp8",
+        Feature.PD: config.role is not PDRole.NONE,
+    }
+    for feature, used in asked.items():
+        reason = family.refusal(feature) if used else None
+        if reason is not None:
+            raise ConfigurationError(feature.value, reason)
+
+
+def _weights_line(model: LoopedModelBase | None, device: torch.device) -> str:
     if model is None:  # the load failed: its exception is on its way
         return ""
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -295,7 +339,7 @@ def _graphs_line(runner: ModelRunner) -> str:
     return ", ".join(parts)
 
 
-def fp8_kv_scales(model: OuroModel, model_dir: Path) -> KVScales:
+def fp8_kv_scales(model: LoopedModelBase, model_dir: Path) -> KVScales:
     """The fp8 KV cache's per-layer scales: the checkpoint's, else calibrated on the sample
     text through the checkpoint's tokenizer (rlt_models.kv_scales)."""
     if model.checkpoint_kv_scales is not None:
@@ -319,7 +363,7 @@ def fp8_kv_scales(model: OuroModel, model_dir: Path) -> KVScales:
     return KVScales(keys, values)
 
 
-def weight_dtype_name(model: OuroModel) -> str:
+def weight_dtype_name(model: LoopedModelBase) -> str:
     """The dtype of the stack's projections: float8_e4m3fn when quantized, else the model's."""
     if model.quantization == "fp8":
         return "float8_e4m3fn"
@@ -398,4 +442,6 @@ def model_info(parts: EngineParts) -> ModelInfo:
         weight_dtype=parts.weight_dtype,
         kv_cache_dtype=parts.kv_cache_dtype,
         kv_capacity_tokens=parts.kv_capacity_tokens,
+        family=parts.model.family.name,
+        exit_signal=parts.model.family.exit_signal.value,
     )

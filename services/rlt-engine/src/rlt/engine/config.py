@@ -87,8 +87,12 @@ class EngineConfig:
     kv_watermark: fraction of the pool kept free at admission while other requests run.
     scheduling_policy: "fcfs" or "priority" (SamplingParams.priority, lower first).
     enable_preemption: lossless CPU-snapshot preemption under memory pressure / for priority.
-    exit_policy: "ouro" (default), "ouro_delayed" or "trace"; exit_trace: JSON file of
-      {request_id: [depth per output token]} read by the "trace" policy.
+    exit_policy: None (default: the family's own signal: "ouro" for a gated family such as
+      Ouro, "fixed" for one without an exit signal), "ouro", "ouro_delayed", "fixed" or
+      "trace"; exit_trace: JSON file of {request_id: [depth per output token]} read by the
+      "trace" policy.
+    hf_overrides: config.json keys applied before the model's family reads it (vLLM's
+      `hf_overrides`), e.g. {"num_loops": 1}.
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
     admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
 
@@ -146,8 +150,9 @@ class EngineConfig:
     kv_watermark: float = 0.0
     scheduling_policy: str = "fcfs"
     enable_preemption: bool = False
-    exit_policy: str = "ouro"
+    exit_policy: str | None = None
     exit_trace: str | Path | None = None
+    hf_overrides: dict[str, Any] | None = None
     max_num_batched_token_loops: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
@@ -231,6 +236,12 @@ class EngineConfig:
             raise ConfigurationError(
                 ("exit_trace", "exit_policy"),
                 f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}",
+            )
+        if self.hf_overrides is not None and not (
+            isinstance(self.hf_overrides, dict) and all(isinstance(k, str) for k in self.hf_overrides)
+        ):
+            raise ConfigurationError(
+                "hf_overrides", f"must be a JSON object of config.json keys, got {self.hf_overrides!r}"
             )
 
     @classmethod

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
-from rlt_contracts import ConfigurationError, InvalidRequestError, PDStaticInfo, SamplingParams
+from rlt_contracts import ConfigurationError, PDStaticInfo
 from rlt_models import load_tokenizer
 from rlt_serve import (
     LOOPBACK_HOSTS,
@@ -72,15 +72,6 @@ def build_server(engine: LLMEngine, options: ServeOptions):
 
 def build_front_app(client: CoreClient, tokenizer, options: ServeOptions, pd: PDStaticInfo | None):
     """The rlt-serve app of one front end over its core client."""
-    defaults = options.loop_defaults
-    try:  # the loop defaults must suit this model, or every request would fail
-        SamplingParams(
-            min_loops=defaults.min_loops,
-            max_loops=defaults.max_loops,
-            exit_threshold=defaults.exit_threshold,
-        ).resolve_max_loops(client.model_info().num_loops)
-    except InvalidRequestError as exc:
-        raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
     return build_app(
         client,
         served_model_name=options.served_model_name or client.model_info().name,

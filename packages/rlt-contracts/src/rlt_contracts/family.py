@@ -1,0 +1,109 @@
+"""What a looped model family declares, so that nothing outside its module branches on its name.
+
+Every looped family is embed -> prelude layers (once per token) -> a recurrent block applied
+once per loop -> coda layers (once) -> head. A `FamilyDeclaration` says, for one family:
+
+- its stages (`StagePlan`: layers of the prelude, the recurrent block and the coda),
+- the state one loop carries (`state`: named vectors of the hidden width; the runner keeps
+  `len(state) * hidden_size` values per row and PD hands all of them over),
+- how loop k + 1's input is formed from loop k's output (`loop_input`, for people),
+- its KV plan (`kv`: KV layer slots per plane, where one plane is one loop),
+- its exit signal (`exit_signal`: a learned gate, or none: the depth is then fixed per request),
+- its depth (`default_loops`, and `max_loops` a request may ask at most),
+- its prompt mask (`prompt_mask`: causal, or prefix-LM: the prompt is one bidirectional block),
+- the engine features it cannot support, each with the reason (`unsupported`), so start-up or
+  the request fails with that reason (R13, R14) instead of computing something else.
+
+The scheduler, logical KV, runner, attention and PD read these fields; the family's module in
+rlt-models computes. Adding a family is its module and its registration there.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ExitSignal(enum.StrEnum):
+    """What a loop produces that an exit rule can read.
+
+    GATE  a learned exit probability per loop (Ouro): rules "ouro" / "ouro_delayed" / "trace".
+    NONE  nothing: every token runs its request's `max_loops` (rule "fixed", or "trace").
+    """
+
+    GATE = "gate"
+    NONE = "none"
+
+
+class PromptMask(enum.StrEnum):
+    """How prompt positions see each other at prefill (decode is causal for every family).
+
+    CAUSAL     position p sees positions <= p.
+    PREFIX_LM  the whole prompt is one bidirectional block, prefilled in one pass.
+    """
+
+    CAUSAL = "causal"
+    PREFIX_LM = "prefix_lm"
+
+
+class Feature(enum.StrEnum):
+    """Engine features a family may declare unsupported (the names of `EngineConfig` options)."""
+
+    CHUNKED_PREFILL = "chunked_prefill"
+    PREFIX_CACHING = "prefix_caching"
+    SHARED_KV = "shared_kv_layout"
+    SPECULATIVE_DECODING = "speculative_decoding"
+    FP8_WEIGHTS = "fp8_weights"
+    FP8_KV = "fp8_kv_cache"
+    PD = "prefill_decode_disaggregation"
+    EXIT_DEPTH_SCORING = "score_at_exit_depth"
+
+
+class StagePlan(msgspec.Struct, frozen=True):
+    """Physical layers of each stage (a nested block counts each layer once)."""
+
+    core_layers: int
+    prelude_layers: int = 0
+    coda_layers: int = 0
+
+
+class KVPlan(msgspec.Struct, frozen=True):
+    """The KV one token position keeps.
+
+    layers_per_plane: KV layer slots of one plane; a plane is one loop of the recurrent block
+      (a block that runs its stack several times per loop, as HRM-Text's cycles, keeps a slot
+      per (pass, layer) in the loop's plane).
+    per_loop: one plane per loop (True), so a query at loop k reads loop k's keys; the
+      `last_exited` layout then copies an exited token's KV into the deeper planes.
+    """
+
+    layers_per_plane: int
+    per_loop: bool = True
+
+
+class FamilyDeclaration(msgspec.Struct, frozen=True):
+    """One looped family's static description (see the module doc)."""
+
+    name: str  # short, lower case ("ouro"): logs, /v1/models, docs
+    architecture: str  # config.json's `architectures` entry that selects it
+    stages: StagePlan
+    state: tuple[str, ...]  # the vectors a loop carries, each of the hidden width
+    loop_input: str  # how loop k + 1's input is formed (for people)
+    kv: KVPlan
+    exit_signal: ExitSignal
+    default_loops: int  # loops a request runs when it does not say
+    max_loops: int  # the most a request may ask (KV is sized for it)
+    prompt_mask: PromptMask = PromptMask.CAUSAL
+    unsupported: tuple[tuple[Feature, str], ...] = ()  # (feature, why not)
+
+    @property
+    def state_vectors(self) -> int:
+        return len(self.state)
+
+    def refusal(self, feature: Feature) -> str | None:
+        """Why this family cannot run `feature`, or None when it can."""
+        for name, reason in self.unsupported:
+            if name is feature:
+                return f"{self.name} ({self.architecture}) does not support {feature.value}: {reason}"
+        return None

@@ -1,0 +1,327 @@
+"""The Nanbeige4.2 looped family: Llama layers applied `num_loops` times, the final norm after
+every loop (model-families.md section 3).
+
+Forward: h = embed(ids); each loop runs all L pre-norm Llama layers (x += o(attn(norm(x)));
+x += down(silu(gate(m)) * up(m)), m = norm(x)), then the model's final RMSNorm (with weight),
+whose output is the next loop's input; after the last loop the LM head. With
+`skip_loop_final_norm` the loops hand their un-normed output on and only the head's input is
+normed. KV: one plane per loop (slot `layer + loop * L`), GQA. There is no exit signal: a token
+runs its request's loops.
+
+Checkpoints carry Llama's tensor names. The loop options of the remote code other than
+`num_loops` and `skip_loop_final_norm` (`loop_share_kv`, `enable_double_loop_split`,
+`loop_middle_layers`, and any other option rlt does not know, such as hyper-connections, depth
+attention or n-gram embeddings) are refused at load, by name, unless they hold their disabled
+value (false, null, 0 or empty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rlt_contracts import (
+    ExitSignal,
+    FamilyDeclaration,
+    KVPlan,
+    LayerAttention,
+    LoopedModelShape,
+    StagePlan,
+)
+from torch import nn
+
+from rlt_models import batch_invariant, fused_ops
+from rlt_models.config_fields import (
+    eos_ids,
+    reject_enabled,
+    require_fields,
+    require_model_type,
+    torch_dtype_name,
+)
+from rlt_models.errors import ModelConfigError
+from rlt_models.fp8_linear import project
+from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.looped_model import LoopedModelBase
+from rlt_models.small_batch_linear import small_batch_linear
+
+MODEL_TYPE = "nanbeige"
+ARCHITECTURE = "NanbeigeForCausalLM"
+
+# Keys that do not change the computation (metadata, training-only settings).
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "initializer_range",
+        "use_cache",
+        "bos_token_id",
+        "pad_token_id",
+        "eos_token_id",
+        "_name_or_path",
+        "attention_dropout",
+        "pretraining_tp",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "quantization_config",  # read by rlt_models.fp8_checkpoint
+    }
+)
+# Options accepted only at their disabled value (`reject_enabled`), whatever their spelling.
+_NEUTRAL = {
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_scaling": None,
+    "loop_share_kv": False,
+    "enable_double_loop_split": False,
+    "loop_middle_layers": None,
+}
+
+
+@dataclass(frozen=True)
+class NanbeigeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_loops: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 70_000_000.0
+    skip_loop_final_norm: bool = False
+    eos_token_id: tuple[int, ...] = (0,)
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        require_fields(self, ("vocab_size", "hidden_size", "intermediate_size",
+                              "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "head_dim", "num_loops",
+                              "max_position_embeddings"))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                ("num_attention_heads", "num_key_value_heads"),
+                "attention heads must be a multiple of key/value heads",
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
+        require_model_type(raw, MODEL_TYPE)
+        known = {f.name for f in fields(cls)} | _IGNORED_KEYS
+        reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
+        heads = raw.get("num_attention_heads")
+        hidden = raw.get("hidden_size")
+        head_dim = raw.get("head_dim") or (
+            hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+        )
+        return cls(
+            vocab_size=raw.get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=raw.get("intermediate_size"),
+            num_hidden_layers=raw.get("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            num_loops=raw.get("num_loops", 1),
+            max_position_embeddings=raw.get("max_position_embeddings"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", 70_000_000.0)),
+            skip_loop_final_norm=bool(raw.get("skip_loop_final_norm", False)),
+            eos_token_id=eos_ids(raw),
+            torch_dtype=torch_dtype_name(raw),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json mapping in the Hub's layout that `from_dict` reads back identically."""
+        out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for f in fields(self):
+            out[f.name] = getattr(self, f.name)
+        out["eos_token_id"] = list(self.eos_token_id)
+        out.update(hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+                   loop_share_kv=False, enable_double_loop_split=False)
+        return out
+
+    def shape(self) -> LoopedModelShape:
+        return LoopedModelShape(
+            num_layers=self.num_hidden_layers,
+            num_loops=self.num_loops,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            eos_token_ids=self.eos_token_id,
+        )
+
+    def declaration(self) -> FamilyDeclaration:
+        loop_input = (
+            "the previous loop's raw output"
+            if self.skip_loop_final_norm
+            else "the previous loop's output after the final norm"
+        )
+        return FamilyDeclaration(
+            name=MODEL_TYPE,
+            architecture=ARCHITECTURE,
+            stages=StagePlan(core_layers=self.num_hidden_layers),
+            state=("hidden",),
+            loop_input=loop_input,
+            kv=KVPlan(layers_per_plane=self.num_hidden_layers),
+            exit_signal=ExitSignal.NONE,
+            default_loops=self.num_loops,
+            max_loops=self.num_loops,
+        )
+
+
+def checkpoint_tensor_shapes(config: NanbeigeConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must hold (Llama names) with its shape."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.self_attn.q_proj.weight": (q, d),
+            f"{p}.self_attn.k_proj.weight": (kv, d),
+            f"{p}.self_attn.v_proj.weight": (kv, d),
+            f"{p}.self_attn.o_proj.weight": (d, q),
+            f"{p}.mlp.gate_proj.weight": (f, d),
+            f"{p}.mlp.up_proj.weight": (f, d),
+            f"{p}.mlp.down_proj.weight": (d, f),
+            f"{p}.input_layernorm.weight": (d,),
+            f"{p}.post_attention_layernorm.weight": (d,),
+        })
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def parameter_sources(config: NanbeigeConfig) -> dict[str, tuple[str, ...]]:
+    """Runtime parameter name -> checkpoint tensors concatenated (dim 0) to form it."""
+    sources: dict[str, tuple[str, ...]] = {"embed_tokens": ("model.embed_tokens.weight",)}
+    for i in range(config.num_hidden_layers):
+        hf, rt = f"model.layers.{i}", f"layers.{i}"
+        sources[f"{rt}.qkv_proj"] = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
+        sources[f"{rt}.o_proj"] = (f"{hf}.self_attn.o_proj.weight",)
+        sources[f"{rt}.mlp.gate_up_proj"] = (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
+        sources[f"{rt}.mlp.down_proj"] = (f"{hf}.mlp.down_proj.weight",)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            sources[f"{rt}.{norm}.weight"] = (f"{hf}.{norm}.weight",)
+    sources["norm.weight"] = ("model.norm.weight",)
+    sources["lm_head"] = ("lm_head.weight",)
+    return sources
+
+
+class LlamaLayer(nn.Module):
+    """Pre-norm layer: x += o(attn(norm1(x))); x += mlp(norm2(x))."""
+
+    def __init__(self, config: NanbeigeConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_split = (q_size, kv_size, kv_size)
+        d = config.hidden_size
+        self.qkv_proj = empty_parameter(q_size + 2 * kv_size, d)
+        self.o_proj = empty_parameter(d, q_size)
+        self.mlp = SwiGLU(d, config.intermediate_size)
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+
+    def _attention(self, normed, cos, sin, attention, linear, impl):
+        n = normed.shape[0]
+        q_size, kv_size, _ = self.qkv_split
+        qkv = project(linear, normed, self.qkv_proj)
+        if impl is None:
+            q, k, v = qkv.split(self.qkv_split, dim=-1)
+            q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        else:
+            fused_ops.rotary_qk_(
+                qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, impl=impl
+            )
+            q = qkv[:, :q_size].view(n, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
+        out = attention(self.layer_index, q, k, v).reshape(n, -1)
+        return project(linear, out, self.o_proj)
+
+    def forward(self, x, cos, sin, attention: LayerAttention, ops: ModelOps = DEFAULT_OPS):
+        x = x + self._attention(self.input_layernorm(x), cos, sin, attention, ops.linear, None)
+        return x + self.mlp(self.post_attention_layernorm(x), ops)
+
+    def forward_fused(self, x, normed, cos, sin, attention, next_norm_weight, *, impl, invariant):
+        """(x, input_layernorm(x)) -> (x', RMSNorm(x'; next_norm_weight)) on the fused ops."""
+        if invariant:
+            linear = batch_invariant.linear
+        else:
+            linear = small_batch_linear if impl == "triton" else F.linear
+        eps = self.input_layernorm.eps
+        attn = self._attention(normed, cos, sin, attention, linear, impl)
+        x, m = fused_ops.add_rms_norm(
+            x, attn, None, self.post_attention_layernorm.weight, eps, impl=impl
+        )
+        gate_up = project(linear, m, self.mlp.gate_up_proj)
+        act = fused_ops.silu_mul(gate_up, self.mlp.intermediate_size, impl=impl)
+        down = project(linear, act, self.mlp.down_proj)
+        return fused_ops.add_rms_norm(x, down, None, next_norm_weight, eps, impl=impl)
+
+
+class NanbeigeModel(LoopedModelBase):
+    """Nanbeige4.2 with the `LoopedLanguageModel` interface (no exit gate)."""
+
+    def __init__(self, config: NanbeigeConfig) -> None:
+        super().__init__(config, config.declaration())
+        self.layers = nn.ModuleList(LlamaLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def recurrent_step(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        *,
+        compute_gate: bool = True,
+    ) -> tuple[torch.Tensor, None]:
+        """One loop: every layer, then the final norm (unless `skip_loop_final_norm`). The
+        family has no gate: the exit probability is always None (its rules never ask)."""
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, table=self.batch_invariant)
+        impl = self.fused_impl(hidden)
+        skip_norm = self.config.skip_loop_final_norm
+        if impl is None:
+            x = hidden
+            for layer in self.layers:
+                x = layer(x, cos, sin, attention, self.ops)
+            return (x if skip_norm else self.norm(x)), None
+        layers, eps = self.layers, self.norm.eps
+        x = hidden
+        normed = fused_ops.rms_norm(x, layers[0].input_layernorm.weight, eps, impl=impl)
+        for index, layer in enumerate(layers):
+            last = index + 1 == len(layers)
+            next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
+            x, normed = layer.forward_fused(
+                x, normed, cos, sin, attention, next_weight, impl=impl,
+                invariant=self.batch_invariant,
+            )
+        return (x if skip_norm else normed), None
+
+    def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:
+        """LM head (after the final norm when the loops skipped it)."""
+        if self.config.skip_loop_final_norm:
+            hidden = self.norm(hidden)
+        return super().coda(hidden, needed=needed)

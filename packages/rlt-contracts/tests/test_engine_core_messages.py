@@ -64,6 +64,25 @@ def test_typed_errors_are_raised_again_as_themselves(error):
     assert type(raised.value) is type(error)
 
 
+class _PackageConfigError(ConfigurationError):
+    """As rlt-models' ModelConfigError: another package's subclass of a contracts error."""
+
+
+class _PackageError(RltError, ValueError):
+    """As rlt-models' CheckpointError: another package's direct RltError subclass."""
+
+
+def test_another_packages_subclass_arrives_as_the_contracts_class_with_its_fields():
+    error = _PackageConfigError("config.json", "not found in /models/x")
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(WireError.of(error)), type=WireError)
+    with pytest.raises(ConfigurationError) as raised:
+        raise_wire_error(wire)
+    assert raised.value.options == ("config.json",)
+    assert str(raised.value) == str(error) == "config.json: not found in /models/x"
+    with pytest.raises(RltError, match=r"^_PackageError: model.safetensors: missing$"):
+        raise_wire_error(WireError.of(_PackageError("model.safetensors: missing")))
+
+
 def test_an_untyped_error_arrives_as_rlt_error_naming_it():
     with pytest.raises(RltError, match="ValueError"):
         raise_wire_error(WireError.of(ValueError("boom")))

@@ -68,7 +68,10 @@ CoreInput = CoreAdd | CoreAbort | CorePDConnect | CoreClientGone | CoreShutdown
 
 
 class WireError(msgspec.Struct, frozen=True):
-    """A typed error across the boundary: the `RltError` subclass name and its fields."""
+    """A typed error across the boundary: the `RltError` subclass name and its fields. A
+    subclass from another package that extends one of the contracts' errors (rlt-models'
+    `ModelConfigError` is a `ConfigurationError`) crosses as that contracts class, so the
+    receiver rebuilds its type and its fields (the offending option or file)."""
 
     kind: str
     message: str
@@ -76,12 +79,22 @@ class WireError(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, error: BaseException) -> WireError:
-        kind = type(error).__name__ if isinstance(error, errors.RltError) else "RltError"
+        kind = _contract_kind(error) if isinstance(error, errors.RltError) else "RltError"
         if isinstance(error, errors.InvalidRequestError):
             return cls(kind, error.message, error.field)
         if isinstance(error, errors.ConfigurationError):
             return cls(kind, error.message, " + ".join(error.options))
         return cls(kind, str(error) if isinstance(error, errors.RltError) else repr(error))
+
+
+def _contract_kind(error: errors.RltError) -> str:
+    """The error's class name if rlt-contracts defines it, else that of the nearest
+    contracts class it extends; a direct `RltError` subclass keeps its own name (it arrives as
+    `RltError` with that name in the message)."""
+    for klass in type(error).__mro__:
+        if getattr(errors, klass.__name__, None) is klass:
+            return klass.__name__ if klass is not errors.RltError else type(error).__name__
+    return type(error).__name__
 
 
 def raise_wire_error(error: WireError) -> None:

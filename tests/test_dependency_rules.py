@@ -206,3 +206,13 @@ def test_workspace_torch_free_members_have_no_torch_in_the_lock():
         closure = locked_closure(lock, name)
         assert "pytest" in closure and "torch" not in closure, name
     assert "torch" in locked_closure(lock, "rlt-attention")
+
+
+def test_no_module_outside_rlt_models_names_a_family():
+    from family_names import family_name_breaches, find_family_name_breaches
+
+    assert find_family_name_breaches(REPO) == []
+    # the checker sees names, imports and literals, and lets docstrings explain
+    source = '"""Ouro is one family."""\nfrom rlt_models import OuroConfig\nif name == "nanbeige": x.dory_loops = 1\n'
+    found = family_name_breaches(source, Path("pkg/mod.py"))
+    assert [b.split(": ", 1)[1] for b in found] == ["'OuroConfig'", "'nanbeige'", "'dory_loops'"]

@@ -14,7 +14,7 @@ from rlt_contracts import (
     RequestStage,
     SamplingParams,
 )
-from rlt_scheduler import DelayedOuroExitPolicy, Scheduler, SchedulerConfig, TraceExitPolicy
+from rlt_scheduler import DelayedHazardExitPolicy, Scheduler, SchedulerConfig, TraceExitPolicy
 from rlt_scheduler.exit_policy import LoopBounds
 from scheduler_harness import CountingKV, FakeDevice, make_scheduler, run_until_idle
 
@@ -44,7 +44,7 @@ def test_other_policies_compile_to_their_rule_kinds():
         vocab_size=100,
         max_model_len=64,
         eos_token_ids=(0,),
-        exit_policy=DelayedOuroExitPolicy(),
+        exit_policy=DelayedHazardExitPolicy(),
     )
     assert delayed.add_request("d", [1], SamplingParams()).rule.exit.kind is (
         ExitRuleKind.DELAYED_HAZARD

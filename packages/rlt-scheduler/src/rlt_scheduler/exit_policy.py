@@ -3,16 +3,20 @@
 The scheduler owns the policy; the runner evaluates it on the device, per row and per loop,
 from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule):
 
-  ouro          exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
-                1 - prod_{j<=k}(1 - lambda_j) >= threshold (lambda_j = sigmoid(gate_j), fp32).
-  ouro_delayed  the same hazard, but a trigger at loop k (k >= min_loops) makes the token
-                exit after loop k + 1: the decision of loop k may then be read after loop k + 1
-                was already submitted. max_loops still wins, and the hidden state of the extra
-                loop is what reaches coda.
-  trace         replays recorded per-token depths (token i exits at trace[i]); the gate is
-                never computed or read.
-  fixed         every token runs its request's max_loops (families without an exit signal);
-                a request that asks for an adaptive threshold is refused at admission.
+  hazard          exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                  1 - prod_{j<=k}(1 - lambda_j) >= threshold (lambda_j = sigmoid(gate_j), fp32:
+                  a learned exit gate, e.g. Ouro's).
+  hazard_delayed  the same hazard, but a trigger at loop k (k >= min_loops) makes the token
+                  exit after loop k + 1: the decision of loop k may then be read after loop
+                  k + 1 was already submitted. max_loops still wins, and the hidden state of the
+                  extra loop is what reaches coda.
+  trace           replays recorded per-token depths (token i exits at trace[i]); the gate is
+                  never computed or read.
+  fixed           every token runs its request's max_loops (families without an exit signal);
+                  a request that asks for an adaptive threshold is refused at admission.
+
+Policies are named by their rule. The names of the first wave, "ouro" and "ouro_delayed", are
+accepted as aliases (`POLICY_ALIASES`, the one place outside rlt-models that names a family).
 
 `reads` says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a
 policy the model's family does not produce.
@@ -37,15 +41,20 @@ from rlt_contracts import (
 
 
 class ExitPolicyName(enum.StrEnum):
-    OURO = "ouro"
-    OURO_DELAYED = "ouro_delayed"
+    HAZARD = "hazard"
+    HAZARD_DELAYED = "hazard_delayed"
     TRACE = "trace"
     FIXED = "fixed"
 
 
+# Earlier names of the hazard rules, accepted wherever a policy is named (CLI, EngineConfig).
+POLICY_ALIASES = {"ouro": ExitPolicyName.HAZARD, "ouro_delayed": ExitPolicyName.HAZARD_DELAYED}
+POLICY_CHOICES = (*(p.value for p in ExitPolicyName), *POLICY_ALIASES)
+
+
 def default_exit_policy(signal: ExitSignal) -> str:
     """The policy of a family's own exit signal: its gate's hazard, or its fixed depth."""
-    return ExitPolicyName.OURO.value if signal is ExitSignal.GATE else ExitPolicyName.FIXED.value
+    return ExitPolicyName.HAZARD.value if signal is ExitSignal.GATE else ExitPolicyName.FIXED.value
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,8 @@ class ExitPolicy(Protocol):
         ...
 
 
-class OuroExitPolicy:
-    name = ExitPolicyName.OURO.value
+class HazardExitPolicy:
+    name = ExitPolicyName.HAZARD.value
     kind = ExitRuleKind.HAZARD
     reads = ExitSignal.GATE
 
@@ -86,10 +95,10 @@ class OuroExitPolicy:
         return ExitRule(self.kind, bounds.min_loops, bounds.max_loops, bounds.threshold)
 
 
-class DelayedOuroExitPolicy(OuroExitPolicy):
+class DelayedHazardExitPolicy(HazardExitPolicy):
     """Same hazard accumulation; a trigger only schedules the exit for the next loop."""
 
-    name = ExitPolicyName.OURO_DELAYED.value
+    name = ExitPolicyName.HAZARD_DELAYED.value
     kind = ExitRuleKind.DELAYED_HAZARD
 
 
@@ -183,10 +192,10 @@ class FixedDepthExitPolicy:
 def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: int) -> ExitPolicy:
     """Build the engine's policy; `exit_trace` is required for, and only for, "trace"."""
     try:
-        policy = ExitPolicyName(name)
+        policy = POLICY_ALIASES.get(name) or ExitPolicyName(name)
     except ValueError:
         raise ConfigurationError(
-            "exit_policy", f"must be one of {[p.value for p in ExitPolicyName]}, got {name!r}"
+            "exit_policy", f"must be one of {list(POLICY_CHOICES)}, got {name!r}"
         ) from None
     if policy is ExitPolicyName.TRACE:
         if exit_trace is None:
@@ -201,4 +210,6 @@ def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: i
         )
     if policy is ExitPolicyName.FIXED:
         return FixedDepthExitPolicy()
-    return OuroExitPolicy() if policy is ExitPolicyName.OURO else DelayedOuroExitPolicy()
+    if policy is ExitPolicyName.HAZARD:
+        return HazardExitPolicy()
+    return DelayedHazardExitPolicy()

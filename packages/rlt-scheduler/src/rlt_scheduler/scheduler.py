@@ -65,7 +65,7 @@ from rlt_scheduler.admission_delay import AdmissionDelay
 from rlt_scheduler.admitting import Admitter
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
-from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, OuroExitPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, HazardExitPolicy
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
 from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
 from rlt_scheduler.queues import RequestQueues
@@ -102,7 +102,7 @@ class Scheduler:
         self.model_depth = model_depth
         self.limits = ModelLimits(vocab_size, model_depth, max_model_len)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.exit_policy = exit_policy or OuroExitPolicy()
+        self.exit_policy = exit_policy or HazardExitPolicy()
         config.check_depth(model_depth)
         self.stats = SchedulerStats()
         self.stats.spec_accepted_per_position = [0] * config.num_speculative_tokens

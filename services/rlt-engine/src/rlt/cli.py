@@ -14,7 +14,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rlt_contracts import RltError, SamplingParams
+from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
+from rlt_scheduler import POLICY_CHOICES
+from rlt_serve.exit_codes import EXIT_USAGE
+from rlt_serve.listening import check_can_listen, port_number
 
 from rlt.engine.config import BATCH_DEFAULTS, EngineConfig
 
@@ -160,9 +163,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--exit-policy",
         default=d.exit_policy,
-        choices=["ouro", "ouro_delayed", "fixed", "trace"],
-        help="default: the model family's own exit signal (ouro for a gated family, fixed "
-        "depth for one without a signal)",
+        choices=POLICY_CHOICES,
+        help="default: the model family's own exit signal (hazard for a gated family, fixed "
+        "depth for one without a signal); the first wave's names are aliases of the hazard rules",
     )
     group.add_argument(
         "--exit-trace",
@@ -293,12 +296,19 @@ def add_loop_arguments(group) -> None:
     group.add_argument(
         "--exit-threshold",
         type=float,
-        default=0.5,
-        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth)",
+        default=None,
+        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth); "
+        f"default: {DEFAULT_GATE_EXIT_THRESHOLD} for a model with an exit gate, the fixed "
+        "depth for one without an exit signal",
     )
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from_args(args: argparse.Namespace, exit_signal: str) -> SamplingParams:
+    """The command line's request; an unset --exit-threshold is the model's own default
+    (`LoopDefaults.for_model`)."""
+    threshold = args.exit_threshold
+    if threshold is None:
+        threshold = DEFAULT_GATE_EXIT_THRESHOLD if exit_signal == "gate" else 1.0
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -309,15 +319,19 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
         ignore_eos=args.ignore_eos,
         min_loops=args.min_loops,
         max_loops=args.max_loops,
-        exit_threshold=args.exit_threshold,
+        exit_threshold=threshold,
     )
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from rlt_models.model_dir import check_model_dir
+
+    from rlt.engine.assembly import resolve_model_dir
     from rlt.llm import LLM
 
+    check_model_dir(resolve_model_dir(args.model))  # before anything loads: what it lacks
     llm = LLM.from_config(engine_config_from_args(args))
-    params = sampling_params_from_args(args)
+    params = sampling_params_from_args(args, llm.engine.model_info().exit_signal)
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
     stats = llm.get_stats()
     for prompt, output in zip(args.prompts, outputs, strict=True):
@@ -368,7 +382,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
     )
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=port_number, default=8000, help="0..65535 (0: any free)")
     group.add_argument(
         "--api-key",
         default=os.environ.get("RLT_API_KEY"),
@@ -419,6 +433,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # the user says otherwise. Read once, when torch loads OpenMP: so before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rlt_contracts import ConfigurationError
+    from rlt_models.model_dir import check_model_dir
     from rlt_serve import LoopDefaults
 
     from rlt.engine.assembly import resolve_model_dir
@@ -438,6 +453,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigurationError("api_server_count", f"must be >= 1, got {args.api_server_count}")
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
+    check_model_dir(resolve_model_dir(args.model))  # before anything loads: what it lacks
+    check_can_listen(args.host, args.port)  # a taken port fails now, not after the model loads
     loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
     options = ServeOptions(
         host=args.host,
@@ -541,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except RltError as exc:
         print(f"rlt: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -87,9 +87,9 @@ class EngineConfig:
     kv_watermark: fraction of the pool kept free at admission while other requests run.
     scheduling_policy: "fcfs" or "priority" (SamplingParams.priority, lower first).
     enable_preemption: lossless CPU-snapshot preemption under memory pressure / for priority.
-    exit_policy: None (default: the family's own signal: "ouro" for a gated family such as
-      Ouro, "fixed" for one without an exit signal), "ouro", "ouro_delayed", "fixed" or
-      "trace"; exit_trace: JSON file of {request_id: [depth per output token]} read by the
+    exit_policy: None (default: the family's own signal: "hazard" for a gated family such as
+      Ouro, "fixed" for one without an exit signal), "hazard", "hazard_delayed", "fixed" or
+      "trace" ("ouro" and "ouro_delayed" are accepted for the hazard rules); exit_trace: JSON file of {request_id: [depth per output token]} read by the
       "trace" policy.
     hf_overrides: config.json keys applied before the model's family reads it (vLLM's
       `hf_overrides`), e.g. {"num_loops": 1}.

@@ -46,6 +46,7 @@ from rlt_contracts.execution import (
     SpeculationCounts,
 )
 from rlt_contracts.family import (
+    DEFAULT_GATE_EXIT_THRESHOLD,
     ExitSignal,
     FamilyDeclaration,
     Feature,
@@ -120,6 +121,7 @@ from rlt_contracts.tokens import (
 )
 
 __all__ = [
+    "DEFAULT_GATE_EXIT_THRESHOLD",
     "ExitSignal",
     "FamilyDeclaration",
     "Feature",

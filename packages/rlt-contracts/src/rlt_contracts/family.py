@@ -24,6 +24,10 @@ import enum
 
 import msgspec
 
+# The exit threshold servers and `rlt generate` use for a family with an exit gate when
+# neither the request nor the command line gives one (families without a signal: fixed depth).
+DEFAULT_GATE_EXIT_THRESHOLD = 0.5
+
 
 class ExitSignal(enum.StrEnum):
     """What a loop produces that an exit rule can read.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rlt_contracts import (
+    DEFAULT_GATE_EXIT_THRESHOLD,
     ConfigurationError,
     ExitSignal,
     InvalidRequestError,
@@ -15,11 +16,6 @@ from rlt_contracts import (
 from rlt_serve.errors import APIError, invalid
 from rlt_serve.request_schemas import ChatCompletionRequest, CompletionRequest, _CommonOpenAIFields
 from rlt_serve.structured_output import structured_output_of
-
-
-# The servers' and `rlt generate`'s exit threshold for a model with an exit gate, when
-# neither the request nor the command line gives one.
-GATED_DEFAULT_EXIT_THRESHOLD = 0.5
 
 
 @dataclass(frozen=True)
@@ -34,13 +30,13 @@ class LoopDefaults:
 
     def for_model(self, info: ModelInfo) -> LoopDefaults:
         """These defaults made concrete for the served model, checked against it (else every
-        request would fail): an unset threshold is GATED_DEFAULT_EXIT_THRESHOLD for a model
+        request would fail): an unset threshold is DEFAULT_GATE_EXIT_THRESHOLD for a model
         with an exit gate and the fixed depth (1.0) otherwise; an adaptive threshold for a
         model without an exit signal is a `ConfigurationError`."""
         threshold = self.exit_threshold
         gated = info.exit_signal in ("", ExitSignal.GATE)  # "" : a peer that does not say
         if threshold is None:
-            threshold = GATED_DEFAULT_EXIT_THRESHOLD if gated else 1.0
+            threshold = DEFAULT_GATE_EXIT_THRESHOLD if gated else 1.0
         elif threshold < 1.0 and not gated:
             raise ConfigurationError(
                 "exit_threshold",

@@ -31,6 +31,7 @@ from rlt.bench.request import RequestOptions, send_request
 from rlt.bench.runner import list_models, run_requests
 from rlt.cli import build_parser, main
 from rlt_contracts import ConfigurationError
+from rlt_serve.exit_codes import EXIT_FAILURE
 
 # -- percentiles and aggregation ---------------------------------------------------------------
 
@@ -343,8 +344,9 @@ def test_help_documents_every_option(capsys):
 
 def test_plot_needs_matplotlib_and_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with pytest.raises(ConfigurationError, match=r"rlt\[bench\]"):
+    with pytest.raises(ConfigurationError, match=r"rlt\[bench\]") as error:
         require_matplotlib()
+    assert "uv run --with matplotlib rlt bench serve" in str(error.value)  # what works here
 
 
 def test_plot_of_a_sweep(tmp_path):
@@ -379,7 +381,8 @@ def server_token_totals(server) -> dict[str, int]:
 
 
 def run_bench(server, tmp_path, *flags) -> tuple[int, dict, dict]:
-    """Run `rlt bench serve` in-process; (exit code, result JSON, server token deltas)."""
+    """Run `rlt bench serve` in-process; (exit code, result JSON, server token deltas of the
+    run: without its test request, the workload's first request sent alone before it)."""
     before = server_token_totals(server)
     code = main(
         ["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--save-result"]
@@ -387,7 +390,12 @@ def run_bench(server, tmp_path, *flags) -> tuple[int, dict, dict]:
     )
     after = server_token_totals(server)
     result = json.loads((tmp_path / "run.json").read_text())
-    return code, result, {name: after[name] - before[name] for name in after}
+    assert result["output_lens"][0] is not None  # the test request's twin (greedy) succeeded
+    test_request = {
+        "prompt_tokens": result["input_lens"][0],
+        "generation_tokens": result["output_lens"][0],
+    }
+    return code, result, {name: after[name] - before[name] - test_request[name] for name in after}
 
 
 def assert_statistics_ordered(result: dict) -> None:
@@ -457,17 +465,40 @@ def test_live_chat_at_fixed_concurrency_from_jsonl(live_server, tmp_path):
 
 
 def test_live_server_errors_are_counted_not_raised(live_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(  # every other request asks for more tokens than the context holds: 400
+        '{"prompt": "It is a truth", "max_tokens": 3}\n'
+        '{"prompt": "It is a truth", "max_tokens": 100000}\n'
+    )
     code, result, server = run_bench(
         live_server,
         tmp_path,
-        *"--num-prompts 5 --random-input-len 8 --random-output-len 4".split(),
-        *"--random-vocab-size 1000000 --seed 2".split(),  # ids beyond the vocabulary: 400
+        *f"--dataset-name jsonl --dataset-path {prompts} --num-prompts 6".split(),
     )
     assert code == 0
-    assert (result["completed"], result["failed"]) == (0, 5)
-    assert result["errors_by_kind"] == {"http_400": 5}
-    assert all("400" in message for message in result["errors"])
-    assert server["generation_tokens"] == 0
+    assert (result["completed"], result["failed"]) == (3, 3)
+    assert result["errors_by_kind"] == {"http_400": 3}
+    assert all("400" in message for message in result["errors"][1::2])
+    assert server["generation_tokens"] == result["total_output_tokens"] > 0
+
+
+def test_live_a_failing_test_request_stops_the_benchmark_before_the_run(
+    live_server, tmp_path, capsys
+):
+    """As `vllm bench serve`: the first request goes alone first; its error ends the command
+    (exit 1, the server's error in the message) before any run, and no result is written."""
+    before = server_token_totals(live_server)
+    code = main(
+        ["bench", "serve", "--base-url", live_server.base_url, "--disable-tqdm", "--save-result"]
+        + ["--result-dir", str(tmp_path), "--num-prompts", "5", "--random-input-len", "8"]
+        + ["--random-vocab-size", "1000000"]  # ids beyond the vocabulary: 400
+    )
+    assert code == EXIT_FAILURE
+    error = capsys.readouterr().err
+    assert "rlt bench serve: error: the test request to" in error
+    assert "http_400" in error and "prompt" in error
+    assert server_token_totals(live_server) == before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_live_sweep_runs_each_rate_and_saves_each_result(live_server, tmp_path, capsys):
@@ -500,10 +531,20 @@ def scrape_metrics(server) -> dict[str, float]:
     return values
 
 
-def test_server_metrics_agree_with_the_benchmarks_own_counts(live_server, tmp_path):
+def test_server_metrics_agree_with_the_benchmarks_own_counts(live_server, tmp_path, monkeypatch):
     """After a benchmark run, every per-request and per-token histogram of /metrics moved by
-    exactly what the benchmark counted (and the loops histogram by its exit depths)."""
-    before = scrape_metrics(live_server)
+    exactly what the benchmark counted (and the loops histogram by its exit depths); `before`
+    is scraped once the test request (sent alone before the run) finished."""
+    from rlt.bench.session import BenchSession
+
+    before = {}
+    test_request = BenchSession._test_request
+
+    async def scrape_after_the_test_request(self, *args):
+        await test_request(self, *args)
+        before.update(scrape_metrics(live_server))
+
+    monkeypatch.setattr(BenchSession, "_test_request", scrape_after_the_test_request)
     code, result, _ = run_bench(
         live_server,
         tmp_path,
@@ -653,3 +694,38 @@ def test_the_wire_client_lists_the_models_cards():
             return await list_models(client)
 
     assert asyncio.run(main()) == cards
+
+
+def test_a_run_in_which_no_request_succeeds_exits_1_naming_the_errors(
+    monkeypatch, tmp_path, capsys
+):
+    """The test request succeeds, then the server fails every request of the run (503): the
+    run's summary is still printed and saved, and the command exits 1 naming the errors."""
+    import httpx2
+    import rlt.bench.session as session
+
+    paths = []
+
+    def handler(request):
+        paths.append(request.url.path)
+        if len(paths) == 1:  # the test request
+            chunk = {"choices": [{"index": 0, "text": "It", "finish_reason": "length"}]}
+            return httpx2.Response(200, content=sse(json.dumps(chunk), "[DONE]"))
+        error = {"message": "the engine is unavailable", "type": "engine_unavailable"}
+        return httpx2.Response(503, json={"error": {**error, "code": 503}})
+
+    monkeypatch.setattr(session, "make_client", lambda *args, **kwargs: wire_client(handler))
+    code = main(
+        ["bench", "serve", "--base-url", "http://bench.test", "--model", "m", "--disable-tqdm"]
+        + "--random-vocab-size 100 --num-prompts 3 --random-input-len 2".split()
+        + ["--random-output-len", "1"]
+        + ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json"]
+    )
+    assert code == EXIT_FAILURE
+    assert paths == ["/v1/completions"] * 4
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out
+    assert "no request of the run at rate inf succeeded" in captured.err
+    assert "http_503" in captured.err and "the engine is unavailable" in captured.err
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert (result["completed"], result["failed"]) == (0, 3)

@@ -10,6 +10,8 @@ import sys
 from datetime import datetime
 
 from rlt_contracts import ConfigurationError
+from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK
+from rlt_serve.listening import port_number
 
 from rlt.bench.arrival import ARRIVAL_PROCESSES, parse_rate, parse_rates
 from rlt.bench.datasets import DEFAULT_VOCAB_SIZE
@@ -43,7 +45,10 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="server host without --base-url (default: 127.0.0.1)"
     )
     server.add_argument(
-        "--port", type=int, default=8000, help="server port without --base-url (default: 8000)"
+        "--port",
+        type=port_number,
+        default=8000,
+        help="server port without --base-url (default: 8000)",
     )
     server.add_argument(
         "--endpoint",
@@ -238,7 +243,7 @@ def add_bench_parser(commands) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from rlt.bench.session import BenchSession
+    from rlt.bench.session import BenchFailed, BenchSession
 
     if args.dataset_name == "jsonl" and not args.dataset_path:
         raise ConfigurationError("dataset_path", "--dataset-name jsonl needs --dataset-path")
@@ -287,6 +292,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # outside a run (runs end cleanly and keep their results)
         print("rlt bench serve: interrupted", file=sys.stderr)
         return 130
+    except BenchFailed as exc:  # the test request, or every request of a run, failed
+        print(f"rlt bench serve: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     if len(results) > 1:
         print_sweep_table(results, sys.stdout)
     if args.plot:
@@ -294,4 +302,4 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
         path = plot_sweep(results, args.plot, title=f"{session.model} at {endpoint.path}")
         print(f"plot written to {path}")
-    return 130 if any(r["interrupted"] for r in results) else 0
+    return 130 if any(r["interrupted"] for r in results) else EXIT_OK

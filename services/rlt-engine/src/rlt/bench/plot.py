@@ -21,7 +21,7 @@ def require_matplotlib():
         raise ConfigurationError(
             "plot",
             "needs matplotlib, which is not installed: pip install 'rlt[bench]' "
-            "(in this repository: uv sync --extra bench, or uv run --with matplotlib ...)",
+            "(in this repository: uv run --with matplotlib rlt bench serve ...)",
         ) from None
 
 

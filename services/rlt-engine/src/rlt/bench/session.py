@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlt_contracts import ConfigurationError
+from rlt_contracts import ConfigurationError, RltError
 
 from rlt.bench.arrival import arrival_times
 from rlt.bench.datasets import DEFAULT_VOCAB_SIZE, BenchRequest, jsonl_requests, random_requests
@@ -21,8 +22,13 @@ from rlt.bench.report import (
     save_result,
     with_rate_suffix,
 )
-from rlt.bench.request import Endpoint, RequestOptions
+from rlt.bench.request import Endpoint, RequestOptions, RequestResult, send_request
 from rlt.bench.runner import list_models, make_client, run_requests
+
+
+class BenchFailed(RltError):
+    """Nothing could be measured: the test request failed, or no request of a run succeeded
+    (`rlt bench serve` exits 1 with this message)."""
 
 
 def build_requests(args: argparse.Namespace, *, chat: bool, vocab_size: int) -> list:
@@ -127,12 +133,34 @@ class BenchSession:
             vocab_size = await self._discover(client)
             requests = build_requests(args, chat=self.endpoint.chat, vocab_size=vocab_size)
             options = RequestOptions(model=self.model, **self.options)
+            if requests:
+                await self._test_request(client, requests[0], options)
             for rate in rates:
                 result = await self._run_rate(client, requests, options, rate, len(rates) > 1)
                 self.results.append(result)
                 if result["interrupted"]:
                     break
+                if requests and result["completed"] == 0:
+                    raise BenchFailed(
+                        f"no request of the run at rate {rate_label(rate)} succeeded "
+                        f"(failed: {result['errors_by_kind']}; the first error: "
+                        f"{next((e for e in result['errors'] if e), 'none recorded')})"
+                    )
         return self.results
+
+    async def _test_request(self, client, request: BenchRequest, options: RequestOptions):
+        """As `vllm bench serve`: the workload's first request alone before the run, so that
+        a wrong model name, endpoint or field fails at once with the server's own error."""
+        print("test request: sending the first request alone", file=sys.stderr)
+        result = await send_request(
+            client, self.endpoint, request, options, RequestResult(index=0), time.perf_counter()
+        )
+        if not result.success:
+            raise BenchFailed(
+                f"the test request to {self.endpoint.base_url}{self.endpoint.path} failed "
+                f"({result.error_kind}: {result.error}); check the server and the flags"
+            )
+        print(f"test request: ok in {result.latency:.2f} s; starting the run", file=sys.stderr)
 
     async def _run_rate(
         self, client, requests: list[BenchRequest], options: RequestOptions, rate, sweep: bool

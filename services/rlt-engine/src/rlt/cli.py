@@ -324,12 +324,10 @@ def sampling_params_from_args(args: argparse.Namespace, exit_signal: str) -> Sam
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from rlt_models.model_dir import check_model_dir
-
     from rlt.engine.assembly import resolve_model_dir
     from rlt.llm import LLM
 
-    check_model_dir(resolve_model_dir(args.model))  # before anything loads: what it lacks
+    resolve_model_dir(args.model, tokenizer=True)  # before anything loads: what it lacks
     llm = LLM.from_config(engine_config_from_args(args))
     params = sampling_params_from_args(args, llm.engine.model_info().exit_signal)
     outputs = llm.generate(args.prompts, params, use_tqdm=False)
@@ -433,7 +431,6 @@ def run_serve(args: argparse.Namespace) -> int:
     # the user says otherwise. Read once, when torch loads OpenMP: so before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rlt_contracts import ConfigurationError
-    from rlt_models.model_dir import check_model_dir
     from rlt_serve import LoopDefaults
 
     from rlt.engine.assembly import resolve_model_dir
@@ -453,7 +450,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigurationError("api_server_count", f"must be >= 1, got {args.api_server_count}")
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
-    check_model_dir(resolve_model_dir(args.model))  # before anything loads: what it lacks
+    resolve_model_dir(args.model, tokenizer=True)  # before anything loads: what it lacks
     check_can_listen(args.host, args.port)  # a taken port fails now, not after the model loads
     loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
     options = ServeOptions(

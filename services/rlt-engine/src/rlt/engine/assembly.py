@@ -22,6 +22,7 @@ from rlt_contracts import (
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
+from rlt_models.model_dir import check_model_dir
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
     FP8,
@@ -75,7 +76,10 @@ class EngineParts:
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
+def resolve_model_dir(model: str | Path | None, *, tokenizer: bool = False) -> Path:
+    """The checkpoint directory (None: the bundled model), checked for config.json and the
+    weights, and with `tokenizer` for a tokenizer's files (`rlt_models.model_dir`): token ids
+    need none, the servers and `rlt generate` do."""
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise ConfigurationError(
@@ -83,10 +87,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
             )
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ConfigurationError(
-            "model", f"{str(model)!r} is not a directory (give a local checkpoint directory)"
-        )
+    check_model_dir(path, tokenizer=tokenizer)
     return path
 
 

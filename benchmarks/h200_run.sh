@@ -43,6 +43,13 @@
 #                                                  GEMV sweep), c1 and c128 side by
 #                                                  side, then speculation at 32 requests with
 #                                                  the default disable limit
+#   bash benchmarks/h200_run.sh families [ARGS...]  issue 38: decode tok/s of each family's
+#                                                  release shape (random bf16 weights; Ouro-1.4B
+#                                                  and Nanbeige4.2-3B by default) at 1 / 32 / 128
+#                                                  requests, its bandwidth floor at 1 request
+#                                                  and layer passes per second
+#                                                  (benchmarks/family_speed.py ARGS, ~6 min;
+#                                                  files in $OUT/families.tgz)
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
@@ -215,6 +222,12 @@ case "$mode" in
       --device cuda --dtype bfloat16 --write-checkpoint-only >/dev/null 2>&1
     python3 benchmarks/kv_pool_capacity.py --model /tmp/rlt-bench-checkpoints/ouro-1.4b \
       --out "$OUT/kv_pool.json" 2>&1 | grep -v "^20\|INFO" | tail -3 ;;
+  families)
+    python3 benchmarks/family_speed.py --out "$OUT/families" "$@" 2>&1 | tee "$OUT/families.log" \
+      | tail -14
+    rc=${PIPESTATUS[0]}
+    tar czf "$OUT/families.tgz" -C "$OUT" families && rm -rf "$OUT/families"
+    exit $rc ;;
   pdl-loop)
     python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
   prefill-host)

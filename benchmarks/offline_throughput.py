@@ -2,7 +2,8 @@
 
 Every arm builds its own engine on the same checkpoint and replays the same seeded workload
 (random prompt token ids, fixed output length, ignore_eos, greedy). Arms (repeat --arm):
-  fixed            threshold 1.0: every token runs the full depth
+  fixed            threshold 1.0: every token runs the full depth (families without an exit
+                   signal, e.g. Nanbeige4.2: no threshold, which means the same)
   gate             exit_threshold 0.999999, min_loops 2: the exit gate is computed and tested
                    after every loop, yet practically no token exits (random weights); shows the
                    cost of the adaptive path against `fixed`
@@ -34,6 +35,9 @@ Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counte
   seen after any step), preemptions.
   profile (with --profile-steps N > 0, else null): see profile_decode_window().
 
+--shape picks a random checkpoint (bf16, written once under --checkpoint-dir): tiny,
+ouro-1.4b, nanbeige4.2-3b (the Nanbeige4.2-3B release's architecture), tiny-nanbeige.
+
 Examples:
   uv run python benchmarks/offline_throughput.py --shape tiny --arm fixed --arm gate
   python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -56,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SHAPES = {
-    # name: OuroConfig fields
+    # name: OuroConfig fields (the ouro-1.4b shape is OuroConfig.ouro_1_4b())
     "tiny": dict(
         vocab_size=512,
         hidden_size=64,
@@ -69,6 +74,34 @@ SHAPES = {
         max_position_embeddings=2048,
     ),
 }
+NANBEIGE_SHAPES = {
+    # name: NanbeigeConfig fields. nanbeige4.2-3b: the release's architecture (22 Llama layers
+    # x 2 loops, GQA 48 / 8 heads of 128, rope theta 7e7, 256K positions), random weights
+    "nanbeige4.2-3b": dict(
+        vocab_size=166144,
+        hidden_size=3072,
+        intermediate_size=10752,
+        num_hidden_layers=22,
+        num_attention_heads=48,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_loops=2,
+        max_position_embeddings=262144,
+        rope_theta=70_000_000.0,
+    ),
+    "tiny-nanbeige": dict(  # the CPU smoke test of the plumbing
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_loops=2,
+        max_position_embeddings=2048,
+    ),
+}
+SHAPE_NAMES = (*sorted(SHAPES), "ouro-1.4b", *sorted(NANBEIGE_SHAPES))
 
 WARMUP_TOKENS = 4
 
@@ -135,24 +168,29 @@ class ArmResult:
     step_log: list | None = None
 
 
+def shape_config(name: str):
+    """The model config of a --shape name (any family)."""
+    from rlt_models import NanbeigeConfig, OuroConfig
+
+    if name == "ouro-1.4b":
+        return OuroConfig.ouro_1_4b()
+    if name in NANBEIGE_SHAPES:
+        return NanbeigeConfig(**NANBEIGE_SHAPES[name])
+    return OuroConfig(**SHAPES[name])
+
+
 def ensure_checkpoint(args) -> Path:
     if args.model:
         return Path(args.model)
-    from rlt_models import OuroConfig, RandomInit, write_random_checkpoint
+    from rlt_models import RandomInit, write_random_checkpoint
+    from rlt_models.families import family_of
 
     path = Path(args.checkpoint_dir) / args.shape
     if not (path / "config.json").exists():
-        config = (
-            OuroConfig.ouro_1_4b()
-            if args.shape == "ouro-1.4b"
-            else OuroConfig(**SHAPES[args.shape])
-        )
+        config = shape_config(args.shape)
+        params = sum(math.prod(shape) for shape in family_of(config).tensor_shapes(config).values())
         device = "cuda" if args.device.startswith("cuda") else "cpu"
-        print(
-            f"writing random {args.shape} checkpoint "
-            f"({config.num_parameters():,} params) to {path}",
-            flush=True,
-        )
+        print(f"writing random {args.shape} checkpoint ({params:,} params) to {path}", flush=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         write_random_checkpoint(
             tmp, config, seed=0, dtype="bfloat16", init=RandomInit(gate_std=0.05), device=device
@@ -263,6 +301,10 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> ArmResult:
         )
     )
     try:
+        if spec.split("@")[0] == "fixed" and engine.model_info().exit_signal == "none":
+            # a family without an exit signal runs every token at its depth when no threshold
+            # is set, and refuses an explicit one
+            sampling_kwargs = {}
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **sampling_kwargs)
         warmup = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, **sampling_kwargs)
         # SHARED prefill runs position by position (one token per row and wave), so short
@@ -681,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", help="checkpoint directory (default: a random --shape checkpoint)"
     )
-    parser.add_argument("--shape", default="tiny", choices=[*sorted(SHAPES), "ouro-1.4b"])
+    parser.add_argument("--shape", default="tiny", choices=SHAPE_NAMES)
     parser.add_argument("--checkpoint-dir", default=".runs/bench-checkpoints")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")

@@ -1,0 +1,377 @@
+"""Decode speed of each model family side by side in one run, against its bandwidth floor
+(issue 38, item 6).
+
+    python3 benchmarks/family_speed.py --out DIR                  # on the GPU machine, repo root
+    uv run python benchmarks/family_speed.py --out /tmp/f --device cpu \\
+        --shapes tiny,tiny-nanbeige --quick                        # CPU smoke test of the plumbing
+
+Steps, in one process per measurement (a clean CUDA context each):
+1. The device's read bandwidth: a 4 GiB bf16 device-to-device copy (bytes read + written over
+   its time) and a full fp32-accumulated sum of the same 4 GiB (bytes read over its time),
+   each the median of 20 timed runs after 3 warm-ups (CUDA events); the floor uses the larger
+   of the two (the stricter floor). Skipped off CUDA (floors are then null).
+2. Per --shapes entry (offline_throughput.py's shapes; random weights, bf16, written once
+   under --checkpoint-dir): offline_throughput.py with the `fixed` arm (every token at the
+   family's full depth), 1,024-token prompts, 128 output tokens, prefill chunk 1,024, LAST_EXITED,
+   at each --concurrency C: requests / max-num-seqs / max-num-batched-tokens = 4 / 1 / 1100 for
+   C = 1, 2C / C / 64C (at least 2048, at most 4096) otherwise (h200_table.py's rows).
+3. Per shape: the bandwidth floor of one request's decode, bytes per output token = loops x
+   (stack weights + KV read per loop at the mean decode context) + LM head, over the bandwidth;
+   the measured 1-request decode tok/s over that floor; at the largest C, "throughput per
+   layer pass" = decode tok/s x layers x loops; and how many requests of prompt + output
+   tokens the memory-sized KV pool holds (kv_blocks / (pages per request x loops)).
+
+Stack weights are every checkpoint tensor but the embedding (one row read per token) and the LM
+head, counted from the family's own tensor list (rlt_models.families), at 2 bytes each; KV per
+loop and context token is layers x 2 (K, V) x KV heads x head_dim x 2 bytes. The mean decode
+context is prompt + output / 2 tokens.
+
+Writes into --out: <shape>-c<C>.json / .log per run (offline_throughput's JSON and output),
+bandwidth.json, families.json (everything above, the commands, versions and times) and
+families.md (the table, also printed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "offline_throughput.py"
+BLOCK_SIZE = 16  # the engine's default KV block size
+BYTES = 2  # bf16
+COPY_GIB = 4
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    paths = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
+    paths += [str(p) for p in sorted((ROOT / "services").glob("*/src"))]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
+    start = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            rc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env=child_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+            out.write(f"\nTIMEOUT after {timeout_s} s\n")
+    return rc, round(time.perf_counter() - start, 1)
+
+
+# -- 1. bandwidth ----------------------------------------------------------------------------------
+BANDWIDTH_SCRIPT = """
+import json, sys, torch
+gib, out = int(sys.argv[1]), sys.argv[2]
+n = gib * 2**30 // 2
+src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+dst = torch.empty_like(src)
+def median_s(fn, warmup=3, repeats=20):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return sorted(times)[len(times) // 2]
+copy_s = median_s(lambda: dst.copy_(src))
+assert torch.equal(dst[:4096], src[:4096]) and torch.equal(dst[-4096:], src[-4096:])
+sum_s = median_s(lambda: src.sum(dtype=torch.float32))
+nbytes = src.numel() * src.element_size()
+json.dump({
+    "bytes": nbytes,
+    "copy_s": copy_s, "copy_tb_s": 2 * nbytes / copy_s / 1e12,
+    "read_sum_s": sum_s, "read_sum_tb_s": nbytes / sum_s / 1e12,
+    "device_name": torch.cuda.get_device_name(),
+}, open(out, "w"), indent=2)
+"""
+
+
+def measure_bandwidth(out: Path) -> dict | None:
+    path = out / "bandwidth.json"
+    rc, _ = run(
+        [sys.executable, "-c", BANDWIDTH_SCRIPT, str(COPY_GIB), str(path)],
+        out / "bandwidth.log",
+        120,
+    )
+    if rc != 0:
+        print(f"bandwidth measurement failed (rc {rc}); see bandwidth.log", flush=True)
+        return None
+    bw = json.loads(path.read_text())
+    bw["used_tb_s"] = max(bw["copy_tb_s"], bw["read_sum_tb_s"])
+    return bw
+
+
+# -- 3. floors -------------------------------------------------------------------------------------
+def shape_bytes(shape: str, args) -> dict:
+    """Bytes one request's decode reads per output token, from the family's tensor list."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from offline_throughput import shape_config
+    from rlt_models.families import family_of
+
+    config = shape_config(shape)
+    shapes = family_of(config).tensor_shapes(config)
+    head = math.prod(shapes["lm_head.weight"]) * BYTES
+    stack = sum(
+        math.prod(s) * BYTES
+        for name, s in shapes.items()
+        if name not in ("lm_head.weight", "model.embed_tokens.weight")
+    )
+    m = config.shape()
+    kv_per_token_loop = m.num_layers * 2 * m.num_kv_heads * m.head_dim * BYTES
+    context = args.prompt_len + args.output_len / 2
+    per_token = m.num_loops * (stack + kv_per_token_loop * context) + head
+    return {
+        "layers": m.num_layers,
+        "loops": m.num_loops,
+        "parameters": sum(math.prod(s) for s in shapes.values()),
+        "stack_weight_bytes_per_loop": stack,
+        "lm_head_bytes": head,
+        "kv_bytes_per_context_token_per_loop": kv_per_token_loop,
+        "mean_decode_context_tokens": context,
+        "bytes_per_output_token_c1": round(per_token),
+    }
+
+
+# -- 2. runs ---------------------------------------------------------------------------------------
+def row_flags(concurrency: int, quick: bool) -> list[str]:
+    if concurrency == 1:
+        requests, seqs, tokens = (2 if quick else 4), 1, 1100
+    else:
+        requests, seqs = (concurrency if quick else 2 * concurrency), concurrency
+        tokens = min(4096, max(2048, 64 * concurrency))
+    return [
+        "--num-requests",
+        str(requests),
+        "--max-num-seqs",
+        str(seqs),
+        "--max-num-batched-tokens",
+        str(tokens),
+    ]
+
+
+def measure(shape: str, concurrency: int, args, out: Path) -> dict:
+    name = f"{shape}-c{concurrency}"
+    cmd = [
+        sys.executable,
+        str(BENCH),
+        "--shape",
+        shape,
+        "--checkpoint-dir",
+        args.checkpoint_dir,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--prefill-chunk-size",
+        "1024",
+        "--arm",
+        "fixed",
+        *row_flags(concurrency, args.quick),
+        "--json-out",
+        str(out / f"{name}.json"),
+    ]
+    rc, elapsed = run(cmd, out / f"{name}.log", args.run_timeout_s)
+    record = {
+        "shape": shape,
+        "concurrency": concurrency,
+        "command": cmd[1:],
+        "rc": rc,
+        "elapsed_s": elapsed,
+    }
+    path = out / f"{name}.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        record["setup"] = data["setup"]
+        record["errors"] = data["errors"]
+        if data["results"]:
+            r = data["results"][0]
+            record.update(
+                {
+                    k: r[k]
+                    for k in (
+                        "decode_output_tokens_per_s",
+                        "output_tokens_per_s",
+                        "mean_loops_per_decoded_token",
+                        "kv_blocks",
+                        "max_running",
+                        "preemptions",
+                        "decode_steps",
+                        "cuda_graphs_active",
+                    )
+                }
+            )
+    print(
+        f"{name}: rc {rc}, {elapsed} s, decode {record.get('decode_output_tokens_per_s')} "
+        f"tok/s, e2e {record.get('output_tokens_per_s')}",
+        flush=True,
+    )
+    return record
+
+
+def summarize(shape: str, runs: list[dict], bw: dict | None, args) -> dict:
+    info = shape_bytes(shape, args)
+    by_c = {r["concurrency"]: r for r in runs if r.get("decode_output_tokens_per_s")}
+    pages = math.ceil((args.prompt_len + args.output_len) / BLOCK_SIZE)
+    summary = {"shape": shape, **info}
+    if bw is not None:
+        floor = bw["used_tb_s"] * 1e12 / info["bytes_per_output_token_c1"]
+        summary["floor_tok_s_c1"] = round(floor, 1)
+        if 1 in by_c:
+            summary["c1_of_floor"] = round(by_c[1]["decode_output_tokens_per_s"] / floor, 3)
+    top = max(by_c, default=None)
+    if top is not None:
+        tok_s = by_c[top]["decode_output_tokens_per_s"]
+        summary["per_layer_pass_concurrency"] = top
+        summary["layer_passes_per_s"] = round(tok_s * info["layers"] * info["loops"])
+        summary["requests_kv_pool_holds"] = by_c[top]["kv_blocks"] // (pages * info["loops"])
+        summary["max_running_at_top"] = by_c[top]["max_running"]
+    summary["decode_tok_s"] = {c: r["decode_output_tokens_per_s"] for c, r in sorted(by_c.items())}
+    summary["e2e_tok_s"] = {c: r["output_tokens_per_s"] for c, r in sorted(by_c.items())}
+    return summary
+
+
+def table(summaries: list[dict], concurrencies: list[int], bw: dict | None) -> str:
+    head = [
+        "shape",
+        "layers x loops",
+        *[f"decode tok/s c{c}" for c in concurrencies],
+        "floor c1 tok/s",
+        "c1 / floor",
+        f"layer passes/s c{max(concurrencies)}",
+        "requests the KV pool holds",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for s in summaries:
+        cells = [s["shape"], f"{s['layers']} x {s['loops']}"]
+        cells += [f"{s['decode_tok_s'].get(c, 'failed')}" for c in concurrencies]
+        cells += [
+            str(s.get("floor_tok_s_c1", "n/a")),
+            str(s.get("c1_of_floor", "n/a")),
+            f"{s.get('layer_passes_per_s', 'n/a'):,}" if "layer_passes_per_s" in s else "n/a",
+            str(s.get("requests_kv_pool_holds", "n/a")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(summaries) > 1 and all("layer_passes_per_s" in s for s in summaries):
+        base = summaries[0]
+        for s in summaries[1:]:
+            ratio = s["layer_passes_per_s"] / base["layer_passes_per_s"]
+            lines.append(f"\n{s['shape']} / {base['shape']} layer passes per second: {ratio:.3f}")
+    if bw is not None:
+        lines.append(
+            f"\nbandwidth: copy {bw['copy_tb_s']:.2f} TB/s (read + write), sum "
+            f"{bw['read_sum_tb_s']:.2f} TB/s (read); floors use {bw['used_tb_s']:.2f} TB/s "
+            f"({bw['device_name']})"
+        )
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", default="ouro-1.4b,nanbeige4.2-3b")
+    parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one wave per concurrency; with a tiny shape, 64 in / 16 out",
+    )
+    parser.add_argument("--run-timeout-s", type=float, default=240)
+    parser.add_argument(
+        "--commit",
+        default=os.environ.get("RLT_COMMIT", ""),
+        help="the code's commit, recorded in families.json",
+    )
+    args = parser.parse_args(argv)
+    if args.quick and args.device == "cpu":
+        args.prompt_len, args.output_len = 64, 16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = args.shapes.split(",")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    t0 = time.perf_counter()
+    bw = measure_bandwidth(out) if args.device.startswith("cuda") else None
+    if bw is not None:
+        print(
+            f"bandwidth: copy {bw['copy_tb_s']:.3f} TB/s, sum {bw['read_sum_tb_s']:.3f} TB/s",
+            flush=True,
+        )
+    runs, summaries = [], []
+    for shape in shapes:
+        write = [
+            sys.executable,
+            str(BENCH),
+            "--shape",
+            shape,
+            "--checkpoint-dir",
+            args.checkpoint_dir,
+            "--device",
+            args.device,
+            "--write-checkpoint-only",
+        ]
+        rc, elapsed = run(write, out / f"{shape}-checkpoint.log", 600)
+        print(f"{shape}: checkpoint rc {rc} in {elapsed} s", flush=True)
+        shape_runs = [measure(shape, c, args, out) for c in concurrencies] if rc == 0 else []
+        runs += shape_runs
+        summaries.append(summarize(shape, shape_runs, bw, args))
+    text = table(summaries, concurrencies, bw)
+    payload = {
+        "setup": {**vars(args), **versions(), "total_s": round(time.perf_counter() - t0, 1)},
+        "bandwidth": bw,
+        "summaries": summaries,
+        "runs": runs,
+    }
+    (out / "families.json").write_text(json.dumps(payload, indent=2))
+    (out / "families.md").write_text(text + "\n")
+    print(text)
+    return (
+        0
+        if all(r["rc"] == 0 for r in runs) and len(runs) == len(shapes) * len(concurrencies)
+        else 1
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -110,6 +110,10 @@ def reference_greedy(path, prompt, max_tokens, loops, prompt_loops=None):
     """Greedy tokens; the prompt runs `prompt_loops` (default `loops`), later tokens `loops`."""
     weights = load_file(str(path / "model.safetensors"))
     raw = json.loads((path / "config.json").read_text())
+    return reference_greedy_from(weights, raw, prompt, max_tokens, loops, prompt_loops)
+
+
+def reference_greedy_from(weights, raw, prompt, max_tokens, loops, prompt_loops=None):
     ids = list(prompt)
     depths = [prompt_loops or loops] * len(prompt)
     for _ in range(max_tokens):
@@ -253,3 +257,33 @@ def test_rlt_serve_refuses_an_unsupported_architecture_naming_the_supported(chec
     assert "GPT2LMHeadModel" in done.stderr and "NanbeigeForCausalLM" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert elapsed < 30  # the issue asks < 5 s on a quiet machine; this one may be shared
+
+
+def test_a_tied_head_loads_whether_stored_or_not(tmp_path):
+    import dataclasses
+
+    from rlt_models import CheckpointError, load_model
+    from safetensors.torch import save_file
+
+    tied = write_random_checkpoint(
+        tmp_path / "tied", dataclasses.replace(CONFIG, tie_word_embeddings=True), seed=5
+    )
+    weights = load_file(str(tied / "model.safetensors"))
+    assert "lm_head.weight" not in weights  # as transformers' save_pretrained writes it
+    model = load_model(tied)
+    assert torch.equal(model.lm_head, weights["model.embed_tokens.weight"])
+    llm = LLM(tied, **ENGINE)
+    raw = json.loads((tied / "config.json").read_text())
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    expected = [
+        reference_greedy_from(weights, raw, p, n, 2) for p, n in zip(PROMPTS, MAX_TOKENS)
+    ]
+    assert [o.token_ids for o in generate(llm)] == expected
+    llm.shutdown()
+    # stored and equal (the Hub's upload of a tied model): loads; stored and different: refused
+    save_file(dict(weights), str(tied / "model.safetensors"))
+    load_model(tied)
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 1.0
+    save_file(dict(weights), str(tied / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="differs"):
+        load_model(tied)

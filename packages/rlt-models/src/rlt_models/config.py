@@ -218,6 +218,10 @@ class OuroConfig:
             eos_token_ids=self.eos_token_id,
         )
 
+    def tied_tensors(self) -> dict[str, str]:
+        """Ouro's head is untied: no tensor may be left out."""
+        return {}
+
     def declaration(self) -> FamilyDeclaration:
         """Ouro as a looped family: one stack of L layers applied T times, a learned gate."""
         return FamilyDeclaration(

@@ -145,6 +145,7 @@ def build_model(
         raise ValueError("quantize_lm_head needs quantization='fp8' (or an fp8 checkpoint)")
     family = family_of(config)
     sources = family.parameter_sources(config)
+    tensors = _drop_tied_copies(config.tied_tensors(), tensors, source)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
     _check_tensors(family.tensor_shapes(config), tensors, stored_fp8, kv_scale_names(config), source)
     with torch.device(device):
@@ -207,6 +208,21 @@ def _check_tensors(
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s) {shown}{more} in {source}")
+
+
+def _drop_tied_copies(
+    ties: dict[str, str], tensors: dict[str, torch.Tensor], source: str
+) -> dict[str, torch.Tensor]:
+    """A tied tensor (e.g. the head of a tied model) may be stored or not; stored, it must
+    equal the tensor it is tied to, and is then not used."""
+    stored = [name for name in ties if name in tensors]
+    for name in stored:
+        tied_to = ties[name]
+        if tied_to in tensors and not torch.equal(tensors[name], tensors[tied_to]):
+            raise CheckpointError(
+                f"{source}: {name!r} differs from {tied_to!r}, but config.json ties them"
+            )
+    return {k: v for k, v in tensors.items() if k not in stored}
 
 
 def _install_fp8(model, param_name, source_names, tensors, stored_fp8, device) -> None:

@@ -75,7 +75,6 @@ _IGNORED_KEYS = frozenset(
 # Options accepted only at their disabled value (`reject_enabled`), whatever their spelling.
 _NEUTRAL = {
     "hidden_act": "silu",
-    "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
     "rope_scaling": None,
@@ -99,6 +98,7 @@ class NanbeigeConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 70_000_000.0
     skip_loop_final_norm: bool = False
+    tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = (0,)
     torch_dtype: str = "bfloat16"
 
@@ -138,6 +138,7 @@ class NanbeigeConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             rope_theta=float(raw.get("rope_theta", 70_000_000.0)),
             skip_loop_final_norm=bool(raw.get("skip_loop_final_norm", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_id=eos_ids(raw),
             torch_dtype=torch_dtype_name(raw),
         )
@@ -148,9 +149,13 @@ class NanbeigeConfig:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["eos_token_id"] = list(self.eos_token_id)
-        out.update(hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-                   loop_share_kv=False, enable_double_loop_split=False)
+        out.update(hidden_act="silu", attention_bias=False, loop_share_kv=False,
+                   enable_double_loop_split=False)
         return out
+
+    def tied_tensors(self) -> dict[str, str]:
+        """Tensors a checkpoint may leave out because they equal another (tied head)."""
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
     def shape(self) -> LoopedModelShape:
         return LoopedModelShape(
@@ -204,7 +209,8 @@ def checkpoint_tensor_shapes(config: NanbeigeConfig) -> dict[str, tuple[int, ...
             f"{p}.post_attention_layernorm.weight": (d,),
         })
     shapes["model.norm.weight"] = (d,)
-    shapes["lm_head.weight"] = (v, d)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
     return shapes
 
 
@@ -220,7 +226,7 @@ def parameter_sources(config: NanbeigeConfig) -> dict[str, tuple[str, ...]]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             sources[f"{rt}.{norm}.weight"] = (f"{hf}.{norm}.weight",)
     sources["norm.weight"] = ("model.norm.weight",)
-    sources["lm_head"] = ("lm_head.weight",)
+    sources["lm_head"] = config.tied_tensors().get("lm_head.weight", "lm_head.weight"),
     return sources
 
 

@@ -61,7 +61,10 @@ def _rope(x, positions, theta):  # x [n, heads, d]: split-half rotation
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = positions[:, None].double() * inv[None]
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    cos, sin = (
+        torch.cat([angles.cos()] * 2, -1)[:, None],
+        torch.cat([angles.sin()] * 2, -1)[:, None],
+    )
     rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rotated * sin
 
@@ -86,7 +89,9 @@ def reference_logits(weights, raw, ids, depths):
             p = f"model.layers.{i}."
             h = _rms(y, w[p + "input_layernorm.weight"], eps)
             q = _rope((h @ w[p + "self_attn.q_proj.weight"].T).view(n, heads, d), positions, theta)
-            k = _rope((h @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, d), positions, theta)
+            k = _rope(
+                (h @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, d), positions, theta
+            )
             v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, kv_heads, d)
             if i in kept_kv:  # stopped positions keep their last loop's keys and values
                 k = torch.where(running[:, :, None], k, kept_kv[i][0])
@@ -136,7 +141,10 @@ def generate(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, **loops):
 @pytest.fixture(scope="module")
 def expected(checkpoint):
     return {
-        loops: [reference_greedy(checkpoint, p, n, loops) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        loops: [
+            reference_greedy(checkpoint, p, n, loops)
+            for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+        ]
         for loops in (1, 2, 3)
     }
 
@@ -183,7 +191,9 @@ def test_hf_overrides_change_the_loop_count(engines, expected):
 
 def test_batched_equals_serial_and_prefix_hits_equal_misses(engines, expected):
     llm = engines(enable_prefix_caching=True)
-    serial = [generate(llm, [p], [n])[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS)]
+    serial = [
+        generate(llm, [p], [n])[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
     assert serial == expected[2]
     again = generate(llm)  # every prompt's full pages are cached now
     assert [o.token_ids for o in again] == expected[2]
@@ -276,7 +286,8 @@ def test_a_tied_head_loads_whether_stored_or_not(tmp_path):
     raw = json.loads((tied / "config.json").read_text())
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     expected = [
-        reference_greedy_from(weights, raw, p, n, 2) for p, n in zip(PROMPTS, MAX_TOKENS)
+        reference_greedy_from(weights, raw, p, n, 2)
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
     ]
     assert [o.token_ids for o in generate(llm)] == expected
     llm.shutdown()

@@ -109,5 +109,7 @@ class FamilyDeclaration(msgspec.Struct, frozen=True):
         """Why this family cannot run `feature`, or None when it can."""
         for name, reason in self.unsupported:
             if name is feature:
-                return f"{self.name} ({self.architecture}) does not support {feature.value}: {reason}"
+                return (
+                    f"{self.name} ({self.architecture}) does not support {feature.value}: {reason}"
+                )
         return None

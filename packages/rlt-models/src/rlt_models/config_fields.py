@@ -44,9 +44,7 @@ def reject_enabled(
     accepted only while `disabled` (a feature rlt does not implement, switched off)."""
     for key, value in neutral.items():
         if key in raw and raw[key] != value and not (value is None and disabled(raw[key])):
-            raise ModelConfigError(
-                key, f"{family}: only {value!r} is supported, got {raw[key]!r}"
-            )
+            raise ModelConfigError(key, f"{family}: only {value!r} is supported, got {raw[key]!r}")
     known = set(known) | set(neutral)
     enabled = sorted(k for k, v in raw.items() if k not in known and not disabled(v))
     if enabled:

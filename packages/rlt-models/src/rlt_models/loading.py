@@ -147,7 +147,9 @@ def build_model(
     sources = family.parameter_sources(config)
     tensors = _drop_tied_copies(config.tied_tensors(), tensors, source)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
-    _check_tensors(family.tensor_shapes(config), tensors, stored_fp8, kv_scale_names(config), source)
+    _check_tensors(
+        family.tensor_shapes(config), tensors, stored_fp8, kv_scale_names(config), source
+    )
     with torch.device(device):
         model = family.model(config).to(dtype)
     quantized = set()
@@ -189,7 +191,9 @@ def _check_tensors(
                 raise CheckpointError(
                     f"tensor {name!r} in {source}: static activation scales are not supported"
                 )
-            raise CheckpointError(f"unexpected tensor {name!r} in {source} (not a weight of this model)")
+            raise CheckpointError(
+                f"unexpected tensor {name!r} in {source} (not a weight of this model)"
+            )
         if name in stored_fp8:
             check_quantized_tensor(name, tensor, expected[name])
             continue

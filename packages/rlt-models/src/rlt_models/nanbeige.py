@@ -103,10 +103,20 @@ class NanbeigeConfig:
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        require_fields(self, ("vocab_size", "hidden_size", "intermediate_size",
-                              "num_hidden_layers", "num_attention_heads",
-                              "num_key_value_heads", "head_dim", "num_loops",
-                              "max_position_embeddings"))
+        require_fields(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "num_loops",
+                "max_position_embeddings",
+            ),
+        )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 ("num_attention_heads", "num_key_value_heads"),
@@ -149,8 +159,12 @@ class NanbeigeConfig:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["eos_token_id"] = list(self.eos_token_id)
-        out.update(hidden_act="silu", attention_bias=False, loop_share_kv=False,
-                   enable_double_loop_split=False)
+        out.update(
+            hidden_act="silu",
+            attention_bias=False,
+            loop_share_kv=False,
+            enable_double_loop_split=False,
+        )
         return out
 
     def tied_tensors(self) -> dict[str, str]:
@@ -197,17 +211,19 @@ def checkpoint_tensor_shapes(config: NanbeigeConfig) -> dict[str, tuple[int, ...
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.self_attn.q_proj.weight": (q, d),
-            f"{p}.self_attn.k_proj.weight": (kv, d),
-            f"{p}.self_attn.v_proj.weight": (kv, d),
-            f"{p}.self_attn.o_proj.weight": (d, q),
-            f"{p}.mlp.gate_proj.weight": (f, d),
-            f"{p}.mlp.up_proj.weight": (f, d),
-            f"{p}.mlp.down_proj.weight": (d, f),
-            f"{p}.input_layernorm.weight": (d,),
-            f"{p}.post_attention_layernorm.weight": (d,),
-        })
+        shapes.update(
+            {
+                f"{p}.self_attn.q_proj.weight": (q, d),
+                f"{p}.self_attn.k_proj.weight": (kv, d),
+                f"{p}.self_attn.v_proj.weight": (kv, d),
+                f"{p}.self_attn.o_proj.weight": (d, q),
+                f"{p}.mlp.gate_proj.weight": (f, d),
+                f"{p}.mlp.up_proj.weight": (f, d),
+                f"{p}.mlp.down_proj.weight": (d, f),
+                f"{p}.input_layernorm.weight": (d,),
+                f"{p}.post_attention_layernorm.weight": (d,),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -221,12 +237,15 @@ def parameter_sources(config: NanbeigeConfig) -> dict[str, tuple[str, ...]]:
         hf, rt = f"model.layers.{i}", f"layers.{i}"
         sources[f"{rt}.qkv_proj"] = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
         sources[f"{rt}.o_proj"] = (f"{hf}.self_attn.o_proj.weight",)
-        sources[f"{rt}.mlp.gate_up_proj"] = (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
+        sources[f"{rt}.mlp.gate_up_proj"] = (
+            f"{hf}.mlp.gate_proj.weight",
+            f"{hf}.mlp.up_proj.weight",
+        )
         sources[f"{rt}.mlp.down_proj"] = (f"{hf}.mlp.down_proj.weight",)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             sources[f"{rt}.{norm}.weight"] = (f"{hf}.{norm}.weight",)
     sources["norm.weight"] = ("model.norm.weight",)
-    sources["lm_head"] = config.tied_tensors().get("lm_head.weight", "lm_head.weight"),
+    sources["lm_head"] = (config.tied_tensors().get("lm_head.weight", "lm_head.weight"),)
     return sources
 
 
@@ -321,7 +340,13 @@ class NanbeigeModel(LoopedModelBase):
             last = index + 1 == len(layers)
             next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
             x, normed = layer.forward_fused(
-                x, normed, cos, sin, attention, next_weight, impl=impl,
+                x,
+                normed,
+                cos,
+                sin,
+                attention,
+                next_weight,
+                impl=impl,
                 invariant=self.batch_invariant,
             )
         return (x if skip_norm else normed), None

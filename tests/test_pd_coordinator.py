@@ -274,9 +274,11 @@ def test_prefill_dying_mid_transfer_fails_the_request_and_the_next_uses_the_surv
         start = time.monotonic()
         response = complete(http)
         assert time.monotonic() - start < 3
-        assert response.status_code == 500
-        message = response.json()["error"]["message"]
-        assert "lost the connection to prefill instance prefill-0" in message
+        # a lost instance is the engine's unavailability (503), not a failure on the request
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
+        assert "lost the connection to prefill instance prefill-0" in error["message"]
         wait_for(lambda: not d.held, what="D freed")
         assert d.closed_early == [d.requests[-1].kv_transfer_params.transfer_id]
         # the broken instance is routed around at once
@@ -350,8 +352,11 @@ def test_dead_decode_fails_its_request_cleanly_and_the_survivor_serves_the_next(
         assert events[-1] == "[DONE]"
         assert events[0]["choices"][0]["text"] == "H"  # tokens before the failure arrived
         error = events[-2]["error"]
-        assert error["type"] == "internal_error"
+        assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
         assert "lost the connection to decode instance decode-0" in error["message"]
+        # the stream's one choice ended before the error event
+        assert events[-3]["choices"][0]["finish_reason"] == "abort"
+        assert http.get("/health").status_code == 200  # one lost instance: the service serves
         assert cluster.instances[1].state is InstanceState.UNREACHABLE
         for _ in range(2):
             assert complete(http).status_code == 200
@@ -604,7 +609,7 @@ def test_cli_supervises_children_restarts_a_killed_prefill_and_stops_on_ctrl_c(t
             response = complete(http)
             timer.join()
             assert time.monotonic() - start < 5  # well within the transfer timeout
-            assert response.status_code == 500
+            assert response.status_code == 503
             assert "prefill instance prefill-0" in response.json()["error"]["message"]
 
             # restarted (after --restart-delay), admitted again and reconnected with D

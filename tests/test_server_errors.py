@@ -12,6 +12,7 @@ import re
 import time
 
 import pytest
+from in_flight_failures import assert_failed_stream
 from serving_harness import run_server, sse_events
 
 
@@ -276,3 +277,91 @@ def test_dead_engine_turns_health_503_and_fails_requests_cleanly(checkpoint):
         assert_error(http.post("/v1/completions", json=OK_COMPLETION), 503, None)
         assert http.get("/metrics").status_code == 200
         assert re.search(r"^rlt:engine_up\{[^}]*\} 0\.0$", http.get("/metrics").text, re.M)
+
+
+class _BuggyDecode:
+    """A tokenizer whose decode fails while armed: stands in for a bug in the output path."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.armed = True
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, *args, **kwargs):
+        if self.armed:
+            raise RuntimeError("simulated bug in the output path")
+        return self._tokenizer.decode(*args, **kwargs)
+
+
+def stream_events(http, path: str, body: dict) -> list:
+    response = http.post(path, json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    return sse_events(response.text.splitlines())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bug_building_a_chunk_ends_the_stream_with_the_error_event(server, path):
+    """The chunk builder raises (logprobs' token text): every choice ends (finish_reason
+    "abort"), the usage chunk, a 500 error event and [DONE] go out, the engine requests are
+    cancelled, and the server serves on."""
+    ctx = server.app.state.rlt
+    tokenizer = ctx.tokenizer
+    ctx.tokenizer = _BuggyDecode(tokenizer)
+    chat = path.endswith("chat/completions")
+    body = OK_CHAT if chat else OK_COMPLETION
+    body = {**body, "max_tokens": 200, "ignore_eos": True, "n": 2}
+    body |= {"logprobs": True} if chat else {"logprobs": 1}
+    body |= {"stream_options": {"include_usage": True}}
+    try:
+        with server.http() as http:
+            events = stream_events(http, path, body)
+            ended = assert_failed_stream(events, choices=2, error=("internal_error", None))
+            assert "RuntimeError" in ended["message"]
+            server.wait_idle()  # both engine requests were cancelled: their KV is free
+            ctx.tokenizer = tokenizer
+            del body["stream_options"]
+            response = http.post(path, json={**body, "max_tokens": 3})
+            assert response.status_code == 200
+            # (a chat may stop on its template's end-of-turn token)
+            assert {c["finish_reason"] for c in response.json()["choices"]} <= {"length", "stop"}
+    finally:
+        ctx.tokenizer = tokenizer
+    server.wait_idle()
+
+
+class _BuggyDetokenizer:
+    """A request's detokenizer that fails on its first tokens: a bug in the output processor."""
+
+    def __init__(self, detokenizer) -> None:
+        self._detokenizer = detokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._detokenizer, name)
+
+    def add_tokens(self, *args, **kwargs):
+        raise RuntimeError("simulated bug in the output processor")
+
+
+def test_a_bug_processing_the_engines_output_fails_only_its_requests(server, monkeypatch):
+    """Detokenizing a request's tokens raises (in the front end's output processor): that
+    request's stream ends with a 500 error event and [DONE], a non-streaming one answers a 500
+    JSON body, both are aborted in the engine (KV freed), and the server serves on."""
+    processor = server.client._processor  # the front end's output processor (one per client)
+    detokenizer = processor._detokenizer
+    monkeypatch.setattr(processor, "_detokenizer", lambda r: _BuggyDetokenizer(detokenizer(r)))
+    with server.http() as http:
+        body = {**OK_COMPLETION, "max_tokens": 200, "n": 2}
+        body |= {"stream_options": {"include_usage": True}}
+        events = stream_events(http, "/v1/completions", body)
+        ended = assert_failed_stream(events, choices=2, error=("internal_error", None))
+        assert "RuntimeError" in ended["message"]
+        response = http.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 200})
+        assert_error(response, 500, None)
+        assert response.json()["error"]["type"] == "internal_error"
+        server.wait_idle()
+        assert not server.client._streams  # nothing of the failed requests is kept
+        monkeypatch.undo()
+        assert http.post("/v1/completions", json=OK_COMPLETION).status_code == 200
+    server.wait_idle()

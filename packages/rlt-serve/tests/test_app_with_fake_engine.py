@@ -211,7 +211,12 @@ def test_engine_failure_mid_stream_is_reported_in_band(http, fake):
     assert response.status_code == 200
     chunks = events(response.text)
     assert chunks[0]["choices"][0]["text"] == "ok"
-    assert "device lost" in chunks[1]["error"]["message"] and chunks[-1] == "[DONE]"
+    # the open choice ends ("abort", nothing new), then the error event and [DONE]
+    assert chunks[1]["choices"][0]["finish_reason"] == "abort"
+    assert chunks[1]["choices"][0]["text"] == ""
+    error = chunks[2]["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
+    assert "device lost" in error["message"] and chunks[3:] == ["[DONE]"]
     metrics = http.get("/metrics").text
     labels = 'endpoint="completions",model_name="m",outcome="unavailable"'
     assert f"rlt:http_requests_total{{{labels}}} 1.0" in metrics

@@ -261,7 +261,9 @@ def test_killed_decode_replica_fails_only_its_requests_and_its_replacement_is_cl
         # its KV was being written to the killed process: whichever side notices first names
         # it (the coordinator: D's stream broke; P: its write to D's agent failed)
         response = third.result(timeout=120)
-        assert response.status_code == 500, response.text
+        # 503 when the coordinator saw D's stream break first (an instance lost), 500 when
+        # P reported its failed write first (docs/serving.md: what a client sees)
+        assert response.status_code in (500, 503), response.text
         message = response.json()["error"]["message"]
         assert victim in message or before[victim]["agent"] in message, message
         # (a slow machine: the replacement starts meanwhile; a stall says how far it got)

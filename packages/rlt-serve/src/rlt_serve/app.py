@@ -105,7 +105,8 @@ def build_app(
       `ConfigurationError` here, at start-up).
     allowed_hosts: accepted Host names (None: any); pass loopback names when bound to loopback.
     allowed_origins: browser origins allowed to call the API (CORS); others get 403.
-    engine_error: returns why the engine stopped, or None while it runs (drives /health).
+    engine_error: returns why the engine stopped, or None while it runs (drives /health);
+      without it, the first `EngineDeadError` a request meets marks the engine dead.
     pd: an engine instance's PD control: adds the /internal/pd/* endpoints a PD coordinator
       uses (pd_routes.py).
     version: what GET /version reports (default: rlt-serve's package version).
@@ -219,7 +220,9 @@ def build_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def handle_engine_error(request: Request, exc: RltError) -> JSONResponse:
-        if isinstance(exc, EngineDeadError) and not observed_failure:
+        # a client with its own `engine_error` says when the engine is gone; an EngineDeadError
+        # of one request (a lost PD instance) is not the whole engine's death
+        if engine_error is None and isinstance(exc, EngineDeadError) and not observed_failure:
             observed_failure.append(exc)
         return await handle_unexpected(request, exc)
 

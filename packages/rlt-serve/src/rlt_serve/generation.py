@@ -42,10 +42,12 @@ from rlt_contracts import (
     BatchSubmitter,
     EngineClient,
     EngineRequest,
+    FinishReason,
     RequestOutputDelta,
     SamplingParams,
     TokenLog,
     TokenLogColumns,
+    requested_columns,
 )
 from rlt_contracts.sampling import MAX_SEED
 
@@ -304,6 +306,28 @@ class Generation:
                     500, f"the engine failed on this request: {choice.error}", type="internal_error"
                 )
         return None
+
+    async def abort_open_choices(self) -> list[tuple[Choice, RequestOutputDelta]]:
+        """End every choice that has not finished (its stream failed): its engine request is
+        cancelled (KV freed), and it gets finish_reason "abort" and an empty final delta to
+        build its last chunk from. Nothing is counted in the metrics: no engine result
+        arrived."""
+        await self._cancel_unfinished()
+        ends = []
+        empty_columns = dict.fromkeys(requested_columns(self.sampling), ())
+        for choice in self.choices:
+            if choice.finished:
+                continue
+            choice.finish_reason = str(FinishReason.ABORT)
+            end = RequestOutputDelta(
+                request_id=choice.request_id,
+                finished=True,
+                finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=choice.prompt_tokens,
+                **empty_columns,
+            )
+            ends.append((choice, end))
+        return ends
 
     def usage(self, model_depth: int) -> Usage:
         """Prompt tokens once per prompt; completion tokens and loops of every generated

@@ -1,22 +1,36 @@
 """Server-sent events: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
 
-A stream that fails after it started (the engine died, or failed on this request) sends one
-`data: {"error": {...}}` event (the OpenAI client raises it as an APIError) and then [DONE].
+A stream that fails after it started ends exactly like a finished one, plus one error event:
+
+    ... chunks ...
+    one last chunk per choice still open, with finish_reason "abort" and nothing new
+    the usage chunk (with stream_options.include_usage): what was generated until then
+    data: {"error": {"message", "type", "param", "code"}}   (the openai client raises it)
+    data: [DONE]
+
+whatever failed: the engine died (503 `engine_unavailable`), failed on this request (500
+`internal_error`), or a bug in this process while building a chunk (500 `internal_error`,
+logged with its traceback). The error event and `[DONE]` always go out, even when the choice
+or usage chunks cannot be built (the same bug); the server keeps serving other requests, and
+the generation's engine requests that did not finish are cancelled (their KV freed).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
-from rlt_contracts import RequestOutputDelta
+from rlt_contracts import RequestOutputDelta, RltError
 from starlette.types import Receive, Scope, Send
 
 from rlt_serve.errors import APIError, from_engine_error, sse_error_event
 from rlt_serve.generation import Choice, Generation
+
+logger = logging.getLogger("rlt_serve")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -60,8 +74,9 @@ def stream_generation(
     chunks: ChunkBuilder,
     closing: Callable[[], Iterable[BaseModel]],
 ) -> GenerationStreamResponse:
-    """SSE response: `opening` chunks, one or more chunks per delta, `closing` chunks, [DONE].
-    `generation` was entered (submitted, and watching its client's disconnect)."""
+    """SSE response: `opening` chunks, one or more chunks per delta, `closing` chunks, [DONE]
+    (on a failure: see the module docstring). `generation` was entered (submitted, and
+    watching its client's disconnect)."""
 
     async def events() -> AsyncIterator[bytes]:
         try:
@@ -71,15 +86,45 @@ def stream_generation(
                 for chunk in chunks(choice, delta):
                     yield sse(chunk)
             failure = generation.failure()
-            if failure is not None:
-                yield sse_error_event(failure)
-            else:
-                for chunk in closing():
-                    yield sse(chunk)
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-            generation.record_error(error)
-            yield sse_error_event(error)
+            failure = _api_error(exc)
+            generation.record_error(failure)
+        if failure is None:
+            for chunk in closing():
+                yield sse(chunk)
+        else:
+            ends = await generation.abort_open_choices()
+            for event in _failed_ending(ends, chunks, closing):
+                yield event
+            yield sse_error_event(failure)
         yield DONE
 
     return GenerationStreamResponse(events(), generation)
+
+
+def _api_error(exc: Exception) -> APIError:
+    """The error event of a stream that raised `exc`: an engine error keeps its meaning (a dead
+    engine is 503 engine_unavailable); anything else is a bug here, logged."""
+    if isinstance(exc, APIError):
+        return exc
+    if not isinstance(exc, RltError):
+        logger.error("a stream failed while building its chunks", exc_info=exc)
+    return from_engine_error(exc)
+
+
+def _failed_ending(
+    ends: list[tuple[Choice, RequestOutputDelta]],
+    chunks: ChunkBuilder,
+    closing: Callable[[], Iterable[BaseModel]],
+) -> list[bytes]:
+    """A failed stream's last chunks before its error event: the last chunk of each choice that
+    was still open (`ends`: finish_reason "abort"), then the closing (usage) chunks. Built all
+    at once, so a builder that fails (the bug that failed the stream) sends none of them rather
+    than half."""
+    try:
+        events = [sse(chunk) for choice, end in ends for chunk in chunks(choice, end)]
+        events += [sse(chunk) for chunk in closing()]
+    except Exception:  # noqa: BLE001 - the error event still goes out
+        logger.exception("a failed stream's closing chunks could not be built")
+        return []
+    return events

@@ -17,11 +17,15 @@ PD mode, per request (see README.md for the timeline):
 Router mode (replicas of role none) is the same without P: one generate stream per request
 on the least loaded replica.
 
-Failures never raise out of `stream()`: the stream ends with a final delta whose `error`
-names the instance and what happened (rlt-serve answers 500 with that message, or sends it
-in-band on a streaming response). An instance that could not be reached or whose connection
-broke is marked unreachable, so the next requests go to the others until a poll finds it
-again.
+Failures end the request's stream, naming the instance and what happened:
+- an instance lost mid-request (its connection broke or its stream ended early: its process
+  most likely died) raises `EngineDeadError` from `stream()`: rlt-serve answers 503
+  `engine_unavailable` (or sends it in-band on a streaming response). Only that request
+  fails: /health follows the cluster (`unavailable()`), not one lost instance.
+- anything else (an instance's error, a timeout, a protocol error) ends the stream with a
+  final delta whose `error` says it: rlt-serve answers 500 `internal_error`.
+An instance that could not be reached or whose connection broke is marked unreachable, so the
+next requests go to the others until a poll finds it again.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class _FlowFailure(InstanceError):
     from submit, rlt-serve answers it as an engine error (HTTP 500 with the message)."""
 
 
+class _InstanceLost(_FlowFailure):
+    """The instance went away mid-request (its connection broke, or its stream ended before
+    the request did): the request fails with `EngineDeadError` (HTTP 503)."""
+
+
 @dataclass(eq=False)
 class _Flow:
     request: EngineRequest
@@ -94,6 +103,7 @@ class _Flow:
     cancelled: bool = False
     first_delta: asyncio.Event = field(default_factory=asyncio.Event)
     tokens: int = 0  # tokens streamed so far
+    lost: EngineDeadError | None = None  # raised by the stream in place of its final delta
 
     @property
     def request_id(self) -> str:
@@ -176,11 +186,13 @@ class PDEngineClient:
         self._flows[request.request_id] = flow
         try:
             await self._open_output(flow)
-        except BaseException:
+        except BaseException as exc:
             await self._close(flow)
             self._release(flow)
             if self._flows.get(request.request_id) is flow:
                 del self._flows[request.request_id]
+            if isinstance(exc, _InstanceLost):
+                raise EngineDeadError(str(exc)) from None
             raise
         self._counters.prompt_tokens += len(request.prompt_token_ids)
         # a cancel() that arrived while submitting is seen by the task when it starts
@@ -209,8 +221,9 @@ class PDEngineClient:
             await asyncio.wait({flow.task}, timeout=CANCEL_WAIT_S)
 
     async def shutdown(self) -> None:
-        """Refuse new requests, abort the ones in flight (closing their connections), stop
-        polling and close the HTTP client. Idempotent."""
+        """Refuse new requests, abort the ones in flight (closing their connections; each
+        ends with finish_reason "abort" after what it generated), stop polling and close the
+        HTTP client. Idempotent."""
         self._shutting_down = True
         if self._shutdown_done:
             return
@@ -282,7 +295,7 @@ class PDEngineClient:
             ) from None
         except httpx.HTTPError as exc:
             self.cluster.mark_unreachable(instance, f"request failed: {exc!r}")
-            raise _FlowFailure(f"the request to {instance} failed: {exc!r}") from None
+            raise _InstanceLost(f"the request to {instance} failed: {exc!r}") from None
         if response.status_code == 200:
             return response
         try:
@@ -308,10 +321,12 @@ class PDEngineClient:
             else:
                 await self._handoff(flow, lines)
         except asyncio.CancelledError:
-            reason = None if flow.cancelled else "the coordinator is shutting down"
-            self._finish(flow, error=reason, log=False)
+            # its consumer left (`cancel`) or the coordinator shuts down (`shutdown`, after the
+            # drain's grace period): the request ends as `rlt serve` ends it then, with
+            # finish_reason "abort" after what it generated (a 200 with the partial text)
+            self._finish(flow, error=None, log=False)
         except _FlowFailure as exc:
-            self._finish(flow, error=str(exc))
+            self._finish(flow, error=str(exc), lost=isinstance(exc, _InstanceLost))
         except Exception as exc:  # noqa: BLE001 - a bug here must still end the stream
             logger.exception("request %s failed in the coordinator", flow.request_id)
             self._finish(flow, error=f"internal coordinator error: {exc!r}")
@@ -363,7 +378,7 @@ class PDEngineClient:
                 f"{d} did not admit the request within {self.timeouts.admission:g} s"
             ) from None
         if first is None:
-            raise _FlowFailure(f"{d} ended the stream before admitting the request")
+            raise _InstanceLost(f"{d} ended the stream before admitting the request")
         if first.error is not None:
             raise _FlowFailure(f"{d} failed to admit the request: {_error_text(first)}")
         if first.delta is not None:
@@ -426,7 +441,9 @@ class PDEngineClient:
         try:
             try:
                 response = await self._open(p, GenerateBody(flow.request, params))
-            except (InstanceUnavailableError, _FlowFailure) as exc:
+            except (InstanceUnavailableError, _InstanceLost) as exc:
+                raise _InstanceLost(f"the KV handoff failed: {exc}") from None
+            except _FlowFailure as exc:
                 raise _FlowFailure(f"the KV handoff failed: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - P refused the request
                 raise _FlowFailure(f"{p} refused the prefill: {exc}") from None
@@ -435,7 +452,7 @@ class PDEngineClient:
                     return
                 if line.error is not None:
                     raise _FlowFailure(f"{p} failed during the KV handoff: {_error_text(line)}")
-            raise _FlowFailure(f"{p} ended its stream before its KV transfer completed")
+            raise _InstanceLost(f"{p} ended its stream before its KV transfer completed")
         finally:
             # done: P has finished; otherwise closing the connection aborts it on P
             if response is not None:
@@ -456,7 +473,7 @@ class PDEngineClient:
                 raise _FlowFailure(f"{source} failed: {_error_text(line)}")
             elif line.target is not None:
                 raise _FlowFailure(f"{source} sent a second handoff target (protocol error)")
-        raise _FlowFailure(f"{source} ended the stream before the request finished")
+        raise _InstanceLost(f"{source} ended the stream before the request finished")
 
     async def _lines(self, instance: Instance, response: httpx.Response):
         """The stream's lines, parsed; a broken connection or a bad line fails the request
@@ -471,7 +488,7 @@ class PDEngineClient:
                     raise _FlowFailure(f"{instance} sent an invalid stream line: {exc}") from None
         except httpx.HTTPError as exc:
             self.cluster.mark_unreachable(instance, f"connection lost: {exc!r}")
-            raise _FlowFailure(
+            raise _InstanceLost(
                 f"lost the connection to {instance} ({type(exc).__name__}: {exc})"
             ) from None
 
@@ -499,12 +516,17 @@ class PDEngineClient:
             else:
                 self._counters.finished_requests += 1
 
-    def _finish(self, flow: _Flow, *, error: str | None, log: bool = True) -> None:
-        """End the stream with a final "abort" delta (carrying `error`) unless it ended."""
+    def _finish(
+        self, flow: _Flow, *, error: str | None, log: bool = True, lost: bool = False
+    ) -> None:
+        """End the stream with a final "abort" delta (carrying `error`) unless it ended;
+        `lost`: an instance went away, so the stream raises `EngineDeadError(error)` instead."""
         if flow.finished:
             return
         if error and log:
             logger.warning("request %s failed: %s", flow.request_id, error)
+        if lost and error:
+            flow.lost = EngineDeadError(error)
         self._push(
             flow,
             RequestOutputDelta(
@@ -522,6 +544,8 @@ class PDEngineClient:
         try:
             while True:
                 delta = await flow.queue.get()
+                if delta.finished and flow.lost is not None:
+                    raise flow.lost
                 yield delta
                 if delta.finished:
                     return

@@ -203,16 +203,31 @@ class OutputProcessor:
             if self.states.get(state.request_id) is state:
                 del self.states[state.request_id]
 
-    def process(self, deltas: Iterable[RequestOutputDelta]) -> tuple[list[RequestState], list[str]]:
+    def process(
+        self,
+        deltas: Iterable[RequestOutputDelta],
+        on_error: Callable[[str, Exception], None] | None = None,
+    ) -> tuple[list[RequestState], list[str]]:
         """Apply one round of core deltas: (states with something for their consumer, ids whose
-        stop string matched, to be finished in the core with reason STOP)."""
+        stop string matched, to be finished in the core with reason STOP).
+
+        on_error(request_id, error): a delta that fails to apply (a bug, e.g. in a tokenizer)
+        is reported there and the round goes on with the other requests' deltas; without it
+        the error propagates."""
         touched: list[RequestState] = []
         stopped: list[str] = []
         for delta in deltas:
             state = self.states.get(delta.request_id)
             if state is None or state.ended:
                 continue  # a request this front end no longer follows
-            if state.apply(delta):
+            try:
+                matched = state.apply(delta)
+            except Exception as error:
+                if on_error is None:
+                    raise
+                on_error(delta.request_id, error)
+                continue
+            if matched:
                 stopped.append(delta.request_id)
             touched.append(state)
         return touched, stopped

@@ -19,14 +19,19 @@ Request identity (R17): a stream holds its `RequestState`, not an id, and `cance
 while the state registered for the id is that stream's and unfinished, so a cancel that
 arrives after the id was reused never touches the newer request.
 
-If the core dies (`_on_dead`), every live stream and pending call ends with `EngineDeadError`
-and `dead` says why (the HTTP app turns that into 5xx bodies and a failing /health).
+If the core dies (`on_dead`), every live stream and pending call ends with `EngineDeadError`
+and `dead` says why (the HTTP app turns that into 503 bodies or error events and a failing
+/health); a stream first yields what arrived before the death. If applying one of the core's
+deltas fails (a bug in this process, `_output_failed`), only that request's stream ends, at
+once, with the exception (the HTTP app answers 500 `internal_error`), and the request is aborted
+in the core; the other requests of the round go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from rlt_contracts import (
@@ -46,6 +51,8 @@ from rlt_contracts import (
 
 from rlt.engine.output_processor import OutputProcessor, RequestState
 
+logger = logging.getLogger(__name__)
+
 
 class _Stream:
     """Wake-ups of one request's consumer; the data stays in its `RequestState`.
@@ -53,14 +60,22 @@ class _Stream:
     final_only: the consumer reads the request once, when it ended (FINAL), so it is not woken
     before; otherwise at every round that brought it something (DELTA)."""
 
-    __slots__ = ("state", "wakeup", "failure", "abandoned", "final_only")
+    __slots__ = ("state", "wakeup", "failure", "broken", "abandoned", "final_only")
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
         self.wakeup = asyncio.Event()
         self.failure: BaseException | None = None
+        # its output could not be processed: `failure` is raised before anything else, and
+        # the core's later deltas for it are ignored (it was aborted there)
+        self.broken = False
         self.abandoned = False  # its reader stopped before the end (a client that left)
         self.final_only = False
+
+    @property
+    def open(self) -> bool:
+        """The request runs in the core for this stream: it neither ended nor broke."""
+        return not self.state.ended and not self.broken
 
 
 class CoreClient:
@@ -150,6 +165,8 @@ class CoreClient:
         state = stream.state
         try:
             while True:
+                if stream.broken:
+                    raise stream.failure
                 if state.ended if stream.final_only else state.has_news():
                     delta = state.take()
                     yield delta
@@ -168,7 +185,7 @@ class CoreClient:
 
     async def cancel(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None and not stream.state.ended and self._dead is None:
+        if stream is not None and stream.open and self._dead is None:
             self._transport_send_quietly(CoreAbort((request_id,)))
 
     async def pd_connect(self, peers: Sequence[bytes]) -> list[list[str]]:
@@ -182,13 +199,13 @@ class CoreClient:
 
     def live_request_ids(self) -> list[str]:
         """Requests of this front end that have not ended."""
-        return [r for r, stream in self._streams.items() if not stream.state.ended]
+        return [r for r, stream in self._streams.items() if stream.open]
 
     async def wait_finished(self, request_ids, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until the core reported the end of these requests."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._dead is None and any(
-            (s := self._streams.get(r)) is not None and not s.state.ended for r in request_ids
+            (s := self._streams.get(r)) is not None and s.open for r in request_ids
         ):
             if asyncio.get_running_loop().time() > deadline:
                 return
@@ -221,7 +238,7 @@ class CoreClient:
 
     def _forget(self, stream: _Stream) -> None:
         request_id = stream.state.request_id
-        if self._streams.get(request_id) is stream and stream.state.ended:
+        if self._streams.get(request_id) is stream and not stream.open:
             del self._streams[request_id]
             self._processor.drop((stream.state,))
 
@@ -243,7 +260,7 @@ class CoreClient:
                     future.set_exception(error)
         if not outputs.deltas:
             return
-        touched, stopped = self._processor.process(outputs.deltas)
+        touched, stopped = self._processor.process(outputs.deltas, self._output_failed)
         for state in touched:
             stream = self._streams.get(state.request_id)
             if stream is not None and stream.state is state:
@@ -254,6 +271,22 @@ class CoreClient:
         if stopped:
             self._transport_send_quietly(CoreAbort(tuple(stopped), FinishReason.STOP))
 
+    def _output_failed(self, request_id: str, error: Exception) -> None:
+        """One of the core's deltas for `request_id` could not be applied (a bug in this
+        process): its stream ends with `error` at once, the core aborts the request (its KV is
+        freed) and its later deltas are ignored."""
+        logger.error("processing the output of request %s failed", request_id, exc_info=error)
+        stream = self._streams.get(request_id)
+        if stream is None or not stream.open:
+            return
+        stream.failure, stream.broken = error, True
+        self._processor.drop((stream.state,))
+        self._transport_send_quietly(CoreAbort((request_id,)))
+        if stream.abandoned:
+            self._forget(stream)
+        else:
+            stream.wakeup.set()
+
     def on_dead(self, error: BaseException) -> None:
         """The core is gone: fail every call and stream (runs on the event loop)."""
         if self._dead is not None:
@@ -263,6 +296,6 @@ class CoreClient:
             if not future.done():
                 future.set_exception(self._dead)
         for stream in self._streams.values():
-            if not stream.state.ended:
+            if stream.open:
                 stream.failure = self._dead
                 stream.wakeup.set()

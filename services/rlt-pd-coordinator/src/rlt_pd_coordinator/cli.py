@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from rlt_contracts import ConfigurationError, RltError
 from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
+from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_USAGE
+from rlt_serve.listening import port_number
 
 from rlt_pd_coordinator.client import Timeouts
 from rlt_pd_coordinator.server import CoordinatorOptions, run
@@ -178,7 +180,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
     )
-    front.add_argument("--port", type=int, default=8000)
+    front.add_argument("--port", type=port_number, default=8000, help="0..65535 (0: any free)")
     front.add_argument(
         "--api-key",
         default=os.environ.get("RLT_API_KEY"),
@@ -284,10 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(options)
     except StartupError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     except RltError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

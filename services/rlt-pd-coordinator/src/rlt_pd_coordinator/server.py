@@ -35,6 +35,7 @@ from rlt_serve import (
     build_app,
     is_loopback,
 )
+from rlt_serve.listening import listening_socket
 
 from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
@@ -167,10 +168,9 @@ def resolve_model_dir(model: str | None) -> Path:
             )
         return found
     path = Path(model).expanduser().resolve()
-    if not path.is_dir():
-        raise ConfigurationError(
-            "model", f"{model!r} is not a directory (give a local checkpoint directory)"
-        )
+    from rlt_models.model_dir import check_model_dir  # torch: only once a model is needed
+
+    check_model_dir(path)  # before any instance starts: everything the directory lacks
     return path
 
 
@@ -225,19 +225,6 @@ def build_model_info(
         family=family.name,
         exit_signal=family.exit_signal.value,
     )
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The front's listening socket, bound before any child starts (a taken port fails fast)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigurationError("port", f"cannot listen on {host}:{port}: {exc}") from None
-    return sock
 
 
 def build_front(
@@ -430,6 +417,12 @@ class _DrainingServer(uvicorn.Server):
         self._grace_s = grace_s
         self._on_shutdown = on_shutdown
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the URL once it answers (the port the OS chose for --port 0)
+            port = sockets[0].getsockname()[1] if sockets else self.config.port
+            logger.info("ready at http://%s:%d", self.config.host, port)
+
     async def shutdown(self, sockets=None) -> None:
         if self._on_shutdown is not None:
             self._on_shutdown()
@@ -453,7 +446,7 @@ def run(options: CoordinatorOptions) -> int:
 
 async def _run(options: CoordinatorOptions) -> int:
     coordinator = Coordinator(options)
-    sock = bind_socket(options.host, options.port)
+    sock = listening_socket(options.host, options.port)  # before any child: a taken port fails
     stop = asyncio.Event()
     signals = _Signals(asyncio.get_running_loop())
     signals.handle(stop.set)

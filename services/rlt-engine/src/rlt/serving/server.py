@@ -44,6 +44,7 @@ from rlt_serve import (
     is_loopback,
 )
 from rlt_serve.info_routes import package_version
+from rlt_serve.listening import listening_socket
 
 from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
@@ -131,8 +132,9 @@ class DrainingServer(uvicorn.Server):
         if self._on_start is not None:
             await self._on_start()
         await super().startup(sockets)
-        if self.started:
-            self.clock.ready(f"ready at http://{self.config.host}:{self.config.port}")
+        if self.started:  # the URL once it answers (the port the OS chose for --port 0)
+            port = sockets[0].getsockname()[1] if sockets else self.config.port
+            self.clock.ready(f"ready at http://{self.config.host}:{port}")
 
     def core_died(self) -> None:
         self.engine_died = True
@@ -241,8 +243,11 @@ def run_front_end(
     )
     server.clock = clock
     try:
+        # bound here, not by uvicorn: a port taken since `rlt serve` probed it is a clear
+        # ConfigurationError (exit 2), not uvicorn's exit after it logged the bind error
+        sock = sock or listening_socket(options.host, options.port)
         with _signals_end_cleanly():
-            server.run(sockets=[sock] if sock is not None else None)  # (SystemExit(1): no bind)
+            server.run(sockets=[sock])
     finally:
         transport.dispose()
     return server.exit_code

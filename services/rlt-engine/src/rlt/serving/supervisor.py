@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 
 import msgspec
 from rlt_contracts import ConfigurationError, CoreClientGone, CoreShutdown
+from rlt_serve.listening import listening_socket
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.startup import configure_logging
@@ -64,13 +65,12 @@ class _Supervisor:
         self.context = multiprocessing.get_context(child_start_method(config))
         # the core first: a forked core must not hold the listening socket
         self.core = CoreProcess.start(config, log_level=options.log_level)
-        try:
-            self.sock = socket.create_server((options.host, options.port))
-        except OSError as error:
+        try:  # `rlt serve` probed the port before this: a failure here is a race
+            self.sock = listening_socket(options.host, options.port)
+            self.sock.listen()
+        except (ConfigurationError, OSError):
             self.core.stop()
-            raise ConfigurationError(
-                ("host", "port"), f"cannot listen on {options.host}:{options.port}: {error}"
-            ) from None
+            raise
         self.front_ends: dict[int, multiprocessing.Process] = {}
         self.stopping = 0  # signals received
         self._control = None  # a DEALER to the core for CoreClientGone / CoreShutdown
@@ -104,11 +104,10 @@ class _Supervisor:
     def run(self) -> int:
         for index in range(self.options.api_server_count):
             self.start_front_end(index)
+        # each front end logs its URL once it answers (`ready at`), after the core loaded
         logger.info(
-            "start-up: %d API servers at http://%s:%d over one engine core",
+            "start-up: %d API servers starting over one engine core",
             self.options.api_server_count,
-            self.options.host,
-            self.options.port,
         )
         exit_code = 0
         core_sentinel = [self.core.process.sentinel]  # emptied once the core is gone

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from rlt_models import OuroConfig, load_tokenizer, write_random_checkpoint
 
 CONFIG = OuroConfig(
@@ -38,3 +40,15 @@ def test_tokenizer_training_is_deterministic(tmp_path):
     a = write_random_checkpoint(tmp_path / "a", CONFIG, seed=1)
     b = write_random_checkpoint(tmp_path / "b", CONFIG, seed=2)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+
+
+def test_a_text_longer_than_the_context_logs_no_indexing_warning(tmp_path, caplog):
+    """rlt checks prompt lengths itself (a 400 naming the limit): transformers' "Token indices
+    sequence length is longer ... indexing errors" warning is silenced."""
+    tok = load_tokenizer(write_random_checkpoint(tmp_path / "ckpt", CONFIG))
+    with caplog.at_level(logging.WARNING):
+        ids = tok.encode("the river " * 200, add_special_tokens=False)
+        other = tok.encode("it is a truth " * 200, add_special_tokens=False)
+    assert len(ids) > CONFIG.max_position_embeddings < len(other)
+    assert "indexing errors" not in caplog.text
+    assert not [r for r in caplog.records if r.name.startswith("transformers")]

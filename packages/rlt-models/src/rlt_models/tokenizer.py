@@ -7,6 +7,7 @@ Special tokens mirror Ouro: `<|endoftext|>` = 0 (eos, bos and pad), `<|im_start|
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -67,8 +68,26 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, *, model_max_le
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
+class _NoContextLengthWarning(logging.Filter):
+    """transformers warns once per tokenizer when a text encodes to more tokens than
+    `model_max_length` ("... will result in indexing errors"). rlt never runs such a sequence
+    unchecked: the engine and the servers compare every prompt with the context length and
+    refuse it with an error naming the limit, so the warning only misleads (a 400 that also
+    logs a warning looks like a server fault)."""
+
+    PREFIX = "Token indices sequence length is longer than the specified maximum"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.PREFIX)
+
+
+_CONTEXT_LENGTH_WARNING = _NoContextLengthWarning()
+
+
 def load_tokenizer(model_dir: str | Path):
     """`transformers.AutoTokenizer` for a local model directory, never touching the network."""
+    # where transformers logs it (addFilter keeps one instance once)
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_CONTEXT_LENGTH_WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import warnings

@@ -729,3 +729,15 @@ def test_a_run_in_which_no_request_succeeds_exits_1_naming_the_errors(
     assert "http_503" in captured.err and "the engine is unavailable" in captured.err
     result = json.loads((tmp_path / "run.json").read_text())
     assert (result["completed"], result["failed"]) == (0, 3)
+
+
+def test_a_server_that_does_not_answer_exits_1_saying_so(capsys):
+    from serving_harness import free_port
+
+    code = main(["bench", "serve", "--port", str(free_port()), "--disable-tqdm"])
+    assert code == EXIT_FAILURE
+    error = capsys.readouterr().err
+    assert "cannot list models at http://127.0.0.1:" in error and "is the server up?" in error
+    with pytest.raises(SystemExit) as refused:  # a port outside 0..65535: a bad flag, exit 2
+        main(["bench", "serve", "--port", "65536"])
+    assert refused.value.code == 2

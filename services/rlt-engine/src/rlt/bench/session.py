@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlt_contracts import ConfigurationError, RltError
+from rlt_contracts import RltError
 
 from rlt.bench.arrival import arrival_times
 from rlt.bench.datasets import DEFAULT_VOCAB_SIZE, BenchRequest, jsonl_requests, random_requests
@@ -27,8 +27,9 @@ from rlt.bench.runner import list_models, make_client, run_requests
 
 
 class BenchFailed(RltError):
-    """Nothing could be measured: the test request failed, or no request of a run succeeded
-    (`rlt bench serve` exits 1 with this message)."""
+    """Nothing could be measured: the server listed no model or could not be reached, the test
+    request failed, or no request of a run succeeded (`rlt bench serve` exits 1 with this
+    message; bad flags exit 2)."""
 
 
 def build_requests(args: argparse.Namespace, *, chat: bool, vocab_size: int) -> list:
@@ -106,14 +107,13 @@ class BenchSession:
                 cards = await list_models(client)
             except Exception as exc:
                 if args.model is None:
-                    raise ConfigurationError(
-                        "model",
+                    raise BenchFailed(
                         f"cannot list models at {self.endpoint.api_base}/models "
                         f"({type(exc).__name__}: {exc}); is the server up? "
-                        "Otherwise pass --model",
+                        "Otherwise pass --model"
                     ) from None
         if args.model is None and not cards:
-            raise ConfigurationError("model", "the server lists no model; pass --model")
+            raise BenchFailed("the server lists no model; pass --model")
         self.model = args.model or cards[0]["id"]
         if args.random_vocab_size is not None:
             return args.random_vocab_size

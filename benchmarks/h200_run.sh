@@ -223,8 +223,8 @@ case "$mode" in
     python3 benchmarks/kv_pool_capacity.py --model /tmp/rlt-bench-checkpoints/ouro-1.4b \
       --out "$OUT/kv_pool.json" 2>&1 | grep -v "^20\|INFO" | tail -3 ;;
   families)
-    python3 benchmarks/family_speed.py --out "$OUT/families" "$@" 2>&1 | tee "$OUT/families.log" \
-      | tail -14
+    timeout "${FAMILIES_S:-540}" python3 benchmarks/family_speed.py --out "$OUT/families" "$@" 2>&1 \
+      | tee "$OUT/families.log" | tail -14
     rc=${PIPESTATUS[0]}
     tar czf "$OUT/families.tgz" -C "$OUT" families && rm -rf "$OUT/families"
     exit $rc ;;

@@ -1,77 +1,247 @@
-"""`rlt serve` as a real process: SIGTERM/SIGINT end it cleanly (exit code 0) with in-flight
-requests finished or aborted; a second signal during the drain aborts the rest at once, still
-cleanly (JSON bodies, streams ending with a last chunk and [DONE], no tracebacks), and the exit
-code says so (128 + the signal); without a model and without the bundled model it exits 2 with
-a clear message."""
+"""`rlt serve` stopped as users and their launchers stop it: started as `uv run rlt serve ...`
+(the README's launcher) in a process group of its own, then SIGINT or SIGTERM to the whole
+group (a terminal's Ctrl-C, systemd, `kill -- -PGID`: uv forwards its own copy as well) or to
+uv alone, at start-up or while serving (docs/serving.md, Shutdown; `rlt_serve.shutdown`).
+
+Every stop: exit code 0 within the documented bound, no traceback, no process of the command
+left (the engine core, every front end), and each request in flight answered: drained if it
+finishes within --shutdown-timeout, else 200 with its partial text and finish_reason "abort"
+(a stream's last chunk, then `[DONE]`). A genuine second signal, sent after the first was
+handled, ends the drain at once (exit 130), just as cleanly. Without a model it exits 2."""
 
 from __future__ import annotations
 
-import re
+import random
 import signal
-import subprocess
 import threading
 import time
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from launcher_harness import UV, Launch
 from rlt.cli import main
-from serving_harness import free_port, sse_events, start_serve_process, wait_ready
+from rlt_serve.shutdown import DUPLICATE_WINDOW_S, STOP_BOUND_MARGIN_S
+from serving_harness import free_port, sse_events
+
+GRACE_S = 1.0  # --shutdown-timeout: requests that outlive it are aborted
+EXIT_BOUND_S = GRACE_S + STOP_BOUND_MARGIN_S  # documented: from the first signal to the exit
+LONG = {"prompt": "It is a truth", "max_tokens": 1000, "ignore_eos": True}  # outlives the drain
+SHORT = {"prompt": "My dear Emma,", "max_tokens": 2}  # ends within it
+
+needs_uv = pytest.mark.skipif(UV is None, reason="these tests start the server with `uv run`")
 
 
-def run_signal_test(checkpoint, signum: int) -> None:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    process = start_serve_process(checkpoint, port)
-    try:
-        wait_ready(process, base_url)
-        in_flight: dict = {}
-        first_chunk = threading.Event()
+def serve(port: int, *flags: str, shutdown_timeout: float = GRACE_S) -> Launch:
+    """The bundled model's server, as the README starts it (on the CPU)."""
+    return Launch(
+        "rlt",
+        "serve",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--shutdown-timeout",
+        str(shutdown_timeout),
+        *flags,
+        port=port,
+    )
 
-        def stream_long_request() -> None:
-            body = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True, "stream": True}
-            lines = []
+
+@dataclass
+class InFlight:
+    """Requests running on a thread each: a long stream, a long plain request, optionally a
+    short plain one; `streaming` is set once the stream brought a chunk of text."""
+
+    base_url: str
+    short: bool = True
+    results: dict = field(default_factory=dict)
+    streaming: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        self._run("plain", self._plain, LONG)
+        if self.short:
+            self._run("short", self._plain, SHORT)
+        time.sleep(0.5)  # the plain request generates before the stream starts
+        self._run("stream", self._stream, {**LONG, "stream": True})
+        assert self.streaming.wait(60), self.results
+
+    def _run(self, name: str, target, body: dict) -> None:
+        thread = threading.Thread(target=target, args=(name, body), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _plain(self, name: str, body: dict) -> None:
+        try:
+            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
+                self.results[name] = http.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            self.results[name] = exc
+
+    def _stream(self, name: str, body: dict) -> None:
+        lines: list[str] = []
+        try:
+            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        lines.append(line)
+                        if _has_text(line):
+                            self.streaming.set()
+            self.results[name] = sse_events(lines)
+        except httpx.HTTPError as exc:
+            self.results[name] = exc
+        self.streaming.set()
+
+    def check_answered(self) -> None:
+        """Each request answered 200: the long ones aborted with their partial text (the
+        stream with a last chunk and `[DONE]`), the short one finished or aborted."""
+        for thread in self.threads:
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+        plain = self.results["plain"]
+        assert isinstance(plain, httpx.Response) and plain.status_code == 200, plain
+        choice = plain.json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["text"], choice
+        if self.short:
+            short = self.results["short"]
+            assert isinstance(short, httpx.Response) and short.status_code == 200, short
+            assert short.json()["choices"][0]["finish_reason"] in ("length", "abort")
+        events = self.results["stream"]
+        assert isinstance(events, list), events
+        assert events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+
+def _has_text(line: str) -> bool:
+    events = sse_events([line])
+    if not events or events[0] == "[DONE]":
+        return False
+    choices = events[0].get("choices")
+    return bool(choices) and bool(choices[0].get("text"))
+
+
+def check_stopped_cleanly(launch: Launch, signalled_at: float, expected_code: int = 0) -> str:
+    code = launch.wait_exit(EXIT_BOUND_S)
+    took = time.monotonic() - signalled_at
+    output = launch.output.text()
+    assert code == expected_code, output
+    assert took <= EXIT_BOUND_S, f"{took:.1f} s:\n{output}"
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "CancelledError" not in output, output
+    left = launch.left_behind()
+    assert not left, f"left behind: {left}\n{output}"
+    return output
+
+
+# Points of a start, each reached by waiting for a mark, then a random delay (seconds).
+STARTING = "the stop-signal policy is installed (imports, argument checks, the core forked)"
+CORE = "the engine core builds the model while the supervisor loads the tokenizer"
+FRONT_ENDS = "the front ends start"
+IDLE = "serving, nothing in flight"
+BUSY = "serving, requests in flight"
+POINTS = [STARTING, CORE, FRONT_ENDS, STARTING, CORE, FRONT_ENDS, IDLE, BUSY, BUSY, BUSY]
+
+
+@needs_uv
+@pytest.mark.slow
+def test_ten_process_group_sigints_under_uv_run_at_random_points_each_stop_cleanly():
+    """`uv run rlt serve --api-server-count 2`, stopped ten times in a row by a SIGINT to its
+    process group, at random points of start-up and serving (uv forwards a second copy of each
+    SIGINT 200 ms later: it must not cut the drain short)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    points = rng.sample(POINTS, len(POINTS))
+    for run, point in enumerate(points):
+        port = free_port()
+        launch = serve(port, "--api-server-count", "2")
+        in_flight = None
+        try:
+            launch.wait_policy_installed()
+            if point == CORE:
+                assert launch.output.wait_for("[core]: start-up:")
+            elif point == FRONT_ENDS:
+                assert launch.output.wait_for("API servers starting")
+            elif point in (IDLE, BUSY):
+                launch.wait_healthy()
+            if point == BUSY:
+                in_flight = InFlight(launch.base_url)
+                in_flight.start()
+            time.sleep(rng.uniform(0, 0.3 if point == FRONT_ENDS else 0.8))
+            sent = launch.signal_group(signal.SIGINT)
             try:
-                with httpx.Client(base_url=base_url, trust_env=False, timeout=60) as http:
-                    with http.stream("POST", "/v1/completions", json=body) as response:
-                        for line in response.iter_lines():
-                            lines.append(line)
-                            first_chunk.set()
-            except httpx.TransportError as exc:
-                in_flight["transport_error"] = exc
-            in_flight["events"] = sse_events(lines)
-            first_chunk.set()
+                check_stopped_cleanly(launch, sent)
+                if in_flight is not None:
+                    in_flight.check_answered()
+            except AssertionError as failure:
+                raise AssertionError(f"run {run} (seed {seed}), {point}: {failure}") from None
+        finally:
+            launch.kill()
 
-        client = threading.Thread(target=stream_long_request)
-        client.start()
-        assert first_chunk.wait(60)
-        process.send_signal(signum)
-        assert process.wait(timeout=60) == 0
-        client.join(timeout=30)
-        assert not client.is_alive()
-        output = process.stdout.read()
+
+@needs_uv
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_drains_and_exits_0():
+    port = free_port()
+    launch = serve(port)
+    try:
+        launch.wait_healthy()
+        in_flight = InFlight(launch.base_url)
+        in_flight.start()
+        sent = launch.signal_group(signal.SIGTERM)
+        output = check_stopped_cleanly(launch, sent)
+        in_flight.check_answered()
         assert "Application shutdown complete" in output, output
-        # The in-flight stream outlived the 1 s grace period: it was aborted, and still ended
-        # properly (last chunk with finish_reason "abort", then [DONE]).
-        assert "transport_error" not in in_flight, in_flight
-        events = in_flight["events"]
-        assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "abort"
         with pytest.raises(httpx.TransportError):
-            httpx.get(f"{base_url}/health", trust_env=False, timeout=2)
+            httpx.get(f"{launch.base_url}/health", trust_env=False, timeout=2)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        launch.kill()
 
 
+@needs_uv
 @pytest.mark.slow
-def test_sigterm_shuts_down_cleanly_with_exit_code_0(tiny_checkpoint):
-    run_signal_test(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), signal.SIGTERM)
+def test_sigint_to_the_launcher_alone_drains_and_exits_0():
+    """A SIGINT to uv only (no terminal): uv forwards it, once; the two front ends drain."""
+    port = free_port()
+    launch = serve(port, "--api-server-count", "2")
+    try:
+        launch.wait_healthy()
+        in_flight = InFlight(launch.base_url, short=False)
+        in_flight.start()
+        sent = time.monotonic()
+        launch.process.send_signal(signal.SIGINT)
+        output = check_stopped_cleanly(launch, sent)
+        in_flight.check_answered()
+        assert "a duplicate" not in output, output  # one signal, not two
+    finally:
+        launch.kill()
 
 
+@needs_uv
 @pytest.mark.slow
-def test_sigint_shuts_down_cleanly_with_exit_code_0(tiny_checkpoint):
-    run_signal_test(tiny_checkpoint("l2_t4", seed=3, gate_std=0.3), signal.SIGINT)
+def test_a_second_sigint_after_the_first_was_handled_ends_the_drain_at_once():
+    """The drain would wait 600 s for two long requests; a second Ctrl-C to the group, well
+    after the first was handled, aborts them at once: each still answers cleanly (200 with
+    its partial text, the stream's last chunk and `[DONE]`), no traceback, exit 130."""
+    port = free_port()
+    launch = serve(port, shutdown_timeout=600)
+    try:
+        launch.wait_healthy()
+        in_flight = InFlight(launch.base_url, short=False)
+        in_flight.start()
+        launch.signal_group(signal.SIGINT)
+        assert launch.output.wait_for("requests in flight get up to 600 s")
+        assert launch.output.wait_for("a duplicate (a launcher's copy), ignored")  # uv's copy
+        time.sleep(DUPLICATE_WINDOW_S)
+        assert launch.process.poll() is None, "the first SIGINT did not drain"
+        sent = launch.signal_group(signal.SIGINT)
+        output = check_stopped_cleanly(launch, sent, expected_code=128 + signal.SIGINT)
+        assert time.monotonic() - sent < 30, "the second SIGINT did not end the drain"
+        in_flight.check_answered()
+        assert "SIGINT during the drain: ending the requests still running" in output, output
+    finally:
+        launch.kill()
 
 
 def test_serve_without_a_model_explains_and_exits_2(monkeypatch, tmp_path, capsys):
@@ -81,98 +251,3 @@ def test_serve_without_a_model_explains_and_exits_2(monkeypatch, tmp_path, capsy
     assert main(["serve"]) == 2
     error = capsys.readouterr().err
     assert "bundled default model is missing" in error and "rlt serve MODEL_DIR" in error
-
-
-class OutputReader:
-    """Collects a process's output lines on a thread; `wait_for` blocks until a line holds a
-    text (or the process ends)."""
-
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
-        self._thread.start()
-
-    def _read(self, process: subprocess.Popen) -> None:
-        for line in process.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self.lines.append("")  # end of output
-            self._changed.notify_all()
-
-    def wait_for(self, text: str, timeout: float = 60) -> bool:
-        with self._changed:
-            return self._changed.wait_for(
-                lambda: any(text in line for line in self.lines) or "" in self.lines, timeout
-            ) and any(text in line for line in self.lines)
-
-    def text(self) -> str:
-        self._thread.join(timeout=30)
-        return "".join(self.lines)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_signal_aborts_the_drain_cleanly_and_exits_128_plus_it(tiny_checkpoint, second):
-    checkpoint = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    # a drain would wait long; both 500-token requests fit the KV pool at once
-    process = start_serve_process(checkpoint, port, shutdown_timeout=600, num_kv_blocks=2048)
-    try:
-        wait_ready(process, base_url)
-        output = OutputReader(process)
-        results: dict = {}
-        streaming = threading.Event()
-        long = {"prompt": [1, 2, 3], "max_tokens": 500, "ignore_eos": True}
-
-        def plain_request() -> None:
-            with httpx.Client(base_url=base_url, trust_env=False, timeout=120) as http:
-                results["plain"] = http.post("/v1/completions", json=long)
-
-        def stream_request() -> None:
-            lines = []
-            with httpx.Client(base_url=base_url, trust_env=False, timeout=120) as http:
-                body = {**long, "stream": True}
-                with http.stream("POST", "/v1/completions", json=body) as response:
-                    for line in response.iter_lines():
-                        lines.append(line)
-                        streaming.set()
-            results["events"] = sse_events(lines)
-            streaming.set()
-
-        clients = [threading.Thread(target=plain_request), threading.Thread(target=stream_request)]
-        for thread in clients:
-            thread.start()
-        assert streaming.wait(60)
-        with httpx.Client(base_url=base_url, trust_env=False, timeout=10) as http:
-            deadline = time.monotonic() + 60
-            while running_requests(http) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert running_requests(http) == 2
-        process.send_signal(signal.SIGINT)
-        assert output.wait_for("Shutting down")  # draining (it would wait 600 s)
-        process.send_signal(second)
-        assert process.wait(timeout=60) == 128 + second
-        for thread in clients:
-            thread.join(timeout=30)
-            assert not thread.is_alive()
-        log = output.text()
-        assert "Traceback" not in log and "CancelledError" not in log, log
-        plain = results["plain"]
-        assert plain.status_code == 200, plain.text
-        assert plain.json()["choices"][0]["finish_reason"] == "abort"
-        events = results["events"]
-        assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "abort"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def running_requests(http: httpx.Client) -> float:
-    metrics = http.get("/metrics").text
-    return float(re.search(r"^rlt:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M).group(1))

@@ -430,6 +430,21 @@ def run_serve(args: argparse.Namespace) -> int:
     # process of a server group (its engine cores, PD instances); they wait passively unless
     # the user says otherwise. Read once, when torch loads OpenMP: so before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rlt_serve.shutdown import StopRequested, StopSignals
+
+    # the stop-signal policy of every rlt server, before anything starts and until the process
+    # exits: a SIGINT / SIGTERM during start-up stops it cleanly (exit 0), one while serving
+    # drains (rlt_serve.shutdown)
+    signals = StopSignals().install()
+    try:
+        return _serve(args, signals)
+    except StopRequested:
+        return signals.exit_code()
+    finally:
+        signals.finish()
+
+
+def _serve(args: argparse.Namespace, signals) -> int:
     from rlt_contracts import ConfigurationError
     from rlt_serve import LoopDefaults
 
@@ -473,10 +488,16 @@ def run_serve(args: argparse.Namespace) -> int:
         # a spawned core (CUDA) imports everything itself: start it now, so it builds while
         # this process imports its server parts; a forked one (CPU) starts after them and
         # inherits them instead of importing them a second time
-        core = CoreProcess.spawn(config, log_level=options.log_level)
-    from rlt.serving.server import serve
-
-    return serve(config, options, core=core)
+        with signals.spawning():
+            core = CoreProcess.spawn(config, log_level=options.log_level)
+    try:
+        with signals.deferred():  # a stop during the imports acts after them
+            from rlt.serving.server import serve
+    except BaseException:
+        if core is not None:
+            core.kill()
+        raise
+    return serve(config, options, core=core, signals=signals)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,19 +5,21 @@ every instance (roles, compatibility, connections), build rlt-serve's app over a
 `PDEngineClient`. `serve()` runs it under uvicorn. `close()` aborts what is in flight, stops
 the children and closes the connections.
 
-`run(options)` does all of it in the main thread with the signal handling of `rlt serve`:
-SIGINT / SIGTERM during startup stop the children and return 0; while serving, uvicorn drains
-the requests in flight for up to `shutdown_timeout` seconds, then aborts the rest, the
-children are stopped and `run` returns 0. A second signal while stopping kills the children.
+`run(options)` does all of it in the main thread under the stop-signal policy of every rlt
+server (`rlt_serve.shutdown`; a launcher's duplicate of a signal is not a second one):
+SIGINT / SIGTERM during startup stop the children and return 0; while serving, the front
+drains the requests in flight for up to `shutdown_timeout` seconds, then aborts the rest
+(each answers as under `rlt serve`: 200 with its partial text and finish_reason "abort", a
+stream's last chunk and `[DONE]`), the children are stopped and `run` returns 0. A second
+signal aborts the requests at once (`run` returns 128 + it); one while the children stop
+kills them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
-import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +38,13 @@ from rlt_serve import (
     is_loopback,
 )
 from rlt_serve.listening import listening_socket
+from rlt_serve.server_drain import ServerDrain
+from rlt_serve.shutdown import (
+    StopRequested,
+    StopSignals,
+    signal_name,
+    stopping,
+)
 
 from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
@@ -365,9 +374,13 @@ class Coordinator:
     def _has_children(self) -> bool:
         return any(i.local for i in self.cluster.instances)
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        """Run the front until uvicorn is told to exit (signals, or `server.should_exit`)."""
+    async def serve(
+        self, sockets: list[socket.socket] | None = None, signals: StopSignals | None = None
+    ) -> None:
+        """Run the front until uvicorn is told to exit (`server.should_exit`, or the signals
+        counted by `signals`, the process's installed policy; None: none are handled)."""
         options = self.options
+        signals = signals or StopSignals()  # not installed: only `should_exit` stops it
         config = uvicorn.Config(
             self.app,
             host=options.host,
@@ -380,10 +393,14 @@ class Coordinator:
         self.server = _DrainingServer(
             config,
             self.client,
+            signals=signals,
             grace_s=options.shutdown_timeout,
             on_shutdown=self.supervisor.stop_watching if self.supervisor else None,
         )
-        await self.server.serve(sockets=sockets)
+        with signals.acting(self.server.drain.act):
+            if signals.stage:  # a stop signal since the start-up ended: stop after starting
+                self.server.should_exit = True
+            await self.server.serve(sockets=sockets)
 
     async def close(self) -> None:
         """Abort what is in flight, stop the children, close the connections. Idempotent."""
@@ -400,22 +417,26 @@ class Coordinator:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, plus: `grace_s` seconds into a shutdown, abort the requests still in
-    flight, so that they end with finish_reason "abort" instead of having their connections
-    cut (as `rlt serve` does)."""
+    """uvicorn's server with the serving phase of the stop-signal policy (`ServerDrain`, as
+    `rlt serve`): the first signal drains, `grace_s` seconds into it (or at a second signal)
+    the requests still in flight are aborted, so that they end with finish_reason "abort"
+    instead of having their connections cut."""
 
     def __init__(
         self,
         config: uvicorn.Config,
         client: PDEngineClient,
         *,
+        signals: StopSignals,
         grace_s: float,
         on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
-        self._client = client
-        self._grace_s = grace_s
+        self.drain = ServerDrain(self, signals, grace_s=grace_s, abort=client.shutdown)
         self._on_shutdown = on_shutdown
+
+    def capture_signals(self):
+        return self.drain.capture_signals()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -426,80 +447,63 @@ class _DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         if self._on_shutdown is not None:
             self._on_shutdown()
-        loop = asyncio.get_running_loop()
-        abort = loop.call_later(self._grace_s, lambda: loop.create_task(self._client.shutdown()))
-        try:
+        async with self.drain.grace_period():
             await super().shutdown(sockets)
-        finally:
-            abort.cancel()
 
 
 # -- the process ------------------------------------------------------------------------------
 def run(options: CoordinatorOptions) -> int:
-    """Serve until SIGINT / SIGTERM; returns the exit code (0 after a clean stop)."""
+    """Serve until SIGINT / SIGTERM; returns the exit code (`rlt_serve.shutdown`: 0 after a
+    stop by signal, 128 + the second signal's number when it cut the drain short)."""
     if options.api_key is None and not is_loopback(options.host):
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", options.host
         )
-    return asyncio.run(_run(options))
-
-
-async def _run(options: CoordinatorOptions) -> int:
-    coordinator = Coordinator(options)
-    sock = listening_socket(options.host, options.port)  # before any child: a taken port fails
-    stop = asyncio.Event()
-    signals = _Signals(asyncio.get_running_loop())
-    signals.handle(stop.set)
+    signals = StopSignals().install()  # until the process exits (rlt_serve.shutdown)
     try:
-        starting = asyncio.create_task(coordinator.start())
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not starting.done():
-            logger.info("stopped during startup")
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            return 0
-        starting.result()
-        signals.hand_to_uvicorn()
-        await coordinator.serve(sockets=[sock])
-        logger.info("front stopped; stopping the instances")
-        return 0
+        return asyncio.run(_run(options, signals))
+    except StopRequested:  # before the event loop ran
+        return signals.exit_code()
     finally:
-        if coordinator.supervisor is not None:
-            signals.handle(coordinator.supervisor.kill_all)
-        await coordinator.close()
-        signals.restore()
-        sock.close()
+        signals.finish()
 
 
-class _Signals:
-    """SIGINT / SIGTERM routing: to a callback (startup, stopping), or to uvicorn while it
-    serves. uvicorn raises the signals it captured again when it returns, under the handlers
-    that were installed before it started: those are no-ops here, so a clean stop stays one
-    (exit 0)."""
+async def _run(options: CoordinatorOptions, signals: StopSignals) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    def stop_starting(signum: int, stage: int) -> None:
+        if stage == 1:
+            logger.info("%s during startup: stopping", signal_name(signum))
+        loop.call_soon_threadsafe(stop.set)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+    with signals.acting(stop_starting):
+        coordinator = Coordinator(options)
+        # before any child: a taken port fails at once
+        sock = listening_socket(options.host, options.port)
+        try:
+            if await _start(coordinator, stop, signals):
+                await coordinator.serve(sockets=[sock], signals=signals)
+                logger.info("front stopped; stopping the instances")
+            return signals.exit_code()
+        finally:
+            supervisor = coordinator.supervisor
+            kill = supervisor.kill_all if supervisor is not None else lambda: None
+            with signals.acting(stopping(kill, "the engine instances")):
+                await coordinator.close()
+            sock.close()
 
-    def handle(self, callback: Callable[[], None]) -> None:
-        for sig in self.SIGNALS:
-            self._loop.add_signal_handler(sig, callback)
 
-    def hand_to_uvicorn(self) -> None:
-        for sig in self.SIGNALS:
-            self._loop.remove_signal_handler(sig)
-            signal.signal(sig, self._note)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            with contextlib.suppress(ValueError, RuntimeError):
-                self._loop.remove_signal_handler(sig)
-            signal.signal(sig, handler)
-
-    @staticmethod
-    def _note(signum, _frame) -> None:
-        logger.info("%s: stopping", signal.Signals(signum).name)
+async def _start(coordinator: Coordinator, stop: asyncio.Event, signals: StopSignals) -> bool:
+    """Start the coordinator unless a stop signal comes first (then False)."""
+    starting = asyncio.create_task(coordinator.start())
+    stopping_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping_task}, return_when=asyncio.FIRST_COMPLETED)
+    stopping_task.cancel()
+    if starting.done() and not signals.stage:
+        starting.result()
+        return True
+    logger.info("stopped during startup")
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    return False

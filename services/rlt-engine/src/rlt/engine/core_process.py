@@ -17,7 +17,8 @@ Liveness, with no polling of process ids:
 
 SIGINT and SIGTERM are ignored here: a terminal's Ctrl-C reaches the whole process group, and
 the front end (or the supervisor) decides when the core stops, by `CoreShutdown` after its
-drain.
+drain (or by closing `parent_alive`). The parent starts this process with both signals
+blocked (`rlt_serve.shutdown`, `StopSignals.spawning`): they are unblocked once ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 
 import msgspec
 from rlt_contracts import CoreInput, CoreReady, RltError, WireError
+from rlt_serve.shutdown import unblock_stop_signals
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.startup import configure_logging
@@ -55,6 +57,7 @@ def run_core_process(
         end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    unblock_stop_signals()  # held while the parent started this process: now ignored
     configure_logging(log_level, "core")
     import zmq
 

@@ -131,6 +131,11 @@ class CoreProcess:
         return self._endpoint
 
     @property
+    def is_ready(self) -> bool:
+        """The core reported `CoreReady` (`wait_ready` returned)."""
+        return self._endpoint is not None
+
+    @property
     def endpoint(self) -> CoreEndpoint:
         return self.wait_ready()
 
@@ -150,6 +155,15 @@ class CoreProcess:
             self.process.join()
         self._directory.cleanup()
         return self.process.exitcode
+
+    def kill(self) -> None:
+        """Stop the core at once, however far its start-up got (a stop signal during start-up:
+        nothing runs on it yet). Idempotent; `stop()` after it returns at once."""
+        self._parent_alive.close()
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self._directory.cleanup()
 
 
 class ProcessTransport:

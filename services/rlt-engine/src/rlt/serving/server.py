@@ -7,19 +7,22 @@
 `build_server(engine)` instead runs the core on a thread of this process (tests, embedders);
 both use the same `CoreClient`, `CoreLoop` and messages.
 
-Shutdown: uvicorn turns SIGINT/SIGTERM into a graceful exit. It stops accepting connections
-and waits for in-flight requests. `DrainingServer` gives them `shutdown_timeout` seconds to
-finish, then shuts the core down, which aborts whatever still runs: each of those requests
-still ends properly (a stream sends its last chunk with finish_reason "abort" and `[DONE]`, a
-plain request answers with what it has). Should a handler hang anyway, uvicorn cancels it
-after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan shutdown runs (the client
-shutdown again: a no-op once the core stopped), and `serve()` returns 0.
+Shutdown follows `rlt_serve.shutdown` (one policy for every rlt server): `rlt serve` installs
+a `StopSignals` before the core starts. A stop signal during start-up stops it (the core is
+killed: nothing runs yet) and `rlt serve` exits 0. While serving, `DrainingServer` routes the
+signals to a `ServerDrain`: the first stops accepting connections and gives the requests in
+flight `shutdown_timeout` seconds, then shuts the core down, which aborts whatever still runs:
+each of those requests still ends properly (a stream sends its last chunk with finish_reason
+"abort" and `[DONE]`, a plain request answers 200 with what it has). Should a handler hang
+anyway, uvicorn cancels it after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan
+shutdown runs (the client shutdown again: a no-op once the core stopped), and `serve()`
+returns 0. A launcher's copy of the signal (`uv run`, systemd) is not a second signal.
 
-A second SIGINT or SIGTERM during the drain skips the rest of the grace period: the engine
-aborts what still runs at once, and every request still ends properly (JSON bodies, streams
-with their last chunk and `[DONE]`); `serve()` then returns 128 + that signal's number (130
-for SIGINT, 143 for SIGTERM) to say the drain was cut short. A third signal stops at once
-(uvicorn's forced exit: connections are dropped).
+A second SIGINT or SIGTERM skips the rest of the grace period: the engine aborts what still
+runs at once, and every request still ends properly (JSON bodies, streams with their last
+chunk and `[DONE]`); `serve()` then returns 128 + that signal's number (130 for SIGINT, 143
+for SIGTERM) to say the drain was cut short. A third signal stops at once (connections are
+dropped; still no traceback).
 
 If the core process dies, every in-flight request ends with an error (a JSON 5xx body, or an
 error event in a stream), /health fails, and the server exits with `EXIT_ENGINE_DIED` once
@@ -29,10 +32,7 @@ the core sees its parent's pipe close and exits too: no process is left behind.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
@@ -45,6 +45,8 @@ from rlt_serve import (
 )
 from rlt_serve.info_routes import package_version
 from rlt_serve.listening import listening_socket
+from rlt_serve.server_drain import ServerDrain
+from rlt_serve.shutdown import StopRequested, StopSignals, stopping
 
 from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
@@ -103,32 +105,33 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
     )
 
 
-FORCED_EXIT_BASE = 128  # exit code after a second signal: 128 + its number
-
-
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, plus: `grace_s` seconds into a shutdown, or at once on a second
-    signal, abort the requests still in flight through the engine client, so they end with
-    finish_reason "abort" instead of having their connections cut. `forced_by` is the signal
-    that cut the drain short (None after a full drain). `on_start` (a coroutine function)
-    runs on the server's loop before it listens: a front end connects to its core there.
-    `core_died()` ends the server with `EXIT_ENGINE_DIED` once the failed requests answered."""
+    """uvicorn's server with the stop-signal policy of every rlt server (`ServerDrain`): the
+    first signal drains, the requests still in flight `grace_s` seconds later (or at a second
+    signal) are aborted through the engine client, so they end with finish_reason "abort"
+    instead of having their connections cut. `on_start` (a coroutine function) runs on the
+    server's loop before it listens: a front end connects to its core there. `core_died()`
+    ends the server with `EXIT_ENGINE_DIED` once the failed requests answered."""
 
     def __init__(
-        self, config: uvicorn.Config, client: CoreClient, *, grace_s: float, on_start=None
+        self,
+        config: uvicorn.Config,
+        client: CoreClient,
+        *,
+        signals: StopSignals,
+        grace_s: float,
+        on_start=None,
     ) -> None:
         super().__init__(config)
-        self._client = client
-        self._grace_s = grace_s
+        self.drain = ServerDrain(self, signals, grace_s=grace_s, abort=client.shutdown)
         self._on_start = on_start
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._abort_task: asyncio.Task | None = None
-        self.forced_by: int | None = None
         self.engine_died = False
         self.clock = StartupClock()  # run_front_end passes the one that timed the core
 
+    def capture_signals(self):
+        return self.drain.capture_signals()
+
     async def startup(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
         if self._on_start is not None:
             await self._on_start()
         await super().startup(sockets)
@@ -140,46 +143,38 @@ class DrainingServer(uvicorn.Server):
         self.engine_died = True
         self.should_exit = True
 
-    def handle_exit(self, sig: int, frame) -> None:
-        """Signal handler (main thread): first signal drains, second aborts, third forces."""
-        if not self.should_exit:
-            super().handle_exit(sig, frame)
-        elif self.forced_by is None:
-            self.forced_by = sig
-            logger.warning(
-                "%s during shutdown: aborting the requests still running",
-                signal.Signals(sig).name,
-            )
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._abort_in_flight)
-        else:
-            self.force_exit = True
-
-    def _abort_in_flight(self) -> None:
-        if self._abort_task is None:
-            self._abort_task = asyncio.get_running_loop().create_task(self._client.shutdown())
-
     async def shutdown(self, sockets=None) -> None:
-        loop = asyncio.get_running_loop()
-        abort = loop.call_later(self._grace_s, self._abort_in_flight)
-        try:
+        async with self.drain.grace_period():
             await super().shutdown(sockets)
-        finally:
-            abort.cancel()
 
     @property
     def exit_code(self) -> int:
         if self.engine_died:
             return EXIT_ENGINE_DIED
-        return 0 if self.forced_by is None else FORCED_EXIT_BASE + self.forced_by
+        return self.drain.signals.exit_code()
 
 
-def serve(config: EngineConfig, options: ServeOptions, core: CoreProcess | None = None) -> int:
+def serve(
+    config: EngineConfig,
+    options: ServeOptions,
+    core: CoreProcess | None = None,
+    signals: StopSignals | None = None,
+) -> int:
     """Start the engine core in its own process (or take `core`, spawned by the caller before it
     imported this module), serve until SIGINT/SIGTERM, shut down; returns the exit code: 0
-    after a full drain, 128 + the signal's number when a second signal cut it short,
-    `EXIT_ENGINE_DIED` when the core died. With `api_server_count` > 1 a supervisor runs that
-    many front-end processes over the one core (`rlt.serving.supervisor`)."""
+    after a stop by signal (during start-up, or after the drain), 128 + the signal's number
+    when a second signal cut the drain short, `EXIT_ENGINE_DIED` when the core died. With
+    `api_server_count` > 1 a supervisor runs that many front-end processes over the one core
+    (`rlt.serving.supervisor`). `signals`: the caller's installed policy (`rlt serve`
+    installs it before anything starts); None: installed here, for the call."""
+    if signals is None:
+        with StopSignals() as owned:
+            try:
+                return serve(config, options, core, owned)
+            except StopRequested:
+                if core is not None:
+                    core.kill()
+                return owned.exit_code()
     if options.api_key is None and not is_loopback(options.host):
         logger.warning(
             "serving on %s without --api-key: anyone who can reach it can use it", options.host
@@ -187,23 +182,35 @@ def serve(config: EngineConfig, options: ServeOptions, core: CoreProcess | None 
     if options.api_server_count > 1:
         from rlt.serving.supervisor import supervise
 
-        return supervise(config, options)
+        return supervise(config, options, signals)
     configure_logging(options.log_level, "api")
     clock = StartupClock()
-    core = core or CoreProcess.spawn(config, log_level=options.log_level)
+    if core is None:
+        with signals.spawning():
+            core = CoreProcess.spawn(config, log_level=options.log_level)
     try:
         with clock.phase("front end: tokenizer (while the core starts)"):
-            tokenizer = _tokenizer(resolve_model_dir(config.model))
+            tokenizer = front_end_tokenizer(resolve_model_dir(config.model))
         with clock.phase("engine core process ready (see its [core] lines)"):
             endpoint = core.wait_ready()
         return run_front_end(
-            endpoint, options, index=0, owns_core=True, clock=clock, tokenizer=tokenizer
+            endpoint,
+            options,
+            index=0,
+            owns_core=True,
+            signals=signals,
+            clock=clock,
+            tokenizer=tokenizer,
         )
+    except StopRequested:
+        core.kill()  # still starting: nothing to drain
+        raise
     finally:
-        core.stop()
+        with signals.acting(stopping(core.kill, "the engine core")):
+            core.stop()
 
 
-def _tokenizer(model_dir: Path):
+def front_end_tokenizer(model_dir: Path):
     try:
         return load_tokenizer(model_dir)
     except (OSError, ValueError) as exc:
@@ -216,17 +223,20 @@ def run_front_end(
     *,
     index: int,
     owns_core: bool,
+    signals: StopSignals,
     sock=None,
     clock: StartupClock | None = None,
     tokenizer=None,
 ) -> int:
     """One front end (HTTP, tokenization, output processing) over a running core; `sock`: a
-    listening socket shared by several front ends (None: bind host:port)."""
+    listening socket shared by several front ends (None: bind host:port). `signals`: the
+    process's installed stop-signal policy (a signal before the server runs raises
+    `StopRequested`)."""
     clock = clock or StartupClock()
     model_info = endpoint.ready.model_info
     with clock.phase("front end: app"):
         if tokenizer is None:
-            tokenizer = _tokenizer(Path(model_info.path))
+            tokenizer = front_end_tokenizer(Path(model_info.path))
         transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
         client = CoreClient(
             transport,
@@ -238,6 +248,7 @@ def run_front_end(
     server = DrainingServer(
         uvicorn_config(app, options),
         client,
+        signals=signals,
         grace_s=options.shutdown_timeout,
         on_start=lambda: transport.start(client, on_core_death=lambda: server.core_died()),
     )
@@ -246,29 +257,9 @@ def run_front_end(
         # bound here, not by uvicorn: a port taken since `rlt serve` probed it is a clear
         # ConfigurationError (exit 2), not uvicorn's exit after it logged the bind error
         sock = sock or listening_socket(options.host, options.port)
-        with _signals_end_cleanly():
+        # from here a stop signal drains (before uvicorn listens: it stops right after)
+        with signals.acting(server.drain.act):
             server.run(sockets=[sock])
     finally:
         transport.dispose()
     return server.exit_code
-
-
-class _signals_end_cleanly:
-    """uvicorn handles SIGINT/SIGTERM while it runs and, after its graceful shutdown, raises
-    the captured signal again under the handler that was installed before it started. With the
-    default handlers that would turn a clean shutdown into a KeyboardInterrupt / exit 143, so
-    during `server.run()` the previous handlers are no-ops that only log."""
-
-    SIGNALS: Sequence[int] = (signal.SIGINT, signal.SIGTERM)
-
-    def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._note) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @staticmethod
-    def _note(signum, _frame) -> None:
-        logger.info("%s: server stopped", signal.Signals(signum).name)

@@ -10,8 +10,18 @@ The supervisor waits on every child's sentinel:
   frees their KV; a new front end takes its place on the same socket.
 - the core dies: every front end sees its liveness pipe close, ends its in-flight requests
   with errors and exits; the supervisor then exits with `EXIT_ENGINE_DIED`.
-- SIGINT/SIGTERM: forwarded to the front ends, which drain as `rlt serve` does; then the core
-  is shut down. A second signal is forwarded too (it cuts their drains short).
+
+Signals follow `rlt_serve.shutdown` (the policy of every rlt server; `rlt serve` installed it
+before this starts). While the core starts, a stop signal kills it and the command exits 0.
+Once the front ends start, every signal the supervisor counts (a launcher's duplicate is not
+counted) is forwarded to each front end, which drains as `rlt serve` does (the first), ends
+its requests at once (the second); a third kills them. The front ends leave the terminal's
+process group, so that they get each signal once, from the supervisor; each starts with the
+signals blocked (`StopSignals.spawning`), so a signal sent while it starts is held until its
+own policy is installed, never lost and never a traceback. Front ends still running
+`FRONT_END_STOP_MARGIN_S` after the grace period are killed; the core is then stopped by
+closing its parent pipe (it aborts what is left and exits). No zmq (nor any other lazy import)
+runs on the way out.
 """
 
 from __future__ import annotations
@@ -19,74 +29,127 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import socket
+import time
 from multiprocessing.connection import wait
 
 import msgspec
-from rlt_contracts import ConfigurationError, CoreClientGone, CoreShutdown
+import zmq
+from rlt_contracts import CoreClientGone
 from rlt_serve.listening import listening_socket
+from rlt_serve.shutdown import (
+    FORWARDED_WINDOW_S,
+    StopRequested,
+    StopSignals,
+    signal_name,
+    stopping,
+    unblock_stop_signals,
+)
 
+from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
-from rlt.engine.startup import configure_logging
+from rlt.engine.startup import StartupClock, configure_logging
 from rlt.serving.core_process_client import (
     CORE_EXIT_WAIT_S,
     CoreEndpoint,
     CoreProcess,
     child_start_method,
 )
+from rlt.serving.server import front_end_tokenizer
 from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 logger = logging.getLogger(__name__)
 
-FRONT_END_EXIT_WAIT_S = 30.0  # beyond the drain: how long a stopping front end may take
+# beyond the grace period: how long stopping front ends may take (uvicorn cancels a hung
+# handler 5 s after it; a front end then aborts its own requests in the core) before the
+# supervisor kills them
+FRONT_END_STOP_MARGIN_S = 10.0
+SENTINEL_POLL_S = 0.5  # the wait for children wakes this often to check the stop deadline
 
 
 def _run_front_end(
-    endpoint: CoreEndpoint, options, index: int, sock: socket.socket, parent_only: tuple
+    endpoint: CoreEndpoint,
+    options,
+    index: int,
+    sock: socket.socket,
+    parent_only: tuple,
+    tokenizer=None,
 ) -> None:
-    """Entry point of a front-end process (forked, or spawned). It drops the supervisor's signal
-    handlers and leaves the terminal's process group, so a Ctrl-C reaches it once, forwarded by
-    the supervisor, not twice (which would cut its drain short)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
+    """Entry point of a front-end process (forked, or spawned), started with SIGINT/SIGTERM
+    blocked: it leaves the terminal's process group (a group signal reaches it once, forwarded
+    by the supervisor), installs its own stop-signal policy, then takes what was held."""
     os.setpgrp()
+    signals = StopSignals(duplicate_window_s=FORWARDED_WINDOW_S).install()
+    unblock_stop_signals()
     for end in parent_only:
         end.close()
     configure_logging(options.log_level, f"fe{index}")
-    from rlt.serving.server import run_front_end
-
-    raise SystemExit(run_front_end(endpoint, options, index=index, owns_core=False, sock=sock))
+    try:
+        with signals.deferred():  # a stop arriving during the imports acts after them
+            from rlt.serving.server import run_front_end
+        code = run_front_end(
+            endpoint,
+            options,
+            index=index,
+            owns_core=False,
+            signals=signals,
+            sock=sock,
+            tokenizer=tokenizer,
+        )
+    except StopRequested:
+        code = signals.exit_code()
+    signals.finish()
+    raise SystemExit(code)
 
 
 class _Supervisor:
-    def __init__(self, config: EngineConfig, options) -> None:
+    def __init__(self, config: EngineConfig, options, signals: StopSignals) -> None:
+        self.config = config
         self.options = options
+        self.signals = signals
         self.context = multiprocessing.get_context(child_start_method(config))
-        # the core first: a forked core must not hold the listening socket
-        self.core = CoreProcess.start(config, log_level=options.log_level)
-        try:  # `rlt serve` probed the port before this: a failure here is a race
-            self.sock = listening_socket(options.host, options.port)
-            self.sock.listen()
-        except (ConfigurationError, OSError):
-            self.core.stop()
-            raise
+        self.core: CoreProcess | None = None
+        self.sock: socket.socket | None = None
         self.front_ends: dict[int, multiprocessing.Process] = {}
-        self.stopping = 0  # signals received
-        self._control = None  # a DEALER to the core for CoreClientGone / CoreShutdown
+        self.tokenizer = None  # for forked front ends
+        self.clock = StartupClock()
+        self.stop_deadline: float | None = None  # set by the first stop signal
+        self._control = None  # a DEALER to the core for CoreClientGone
+
+    def start_core(self) -> None:
+        """Start the core and wait until it serves (a stop signal raises `StopRequested`),
+        then bind the port: a forked core must not hold the listening socket."""
+        with self.signals.spawning():
+            self.core = CoreProcess.spawn(self.config, log_level=self.options.log_level)
+        if self.context.get_start_method() == "fork":
+            # forked front ends inherit it: loaded once, while the core starts, instead of by
+            # every front end after it (spawned ones load their own)
+            with self.clock.phase("tokenizer for the front ends (while the core starts)"):
+                self.tokenizer = front_end_tokenizer(resolve_model_dir(self.config.model))
+        with self.clock.phase("engine core process ready (see its [core] lines)"):
+            self.core.wait_ready()
+        # `rlt serve` probed the port before this: a failure here is a race
+        self.sock = listening_socket(self.options.host, self.options.port)
+        self.sock.listen()
 
     def start_front_end(self, index: int) -> None:
-        process = self.context.Process(
-            target=_run_front_end,
-            args=(self.core.endpoint, self.options, index, self.sock, self.core.parent_only()),
-            name=f"rlt-api-server-{index}",
-        )
-        process.start()
-        self.front_ends[index] = process
+        with self.signals.spawning():
+            process = self.context.Process(
+                target=_run_front_end,
+                args=(
+                    self.core.endpoint,
+                    self.options,
+                    index,
+                    self.sock,
+                    self.core.parent_only(),
+                    self.tokenizer,
+                ),
+                name=f"rlt-api-server-{index}",
+            )
+            process.start()
+            self.front_ends[index] = process
 
     def tell_core(self, message) -> None:
-        import zmq
-
         if self._control is None:
             self._control = zmq.Context.instance().socket(zmq.DEALER)
             self._control.setsockopt(zmq.IDENTITY, b"supervisor")
@@ -94,32 +157,51 @@ class _Supervisor:
             self._control.connect(self.core.endpoint.address)
         self._control.send(msgspec.msgpack.encode(message))
 
-    def on_signal(self, signum, _frame) -> None:
-        self.stopping += 1
-        logger.info("%s: stopping the API servers", signal.Signals(signum).name)
+    def on_signal(self, signum: int, stage: int) -> None:
+        """The serving phase's action: forward the signal (the front ends drain, then end
+        their requests at once); from the third on, kill them."""
+        name = signal_name(signum)
+        if stage == 1:
+            self.stop_deadline = (
+                time.monotonic() + self.options.shutdown_timeout + FRONT_END_STOP_MARGIN_S
+            )
+            logger.info("%s: stopping the API servers", name)
+        if stage >= 3:
+            logger.warning("%s: killing the API servers", name)
+            self.kill_front_ends()
+            return
         for process in self.front_ends.values():
             if process.is_alive():
                 os.kill(process.pid, signum)
 
     def run(self) -> int:
-        for index in range(self.options.api_server_count):
-            self.start_front_end(index)
-        # each front end logs its URL once it answers (`ready at`), after the core loaded
-        logger.info(
-            "start-up: %d API servers starting over one engine core",
-            self.options.api_server_count,
-        )
-        exit_code = 0
+        with self.signals.acting(self.on_signal):
+            for index in range(self.options.api_server_count):
+                if self.signals.stage:
+                    break  # stopped while the others started: they have the signal
+                self.start_front_end(index)
+            # each front end logs its URL once it answers (`ready at`), after the core loaded
+            logger.info(
+                "start-up: %d API servers starting over one engine core",
+                self.options.api_server_count,
+            )
+            return self._watch()
+
+    def _watch(self) -> int:
+        core_died = False
         core_sentinel = [self.core.process.sentinel]  # emptied once the core is gone
         while self.front_ends:
             sentinels = {p.sentinel: i for i, p in self.front_ends.items()}
-            ready = wait([*sentinels, *core_sentinel])
+            ready = wait([*sentinels, *core_sentinel], timeout=SENTINEL_POLL_S)
+            if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+                logger.warning("API servers still running after their drain: killing them")
+                self.kill_front_ends()
+                self.stop_deadline = None
             if core_sentinel and core_sentinel[0] in ready:
                 core_sentinel.clear()
-                if self.stopping == 0:
+                if self.signals.stage == 0:
                     logger.error("the engine core process died: stopping the API servers")
-                    exit_code = EXIT_ENGINE_DIED
-                    self.stopping = 1
+                    core_died = True
             for sentinel in ready:
                 index = sentinels.get(sentinel)
                 if index is None:
@@ -127,10 +209,7 @@ class _Supervisor:
                 process = self.front_ends.pop(index)
                 process.join()
                 logger.info("API server %d exited with code %s", index, process.exitcode)
-                if self.stopping or not self.core.process.is_alive():
-                    # a drain cut short (128 + signal) is reported; a front end stopped
-                    # by the forwarded signal before it served (a negative code) is not
-                    exit_code = exit_code or max(process.exitcode or 0, 0)
+                if self.signals.stage or core_died or not self.core.process.is_alive():
                     continue
                 logger.error(
                     "API server %d exited (code %s): its requests are aborted; restarting it",
@@ -139,31 +218,46 @@ class _Supervisor:
                 )
                 self.tell_core(CoreClientGone(f"fe{index}"))
                 self.start_front_end(index)
-        return exit_code
+        return EXIT_ENGINE_DIED if core_died else self.signals.exit_code()
+
+    def kill_front_ends(self) -> None:
+        for process in self.front_ends.values():
+            if process.is_alive():
+                process.kill()
+
+    def kill_all(self) -> None:
+        self.kill_front_ends()
+        if self.core is not None:
+            self.core.process.kill()
 
     def close(self) -> None:
+        """Stop what is left: front ends (killed: after a drain they are gone already), then the
+        core (its parent pipe closes: it aborts what still runs and exits; killed if it still
+        starts)."""
+        self.kill_front_ends()
         for process in self.front_ends.values():
-            process.kill()
-        if self.core.process.is_alive():
-            try:
-                self.tell_core(CoreShutdown())
-            except Exception:  # noqa: BLE001 - stop() kills it anyway
-                pass
-        self.core.stop(CORE_EXIT_WAIT_S)
+            process.join()
+        if self.core is not None:
+            if self.core.is_ready:
+                self.core.stop(CORE_EXIT_WAIT_S)
+            else:
+                self.core.kill()
         if self._control is not None:
             self._control.close(linger=0)
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
 
 
-def supervise(config: EngineConfig, options) -> int:
+def supervise(config: EngineConfig, options, signals: StopSignals) -> int:
+    """Run the core and `options.api_server_count` front ends until a stop signal (the
+    caller installed `signals`); returns the exit code (`rlt_serve.shutdown`)."""
     configure_logging(options.log_level, "supervisor")
-    supervisor = _Supervisor(config, options)
-    previous = {
-        sig: signal.signal(sig, supervisor.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    supervisor = _Supervisor(config, options, signals)
     try:
+        supervisor.start_core()
         return supervisor.run()
+    except StopRequested:  # while the core started: nothing served yet
+        return signals.exit_code()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        supervisor.close()
+        with signals.acting(stopping(supervisor.kill_all, "the API servers and the core")):
+            supervisor.close()

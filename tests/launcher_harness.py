@@ -18,9 +18,11 @@ import subprocess
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from serving_harness import sse_events
 
 REPO = Path(__file__).resolve().parents[1]
 UV = shutil.which("uv")
@@ -195,3 +197,98 @@ def _marked(mark: str) -> list[str]:
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             found.append(f"{entry.name} {command.strip()}")
     return found
+
+
+@dataclass
+class InFlight:
+    """Requests on a thread each while a server stops: `long` as a plain request, then (half
+    a second later, so that the plain one generated) as a stream, and `short` (if given) as a
+    plain request; `start` returns once the stream brought text. The long ones outlive the
+    drain; the short one ends within it."""
+
+    base_url: str
+    long: dict
+    short: dict | None = None
+    results: dict = field(default_factory=dict)
+    streaming: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        self._run("plain", self._plain, self.long)
+        if self.short is not None:
+            self._run("short", self._plain, self.short)
+        time.sleep(0.5)
+        self._run("stream", self._stream, {**self.long, "stream": True})
+        assert self.streaming.wait(60), self.results
+
+    def _run(self, name: str, target, body: dict) -> None:
+        thread = threading.Thread(target=target, args=(name, body), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _plain(self, name: str, body: dict) -> None:
+        try:
+            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
+                self.results[name] = http.post("/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            self.results[name] = exc
+
+    def _stream(self, name: str, body: dict) -> None:
+        lines: list[str] = []
+        try:
+            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        lines.append(line)
+                        if _has_text(line):
+                            self.streaming.set()
+            self.results[name] = sse_events(lines)
+        except httpx.HTTPError as exc:
+            self.results[name] = exc
+        self.streaming.set()
+
+    def check_answered(self) -> None:
+        """Each request answered 200 as at a drain's end: the long ones with finish_reason
+        "abort" and their partial text (the stream: a last chunk, then `[DONE]`), the short
+        one finished or aborted."""
+        for thread in self.threads:
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+        plain = self.results["plain"]
+        assert isinstance(plain, httpx.Response) and plain.status_code == 200, plain
+        choice = plain.json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["text"], choice
+        if self.short is not None:
+            short = self.results["short"]
+            assert isinstance(short, httpx.Response) and short.status_code == 200, short
+            assert short.json()["choices"][0]["finish_reason"] in ("length", "abort")
+        events = self.results["stream"]
+        assert isinstance(events, list), events
+        assert events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+
+def _has_text(line: str) -> bool:
+    events = sse_events([line])
+    if not events or events[0] == "[DONE]":
+        return False
+    choices = events[0].get("choices")
+    return bool(choices) and bool(choices[0].get("text"))
+
+
+def check_stopped_cleanly(
+    launch: Launch, signalled_at: float, bound_s: float, expected_code: int = 0
+) -> str:
+    """The command exited with `expected_code` within `bound_s` of the signal, printed no
+    traceback and left no process; returns its output."""
+    code = launch.wait_exit(bound_s)
+    took = time.monotonic() - signalled_at
+    output = launch.output.text()
+    assert code == expected_code, output
+    assert took <= bound_s, f"{took:.1f} s:\n{output}"
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "CancelledError" not in output, output
+    left = launch.left_behind()
+    assert not left, f"left behind: {left}\n{output}"
+    return output

@@ -7,10 +7,11 @@ seeded; both KV layouts; refill and no_refill; chunked prefill; prompts ending m
 prefix-cache hits on D); a client that goes away mid-transfer leaves both instances with
 every block free; a prefill (decode) instance killed mid-transfer fails its request with a
 clear error while the other side frees everything and the next requests use the surviving
-instances.
+instances; `uv run rlt pd serve` stopped by a SIGINT to its process group answers the
+requests in flight as `rlt serve` does (200, partial text, finish_reason "abort").
 
 Starting a group (the coordinator and its children, each importing torch) is most of these
-tests' time, so all but the first share one group of two prefill and two decode instances
+tests' time, so all but the first two share one group of two prefill and two decode instances
 (`group`), in the order they are written: each waits until every instance is ready and idle
 (the supervisor restarts a killed child), and they run on one xdist worker.
 """
@@ -29,7 +30,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from launcher_harness import UV, InFlight, Launch, check_stopped_cleanly
 from rlt import LLM, SamplingParams
+from rlt_serve.shutdown import STOP_BOUND_MARGIN_S
 
 pytest.importorskip("nixl")
 
@@ -237,6 +240,43 @@ def test_pd_over_processes_with_the_shared_layout_and_no_refill_equals_a_single_
     flags = dict(kv_layout="shared", scheduling_mode="no_refill")  # a group of its own
     with pd_group(model, flags=flags) as group:
         check_equal_to_a_single_engine(group, reference(model, flags))
+
+
+@pytest.mark.skipif(UV is None, reason="started with `uv run`, as the README starts it")
+def test_a_process_group_sigint_under_uv_run_answers_in_flight_requests_as_rlt_serve_does():
+    """`uv run rlt pd serve --num-prefill 1 --num-decode 1` (the bundled model: requests long
+    enough to outlive the drain) stopped by a SIGINT to its process group (uv forwards a copy
+    200 ms later) while a stream and a plain request run: both answer 200 with their partial
+    text and finish_reason "abort" (the stream: its last chunk, then `[DONE]`), never a 500;
+    exit 0, no traceback (no CancelledError), no process left (the instances too)."""
+    grace_s, port = 1.0, free_port()
+    launch = Launch(
+        "rlt",
+        "pd",
+        "serve",
+        "--num-prefill",
+        "1",
+        "--num-decode",
+        "1",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--shutdown-timeout",
+        str(grace_s),
+        port=port,
+    )
+    try:
+        launch.wait_healthy(timeout=180)
+        long = {"prompt": "It is a truth", "max_tokens": 1000, "ignore_eos": True}
+        in_flight = InFlight(launch.base_url, long=long)
+        in_flight.start()
+        sent = launch.signal_group(signal.SIGINT)
+        output = check_stopped_cleanly(launch, sent, grace_s + STOP_BOUND_MARGIN_S)
+        in_flight.check_answered()
+        assert "500 Internal Server Error" not in output, output
+    finally:
+        launch.kill()
 
 
 def test_pd_over_processes_equals_a_single_engine(model, group):

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from launcher_harness import UV, Launch
+from launcher_harness import UV, InFlight, Launch
+from launcher_harness import check_stopped_cleanly as check_stopped
 from rlt.cli import main
 from rlt_serve.shutdown import DUPLICATE_WINDOW_S, STOP_BOUND_MARGIN_S
-from serving_harness import free_port, sse_events
+from serving_harness import free_port
 
 GRACE_S = 1.0  # --shutdown-timeout: requests that outlive it are aborted
 EXIT_BOUND_S = GRACE_S + STOP_BOUND_MARGIN_S  # documented: from the first signal to the exit
@@ -48,91 +47,12 @@ def serve(port: int, *flags: str, shutdown_timeout: float = GRACE_S) -> Launch:
     )
 
 
-@dataclass
-class InFlight:
-    """Requests running on a thread each: a long stream, a long plain request, optionally a
-    short plain one; `streaming` is set once the stream brought a chunk of text."""
-
-    base_url: str
-    short: bool = True
-    results: dict = field(default_factory=dict)
-    streaming: threading.Event = field(default_factory=threading.Event)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        self._run("plain", self._plain, LONG)
-        if self.short:
-            self._run("short", self._plain, SHORT)
-        time.sleep(0.5)  # the plain request generates before the stream starts
-        self._run("stream", self._stream, {**LONG, "stream": True})
-        assert self.streaming.wait(60), self.results
-
-    def _run(self, name: str, target, body: dict) -> None:
-        thread = threading.Thread(target=target, args=(name, body), daemon=True)
-        thread.start()
-        self.threads.append(thread)
-
-    def _plain(self, name: str, body: dict) -> None:
-        try:
-            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
-                self.results[name] = http.post("/v1/completions", json=body)
-        except httpx.HTTPError as exc:
-            self.results[name] = exc
-
-    def _stream(self, name: str, body: dict) -> None:
-        lines: list[str] = []
-        try:
-            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as http:
-                with http.stream("POST", "/v1/completions", json=body) as response:
-                    for line in response.iter_lines():
-                        lines.append(line)
-                        if _has_text(line):
-                            self.streaming.set()
-            self.results[name] = sse_events(lines)
-        except httpx.HTTPError as exc:
-            self.results[name] = exc
-        self.streaming.set()
-
-    def check_answered(self) -> None:
-        """Each request answered 200: the long ones aborted with their partial text (the
-        stream with a last chunk and `[DONE]`), the short one finished or aborted."""
-        for thread in self.threads:
-            thread.join(timeout=60)
-            assert not thread.is_alive()
-        plain = self.results["plain"]
-        assert isinstance(plain, httpx.Response) and plain.status_code == 200, plain
-        choice = plain.json()["choices"][0]
-        assert choice["finish_reason"] == "abort" and choice["text"], choice
-        if self.short:
-            short = self.results["short"]
-            assert isinstance(short, httpx.Response) and short.status_code == 200, short
-            assert short.json()["choices"][0]["finish_reason"] in ("length", "abort")
-        events = self.results["stream"]
-        assert isinstance(events, list), events
-        assert events[-1] == "[DONE]", events[-3:]
-        assert events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
-        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
-
-
-def _has_text(line: str) -> bool:
-    events = sse_events([line])
-    if not events or events[0] == "[DONE]":
-        return False
-    choices = events[0].get("choices")
-    return bool(choices) and bool(choices[0].get("text"))
-
-
 def check_stopped_cleanly(launch: Launch, signalled_at: float, expected_code: int = 0) -> str:
-    code = launch.wait_exit(EXIT_BOUND_S)
-    took = time.monotonic() - signalled_at
-    output = launch.output.text()
-    assert code == expected_code, output
-    assert took <= EXIT_BOUND_S, f"{took:.1f} s:\n{output}"
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
-    assert "CancelledError" not in output, output
-    left = launch.left_behind()
-    assert not left, f"left behind: {left}\n{output}"
-    return output
+    return check_stopped(launch, signalled_at, EXIT_BOUND_S, expected_code)
+
+
+def in_flight_requests(launch: Launch, short: bool = True) -> InFlight:
+    return InFlight(launch.base_url, long=LONG, short=SHORT if short else None)
 
 
 # Points of a start, each reached by waiting for a mark, then a random delay (seconds).
@@ -166,7 +86,7 @@ def test_ten_process_group_sigints_under_uv_run_at_random_points_each_stop_clean
             elif point in (IDLE, BUSY):
                 launch.wait_healthy()
             if point == BUSY:
-                in_flight = InFlight(launch.base_url)
+                in_flight = in_flight_requests(launch)
                 in_flight.start()
             time.sleep(rng.uniform(0, 0.3 if point == FRONT_ENDS else 0.8))
             sent = launch.signal_group(signal.SIGINT)
@@ -187,7 +107,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_0():
     launch = serve(port)
     try:
         launch.wait_healthy()
-        in_flight = InFlight(launch.base_url)
+        in_flight = in_flight_requests(launch)
         in_flight.start()
         sent = launch.signal_group(signal.SIGTERM)
         output = check_stopped_cleanly(launch, sent)
@@ -207,7 +127,7 @@ def test_sigint_to_the_launcher_alone_drains_and_exits_0():
     launch = serve(port, "--api-server-count", "2")
     try:
         launch.wait_healthy()
-        in_flight = InFlight(launch.base_url, short=False)
+        in_flight = in_flight_requests(launch, short=False)
         in_flight.start()
         sent = time.monotonic()
         launch.process.send_signal(signal.SIGINT)
@@ -228,7 +148,7 @@ def test_a_second_sigint_after_the_first_was_handled_ends_the_drain_at_once():
     launch = serve(port, shutdown_timeout=600)
     try:
         launch.wait_healthy()
-        in_flight = InFlight(launch.base_url, short=False)
+        in_flight = in_flight_requests(launch, short=False)
         in_flight.start()
         launch.signal_group(signal.SIGINT)
         assert launch.output.wait_for("requests in flight get up to 600 s")

@@ -166,6 +166,9 @@ class _Supervisor:
                 time.monotonic() + self.options.shutdown_timeout + FRONT_END_STOP_MARGIN_S
             )
             logger.info("%s: stopping the API servers", name)
+            if self.sock is not None:  # no front end starts any more: the port closes with
+                self.sock.close()  # theirs (new connections are refused, not left waiting)
+                self.sock = None
         if stage >= 3:
             logger.warning("%s: killing the API servers", name)
             self.kill_front_ends()

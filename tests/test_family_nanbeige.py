@@ -177,7 +177,7 @@ def test_greedy_tokens_equal_the_dense_reference_at_the_configs_depth(engines, e
 def test_a_request_may_ask_fewer_loops(engines, checkpoint):
     """max_loops=1 of 2: tokens after token 0 run one loop; the prompt (and so token 0) runs
     the engine's depth, as for every family today."""
-    outputs = generate(engines(), min_loops=1, max_loops=1)
+    outputs = generate(engines(), max_loops=1)  # min_loops unset: 1 without an exit signal
     for output, prompt, n in zip(outputs, PROMPTS, MAX_TOKENS, strict=True):
         assert output.token_ids == reference_greedy(checkpoint, prompt, n, 1, prompt_loops=2)
         assert output.exit_depths == [2] + [1] * (n - 1)

@@ -137,8 +137,11 @@ def make_case(
     return case
 
 
-def naive_reference(case: PagedCase, layer_index: int | None = None, key=None, value=None):
-    """fp64 attention by explicit loops over positions, after writing the call's k/v.
+def naive_reference(
+    case: PagedCase, layer_index: int | None = None, key=None, value=None, *, causal=True
+):
+    """fp64 attention by explicit loops over positions, after writing the call's k/v
+    (`causal` False: every query sees its group's whole context).
 
     Returns [N, H, D] float64. Keys/values are first rounded to the cache dtype, as the contract
     stores them; the query is used as given.
@@ -161,7 +164,8 @@ def naive_reference(case: PagedCase, layer_index: int | None = None, key=None, v
     for g, (q_len, ctx) in enumerate(case.groups):
         for i in range(q_len):
             position = ctx - q_len + i
-            slots = [case.slot(g, p) for p in range(position + 1)]  # causal: keys 0..position
+            seen = position + 1 if causal else ctx  # causal: keys 0..position
+            slots = [case.slot(g, p) for p in range(seen)]
             for h in range(num_heads):
                 k = keys[slots, h // per_kv]  # [position + 1, D]
                 v = values[slots, h // per_kv]

@@ -131,3 +131,16 @@ def test_shape_errors_are_reported_on_bind(paged_case):
     )
     with pytest.raises(ValueError, match="viewable"):
         TorchPagedAttention().bind(every_other_block, case.batch)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_bidirectional_groups_see_their_whole_context(paged_case, reference, batch_invariant):
+    """`causal=False` (a prefix-LM prompt): every query of a group reads all of its context."""
+    import dataclasses
+
+    case = paged_case([(5, 5), (3, 11), (1, 4)], block_size=4, seed=7)
+    case.batch = dataclasses.replace(case.batch, causal=False)
+    out = case.run(TorchPagedAttention(batch_invariant=batch_invariant))
+    expected = reference(case, causal=False)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out.double(), reference(case), atol=1e-3)  # the mask matters

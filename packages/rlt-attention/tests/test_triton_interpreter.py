@@ -87,3 +87,16 @@ def test_cpu_tensors_without_interpreter_are_refused(paged_case, monkeypatch):
     case = paged_case(MIXED_GROUPS, block_size=4)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         TritonPagedAttention().bind(case.kv_cache, case.batch)
+
+
+def test_bidirectional_groups_see_their_whole_context(paged_case, reference):
+    """`causal=False`: the prefill kernel's rows read their group's whole context (tiles of 16
+    rows so a 20-query group spans several query tiles)."""
+    import dataclasses
+
+    case = paged_case([(20, 20), (3, 11), (1, 4)], block_size=4, head_dim=16, seed=3, device=DEVICE)
+    case.batch = dataclasses.replace(case.batch, causal=False)
+    out = case.run(TritonPagedAttention(block_m=16, block_n=16))
+    torch.testing.assert_close(
+        out.double().cpu(), reference(case, causal=False), rtol=1e-5, atol=1e-5
+    )

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from rlt_contracts import (
     COLUMNS,
+    DEFAULT_GATE_MIN_LOOPS,
     OPTIONAL_COLUMNS,
     AdmissionPlan,
     ConfigurationError,
@@ -65,8 +66,13 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_sampling_params_defaults_and_loop_resolution():
     params = SamplingParams()
     assert params.greedy and not params.adaptive_exit
-    assert (params.max_tokens, params.min_loops, params.exit_threshold) == (16, 2, 1.0)
+    assert (params.max_tokens, params.min_loops, params.exit_threshold) == (16, None, 1.0)
     assert params.resolve_max_loops(4) == 4
+    # an unset min_loops is the model's own default, never above the cap
+    assert params.resolve_min_loops(4, DEFAULT_GATE_MIN_LOOPS) == 2
+    assert SamplingParams(max_loops=1).resolve_min_loops(1, DEFAULT_GATE_MIN_LOOPS) == 1
+    assert params.resolve_min_loops(4, 1) == 1
+    assert SamplingParams(min_loops=3).resolve_min_loops(4, 1) == 3
     assert SamplingParams(max_loops=3).resolve_max_loops(4) == 3
     with pytest.raises(InvalidRequestError, match="model depth"):
         SamplingParams(max_loops=6).resolve_max_loops(4)

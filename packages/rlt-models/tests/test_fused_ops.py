@@ -106,7 +106,9 @@ def test_rms_norm_reference_is_the_module():
 def test_add_rms_norm(dtype, hidden, norm_delta):
     residual = randn(6, hidden, dtype=dtype, seed=10, scale=4.0)
     delta = randn(6, hidden, dtype=dtype, seed=11, scale=0.5)
-    delta_weight = randn(hidden, dtype=dtype, seed=12, scale=0.1, offset=1.0) if norm_delta else None
+    delta_weight = (
+        randn(hidden, dtype=dtype, seed=12, scale=0.1, offset=1.0) if norm_delta else None
+    )
     out_weight = randn(hidden, dtype=dtype, seed=13, scale=0.1, offset=1.0)
     args = (residual, delta, delta_weight, out_weight, EPS)
     residual_before = residual.clone()

@@ -27,6 +27,7 @@ TORCH_CAPABILITIES = AttentionCapabilities(
     max_head_dim=256,
     block_size_multiple_of=1,
     supports_multi_token_queries=True,
+    supports_bidirectional_prompt=True,
     # Per-layer shapes depend on max_context_len, which grows every decode step, and bind's
     # index tensors are fresh allocations: a captured graph would replay stale indices.
     supports_cuda_graphs=False,
@@ -83,8 +84,11 @@ def build_padded_group_index(batch: PagedAttentionBatch, shape: BatchShape) -> P
 
     first_query_position = context_lengths - query_lengths  # [S]
     query_positions = first_query_position[:, None] + torch.arange(max_q, device=device)
-    key_visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [S, Qmax, Cmax]
-    key_visible &= key_in_context[:, None, :]
+    if batch.causal:
+        key_visible = key_positions[None, None, :] <= query_positions[:, :, None]  # [S, Qmax, Cmax]
+        key_visible &= key_in_context[:, None, :]
+    else:  # bidirectional groups: every query sees its group's whole context
+        key_visible = key_in_context[:, None, :].expand(-1, max_q, -1)
 
     rows = torch.arange(shape.num_rows, device=device)
     num_groups = context_lengths.shape[0]
@@ -266,6 +270,8 @@ class _BatchInvariantAttention(_BoundAttention):
         # Causal limit of every (block, slot) row; padding rows see position 0 only.
         limit = torch.zeros(blocks * QUERY_BLOCK, dtype=torch.int64, device=device)
         row_position = (context_lengths - query_lengths)[group_of_row] + index_in_group
+        if not batch.causal:  # bidirectional groups: the limit is the context's last position
+            row_position = (context_lengths - 1)[group_of_row]
         limit.index_copy_(0, self._padded_row, row_position)
         hidden = (key_positions[None, :] > limit[:, None]).view(
             blocks, QUERY_BLOCK, self._chunks, KEY_CHUNK

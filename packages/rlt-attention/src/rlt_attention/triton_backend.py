@@ -38,6 +38,7 @@ TRITON_CAPABILITIES = AttentionCapabilities(
     max_head_dim=256,  # head dims that are not powers of two are padded (masked) to the next one
     block_size_multiple_of=1,
     supports_multi_token_queries=True,
+    supports_bidirectional_prompt=True,
     supports_cuda_graphs=True,
     supports_batch_invariance=True,  # argued (see TritonPagedAttention), not measured on a GPU
     supports_fp8_kv=True,
@@ -223,7 +224,7 @@ class _TritonBoundAttention:
         kv_heads = self._views.key_slots.shape[2]
         queries = self._shape.max_query_len
         few = queries == 1 or queries * (num_heads // kv_heads) <= SPLIT_TILE_ROWS
-        if self._split_decode and few:
+        if self._split_decode and few and self._batch.causal:
             split_decode_kernel.launch_split_decode_attention(
                 out,
                 query,
@@ -269,6 +270,7 @@ class _TritonBoundAttention:
                 block_m=self._block_m,
                 block_n=self._block_n,
             ),
+            causal=self._batch.causal,
             **scales,
         )
         return out

@@ -70,6 +70,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # key positions per step (>= 16 for tl.dot)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
     KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
+    CAUSAL: tl.constexpr,  # False: every row of a group sees the group's whole context
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -108,8 +109,10 @@ def _paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Keys past the tile's last query are invisible to every row of the tile.
-    key_end = first_query_position + tl.minimum(query_len, tile_begin + BLOCK_Q)
+    if CAUSAL:  # keys past the tile's last query are invisible to every row of the tile
+        key_end = first_query_position + tl.minimum(query_len, tile_begin + BLOCK_Q)
+    else:  # a bidirectional group: every row sees the whole context
+        key_end = context_len
     for key_begin in range(0, key_end, BLOCK_N):
         key_position = key_begin + tl.arange(0, BLOCK_N)
         key_valid = key_position < key_end
@@ -124,7 +127,10 @@ def _paged_attention_kernel(
         k = tl.load(key_cache_ptr + key_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
-        visible = (key_position[None, :] <= query_position[:, None]) & key_valid[None, :]
+        if CAUSAL:
+            visible = (key_position[None, :] <= query_position[:, None]) & key_valid[None, :]
+        else:
+            visible = (query_position[:, None] >= 0) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -200,8 +206,10 @@ def launch_paged_attention(
     tiles: TileConfig,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> None:
     """Write attention of `query` [N, H, D] over one layer's paged cache into `out` [N, H, D].
+    `causal` False: every query of a group sees the group's whole context (a prefix-LM prompt).
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] (one layer), last dim contiguous.
     key_scale / value_scale: fp32 [1] device tensors, the layer's scales of an fp8 cache.
@@ -248,6 +256,7 @@ def launch_paged_attention(
         BLOCK_N=tiles.block_n,
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
+        CAUSAL=causal,
         num_warps=tiles.num_warps,
         **dependent_launch.launch_options(pdl),
     )

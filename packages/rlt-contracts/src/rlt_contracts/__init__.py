@@ -47,6 +47,7 @@ from rlt_contracts.execution import (
 )
 from rlt_contracts.family import (
     DEFAULT_GATE_EXIT_THRESHOLD,
+    DEFAULT_GATE_MIN_LOOPS,
     ExitSignal,
     FamilyDeclaration,
     Feature,
@@ -122,6 +123,7 @@ from rlt_contracts.tokens import (
 
 __all__ = [
     "DEFAULT_GATE_EXIT_THRESHOLD",
+    "DEFAULT_GATE_MIN_LOOPS",
     "ExitSignal",
     "FamilyDeclaration",
     "Feature",

@@ -41,6 +41,9 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     supports_cuda_graphs: bool = False
     supports_batch_invariance: bool = False
     supports_fp8_kv: bool = False  # reads and writes a float8_e4m3fn cache with per-layer scales
+    # (0.3.0) a call's groups may be bidirectional (`PagedAttentionBatch.causal` False): every
+    # query sees its group's whole context (a prefix-LM family's prompt)
+    supports_bidirectional_prompt: bool = False
 
 
 class AttentionRequirements(msgspec.Struct, frozen=True):
@@ -65,6 +68,7 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
     cuda_graphs: bool = False
     batch_invariant: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
+    bidirectional_prompt: bool = False  # (0.3.0) the family's prompts are prefix-LM blocks
 
 
 class UnmetRequirement(msgspec.Struct, frozen=True):
@@ -117,6 +121,14 @@ def unmet_requirements(
                 f"{caps.name} has no batch-invariant mode (batch_invariant=False allows it)",
             )
         )
+    if req.bidirectional_prompt and not caps.supports_bidirectional_prompt:
+        unmet.append(
+            UnmetRequirement(
+                "model",
+                f"{caps.name} cannot attend bidirectionally over a prompt, which this model's "
+                "family needs (a prefix-LM prompt)",
+            )
+        )
     if req.kv_cache_dtype == "fp8" and not caps.supports_fp8_kv:
         unmet.append(
             UnmetRequirement(
@@ -167,6 +179,9 @@ class PagedAttentionBatch:
     block_tables: [S, max_pages] int32, physical block of each logical page of the group's plane.
     write_slots: [N] int64, slot where each query token's key/value is stored before reading.
     max_query_len / max_context_len: host ints (kernel launch sizes, no device sync needed).
+    causal (0.3.0): True, each query sees keys up to its own position; False, every query of
+      a group sees the group's whole context (a prefix-LM prompt prefilled in one pass; only
+      for backends declaring `supports_bidirectional_prompt`).
 
     Rows past query_start[S] belong to no group (the padding of a captured prefill graph): their
     key/value is still stored at their write slot (the runner points those at the scratch slot)
@@ -179,6 +194,7 @@ class PagedAttentionBatch:
     write_slots: Tensor
     max_query_len: int
     max_context_len: int
+    causal: bool = True
 
 
 class AttentionBackend(Protocol):

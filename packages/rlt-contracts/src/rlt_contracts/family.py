@@ -27,6 +27,9 @@ import msgspec
 # The exit threshold servers and `rlt generate` use for a family with an exit gate when
 # neither the request nor the command line gives one (families without a signal: fixed depth).
 DEFAULT_GATE_EXIT_THRESHOLD = 0.5
+# The first loop after which a gated family's token may exit when the request does not say
+# (families without a signal: 1; `SamplingParams.resolve_min_loops`).
+DEFAULT_GATE_MIN_LOOPS = 2
 
 
 class ExitSignal(enum.StrEnum):

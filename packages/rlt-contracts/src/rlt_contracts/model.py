@@ -12,13 +12,22 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rlt_contracts.family import FamilyDeclaration
+
 Tensor = Any
 
 
 class LoopedModelShape(msgspec.Struct, frozen=True):
-    """Static shape of a recurrent looped transformer (prelude -> T x recurrent -> coda)."""
+    """Static shape of a recurrent looped transformer (prelude -> T x recurrent -> coda).
 
-    num_layers: int  # physical layers in the shared recurrent stack (L)
+    num_layers: KV layer slots of one loop's plane (the stack's layers; a block that runs its
+      stack several times per loop keeps a slot per (pass, layer)).
+    state_size (0.3.0): values of the state a loop carries per token (0: hidden_size, one
+      vector; a family whose loops carry several vectors, e.g. two, declares 2 * hidden_size).
+      `embed` returns and `recurrent_step` takes and returns [N, state_width]; `coda` reads it.
+    """
+
+    num_layers: int  # KV layer slots per loop plane (L)
     num_loops: int  # model depth T: loops applied per token at most
     hidden_size: int
     num_heads: int
@@ -27,6 +36,11 @@ class LoopedModelShape(msgspec.Struct, frozen=True):
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    state_size: int = 0
+
+    @property
+    def state_width(self) -> int:
+        return self.state_size or self.hidden_size
 
 
 class LayerAttention(Protocol):
@@ -55,6 +69,7 @@ class LoopedLanguageModel(Protocol):
     """
 
     shape: LoopedModelShape
+    family: FamilyDeclaration  # (0.3.0) what the model's family declares (rlt_contracts.family)
 
     def embed(self, token_ids: Tensor) -> Tensor: ...
 

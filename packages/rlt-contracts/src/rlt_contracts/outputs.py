@@ -178,7 +178,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     """What a frontend needs to know about the served model. (0.1.8) weight_dtype: the stack's
     projections ("bfloat16", "float8_e4m3fn", ...); kv_cache_dtype; kv_capacity_tokens: tokens
     the KV pool holds at full depth (empty / 0 where unknown, e.g. a PD coordinator).
-    (0.2.1) family: the model family's name ("ouro"); exit_signal: its `ExitSignal` value
+    (0.3.0) family: the model family's name ("ouro"); exit_signal: its `ExitSignal` value
     ("gate" / "none"; empty where unknown), which decides the server's default threshold."""
 
     name: str

@@ -82,7 +82,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         keeps the decoder's text. No effect while special tokens are skipped.
 
     Loop fields (recurrent looped transformers):
-      min_loops: a token never exits before this many loops (>= 1).
+      min_loops: a token never exits before this many loops (>= 1); None (0.3.0 default): the
+        model's own (`resolve_min_loops`: DEFAULT_GATE_MIN_LOOPS for a family with an exit
+        gate, 1 otherwise), never above max_loops.
       max_loops: a token always exits at this many loops; None means the model's depth.
       exit_threshold: exit after loop k once 1 - prod_{j<=k}(1 - sigmoid(gate_j)) >= threshold,
         in [0, 1]; 1.0 means a fixed depth of `max_loops` (adaptive exit disabled).
@@ -114,7 +116,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    min_loops: int = 2
+    min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float = 1.0
     priority: int = 0
@@ -164,10 +166,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, "must be a boolean")
-        _check_int("min_loops", self.min_loops, low=1)
+        if self.min_loops is not None:
+            _check_int("min_loops", self.min_loops, low=1)
         if self.max_loops is not None:
             _check_int("max_loops", self.max_loops, low=1)
-            if self.max_loops < self.min_loops:
+            if self.min_loops is not None and self.max_loops < self.min_loops:
                 raise InvalidRequestError(
                     "max_loops",
                     f"must be >= min_loops ({self.min_loops}), got {self.max_loops}",
@@ -232,7 +235,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def resolve_max_loops(self, model_depth: int) -> int:
         """Effective loop cap for a model with `model_depth` loops; raises if out of range."""
-        if self.min_loops > model_depth:
+        if self.min_loops is not None and self.min_loops > model_depth:
             raise InvalidRequestError(
                 "min_loops", f"must be <= the model depth ({model_depth}), got {self.min_loops}"
             )
@@ -243,6 +246,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 "max_loops", f"must be <= the model depth ({model_depth}), got {self.max_loops}"
             )
         return self.max_loops
+
+    def resolve_min_loops(self, max_loops: int, default: int) -> int:
+        """The first loop after which a token may exit: min_loops, or when unset the model's
+        `default` (DEFAULT_GATE_MIN_LOOPS for a gated family, 1 otherwise), at most
+        `max_loops` (the resolved cap)."""
+        return self.min_loops if self.min_loops is not None else min(default, max_loops)
 
 
 class SamplingRow(msgspec.Struct, frozen=True, array_like=True):

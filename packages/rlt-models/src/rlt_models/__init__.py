@@ -18,6 +18,7 @@ from rlt_models.families import (
     read_config,
     supported_architectures,
 )
+from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
 from rlt_models.loading import build_model, load_model, resolve_dtype
 from rlt_models.looped_model import LoopedModelBase
 from rlt_models.nanbeige import NanbeigeConfig, NanbeigeModel
@@ -29,6 +30,8 @@ __all__ = [
     "CheckpointError",
     "DenseCausalAttention",
     "DenseKVCache",
+    "HrmTextConfig",
+    "HrmTextModel",
     "LoopedModelBase",
     "ModelConfigError",
     "NanbeigeConfig",

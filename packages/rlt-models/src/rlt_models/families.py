@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from rlt_models import config as ouro_config
-from rlt_models import nanbeige, weights
+from rlt_models import hrm_text, nanbeige, weights
 from rlt_models.config_fields import read_raw_config
 from rlt_models.errors import ModelConfigError
+from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
 from rlt_models.nanbeige import NanbeigeConfig, NanbeigeModel
 from rlt_models.ouro import OuroModel
 
@@ -32,6 +33,8 @@ class Family:
     model: type  # model(config): a LoopedLanguageModel with empty parameters
     tensor_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
     parameter_sources: Callable[[Any], dict[str, tuple[str, ...]]]
+    # the checkpoint may carry per-layer fp8 KV scales under Llama's names (kv_scales.py)
+    llama_kv_scales: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -52,6 +55,15 @@ FAMILIES: dict[str, Family] = {
             NanbeigeModel,
             nanbeige.checkpoint_tensor_shapes,
             nanbeige.parameter_sources,
+        ),
+        Family(
+            hrm_text.ARCHITECTURE,
+            hrm_text.MODEL_TYPE,
+            HrmTextConfig,
+            HrmTextModel,
+            hrm_text.checkpoint_tensor_shapes,
+            hrm_text.parameter_sources,
+            llama_kv_scales=False,
         ),
     )
 }

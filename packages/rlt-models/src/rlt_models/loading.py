@@ -147,9 +147,8 @@ def build_model(
     sources = family.parameter_sources(config)
     tensors = _drop_tied_copies(config.tied_tensors(), tensors, source)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
-    _check_tensors(
-        family.tensor_shapes(config), tensors, stored_fp8, kv_scale_names(config), source
-    )
+    kv_scales = kv_scale_names(config) if family.llama_kv_scales else {}
+    _check_tensors(family.tensor_shapes(config), tensors, stored_fp8, kv_scales, source)
     with torch.device(device):
         model = family.model(config).to(dtype)
     quantized = set()
@@ -167,7 +166,8 @@ def build_model(
             params[param_name].copy_(merged.to(device=device, dtype=dtype))
     model.quantization = "fp8" if quantized else None
     model.quantized_lm_head = "lm_head" in quantized
-    model.checkpoint_kv_scales = checkpoint_kv_scales(config, tensors, source)
+    if family.llama_kv_scales:
+        model.checkpoint_kv_scales = checkpoint_kv_scales(config, tensors, source)
     return model.eval()
 
 

@@ -139,7 +139,7 @@ class ModelRunner:
             max_rows=max_num_seqs,
             num_planes=kv_layout.storage_planes(shape.num_loops),
             max_pages=max_pages,
-            hidden_size=shape.hidden_size,
+            hidden_size=shape.state_width,
             dtype=dtype,
             device=device,
             scratch_block=self.kv.scratch_block,

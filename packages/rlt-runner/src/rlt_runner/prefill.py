@@ -4,7 +4,9 @@ Metadata is built once per call from one upload of host lists, then derived on t
 every plane (no per-loop uploads, no host reads):
 
 - LAST_EXITED, depth-major: every chunk position runs loop 1 (plane 0), then loop 2, and so on;
-  a position at loop t reads plane t of earlier positions, all at full depth.
+  a position at loop t reads plane t of earlier positions, all at full depth. A prefix-LM
+  family's prompt (`PromptMask.PREFIX_LM`) comes as one whole chunk and is one bidirectional
+  block: every position reads every prompt position at each loop (`PagedAttentionBatch.causal`).
 - SHARED, position by position: each request advances one prompt position at a time through all
   loops (batched across requests), so every prompt token sees earlier prompt tokens at their
   final depth whatever the chunk boundaries are (slow: the layout's semantics require it). With
@@ -18,7 +20,13 @@ those steps run eagerly).
 from __future__ import annotations
 
 import torch
-from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
+from rlt_contracts import (
+    AttentionBackend,
+    KVLayout,
+    LoopedLanguageModel,
+    PagedAttentionBatch,
+    PromptMask,
+)
 
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.prefill_graphs import PrefillGraphs
@@ -62,7 +70,7 @@ class PrefillGroups:
         self.pages = (self.max_context_len - 1) // block_size + 1
         self.last_query = meta[2] - 1  # [S] packed index of each group's last query
 
-    def batch(self, plane: int) -> PagedAttentionBatch:
+    def batch(self, plane: int, *, causal: bool = True) -> PagedAttentionBatch:
         tables = self.rows.block_tables[self.row_index, plane, : self.pages]
         blocks = tables[self.group_of_query, self.positions // self.block_size].to(torch.int64)
         return PagedAttentionBatch(
@@ -72,6 +80,7 @@ class PrefillGroups:
             write_slots=blocks * self.block_size + self.positions % self.block_size,
             max_query_len=self.max_query_len,
             max_context_len=self.max_context_len,
+            causal=causal,
         )
 
 
@@ -113,8 +122,10 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states) -> dic
         block_size=kv.block_size,
     )
     hidden = model.embed(groups.token_ids)
+    causal = model.family.prompt_mask is not PromptMask.PREFIX_LM  # prompts come whole then
     for loop in range(1, model.shape.num_loops + 1):
-        bound = attention.bind(kv.tensors, groups.batch(layout.plane_of_loop(loop)))
+        batch = groups.batch(layout.plane_of_loop(loop), causal=causal)
+        bound = attention.bind(kv.tensors, batch)
         hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
     starts = [0]

@@ -3,13 +3,13 @@
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
 from rlt_scheduler.decode_work import DecodeWork, max_rounds_per_step
 from rlt_scheduler.exit_policy import (
+    POLICY_CHOICES,
     DelayedHazardExitPolicy,
     ExitPolicy,
-    POLICY_CHOICES,
-    FixedDepthExitPolicy,
     ExitPolicyName,
-    LoopBounds,
+    FixedDepthExitPolicy,
     HazardExitPolicy,
+    LoopBounds,
     TraceExitPolicy,
     default_exit_policy,
     make_exit_policy,

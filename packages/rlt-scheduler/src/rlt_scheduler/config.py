@@ -67,6 +67,9 @@ class SchedulerConfig:
       (decode_work.py); 0: ticks only.
     speculative_disable_batch_size: with K > 0, steps in which more requests than this decode
       run ticks instead of rounds (None: never).
+    whole_prompts: a prompt is computed in one step, never in chunks (a prefix-LM family's
+      prompt is one bidirectional block); it waits for a step with room for all of it, so the
+      token budget must hold the longest prompt (the engine sets it to the context length).
     """
 
     max_num_seqs: int = 8
@@ -86,6 +89,7 @@ class SchedulerConfig:
     scheduler_delay_factor: float = 0.0
     num_speculative_tokens: int = 0
     speculative_disable_batch_size: int | None = None
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in (

@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 
 from rlt_contracts import (
+    DEFAULT_GATE_MIN_LOOPS,
     AdmissionPlan,
     EngineRequest,
     ExecutionIdentity,
@@ -65,7 +66,7 @@ from rlt_scheduler.admission_delay import AdmissionDelay
 from rlt_scheduler.admitting import Admitter
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
-from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds, HazardExitPolicy
+from rlt_scheduler.exit_policy import ExitPolicy, HazardExitPolicy, LoopBounds
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
 from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
 from rlt_scheduler.queues import RequestQueues
@@ -89,8 +90,11 @@ class Scheduler:
         exit_policy: ExitPolicy | None = None,
         prefix_caching: bool = False,
         constraint_compiler: ConstraintCompiler | None = None,
+        default_min_loops: int = DEFAULT_GATE_MIN_LOOPS,
     ) -> None:
-        """`prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
+        """`default_min_loops`: a request's min_loops when it sets none (the engine passes 1
+        for a family without an exit signal).
+        `prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
         its KV manager's setting); only then does a waiting request wait for pages a running
         request is computing (prefix_waits.py).
         `constraint_compiler`: builds the matchers of structured-output requests (None: such
@@ -100,7 +104,7 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.kv = kv
         self.model_depth = model_depth
-        self.limits = ModelLimits(vocab_size, model_depth, max_model_len)
+        self.limits = ModelLimits(vocab_size, model_depth, max_model_len, default_min_loops)
         self.eos_token_ids = tuple(eos_token_ids)
         self.exit_policy = exit_policy or HazardExitPolicy()
         config.check_depth(model_depth)

@@ -83,8 +83,8 @@ class StepPlanner:
         starts = start + count == request.prompt_length and not request.prefill_only
         if count > 0 and starts and not step.can_start_decoding():
             count -= 1  # a full speculative step: the prompt completes in a later step
-        if count <= 0:
-            return
+        if count <= 0 or (self.config.whole_prompts and start + count < request.prompt_length):
+            return  # (whole prompts wait for a step with room for all of theirs)
         completes = start + count == request.prompt_length
         # A completing chunk samples token 0, and its successor may loop in this step's ticks
         # (not on a PD prefill instance: the state is sent for the decode instance's coda).

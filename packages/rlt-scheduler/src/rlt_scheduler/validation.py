@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlt_contracts import (
+    DEFAULT_GATE_MIN_LOOPS,
     CapacityError,
     InvalidRequestError,
     KVPort,
@@ -19,11 +20,13 @@ from rlt_scheduler.exit_policy import LoopBounds
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a request is checked against: vocabulary, loop depth, context length (tokens)."""
+    """What a request is checked against: vocabulary, loop depth, context length (tokens);
+    default_min_loops: a request's min_loops when it sets none (`resolve_min_loops`)."""
 
     vocab_size: int
     model_depth: int
     max_model_len: int
+    default_min_loops: int = DEFAULT_GATE_MIN_LOOPS
 
 
 def validate_request(
@@ -76,7 +79,8 @@ def validate_request(
             f"needs {needed} KV blocks but the pool has {kv.num_blocks}; shorten the prompt or "
             "max_tokens, or give the engine more KV blocks",
         )
-    return prompt, LoopBounds(sampling.min_loops, max_loops, sampling.exit_threshold)
+    min_loops = sampling.resolve_min_loops(max_loops, limits.default_min_loops)
+    return prompt, LoopBounds(min_loops, max_loops, sampling.exit_threshold)
 
 
 def check_kv_transfer(kv_transfer: KVTransferParams | None, prompt_length: int) -> None:

@@ -21,10 +21,11 @@ from rlt_serve.structured_output import structured_output_of
 @dataclass(frozen=True)
 class LoopDefaults:
     """Loop settings applied when a request leaves them out (the server's --min-loops,
-    --max-loops and --exit-threshold). max_loops None means the model depth; exit_threshold
+    --max-loops and --exit-threshold). min_loops None means the model's own
+    (`SamplingParams.resolve_min_loops`); max_loops None means the model depth; exit_threshold
     None means the model's own default (`for_model`)."""
 
-    min_loops: int = 2
+    min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = 1.0
 
@@ -131,10 +132,10 @@ def sampling_params(
     # A bound the request gives wins over the other bound's server default.
     if min_loops is None:
         min_loops = defaults.min_loops
-        if max_loops is not None and max_loops >= 1:
+        if min_loops is not None and max_loops is not None and max_loops >= 1:
             min_loops = min(min_loops, max_loops)
     if max_loops is None and defaults.max_loops is not None:
-        max_loops = max(defaults.max_loops, min_loops)
+        max_loops = max(defaults.max_loops, min_loops or 1)
     try:
         return SamplingParams(
             max_tokens=max_tokens,

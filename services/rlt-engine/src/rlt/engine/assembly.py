@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -11,13 +12,16 @@ from typing import TYPE_CHECKING
 import torch
 from rlt_attention import select_attention_backend
 from rlt_contracts import (
+    DEFAULT_GATE_MIN_LOOPS,
     AttentionRequirements,
     ConfigurationError,
+    ExitSignal,
     FamilyDeclaration,
     Feature,
     KVLayout,
     ModelInfo,
     PDRole,
+    PromptMask,
 )
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
@@ -149,6 +153,19 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
             f"{max_model_len} exceeds the model's max_position_embeddings "
             f"{shape.max_position_embeddings}",
         )
+    whole_prompts = family.prompt_mask is PromptMask.PREFIX_LM
+    if whole_prompts:  # a prompt is one bidirectional block: computed in one step, never chunked
+        config = dataclasses.replace(
+            config,
+            prefill_chunk_size=max_model_len,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
+        )
+        logger.info(
+            "%s prompts are prefix-LM blocks: each is prefilled whole in one step (chunked "
+            "prefill off; token budget %d = the context length at least)",
+            family.name,
+            config.max_num_batched_tokens,
+        )
     layout = config.layout
     requirements = AttentionRequirements(
         device_type=device.type,
@@ -161,6 +178,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
         batch_invariant=model.batch_invariant,
         kv_cache_dtype=config.kv_cache_dtype,
+        bidirectional_prompt=whole_prompts,
     )
     selection = select_attention_backend(requirements, config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)
@@ -179,7 +197,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
 
     prefill_graph_tokens = (
         config.max_num_batched_tokens
-        if config.prefill_cuda_graphs and not config.batch_invariant
+        if config.prefill_cuda_graphs and not config.batch_invariant and not whole_prompts
         else 0
     )
     speculation = speculation_settings(config, shape.num_loops)
@@ -232,7 +250,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         stop_token_ids=shape.eos_token_ids,
     )
     scheduler = Scheduler(
-        config.scheduler_config(),
+        config.scheduler_config(whole_prompts=whole_prompts),
         kv,
         model_depth=shape.num_loops,
         vocab_size=shape.vocab_size,
@@ -241,6 +259,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         exit_policy=exit_policy,
         prefix_caching=kv.prefix_caching,
         constraint_compiler=constraint_compiler,
+        default_min_loops=DEFAULT_GATE_MIN_LOOPS if family.exit_signal is ExitSignal.GATE else 1,
     )
     graphs = config.cuda_graphs and device.type == "cuda"
     with clock.phase(

@@ -89,8 +89,8 @@ class EngineConfig:
     enable_preemption: lossless CPU-snapshot preemption under memory pressure / for priority.
     exit_policy: None (default: the family's own signal: "hazard" for a gated family such as
       Ouro, "fixed" for one without an exit signal), "hazard", "hazard_delayed", "fixed" or
-      "trace" ("ouro" and "ouro_delayed" are accepted for the hazard rules); exit_trace: JSON file of {request_id: [depth per output token]} read by the
-      "trace" policy.
+      "trace" ("ouro" and "ouro_delayed" are accepted for the hazard rules); exit_trace: JSON
+      file of {request_id: [depth per output token]} read by the "trace" policy.
     hf_overrides: config.json keys applied before the model's family reads it (vLLM's
       `hf_overrides`), e.g. {"num_loops": 1}.
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
@@ -237,11 +237,12 @@ class EngineConfig:
                 ("exit_trace", "exit_policy"),
                 f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}",
             )
-        if self.hf_overrides is not None and not (
-            isinstance(self.hf_overrides, dict) and all(isinstance(k, str) for k in self.hf_overrides)
+        overrides = self.hf_overrides
+        if overrides is not None and not (
+            isinstance(overrides, dict) and all(isinstance(k, str) for k in overrides)
         ):
             raise ConfigurationError(
-                "hf_overrides", f"must be a JSON object of config.json keys, got {self.hf_overrides!r}"
+                "hf_overrides", f"must be a JSON object of config.json keys, got {overrides!r}"
             )
 
     @classmethod
@@ -297,7 +298,9 @@ class EngineConfig:
     def layout(self) -> KVLayout:
         return KVLayout(self.kv_layout)
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, *, whole_prompts: bool = False) -> SchedulerConfig:
+        """`whole_prompts`: the model's prompts are computed in one step (prefix-LM families;
+        the engine then gives it a token budget and chunk of the context length)."""
         try:
             mode = SchedulingMode(self.scheduling_mode)
         except ValueError:
@@ -323,4 +326,5 @@ class EngineConfig:
             scheduler_delay_factor=self.scheduler_delay_factor,
             num_speculative_tokens=self.num_speculative_tokens,
             speculative_disable_batch_size=self.speculative_disable_batch_size,
+            whole_prompts=whole_prompts,
         )

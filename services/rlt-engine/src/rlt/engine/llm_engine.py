@@ -41,7 +41,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, *, model=None) -> None:
-        """`model`: a model (`rlt_models.LoopedModelBase`) already loaded from `config.model` (see `build_engine`)."""
+        """`model`: a model (`rlt_models.LoopedModelBase`) already loaded from `config.model`
+        (see `build_engine`)."""
         self.config = config
         self.parts: EngineParts = build_engine(config, model=model)
         self.core = self.parts.core

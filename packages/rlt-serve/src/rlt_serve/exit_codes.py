@@ -11,3 +11,6 @@ EXIT_FAILURE = 1
 # refused before starting: a bad command line or configuration (argparse's own code), a port
 # outside 0..65535 or taken, an incomplete or unreadable model directory
 EXIT_USAGE = 2
+# + a signal's number: a second signal cut a server's drain short, or Ctrl-C interrupted a
+# benchmark (130 for SIGINT, 143 for SIGTERM)
+FORCED_EXIT_BASE = 128

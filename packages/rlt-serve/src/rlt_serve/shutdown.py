@@ -59,6 +59,8 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 
+from rlt_serve.exit_codes import EXIT_OK, FORCED_EXIT_BASE
+
 logger = logging.getLogger("rlt_serve.shutdown")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -69,8 +71,6 @@ FORWARDED_WINDOW_S = 0.25  # the same, for a process that only its supervisor si
 # runs 5 s after the grace period, engine cores and PD instances get 10-15 s to stop before
 # they are killed. Typically it exits within a second of the last request's end.
 STOP_BOUND_MARGIN_S = 30.0
-EXIT_OK = 0
-FORCED_EXIT_BASE = 128  # a second signal cut the drain short: 128 + its number
 
 # A phase's response to a counted signal: action(signum, stage), stage 1 for the first.
 Action = Callable[[int, int], None]

@@ -6,11 +6,12 @@ import argparse
 import asyncio
 import math
 import os
+import signal
 import sys
 from datetime import datetime
 
 from rlt_contracts import ConfigurationError
-from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK
+from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK, FORCED_EXIT_BASE
 from rlt_serve.listening import port_number
 
 from rlt.bench.arrival import ARRIVAL_PROCESSES, parse_rate, parse_rates
@@ -32,6 +33,9 @@ examples:
   rlt bench serve --endpoint /v1/chat/completions --dataset-name jsonl \\
       --dataset-path prompts.jsonl --max-concurrency 8
   rlt bench serve --sweep-request-rates 1,2,4,inf --num-prompts 100 --plot sweep.png"""
+
+
+INTERRUPTED = FORCED_EXIT_BASE + signal.SIGINT  # 130: Ctrl-C
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -291,7 +295,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         results = asyncio.run(session.run(rates))
     except KeyboardInterrupt:  # outside a run (runs end cleanly and keep their results)
         print("rlt bench serve: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BenchFailed as exc:  # the test request, or every request of a run, failed
         print(f"rlt bench serve: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -302,4 +306,4 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
         path = plot_sweep(results, args.plot, title=f"{session.model} at {endpoint.path}")
         print(f"plot written to {path}")
-    return 130 if any(r["interrupted"] for r in results) else EXIT_OK
+    return INTERRUPTED if any(r["interrupted"] for r in results) else EXIT_OK

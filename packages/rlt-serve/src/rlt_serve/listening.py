@@ -45,8 +45,3 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def check_can_listen(host: str, port: int) -> None:
     """Probe host:port (bind, then release it) before a slow start-up that binds it later."""
     listening_socket(host, port).close()
-
-
-def bound_port(sock: socket.socket) -> int:
-    """The port a bound socket got (the OS's choice for port 0)."""
-    return sock.getsockname()[1]

@@ -1,8 +1,8 @@
 """Requests in flight when part of a server dies, and what each client must then have seen.
 
-`InFlight.start(url)` sends, each on its own thread, a streaming completion (with
+`RequestsInFlight.start(url)` sends, each on its own thread, a streaming completion (with
 `stream_options.include_usage`), a streaming chat with `n = 2` (with usage too) and a
-non-streaming completion, all long (`ignore_eos`, `max_tokens` near the context), and returns
+non-streaming completion, all long (`max_tokens` tokens, no stop token before), and returns
 once each stream has received a token chunk: the streams are then in flight for sure (the
 caller checks the non-streaming one on the server's side, e.g. its running requests). After the
 kill, `assert_each_ended_unavailable()` checks what docs/serving.md ("What a client sees when
@@ -69,9 +69,10 @@ def _has_tokens(line: str) -> bool:
     )
 
 
-class InFlight:
+class RequestsInFlight:
     def __init__(self, url: str, *, max_tokens: int, model: str | None = None) -> None:
-        common = {"max_tokens": max_tokens, "ignore_eos": True}
+        # min_tokens: no stop token (a chat's end of turn included) ends them early
+        common = {"max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True}
         if model is not None:
             common["model"] = model
         usage = {"stream": True, "stream_options": {"include_usage": True}}
@@ -90,7 +91,7 @@ class InFlight:
         """Engine requests these make: 1 + 2 + 1."""
         return 4
 
-    def start(self) -> InFlight:
+    def start(self) -> RequestsInFlight:
         for call in (self.completion, self.chat, self.plain):
             call.thread.start()
         for name, (call, _) in self.streams.items():

@@ -2,11 +2,15 @@
 
 Checked: the served outputs equal the in-process engine's (tokens, exit depths, logprobs, text)
 for completions and chat, streaming and not, `n > 1`, stop strings; and every failure across
-the process boundary: the core killed (in-flight requests end with errors, /health fails, the
-server exits non-zero within seconds), the front end killed (the core exits on its own), one of
-two API servers killed (its requests are aborted in the core, their KV freed, a new API server
-takes its place), the core killed under two API servers (they all end, exit code 1), the
-supervisor killed. No process of the group is left behind in any case.
+the process boundary: the core killed while a streaming completion, a streaming chat with
+n = 2 and a non-streaming request run (each stream ends with its choices' last chunks, the
+usage chunk, the 503 error event and [DONE]; the plain request answers 503; /health fails;
+the server exits non-zero within seconds), the front end killed (the core exits on its own),
+one of two API servers killed (its requests are aborted in the core, their KV freed, a new API
+server takes its place), the core killed under two API servers (the same endings; they all
+exit, code 1), the supervisor killed. No process of the group is left behind in any case.
+Two API servers' /metrics: every scrape, whichever answers it, shows the requests both
+answered and the same engine counters; a killed one's counts stay in the totals.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from in_flight_failures import RequestsInFlight
 from rlt import LLM, SamplingParams
 from serving_harness import free_port, sse_events, start_serve_process, wait_ready
 
@@ -85,6 +90,13 @@ class Server:
 
     def running(self) -> int:
         return int(self.metric("rlt:num_requests_running"))
+
+    def wait_running(self, count: int) -> None:
+        """Until `count` requests run in the core (read from any front end's /metrics)."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while (running := self.running()) != count:
+            assert time.monotonic() < deadline, running
+            time.sleep(0.02)
 
 
 def _cmd(pid: int) -> bytes:
@@ -248,28 +260,23 @@ def test_served_outputs_equal_the_in_process_engine(checkpoint, reference):
         assert server.running() == 0 and server.metric("rlt:kv_cache_usage_perc") == 0.0
 
 
+# The four engine requests of `RequestsInFlight` decode for half a minute or more on a CPU
+# (they still run when the core dies), and fit the KV pool at once: 4 x 6000 tokens at full
+# depth.
+IN_FLIGHT_MAX_TOKENS = 6000
+IN_FLIGHT_KV = ("--num-kv-blocks", "32768")
+
+
 def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
-    with serve(long_checkpoint) as server:
+    with serve(long_checkpoint, *IN_FLIGHT_KV) as server:
         group = descendants(server.process.pid)
-        results: dict = {}
-        stream = start_stream(server, results)
-        plain: dict = {}
-        body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
-        url = server.url + "/v1/completions"
-        waiting = threading.Thread(
-            target=lambda: plain.update(response=httpx.post(url, json=body, timeout=60))
-        )
-        waiting.start()
-        deadline = time.monotonic() + EXIT_WAIT_S
-        while server.running() != 2:  # both requests are in the core when it dies
-            assert time.monotonic() < deadline, server.running()
-            time.sleep(0.02)
+        flight = RequestsInFlight(server.url, max_tokens=IN_FLIGHT_MAX_TOKENS).start()
+        server.wait_running(flight.engine_requests)  # the plain one is in the core too
         os.kill(server.core_pid(), signal.SIGKILL)
-        waiting.join(30)
-        response = plain["response"]
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == "engine_unavailable"
+        flight.assert_each_ended_unavailable()
         # after the death, until the server has stopped listening: 503s (then: refused)
+        url = server.url + "/v1/completions"
+        body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
         with contextlib.suppress(httpx.TransportError):
             late = httpx.post(url, json=body, timeout=30)
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
@@ -278,9 +285,6 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
                 "dead",
                 "shutting_down",
             )
-        stream.join(30)
-        events = results["events"]
-        assert any(isinstance(e, dict) and "error" in e for e in events), results
         assert server.process.wait(timeout=EXIT_WAIT_S) == 1
         wait_gone(group)
 
@@ -293,11 +297,52 @@ def test_a_killed_front_end_takes_its_core_along(long_checkpoint):
         wait_gone([core])
 
 
+def clients_of_every_front_end(server: Server, front_ends: set[int]) -> list[httpx.Client]:
+    """Keep-alive clients until each front end holds one of their connections at least (the
+    kernel hands each new connection to one of them)."""
+    clients = []
+    for _ in range(40):
+        clients.append(httpx.Client(base_url=server.url, trust_env=False, timeout=60))
+        assert clients[-1].get("/health").status_code == 200
+        if all(tcp_sockets(p, ESTABLISHED, server.port) for p in front_ends):
+            return clients
+    raise AssertionError("40 connections all went to one front end")
+
+
+def metric_total(text: str, name: str, **labels: tuple[str, ...]) -> float:
+    """The sum of the samples of `name` whose labels take one of the given values."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(
+            any(f'{label}="{value}"' in line for value in values)
+            for label, values in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+FINISHED = ("stop", "length")  # the outcomes of requests answered in full
+
+
 def test_two_api_servers_survive_the_death_of_one(long_checkpoint):
     with serve(long_checkpoint, "--api-server-count", "2") as server:
         supervisor = server.process.pid
         front_ends = {p for p in descendants(supervisor) if tcp_sockets(p, LISTEN)}
         assert len(front_ends) == 2
+        # /metrics: each front end counts the requests it answered, a scrape of either shows
+        # them all (and the engine's counters, read fresh from the core: the same on both)
+        clients = clients_of_every_front_end(server, front_ends)
+        body = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+        for http in clients:
+            assert http.post("/v1/completions", json=body).status_code == 200
+        answered = len(clients)
+        scrapes = [http.get("/metrics").text for _ in range(3) for http in clients]
+        requests = "rlt:http_requests_total"
+        assert {metric_total(t, requests, outcome=FINISHED) for t in scrapes} == {answered}
+        tokens = {metric_total(t, "rlt:generation_tokens_total") for t in scrapes}
+        assert tokens == {3 * answered}
+        for http in clients:
+            http.close()
         for _ in range(4):
             start_stream(server, {})
         served = {p: tcp_sockets(p, ESTABLISHED, server.port) for p in front_ends}
@@ -316,8 +361,10 @@ def test_two_api_servers_survive_the_death_of_one(long_checkpoint):
                 break
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        body = {"prompt": [1, 2, 3], "max_tokens": 3}
         assert all(server.http.post("/v1/completions", json=body).status_code == 200 for _ in "ab")
+        # the killed API server's counts stay in the totals
+        text = server.http.get("/metrics").text
+        assert metric_total(text, "rlt:http_requests_total", outcome=FINISHED) == answered + 2
         # the supervisor killed: the core and the API servers exit on their own
         group = descendants(supervisor)
         os.kill(supervisor, signal.SIGKILL)
@@ -325,12 +372,24 @@ def test_two_api_servers_survive_the_death_of_one(long_checkpoint):
 
 
 def test_a_killed_core_under_two_api_servers_ends_them_all(long_checkpoint):
-    with serve(long_checkpoint, "--api-server-count", "2") as server:
+    with serve(long_checkpoint, "--api-server-count", "2", *IN_FLIGHT_KV) as server:
         group = descendants(server.process.pid)
-        results: dict = {}
-        stream = start_stream(server, results)
+        flight = RequestsInFlight(server.url, max_tokens=IN_FLIGHT_MAX_TOKENS).start()
+        server.wait_running(flight.engine_requests)
+        directories = {metrics_directory(p) for p in group if tcp_sockets(p, LISTEN)}
         os.kill(server.core_pid(), signal.SIGKILL)
-        stream.join(30)
-        assert any(isinstance(e, dict) and "error" in e for e in results["events"]), results
+        flight.assert_each_ended_unavailable()  # whichever front end each one reached
         assert server.process.wait(timeout=EXIT_WAIT_S) == 1
         wait_gone(group)
+        # the front ends shared one metrics directory; the supervisor removed it at its exit
+        [directory] = directories
+        assert directory.name.startswith("rlt-metrics-") and not directory.exists()
+
+
+def metrics_directory(pid: int) -> Path:
+    """The prometheus-client multi-process directory whose files the process has mapped."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        path = Path(line.split()[-1])
+        if path.name.endswith(".db") and path.parent.name.startswith("rlt-metrics-"):
+            return path.parent
+    raise AssertionError(f"process {pid} maps no metrics file")

@@ -217,7 +217,9 @@ def build_app(
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            await metrics.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     async def handle_engine_error(request: Request, exc: RltError) -> JSONResponse:
         # a client with its own `engine_error` says when the engine is gone; an EngineDeadError

@@ -19,16 +19,28 @@ per step). Per-request histograms are observed by the HTTP layer as deltas reach
 Per-request histograms count each engine request (one per prompt/choice) whose final delta the
 handler reads; a request whose client went away first is not observed (it still counts in
 `rlt:http_requests_total{outcome="abort"}` and the engine counters).
+
+Several front ends (processes) of one engine: where `PROMETHEUS_MULTIPROC_DIR` is set (the
+`rlt serve --api-server-count N` supervisor sets a fresh directory), prometheus-client keeps the
+HTTP layer's counters and histograms in files there and a scrape of any front end sums every
+front end's (`MultiProcessCollector`; a dead front end's counts stay in the sums). The engine's
+gauges and counters are the core's own, not per front end: they are read fresh from the core
+at each scrape (`StatsRefresh`), never summed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import values as metric_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
-from rlt_contracts import EngineClient, FinishReason, RequestOutputDelta
+from rlt_contracts import EngineClient, FinishReason, RequestOutputDelta, RltError
 
 PREFIX = "rlt:"
 # vLLM's buckets; ITL and the request phases get a finer low end (a looped model's decode tick
@@ -46,6 +58,37 @@ REQUEST_LATENCY_BUCKETS = (
     10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own
+STATS_REFRESH_TIMEOUT_S = 2.0  # a scrape waits this long for fresh engine statistics
+
+
+@runtime_checkable
+class StatsRefresh(Protocol):
+    """Optional `EngineClient` capability: `refresh_stats()` reads the engine's current
+    statistics (`stats()` returns them afterwards). A scrape calls it first; a client whose
+    `stats()` is always current needs none."""
+
+    async def refresh_stats(self) -> None: ...
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of a multi-process server's metrics, or None (one process)."""
+    return os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
+
+
+def mark_front_end_gone(pid: int, directory: str) -> None:
+    """A front end of a multi-process server exited: its live gauges leave `directory` (its
+    counters and histograms stay: the totals never go back)."""
+    mark_process_dead(pid, directory)
+
+
+def _file_backed_values() -> None:
+    """Make new metrics of this process keep their values in the multi-process directory.
+    prometheus-client chooses when it is first imported; a front end forked from a process
+    that imported it before the directory was set would keep them in memory, unseen by the
+    other front ends' scrapes."""
+    if metric_values.ValueClass is metric_values.MutexValue:
+        metric_values.ValueClass = metric_values.get_value_class()
 
 
 def token_count_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -170,8 +213,13 @@ class ServingMetrics:
     ) -> None:
         info = client.model_info()
         self.model_name = model_name if model_name is not None else info.name
+        self._client = client
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        self._engine_collector = _EngineCollector(client, is_alive, self.model_name)
+        self._multiprocess_dir = multiprocess_dir()
+        if self._multiprocess_dir is not None:
+            _file_backed_values()
 
         def histogram(name: str, doc: str, buckets: Sequence[float]):
             return Histogram(
@@ -245,7 +293,7 @@ class ServingMetrics:
             "bucket le=k minus bucket le=k-1 counts the tokens that exited at depth k.",
             tuple(float(d) for d in range(1, model_depth + 1)),
         )
-        registry.register(_EngineCollector(client, is_alive, self.model_name))
+        registry.register(self._engine_collector)
 
     def count(self, path: str, outcome: str) -> None:
         """One HTTP generation request answered with `outcome`."""
@@ -302,5 +350,23 @@ class ServingMetrics:
             if value is not None:
                 histogram.observe(value)
 
+    async def scrape(self) -> bytes:
+        """The exposition of a GET /metrics. With several front ends the engine's statistics
+        are refreshed first (if the client can; a dead, stopping or busy engine leaves the last
+        ones): this front end may not have heard from the core for a while."""
+        if self._multiprocess_dir is not None and isinstance(self._client, StatsRefresh):
+            try:
+                await asyncio.wait_for(self._client.refresh_stats(), STATS_REFRESH_TIMEOUT_S)
+            except (RltError, TimeoutError):
+                pass
+        return self.render()
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This process's metrics; with several front ends, the HTTP layer's of all of them
+        (summed from the multi-process directory) and the engine's."""
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self._multiprocess_dir)
+        registry.register(self._engine_collector)
+        return generate_latest(registry)

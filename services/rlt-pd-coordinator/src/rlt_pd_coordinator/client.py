@@ -420,10 +420,14 @@ class PDEngineClient:
                         f"the KV handoff from {p} to {d} did not complete within "
                         f"{self.timeouts.transfer:g} s (waiting for {step})"
                     )
+                failures = []
                 for task in done & {prefill, decode}:
                     watched.discard(task)
                     if task.exception() is not None:
-                        raise task.exception()
+                        failures.append(task.exception())
+                if failures:  # both at once: a lost instance is the cause, not what it broke
+                    lost = [e for e in failures if isinstance(e, _InstanceLost)]
+                    raise (lost or failures)[0]
                 if decode.done():
                     return  # D finished (e.g. aborted) without a token
         finally:

@@ -14,6 +14,10 @@ Grammars (structured output) are compiled on a worker thread before their reques
 scheduler, so a new JSON schema (about 0.1 s to compile) never stalls the running requests;
 the add is answered when its requests are queued. A request aborted while its grammar compiles
 is queued and then aborted at once, so it still ends with a final delta.
+
+Every round's outputs carry the core's statistics after it. An add without requests is answered
+at once, before the next step: a front end sends one to read the current statistics
+(`CoreClient.refresh_stats`, when /metrics is scraped).
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class CoreLoop:
             raise TypeError(f"not a core message: {type(message).__name__}")
 
     def _add(self, client: str, message: CoreAdd) -> None:
+        if not message.requests:  # a statistics read: the reply carries them
+            self._reply(client, message.call_id)
+            return
         specs = {r.sampling.structured_output for r in message.requests} - {None}
         if specs and self._compiler is not None:
             if self._compile_pool is None:

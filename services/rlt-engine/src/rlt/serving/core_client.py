@@ -188,6 +188,14 @@ class CoreClient:
         if stream is not None and stream.open and self._dead is None:
             self._transport_send_quietly(CoreAbort((request_id,)))
 
+    async def refresh_stats(self) -> None:
+        """Read the core's current statistics (`stats()` returns them after this): an add
+        without requests, which the core answers before its next step, and every answer
+        carries the statistics. Several front ends share one core, and a front end that sent
+        nothing for a while holds older statistics than the others: a /metrics scrape reads
+        fresh ones first, so successive scrapes never go back, whichever front end answers."""
+        await self._call(lambda call_id: CoreAdd(call_id, ()))
+
     async def pd_connect(self, peers: Sequence[bytes]) -> list[list[str]]:
         """The PD transport connects `peers`: [connected, incompatible, failed]."""
         return await self._call(lambda call_id: CorePDConnect(call_id, tuple(peers)))

@@ -10,6 +10,8 @@ The supervisor waits on every child's sentinel:
   frees their KV; a new front end takes its place on the same socket.
 - the core dies: every front end sees its liveness pipe close, ends its in-flight requests
   with errors and exits; the supervisor then exits with `EXIT_ENGINE_DIED`.
+Each scrape of /metrics, whichever front end answers it, shows the whole server: the front
+ends share a prometheus-client multi-process directory (`front_end_metrics`).
 
 Signals follow `rlt_serve.shutdown` (the policy of every rlt server; `rlt serve` installed it
 before this starts). While the core starts, a stop signal kills it and the command exits 0.
@@ -41,6 +43,7 @@ from rlt_serve.shutdown import (
     FORWARDED_WINDOW_S,
     StopRequested,
     StopSignals,
+    exit_at_once,
     signal_name,
     stopping,
     unblock_stop_signals,
@@ -55,6 +58,7 @@ from rlt.serving.core_process_client import (
     CoreProcess,
     child_start_method,
 )
+from rlt.serving.front_end_metrics import FrontEndMetrics
 from rlt.serving.server import front_end_tokenizer
 from rlt.serving.server_options import EXIT_ENGINE_DIED
 
@@ -85,7 +89,7 @@ def _run_front_end(
         end.close()
     configure_logging(options.log_level, f"fe{index}")
     try:
-        with signals.deferred():  # a stop arriving during the imports acts after them
+        with signals.acting(exit_at_once(signals)):  # (spawned: it imports everything)
             from rlt.serving.server import run_front_end
         code = run_front_end(
             endpoint,
@@ -115,6 +119,7 @@ class _Supervisor:
         self.clock = StartupClock()
         self.stop_deadline: float | None = None  # set by the first stop signal
         self._control = None  # a DEALER to the core for CoreClientGone
+        self.metrics: FrontEndMetrics | None = None  # made before the front ends start
 
     def start_core(self) -> None:
         """Start the core and wait until it serves (a stop signal raises `StopRequested`),
@@ -178,6 +183,7 @@ class _Supervisor:
                 os.kill(process.pid, signum)
 
     def run(self) -> int:
+        self.metrics = FrontEndMetrics()
         with self.signals.acting(self.on_signal):
             for index in range(self.options.api_server_count):
                 if self.signals.stage:
@@ -211,6 +217,7 @@ class _Supervisor:
                     continue
                 process = self.front_ends.pop(index)
                 process.join()
+                self.metrics.front_end_gone(process.pid)
                 logger.info("API server %d exited with code %s", index, process.exitcode)
                 if self.signals.stage or core_died or not self.core.process.is_alive():
                     continue
@@ -249,6 +256,8 @@ class _Supervisor:
             self._control.close(linger=0)
         if self.sock is not None:
             self.sock.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def supervise(config: EngineConfig, options, signals: StopSignals) -> int:

@@ -42,6 +42,10 @@ N`, which leaves the terminal's process group) uses `FORWARDED_WINDOW_S`: the su
 forwards only the signals it counted, at least `DUPLICATE_WINDOW_S` apart, and the short
 window absorbs a group signal that reached the child before it left the group.
 
+Start-up: before a command started anything that must be stopped in order, `exit_at_once`
+ends the process at the first signal (an import of torch in progress is not waited for); once
+children run, the default action raises `StopRequested`, whose unwinding stops them.
+
 Signals while children start: `spawning()` defers the handler's action to the end of the block
 (a `StopRequested` raised between a fork and the bookkeeping of its child would leave the child
 unowned) and blocks both signals in the thread that forks, so a child starts with them blocked
@@ -56,6 +60,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -241,6 +246,23 @@ def interrupt_start(signum: int, stage: int) -> None:
         logger.info("%s during start-up: stopping", signal_name(signum))
         raise StopRequested(signum)
     logger.info("%s: stopping already", signal_name(signum))
+
+
+def exit_at_once(signals: StopSignals, cleanup: Callable[[], None] = lambda: None) -> Action:
+    """The action while a command starts before it started anything that must be stopped in
+    order (it imports, checks its options; `cleanup` kills what it did start, e.g. a core
+    still loading): the first signal ends the process at once (`os._exit`, after flushing the
+    output) instead of unwinding through an import in progress, which could take seconds."""
+
+    def act(signum: int, stage: int) -> None:
+        logger.info("%s during start-up: stopping", signal_name(signum))
+        cleanup()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(signals.exit_code())
+
+    return act
 
 
 def stopping(kill: Callable[[], None], what: str = "the child processes") -> Action:

@@ -430,21 +430,28 @@ def run_serve(args: argparse.Namespace) -> int:
     # process of a server group (its engine cores, PD instances); they wait passively unless
     # the user says otherwise. Read once, when torch loads OpenMP: so before torch is imported.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from rlt_serve.shutdown import StopRequested, StopSignals
+    from rlt_serve.shutdown import StopRequested, StopSignals, exit_at_once
 
-    # the stop-signal policy of every rlt server, before anything starts and until the process
-    # exits: a SIGINT / SIGTERM during start-up stops it cleanly (exit 0), one while serving
-    # drains (rlt_serve.shutdown)
+    # the stop-signal policy of every rlt server, before anything starts: a SIGINT / SIGTERM
+    # during start-up stops it cleanly (exit 0), one while serving drains (rlt_serve.shutdown)
     signals = StopSignals().install()
+    started: list = []  # a core spawned before the server's imports
     try:
-        return _serve(args, signals)
+        with signals.acting(exit_at_once(signals, lambda: [core.kill() for core in started])):
+            config, options, core = _prepare_serving(args, signals, started)
+            from rlt.serving.server import serve
+        return serve(config, options, core=core, signals=signals)
     except StopRequested:
+        for core in started:  # (serve() kills it; unless the signal came before it could)
+            core.kill()
         return signals.exit_code()
     finally:
         signals.finish()
 
 
-def _serve(args: argparse.Namespace, signals) -> int:
+def _prepare_serving(args: argparse.Namespace, signals, started: list):
+    """(engine config, serve options, the core if it is spawned before the server's imports);
+    `started` gets that core."""
     from rlt_contracts import ConfigurationError
     from rlt_serve import LoopDefaults
 
@@ -490,14 +497,8 @@ def _serve(args: argparse.Namespace, signals) -> int:
         # inherits them instead of importing them a second time
         with signals.spawning():
             core = CoreProcess.spawn(config, log_level=options.log_level)
-    try:
-        with signals.deferred():  # a stop during the imports acts after them
-            from rlt.serving.server import serve
-    except BaseException:
-        if core is not None:
-            core.kill()
-        raise
-    return serve(config, options, core=core, signals=signals)
+            started.append(core)
+    return config, options, core
 
 
 def build_parser() -> argparse.ArgumentParser:

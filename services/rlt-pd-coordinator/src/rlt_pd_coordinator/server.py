@@ -18,9 +18,11 @@ kills them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +206,35 @@ def load_tokenizer(model_dir: Path):
         raise ConfigurationError("model", f"the front needs the model's tokenizer: {exc}") from None
 
 
+def _in_daemon_thread(function, *args) -> asyncio.Future:
+    """`function(*args)` on a daemon thread, as a future of the running loop. Not on the
+    loop's executor: `asyncio.run` joins that one's threads on the way out, so a stop during
+    start-up would wait for the tokenizer's first import of torch and transformers (15 s on a
+    busy 2-core machine); a daemon thread is left behind instead."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if future.done():  # cancelled: its waiter left
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result = error = None
+        try:
+            result = function(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="rlt-pd-tokenizer", daemon=True).start()
+    return future
+
+
 def build_model_info(
     model_dir: Path, served_name: str | None, instances: list[Instance]
 ) -> ModelInfo:
@@ -335,7 +366,7 @@ class Coordinator:
         tokenizer = self._tokenizer
         loading = None
         if tokenizer is None:  # load it while the instances start
-            loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_dir))
+            loading = _in_daemon_thread(load_tokenizer, model_dir)
         try:
             if self.supervisor is not None:
                 await self.supervisor.start()

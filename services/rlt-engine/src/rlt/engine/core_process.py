@@ -69,7 +69,7 @@ def run_core_process(
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then fatal
         if not isinstance(error, RltError):
             logger.exception("the engine could not be built")
-        ready.send(("error", msgspec.msgpack.encode(WireError.of(error))))
+        _tell_parent(ready, ("error", msgspec.msgpack.encode(WireError.of(error))))
         sys.exit(1)
     pd = parts.pd
     core_loop = CoreLoop(
@@ -88,19 +88,31 @@ def run_core_process(
     step_log_path = os.environ.get(STEP_LOG_VARIABLE)
     if step_log_path:
         parts.core.step_log = []
-    ready.send(("ready", msgspec.msgpack.encode(ready_message)))
+    told = _tell_parent(ready, ("ready", msgspec.msgpack.encode(ready_message)))
     ready.close()
     try:
-        _serve(core_loop, socket, parent_alive)
-        _log_totals(parts.core)
-        if step_log_path:
-            _write_step_log(parts.core.step_log, step_log_path)
+        if told:  # (else its parent was stopped while it started: nothing to serve)
+            _serve(core_loop, socket, parent_alive)
+            _log_totals(parts.core)
+            if step_log_path:
+                _write_step_log(parts.core.step_log, step_log_path)
     finally:
         socket.close(linger=1000)  # the last outputs (final deltas) still go out
         context.term()
         parts.core.close()
         core_alive.close()
     os._exit(0)  # skip interpreter teardown (CUDA contexts, NIXL agents): the work is done
+
+
+def _tell_parent(ready, message) -> bool:
+    """Send the start-up's outcome; False when the process that started this core is gone
+    (it was stopped or killed while the core started: no one is left to tell)."""
+    try:
+        ready.send(message)
+    except OSError:  # BrokenPipeError
+        logger.info("the process that started this core is gone: exiting")
+        return False
+    return True
 
 
 def _serve(core_loop, socket, parent_alive) -> None:

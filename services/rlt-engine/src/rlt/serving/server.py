@@ -185,10 +185,10 @@ def serve(
         return supervise(config, options, signals)
     configure_logging(options.log_level, "api")
     clock = StartupClock()
-    if core is None:
-        with signals.spawning():
-            core = CoreProcess.spawn(config, log_level=options.log_level)
     try:
+        if core is None:
+            with signals.spawning():
+                core = CoreProcess.spawn(config, log_level=options.log_level)
         with clock.phase("front end: tokenizer (while the core starts)"):
             tokenizer = front_end_tokenizer(resolve_model_dir(config.model))
         with clock.phase("engine core process ready (see its [core] lines)"):
@@ -203,11 +203,13 @@ def serve(
             tokenizer=tokenizer,
         )
     except StopRequested:
-        core.kill()  # still starting: nothing to drain
+        if core is not None:
+            core.kill()  # still starting: nothing to drain
         raise
     finally:
-        with signals.acting(stopping(core.kill, "the engine core")):
-            core.stop()
+        if core is not None:
+            with signals.acting(stopping(core.kill, "the engine core")):
+                core.stop()
 
 
 def front_end_tokenizer(model_dir: Path):

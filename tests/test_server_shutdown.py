@@ -150,10 +150,9 @@ def test_a_second_sigint_after_the_first_was_handled_ends_the_drain_at_once():
         launch.wait_healthy()
         in_flight = in_flight_requests(launch, short=False)
         in_flight.start()
-        launch.signal_group(signal.SIGINT)
+        launch.signal_group(signal.SIGINT)  # (uv's copy follows 200 ms later: not counted)
         assert launch.output.wait_for("requests in flight get up to 600 s")
-        assert launch.output.wait_for("a duplicate (a launcher's copy), ignored")  # uv's copy
-        time.sleep(DUPLICATE_WINDOW_S)
+        time.sleep(DUPLICATE_WINDOW_S + 0.5)  # a person's second Ctrl-C comes later
         assert launch.process.poll() is None, "the first SIGINT did not drain"
         sent = launch.signal_group(signal.SIGINT)
         output = check_stopped_cleanly(launch, sent, expected_code=128 + signal.SIGINT)

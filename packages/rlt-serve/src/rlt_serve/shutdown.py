@@ -37,10 +37,12 @@ libraries start before the mask is set (torch, tokenizers, Ray) would still take
 Nor would the pid decide alone: a launcher's copy comes from another pid than the original,
 but so does a user's `kill` after a terminal's Ctrl-C; a window is needed either way.
 
-A process whose signals come only from its supervisor (a front end under `--api-server-count
-N`, which leaves the terminal's process group) uses `FORWARDED_WINDOW_S`: the supervisor
-forwards only the signals it counted, at least `DUPLICATE_WINDOW_S` apart, and the short
-window absorbs a group signal that reached the child before it left the group.
+A process whose signals come from its supervisor (a front end under `--api-server-count N`,
+which leaves the terminal's process group) uses `FORWARDED_WINDOW_S`: the supervisor forwards
+only the signals it counted, at least `DUPLICATE_WINDOW_S` apart (the child's shorter window
+leaves room for their delivery's jitter), and the window absorbs the copy that reached the
+child directly: a group signal before it left the group, or systemd's SIGTERM to every process
+of the service's cgroup.
 
 Start-up: before a command started anything that must be stopped in order, `exit_at_once`
 ends the process at the first signal (an import of torch in progress is not waited for); once
@@ -70,7 +72,7 @@ logger = logging.getLogger("rlt_serve.shutdown")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DUPLICATE_WINDOW_S = 1.0  # a stop signal this soon after the last one counted is a duplicate
-FORWARDED_WINDOW_S = 0.25  # the same, for a process that only its supervisor signals
+FORWARDED_WINDOW_S = 0.5  # the same, for a process its supervisor forwards signals to
 # A server exits at most this long after the grace period of its drain (--shutdown-timeout)
 # has run out; each step beyond has a bound of its own: uvicorn cancels a handler that still
 # runs 5 s after the grace period, engine cores and PD instances get 10-15 s to stop before

@@ -3,9 +3,9 @@
 `rlt serve` (and its front-end supervisor for `--api-server-count N`), `rlt pd serve` and Ray's
 commands install one `StopSignals` in the main thread before they start anything, and call
 `finish()` when they are done (after a stop by signal, later copies are then ignored: a
-launcher's copy must not kill the exiting interpreter). Every
-signal it counts moves the shutdown one *stage* on; what a stage does depends on the phase the
-command is in, which it states with `acting(action)`:
+launcher's copy must not kill the exiting interpreter). Every signal it counts moves the
+shutdown one *stage* on; what a stage does depends on the phase the command is in, which it
+states with `acting(action)`:
 
     stage 1  (the first signal)   start-up: stop it (`StopRequested` unwinds the start-up, the
                                   children are stopped, exit 0); serving: drain (stop accepting,
@@ -13,7 +13,9 @@ command is in, which it states with `acting(action)`:
                                   end the rest with finish_reason "abort"), exit 0
     stage 2  (a second signal)    end what still runs at once, as cleanly (final chunks,
                                   `[DONE]`, JSON bodies), exit `forced_exit_code` (128 + it)
-    stage 3+                      stop at once (children killed), same exit code
+    stage 3+                      stop at once (open connections dropped; a supervisor
+                                  kills its front ends, a command stopping its children kills
+                                  them), same exit code
 
 Exit codes: `EXIT_OK` (0) after a stop by signal, at any point of start-up or serving;
 `FORCED_EXIT_BASE` + the signal's number (130 for SIGINT, 143 for SIGTERM) when a second

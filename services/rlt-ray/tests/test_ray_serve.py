@@ -9,7 +9,7 @@ two replicas run on two different nodes and a replacement has exactly one free n
 (d) on a trace with shared prefixes, prefix affinity raises the engines' summed prefix-cache
     hit rate over round robin, and a burst on one hot prefix stays within the load bound;
 (c) a replica's process SIGKILLed and a worker node removed mid-stream: those requests end
-    with clean errors (an SSE error event, a JSON 500), the others complete and leave the
+    with clean errors (an SSE error event, a JSON 503), the others complete and leave the
     survivor with every KV block free, Ray starts a replacement and the router sends requests
     to it once it is healthy.
 """
@@ -228,7 +228,9 @@ def _assert_failed_cleanly(events: list[object], status: int | None) -> None:
     assert events[-1] == "[DONE]", events[-3:]
     error = events[-2]
     assert _is_error_event(error), events[-3:]
+    assert error["error"]["code"] == "engine_unavailable", error
     assert "lost engine replica" in error["error"]["message"], error
+    assert events[-3]["choices"][0]["finish_reason"] == "abort", events[-3:]
 
 
 def _assert_completed(events: list[object], max_tokens: int) -> None:
@@ -315,7 +317,8 @@ def test_sigkill_of_a_replica_fails_only_its_requests_and_it_comes_back(fleet):
         os.kill(replica_on_pid(report, victim), signal.SIGKILL)
         _assert_failed_cleanly(stream.result(), stream.status)
         response = plain.result(timeout=120)
-    assert response.status_code == 500, response.text
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "engine_unavailable"
     assert "lost engine replica" in response.json()["error"]["message"]
     for other in others:
         _assert_completed(other.result(timeout=300), 24)

@@ -159,19 +159,21 @@ def replica_engine_config(config, options, pd_role_refusal: str):
     return config, gpus
 
 
-def build_app(config=None, serve_options=None, options: RayOptions | None = None):
+def build_app(config=None, serve_options=None, options: RayOptions | None = None, drain_key=None):
     """The Ray Serve application: `serve.run(build_app(...))`.
 
     config: rlt's `EngineConfig` for every replica (default: the bundled model on the CPU or
     CUDA, "auto"); serve_options: rlt's `ServeOptions` (API key, served model name, body limit,
     loop defaults, CORS origins; host/port are Serve's HTTP options instead); options:
-    `RayOptions`.
+    `RayOptions`; drain_key: the drain signal the ingress watches (`rlt_ray.drain`, the
+    command's; None: Serve's own graceful shutdown only).
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from rlt.engine.config import EngineConfig
     from rlt.serving.server_options import ServeOptions
 
+    from rlt_ray.drain import serve_shutdown_options
     from rlt_ray.ingress import OpenAIIngress
     from rlt_ray.replicas import EngineReplica
 
@@ -218,8 +220,8 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         max_ongoing_requests=options.max_ongoing_requests,
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=options.health_check_timeout_s,
-        graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         request_router_config=router_config,
+        **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
         **scaling,
     )
     ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
@@ -227,13 +229,14 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         num_replicas=options.ingress_replicas,
         ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
         max_ongoing_requests=max(options.max_ongoing_requests, 1024),
-        graceful_shutdown_timeout_s=serve_options.shutdown_timeout,
+        **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
     )
     return ingress.bind(
         engine.bind(config, engine_process=options.engine_process),
         config.model,
         serve_options,
         options.submit_timeout_s,
+        drain_key,
     )
 
 

@@ -1,11 +1,11 @@
 """`rlt ray serve [MODEL] ...` and `rlt ray pd serve [MODEL] ...` (also `rlt-ray ...` and
 `python -m rlt_ray ...`).
 
-The engine and HTTP flags are `rlt serve`'s own (rlt.cli); the Ray flags say how many
-replicas, where they run and how requests are routed (`serve`), or how many prefill and
-decode replicas run where and the coordinator's credits and timeouts (`pd serve`). Without
-`--address` a local Ray cluster starts in this process and stops with it; with `--address
-auto` (or host:port) the app joins that cluster and is deleted from it on exit.
+The engine and HTTP flags are `rlt serve`'s own (rlt.cli; not `--api-server-count`:
+`--ingress-replicas` scales the front); the Ray flags say how many replicas, where they run
+and how requests are routed (`serve`), or how many prefill and decode replicas run where and
+the coordinator's credits and timeouts (`pd serve`). Which cluster, the start, the drain and
+the exit: `rlt_ray.runner`.
 """
 
 from __future__ import annotations
@@ -13,18 +13,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from rlt_contracts import ConfigurationError, RltError
+from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from rlt_serve.shutdown import StopRequested, StopSignals, signal_name
 
 from rlt_ray.app import RayOptions
+from rlt_ray.local_cluster import ClusterStartError
 from rlt_ray.policy import POLICIES
+from rlt_ray.runner import (
+    THROUGHPUT_OPTIMIZED_ENV,  # noqa: F401 - documented here too (tests, `rlt ray` users)
+    AppStartError,
+    set_ray_environment_defaults,
+)
 
 APP_NAME = "rlt"
-THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 logger = logging.getLogger(__name__)
 
 
@@ -34,8 +39,19 @@ def _add_placement_arguments(group, d) -> None:
     group.add_argument(
         "--address",
         default=None,
-        help="Ray cluster to join ('auto': the one this node belongs to; host:port); "
-        "default: start a local one",
+        help="Ray cluster to join ('auto': the one this node belongs to; host:port); default: "
+        "$RAY_ADDRESS if set, else a private local cluster that stops with the command",
+    )
+    group.add_argument(
+        "--app-name",
+        default=APP_NAME,
+        help="the Serve application's name on the cluster (refused if it runs one of that "
+        "name already); default: rlt",
+    )
+    group.add_argument(
+        "--route-prefix",
+        default="/",
+        help="the route the API is served under (e.g. /rlt: http://HOST:PORT/rlt/v1/...)",
     )
     group.add_argument(
         "--num-gpus-per-replica",
@@ -180,9 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_engine_arguments(sub)
         add_serve_arguments(sub)
+        _refuse_front_end_count(sub)
     add_ray_arguments(serve)
     add_pd_arguments(pd_serve)
     return parser
+
+
+def _refuse_front_end_count(parser: argparse.ArgumentParser) -> None:
+    """`rlt serve`'s --api-server-count does not apply here (--ingress-replicas scales the
+    front): taken out of --help; given, it is refused with that advice."""
+    parser.conflict_handler = "resolve"  # a group that replaces rlt serve's declaration
+    try:
+        hidden = parser.add_argument_group()
+    finally:
+        parser.conflict_handler = "error"
+    hidden.add_argument("--api-server-count", type=int, default=1, help=argparse.SUPPRESS)
 
 
 def _resources(items: Sequence[str], flag: str = "replica_resource") -> dict[str, float]:
@@ -210,8 +238,12 @@ def serve_options_from_args(args: argparse.Namespace):
     args.model = args.model_dir if args.model_dir is not None else args.model
     if args.api_server_count != 1:
         raise ConfigurationError(
-            "api_server_count", "rlt ray serve scales the front with --ingress-replicas"
+            "api_server_count", "rlt ray scales the front with --ingress-replicas instead"
         )
+    if not args.route_prefix.startswith("/"):
+        raise ConfigurationError("route_prefix", f"must start with '/', got {args.route_prefix!r}")
+    if not args.app_name.strip():
+        raise ConfigurationError("app_name", "must not be empty")
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
     return ServeOptions(
@@ -286,74 +318,47 @@ def pd_options_from_args(args: argparse.Namespace):
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=args.health_check_timeout_s,
         graceful_shutdown_timeout_s=args.shutdown_timeout,
-        engine_process=args.engine_process,
     )
     options.validate()
     return engine_config_from_args(args), serve_options, options, args.address
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def placement_from_args(args: argparse.Namespace, ingress_replicas: int):
+    from rlt_ray.runner import Placement
+
+    return Placement(args.address, args.app_name, args.route_prefix, ingress_replicas)
+
+
+def run_serve(args: argparse.Namespace, signals) -> int:
     from rlt_ray.app import build_app
+    from rlt_ray.runner import check_local_model, run_app
 
-    config, serve_options, options, address = options_from_args(args)
+    config, serve_options, options, _ = options_from_args(args)
+    check_local_model(args.model, args.address)
     line = f"{_replica_line(options)}, router {options.router}"
-    return _run_app(lambda: build_app(config, serve_options, options), serve_options, address, line)
-
-
-def run_pd_serve(args: argparse.Namespace) -> int:
-    from rlt_ray.pd import build_pd_app
-
-    config, serve_options, options, address = pd_options_from_args(args)
-    line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
-    return _run_app(
-        lambda: build_pd_app(config, serve_options, options), serve_options, address, line
+    return run_app(
+        lambda key: build_app(config, serve_options, options, drain_key=key),
+        serve_options,
+        placement_from_args(args, options.ingress_replicas),
+        line,
+        signals,
     )
 
 
-def _run_app(build, serve_options, address: str | None, line: str) -> int:
-    """Start (or join) Ray, run the app built by `build()` until SIGINT / SIGTERM, then
-    remove it (a local cluster stops with it)."""
-    import ray
-    from ray import serve
+def run_pd_serve(args: argparse.Namespace, signals) -> int:
+    from rlt_ray.pd import build_pd_app
+    from rlt_ray.runner import check_local_model, run_app
 
-    local = address is None
-    # the replicas load torch: idle OpenMP workers wait passively, as under `rlt serve`
-    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    init: dict = {"include_dashboard": False} if local else {"address": address}
-    ray.init(logging_level=logging.WARNING, runtime_env={"env_vars": env}, **init)
-    stop = threading.Event()
-    ready = False
-
-    def on_signal(signum, frame) -> None:
-        stop.set()
-        if not ready:  # serve.run waits for the replicas: interrupt that wait
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        serve.start(http_options={"host": serve_options.host, "port": serve_options.port})
-        serve.run(build(), name=APP_NAME, route_prefix="/", blocking=False)
-        ready = True
-        print(
-            f"rlt ray: ready at http://{serve_options.host}:{serve_options.port} ({line})",
-            flush=True,
-        )
-        stop.wait()
-        print("rlt ray: stopping", flush=True)
-        return 0
-    except KeyboardInterrupt:
-        print("rlt ray: interrupted during start-up: stopping", flush=True)
-        return 130
-    finally:
-        try:
-            if local:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            ray.shutdown()
+    config, serve_options, options, _ = pd_options_from_args(args)
+    check_local_model(args.model, args.address)
+    line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
+    return run_app(
+        lambda key: build_pd_app(config, serve_options, options, drain_key=key),
+        serve_options,
+        placement_from_args(args, 1),
+        line,
+        signals,
+    )
 
 
 def _replica_line(options: RayOptions) -> str:
@@ -362,29 +367,27 @@ def _replica_line(options: RayOptions) -> str:
     return f"{options.replicas} engine replica{'s' if options.replicas != 1 else ''}"
 
 
-def set_ray_environment_defaults() -> None:
-    """What `rlt ray serve` / `rlt ray pd serve` set before Ray starts, unless the environment
-    already says otherwise (read by the processes of the local Ray instance they start; a
-    cluster joined with --address has its own from `ray start`)."""
-    # Under `uv run`, Ray (2.60) would start every worker through `uv run` from a packaged
-    # copy of the working directory; the workers run this interpreter's environment instead.
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    # Serve's data plane as direct gRPC between proxy, ingress and replicas instead of Ray's
-    # object streaming per chunk: on an H200 it took one replica from 0.94 to 0.97-0.99 of
-    # `rlt serve`'s throughput (docs/results.md).
-    os.environ.setdefault(THROUGHPUT_OPTIMIZED_ENV, "1")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    set_ray_environment_defaults()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """`rlt ray ...`; SIGINT / SIGTERM follow rlt's one policy from the start (a signal
+    before anything started exits 0 at once: `rlt_ray.runner` for the rest)."""
+    signals = StopSignals().install()
     try:
-        return run_pd_serve(args) if args.command == "pd" else run_serve(args)
+        set_ray_environment_defaults()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
+        run = run_pd_serve if args.command == "pd" else run_serve
+        return run(args, signals)
+    except StopRequested as stop:
+        print(f"rlt ray: {signal_name(stop.signum)} during start-up: stopping", flush=True)
+        return EXIT_OK
+    except (ClusterStartError, AppStartError) as exc:
+        print(f"rlt ray: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except RltError as exc:
         print(f"rlt ray: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    finally:
+        signals.finish()
 
 
 if __name__ == "__main__":

@@ -6,14 +6,19 @@ ingress, over a Ray Serve handle to the engine replicas.
                      the engine's own error, raised here as on a single engine)
     stream(id)       the replica's deltas, unchanged
     cancel(id)       cancels the Ray call: the replica aborts the request in its engine
+    shutdown()       refuses new requests (503) and aborts those in flight: each stream ends
+                     with a final delta of finish_reason "abort" and no error (what was
+                     generated is kept), as `rlt serve` ends them at shutdown
     stats()          the replicas' last reported statistics, added up (a lost replica's
                      counters stay in the sum, its gauges leave it)
 
 Failures after submit (the replica's process was killed, its node removed, the call lost)
-end the stream with a final "abort" delta whose `error` names the replica and the cause:
-rlt-serve answers a plain request with HTTP 500 and that message as JSON, and sends a
-streaming one an error event and `[DONE]`. Only that replica's requests fail; the router drops
-the dead replica at once, and Ray starts a replacement, routed to once it is healthy.
+end the stream by raising `EngineDeadError` that names the replica and the cause, as a lost
+PD instance does under `rlt pd serve`: rlt-serve answers a plain request with HTTP 503
+`engine_unavailable` and that message as JSON, and ends a streaming one (each open choice with
+finish_reason "abort", then the error event and `[DONE]`). Only that replica's requests fail
+(`dead` stays None: /health follows the service, not one replica); the router drops the dead
+replica at once, and Ray starts a replacement, routed to once it is healthy.
 
 A submit whose replica died before accepting is tried again on another replica
 (`SUBMIT_ATTEMPTS`); nothing ran there, so nothing is duplicated. A submit that gets no answer
@@ -61,6 +66,7 @@ class _Flow:
     replica: str
     claimed: bool = False
     finished: bool = False
+    aborted: bool = False  # ended by shutdown(): its end is an abort, not a failure
 
 
 class RayEngineClient:
@@ -80,7 +86,7 @@ class RayEngineClient:
     def dead(self) -> BaseException | None:
         """Why nothing can be served (drives /health): only after shutdown. A lost replica is
         one request's failure, not the service's."""
-        return EngineDeadError("the ingress is shutting down") if self._stopping else None
+        return EngineDeadError("the server is shutting down") if self._stopping else None
 
     def stats(self) -> EngineStats:
         return sum_stats(list(self._replica_stats.values()))
@@ -90,7 +96,7 @@ class RayEngineClient:
 
     async def submit(self, request: EngineRequest) -> None:
         if self._stopping:
-            raise EngineDeadError("the ingress is shutting down")
+            raise EngineDeadError("the server is shutting down")
         existing = self._flows.get(request.request_id)
         if existing is not None and not existing.finished:
             raise InvalidRequestError(
@@ -120,7 +126,11 @@ class RayEngineClient:
                 generator.cancel()
                 raise RltError(f"unexpected first item from an engine replica: {first!r}")
             self._note_stats(first.replica, first.stats)
-            self._flows[request.request_id] = _Flow(request, generator, first.replica)
+            flow = _Flow(request, generator, first.replica)
+            self._flows[request.request_id] = flow
+            if self._stopping:  # shutdown() ran while this submit waited: abort it too
+                flow.aborted = True
+                generator.cancel()
             return
         raise ReplicaLostError(f"engine replicas were lost before accepting: {last_error}")
 
@@ -142,37 +152,42 @@ class RayEngineClient:
         self._stopping = True
         for flow in list(self._flows.values()):
             if not flow.finished:
+                flow.aborted = True
                 flow.generator.cancel()
 
     # -- plumbing -------------------------------------------------------------------------------
     async def _deltas(self, flow: _Flow) -> AsyncIterator[RequestOutputDelta]:
         try:
-            async for item in flow.generator:
-                if isinstance(item, Finished):
-                    self._note_stats(flow.replica, item.stats)
-                    continue
-                if isinstance(item, RequestOutputDelta):
-                    yield item
-                    if item.finished:
-                        flow.finished = True
-            if not flow.finished:
-                yield self._failure(flow, "its stream ended without a final delta")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the replica or the call was lost
-            if not flow.finished:
-                self._replica_gone(flow.replica)
-                yield self._failure(flow, _describe(exc))
+            cause = None
+            try:
+                async for item in flow.generator:
+                    if isinstance(item, Finished):
+                        self._note_stats(flow.replica, item.stats)
+                        continue
+                    if isinstance(item, RequestOutputDelta):
+                        yield item
+                        if item.finished:
+                            flow.finished = True
+                if not flow.finished:
+                    cause = "its stream ended without a final delta"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the replica or the call was lost
+                cause = None if flow.finished else _describe(exc)
+            if cause is not None:
+                flow.finished = True
+                if flow.aborted:
+                    yield self._aborted(flow)
+                else:
+                    raise self._lost(flow, cause)
         finally:
             if not flow.finished:
                 flow.generator.cancel()  # the reader left: the replica aborts the request
             if self._flows.get(flow.request.request_id) is flow:
                 del self._flows[flow.request.request_id]
 
-    def _failure(self, flow: _Flow, cause: str) -> RequestOutputDelta:
-        flow.finished = True
-        message = f"lost engine replica {flow.replica}: {cause}"
-        logger.warning("request %s failed: %s", flow.request.request_id, message)
+    def _aborted(self, flow: _Flow) -> RequestOutputDelta:
+        """The final delta of a flow that shutdown() ended: an abort, what it generated kept."""
         return RequestOutputDelta(
             request_id=flow.request.request_id,
             token_ids=(),
@@ -180,8 +195,15 @@ class RayEngineClient:
             finished=True,
             finish_reason=FinishReason.ABORT,
             num_prompt_tokens=len(flow.request.prompt_token_ids),
-            error=message,
         )
+
+    def _lost(self, flow: _Flow, cause: str) -> EngineDeadError:
+        """What a flow's stream raises when its replica went away: an `EngineDeadError` (503
+        `engine_unavailable`) naming the replica and the cause."""
+        self._replica_gone(flow.replica)
+        message = f"lost engine replica {flow.replica}: {cause}"
+        logger.warning("request %s failed: %s", flow.request.request_id, message)
+        return EngineDeadError(message)
 
     def _replica_gone(self, replica: str) -> None:
         """Its counters stay in the sum (they stay monotonic); its gauges no longer count."""

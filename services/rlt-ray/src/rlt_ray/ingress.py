@@ -12,9 +12,11 @@ and `replica_stats()` (operators and tests: compare policies on one fleet).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from rlt_ray.client import RayEngineClient
+from rlt_ray.drain import Drainer, watch
 from rlt_ray.registry import routers
 
 logger = logging.getLogger(__name__)
@@ -23,10 +25,16 @@ logger = logging.getLogger(__name__)
 class OpenAIIngress:
     """`engine`: a handle to the engine replicas; `model`: the checkpoint directory whose
     tokenizer this front uses (None: the bundled model; it must be readable on this node);
-    `serve_options`: rlt's `ServeOptions` (API key, names, limits, loop defaults)."""
+    `serve_options`: rlt's `ServeOptions` (API key, names, limits, loop defaults);
+    `drain_key`: the command's drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
 
     async def __init__(
-        self, engine, model: str | None, serve_options, submit_timeout_s: float = 60.0
+        self,
+        engine,
+        model: str | None,
+        serve_options,
+        submit_timeout_s: float = 60.0,
+        drain_key: str | None = None,
     ) -> None:
         from rlt.engine.assembly import resolve_model_dir
         from rlt_models import load_tokenizer
@@ -35,11 +43,17 @@ class OpenAIIngress:
         self.client = RayEngineClient(engine, info, submit_timeout_s=submit_timeout_s)
         self.tokenizer = load_tokenizer(resolve_model_dir(model))
         self.serve_options = serve_options
+        self.drainer: Drainer | None = None
+        self._watching = (
+            asyncio.create_task(watch(drain_key, lambda: self.drainer)) if drain_key else None
+        )
 
     def __serve_build_asgi_app__(self):
         from rlt.serving.server import build_front_app
 
-        return build_front_app(self.client, self.tokenizer, self.serve_options, None)
+        app = build_front_app(self.client, self.tokenizer, self.serve_options, None)
+        self.drainer = Drainer(app, self.client.shutdown)
+        return self.drainer
 
     async def routing_report(self) -> dict:
         reports = [router.report() for router in routers()]
@@ -56,3 +70,11 @@ class OpenAIIngress:
 
     async def replica_stats(self) -> dict:
         return {key: stats for key, stats in self.client.replica_stats().items()}
+
+    async def __del__(self) -> None:
+        # Ray Serve calls this when it stops the replica (after its drain, if any)
+        if getattr(self, "_watching", None) is not None:
+            self._watching.cancel()
+        client = getattr(self, "client", None)
+        if client is not None:
+            await client.shutdown()

@@ -31,21 +31,18 @@ copied. The coordinator's routing, credits, timeouts and failure rules are there
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import os
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from rlt_contracts import ConfigurationError
 
 from rlt_ray import registry
-from rlt_ray.replicas import _location, replica_tag
+from rlt_ray.drain import Drainer, serve_shutdown_options, watch
+from rlt_ray.pd_instance import PDInstanceReplica
 
 logger = logging.getLogger(__name__)
 
@@ -124,117 +121,17 @@ class PDOptions:
                 raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
 
 
-def _node_host() -> str:
-    """The address peers reach this node at (Ray's own view of it)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (direct use): loopback
-        return "127.0.0.1"
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class PDInstanceReplica:
-    """One PD engine instance in one Ray Serve replica: what `rlt serve MODEL --pd-role ROLE`
-    runs, in the replica's process. The engine core runs on a thread (`build_server`), its
-    HTTP app (OpenAI routes plus /internal/pd/*, behind `api_key`) is served by uvicorn on a
-    free port of this node, on the replica's event loop.
-
-    Ray hooks: `check_health` raises once the engine died or the HTTP server stopped (Ray
-    then replaces the replica); `record_routing_stats` reports where to reach it and its load
-    (the ingress's membership). `describe()` returns the same (the ingress's first call).
-    """
-
-    async def __init__(self, config, role: str, api_key: str) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
-        from rlt.engine.llm_engine import LLMEngine
-        from rlt.serving.server import build_server, uvicorn_config
-        from rlt.serving.server_options import ServeOptions
-
-        if config.pd_role != role:
-            config = dataclasses.replace(config, pd_role=role)
-        self.role = role
-        self.tag = replica_tag()
-        self.where = _location()
-        host = _node_host()
-        self.engine = LLMEngine(config)
-        options = ServeOptions(host=host, port=0, api_key=api_key, log_level="warning")
-        app, self.client = build_server(self.engine, options)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.bind((host, 0))
-        self.url = _url(host, sock.getsockname()[1])
-        self.server = _InstanceServer(uvicorn_config(app, options))
-        self._serving = asyncio.create_task(self.server.serve(sockets=[sock]))
-        while not self.server.started:
-            if self._serving.done():
-                self._serving.result()  # raises what stopped it
-                raise RuntimeError(f"the HTTP server of {role} replica {self.tag} stopped")
-            await asyncio.sleep(0.02)
-        logger.info("%s replica %s serves at %s", role, self.tag, self.url)
-
-    def _report(self) -> dict:
-        stats = self.client.stats()
-        pd = self.engine.parts.pd if self.engine.parts is not None else None
-        return {
-            "url": self.url,
-            "role": self.role,
-            "agent": pd.agent if pd is not None else "",
-            # transfers pending in this engine's handoff port (read from the engine thread's
-            # connectors without a lock: a snapshot, exact once the engine is idle)
-            "pd_busy": bool(pd.port.busy) if pd is not None else False,
-            "ongoing": len(self.client.live_request_ids()),
-            "running": stats.running_requests,
-            "waiting": stats.waiting_requests,
-            "kv_blocks_free": stats.kv_blocks_free,
-            "kv_blocks_total": stats.kv_blocks_total,
-            **self.where,
-        }
-
-    async def describe(self) -> dict:
-        return self._report()
-
-    async def record_routing_stats(self) -> dict:
-        return self._report()
-
-    async def check_health(self) -> None:
-        dead = self.client.dead
-        if dead is not None or self.client.stopped:
-            raise RuntimeError(f"{self.role} replica {self.tag}: the engine is not running: {dead}")
-        if self._serving.done():
-            raise RuntimeError(f"{self.role} replica {self.tag}: its HTTP server stopped")
-
-    async def __del__(self) -> None:
-        # Ray Serve calls this when it stops the replica: stop listening, abort what runs
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._serving, 10)
-        client = getattr(self, "client", None)
-        if client is not None:
-            await client.shutdown()
-
-
-class _InstanceServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the replica's process belongs to Ray."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 class PDIngress:
     """The HTTP front of `rlt ray pd serve`: rlt-pd-coordinator's coordinator over the
     instances that Ray runs (see the module docstring). `prefill` / `decode`: handles to the
     engine deployments (their routers report membership); `model`: the checkpoint directory
     whose tokenizer and config this front reads (None: the bundled model);
-    `serve_options`: rlt's `ServeOptions`; `options`: `PDOptions`."""
+    `serve_options`: rlt's `ServeOptions`; `options`: `PDOptions`; `drain_key`: the command's
+    drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
 
-    async def __init__(self, prefill, decode, model, serve_options, options: PDOptions) -> None:
+    async def __init__(
+        self, prefill, decode, model, serve_options, options: PDOptions, drain_key=None
+    ) -> None:
         from rlt_contracts.pd import PDRole
         from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient, Timeouts
         from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model_dir
@@ -270,8 +167,16 @@ class PDIngress:
             ),
         )
         self._handles = (prefill, decode)  # keep the routers alive
+        self.drainer: Drainer | None = None
+        self._watching = (
+            asyncio.create_task(watch(drain_key, lambda: self.drainer)) if drain_key else None
+        )
 
     def __serve_build_asgi_app__(self):
+        self.drainer = Drainer(self._front(), self.client.shutdown)
+        return self.drainer
+
+    def _front(self):
         from rlt_pd_coordinator import build_front
 
         s = self.serve_options
@@ -342,9 +247,9 @@ class PDIngress:
         return views
 
     async def __del__(self) -> None:
-        syncing = getattr(self, "_syncing", None)
-        if syncing is not None:
-            syncing.cancel()
+        for task in (getattr(self, "_syncing", None), getattr(self, "_watching", None)):
+            if task is not None:
+                task.cancel()
         client = getattr(self, "client", None)
         if client is not None:
             await client.shutdown()
@@ -354,13 +259,14 @@ class PDIngress:
                 await cluster.close()
 
 
-def build_pd_app(config=None, serve_options=None, options: PDOptions | None = None):
+def build_pd_app(config=None, serve_options=None, options: PDOptions | None = None, drain_key=None):
     """The Ray Serve application of `rlt ray pd serve`: `serve.run(build_pd_app(...))`.
 
     config: rlt's `EngineConfig` for every instance (its `pd_role` must stay "none": each
     deployment sets its own; the `pd_*` timeouts apply); serve_options: rlt's `ServeOptions`
     for the front (API key, served model name, body limit, loop defaults; host/port are
-    Serve's HTTP options); options: `PDOptions`.
+    Serve's HTTP options); options: `PDOptions`; drain_key: the drain signal the ingress
+    watches (`rlt_ray.drain`, the command's; None: Serve's own graceful shutdown only).
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -399,8 +305,8 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
             max_ongoing_requests=options.max_ongoing_requests,
             health_check_period_s=options.health_check_period_s,
             health_check_timeout_s=options.health_check_timeout_s,
-            graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
             request_router_config=router_config,
+            **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
             **spread,
         )
         return deployment.bind(dataclasses.replace(config, pd_role=role), role, key)
@@ -412,6 +318,6 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
         num_replicas=1,
         ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
         max_ongoing_requests=max(options.max_ongoing_requests, 1024),
-        graceful_shutdown_timeout_s=serve_options.shutdown_timeout,
+        **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
     )
-    return ingress.bind(prefill, decode, config.model, serve_options, options)
+    return ingress.bind(prefill, decode, config.model, serve_options, options, drain_key)

@@ -174,13 +174,18 @@ def test_greedy_tokens_equal_the_dense_reference_at_the_configs_depth(engines, e
         assert output.exit_depths == [2] * len(tokens)  # no exit signal: the full depth
 
 
-def test_a_request_may_ask_fewer_loops(engines, checkpoint):
-    """max_loops=1 of 2: tokens after token 0 run one loop; the prompt (and so token 0) runs
-    the engine's depth, as for every family today."""
-    outputs = generate(engines(), max_loops=1)  # min_loops unset: 1 without an exit signal
-    for output, prompt, n in zip(outputs, PROMPTS, MAX_TOKENS, strict=True):
-        assert output.token_ids == reference_greedy(checkpoint, prompt, n, 1, prompt_loops=2)
-        assert output.exit_depths == [2] + [1] * (n - 1)
+def test_a_request_may_ask_fewer_loops(engines, expected):
+    """max_loops=1 of 2 (min_loops unset: 1 without an exit signal): the prompt, token 0 and
+    every later token run one loop, as the model would with num_loops=1."""
+    llm = engines()
+    outputs = generate(llm, max_loops=1)
+    assert [o.token_ids for o in outputs] == expected[1]
+    assert all(o.exit_depths == [1] * len(o.token_ids) for o in outputs)
+    # mixed depths in one batch: each request equals its own depth's reference
+    mixed = llm.generate(
+        PROMPTS, [greedy(n, max_loops=1 + i % 2) for i, n in enumerate(MAX_TOKENS)]
+    )
+    assert [o.token_ids for o in mixed] == [expected[1 + i % 2][i] for i in range(len(PROMPTS))]
 
 
 def test_hf_overrides_change_the_loop_count(engines, expected):
@@ -197,7 +202,13 @@ def test_batched_equals_serial_and_prefix_hits_equal_misses(engines, expected):
     assert serial == expected[2]
     again = generate(llm)  # every prompt's full pages are cached now
     assert [o.token_ids for o in again] == expected[2]
-    assert llm.get_stats().prefix_cache_hit_tokens > 0
+    hits = llm.get_stats().prefix_cache_hit_tokens
+    assert hits > 0
+    # a prompt run at one loop leaves other KV: it never takes the two-loop pages, and its own
+    # pages serve the next one-loop request
+    for _ in range(2):
+        assert [o.token_ids for o in generate(llm, max_loops=1)] == expected[1]
+    assert llm.get_stats().prefix_cache_hit_tokens > hits
 
 
 def test_preemption_restores_exactly(engines, expected):

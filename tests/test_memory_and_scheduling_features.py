@@ -243,7 +243,7 @@ def test_trace_errors_are_request_errors(llm_factory, tmp_path):
     for request_id, message in (
         ("short", "cannot cover"),
         ("shallow", "outside"),
-        ("deep", "full depth"),
+        ("deep", "prompt.s depth"),
         ("missing", "no depths"),
     ):
         with pytest.raises(InvalidRequestError, match=message):

@@ -3,8 +3,10 @@
 Metadata is built once per call from one upload of host lists, then derived on the device for
 every plane (no per-loop uploads, no host reads):
 
-- LAST_EXITED, depth-major: every chunk position runs loop 1 (plane 0), then loop 2, and so on;
-  a position at loop t reads plane t of earlier positions, all at full depth. A prefix-LM
+- LAST_EXITED, depth-major: every chunk position runs loop 1 (plane 0), then loop 2, and so on
+  up to its request's `max_loops` (the prompt's depth); a position at loop t reads plane t of
+  earlier positions. A prompt run at e < T loops writes nothing past loop e, then its plane
+  e - 1 KV is copied into the deeper planes (as an exited token's). A prefix-LM
   family's prompt (`PromptMask.PREFIX_LM`) comes as one whole chunk and is one bidirectional
   block: every position reads every prompt position at each loop (`PagedAttentionBatch.causal`).
 - SHARED, position by position: each request advances one prompt position at a time through all
@@ -18,6 +20,8 @@ those steps run eagerly).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from rlt_contracts import (
@@ -95,24 +99,30 @@ def run_prefill(
     graphs: PrefillGraphs | None = None,
     shared_waves: SharedPrefillGraphs | None = None,
     keep_states: frozenset[int] = frozenset(),
+    loops: list[int] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Run chunks (row, start_position, token_ids, completes_prompt) at full depth; with CUDA
-    graphs on, `graphs` (depth-major steps) or `shared_waves` (the SHARED layout's waves).
+    """Run chunks (row, start_position, token_ids, completes_prompt), each at its request's
+    `loops` (None: every chunk at the model's depth); with CUDA graphs on, `graphs`
+    (depth-major steps) or `shared_waves` (the SHARED layout's waves) run chunks at full depth.
     Returns {chunk index: final states [len, d]} for the chunks in `keep_states` (eager)."""
     if not chunks:
         return {}
-    if keep_states:
+    depth = model.shape.num_loops
+    if loops is not None and all(n == depth for n in loops):
+        loops = None
+    if keep_states or loops is not None:
         graphs = shared_waves = None
+    loops = loops or [depth] * len(chunks)
     if layout is KVLayout.SHARED and shared_waves is not None:
         shared_waves.run(chunks)
     elif layout is KVLayout.SHARED:
-        return _position_by_position(model, attention, kv, rows, chunks, keep_states)
+        return _position_by_position(model, attention, kv, rows, chunks, keep_states, loops)
     elif graphs is None or not graphs.run(chunks):
-        return _depth_major(model, attention, kv, rows, layout, chunks, keep_states)
+        return _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
     return {}
 
 
-def _depth_major(model, attention, kv, rows, layout, chunks, keep_states) -> dict:
+def _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops) -> dict:
     groups = PrefillGroups(
         rows,
         [row for row, _, _, _ in chunks],
@@ -123,10 +133,23 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states) -> dic
     )
     hidden = model.embed(groups.token_ids)
     causal = model.family.prompt_mask is not PromptMask.PREFIX_LM  # prompts come whole then
-    for loop in range(1, model.shape.num_loops + 1):
+    depth = model.shape.num_loops
+    query_loops = None  # [N] loops of each query's request, when some run fewer than `depth`
+    if min(loops) < depth:
+        per_query = [n for n, (_, _, tokens, _) in zip(loops, chunks, strict=True) for _ in tokens]
+        query_loops = upload(per_query, torch.int64, rows.device)
+    for loop in range(1, max(loops) + 1):
         batch = groups.batch(layout.plane_of_loop(loop), causal=causal)
+        if query_loops is not None:  # queries past their request's loops write nothing
+            done = query_loops < loop
+            batch = replace(
+                batch, write_slots=torch.where(done, kv.scratch_slot, batch.write_slots)
+            )
         bound = attention.bind(kv.tensors, batch)
-        hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
+        computed, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
+        hidden = computed if query_loops is None else torch.where(done[:, None], hidden, computed)
+    if query_loops is not None and layout is KVLayout.LAST_EXITED:
+        _copy_into_deeper_planes(kv, groups, query_loops, depth)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
     starts = [0]
     for _, _, tokens, _ in chunks:
@@ -134,7 +157,20 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states) -> dic
     return {i: hidden[starts[i] : starts[i + 1]] for i in keep_states}
 
 
-def _position_by_position(model, attention, kv, rows, chunks, keep_states) -> dict:
+def _copy_into_deeper_planes(kv, groups: PrefillGroups, query_loops, depth: int) -> None:
+    """LAST_EXITED: a prompt run at e < depth loops gets its plane e - 1 KV copied into planes
+    e..depth-1, as an exited token's (later queries at a deeper loop read its last version)."""
+    slots = torch.stack([groups.batch(plane).write_slots for plane in range(depth)])  # [T, N]
+    last = slots.gather(0, (query_loops - 1)[None, :]).squeeze(0)
+    sources, targets = [], []
+    for plane in range(1, depth):
+        deeper = query_loops <= plane
+        sources.append(torch.where(deeper, last, kv.scratch_slot))
+        targets.append(torch.where(deeper, slots[plane], kv.scratch_slot))
+    kv.copy_slots(torch.cat(sources), torch.cat(targets))
+
+
+def _position_by_position(model, attention, kv, rows, chunks, keep_states, loops) -> dict:
     kept: dict[int, list[torch.Tensor]] = {i: [] for i in keep_states}
     for offset in range(max(len(tokens) for _, _, tokens, _ in chunks)):
         wave = [c for c in chunks if offset < len(c[2])]
@@ -147,9 +183,20 @@ def _position_by_position(model, attention, kv, rows, chunks, keep_states) -> di
             block_size=kv.block_size,
         )
         hidden = model.embed(groups.token_ids)
-        for _ in range(model.shape.num_loops):
-            bound = attention.bind(kv.tensors, groups.batch(0))
-            hidden, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
+        wave_loops = [n for n, c in zip(loops, chunks, strict=True) if offset < len(c[2])]
+        mixed = min(wave_loops) < max(wave_loops)
+        stops = upload(wave_loops, torch.int64, rows.device) if mixed else None
+        for loop in range(1, max(wave_loops) + 1):
+            batch = groups.batch(0)
+            if stops is not None:  # rows past their request's loops write nothing
+                done = stops < loop
+                batch = replace(
+                    batch, write_slots=torch.where(done, kv.scratch_slot, batch.write_slots)
+                )
+            computed, _ = model.recurrent_step(
+                hidden, groups.positions, attention.bind(kv.tensors, batch), compute_gate=False
+            )
+            hidden = computed if stops is None else torch.where(done[:, None], hidden, computed)
         last = [done and offset == len(tokens) - 1 for _, _, tokens, done in wave]
         _keep_final_states(rows, groups, hidden, last)
         in_wave = [i for i, c in enumerate(chunks) if offset < len(c[2])]

@@ -68,6 +68,7 @@ def run_prompt_chunks(
         keep_states=frozenset(
             j for j, i in enumerate(full) if records[i].sampling.prompt_logprobs is not None
         ),
+        loops=[records[i].rule.exit.max_loops for i in full],
     )
     states_of = {full[j]: (states, None) for j, states in kept.items()}
     results = ChunkResults()
@@ -93,12 +94,16 @@ def token0_depths(
     full_depth: int,
     device: torch.device,
 ) -> torch.Tensor | None:
-    """[n] int64 loops of the started rows' token 0: `full_depth`, except for prompts run at
-    exit depth (their last position's); None when all are at full depth."""
+    """[n] int64 loops of the started rows' token 0: their request's max_loops (the depth their
+    prompt ran at), except for prompts run at exit depth (their last position's); None when
+    all are at `full_depth`."""
     at = [j for j, r in enumerate(started) if r.row in last_exit_depths]
-    if not at:
+    loops = [r.rule.exit.max_loops for r in started]
+    if not at and all(n == full_depth for n in loops):
         return None
-    depths = torch.full((len(started),), full_depth, dtype=torch.int64, device=device)
+    depths = upload(loops, torch.int64, device)
+    if not at:
+        return depths
     depths.index_copy_(
         0,
         upload(at, torch.int64, device),

@@ -103,7 +103,8 @@ class DelayedHazardExitPolicy(HazardExitPolicy):
 
 
 class TraceExitPolicy:
-    """Replays `depths[request_id][i]` for output token i (entry 0 is the prefill's full depth).
+    """Replays `depths[request_id][i]` for output token i (entry 0 is the prompt's depth: the
+    request's max_loops, the model's depth unless the request asks fewer).
 
     A `"*"` entry (`ANY_REQUEST`) is replayed for every request the trace does not name, e.g.
     for a served load whose request ids the server makes up. The trace is checked per request
@@ -149,9 +150,10 @@ class TraceExitPolicy:
                 "exit_trace",
                 f"{len(depths)} depths for {request_id!r} cannot cover max_tokens={max_tokens}",
             )
-        if depths[0] != self.model_depth:
+        if depths[0] != bounds.max_loops:
             raise InvalidRequestError(
-                "exit_trace", f"entry 0 must be the full depth {self.model_depth}"
+                "exit_trace",
+                f"entry 0 must be the prompt's depth, the request's max_loops {bounds.max_loops}",
             )
         bad = [d for d in depths[1:max_tokens] if not bounds.min_loops <= d <= bounds.max_loops]
         if bad:

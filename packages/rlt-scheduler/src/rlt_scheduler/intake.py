@@ -72,12 +72,14 @@ def build_scheduled_request(
     exit_policy: ExitPolicy,
     eos_token_ids: tuple[int, ...],
     queued_time: float,
+    model_depth: int,
     draft_tokens: int = 0,
 ) -> ScheduledRequest:
     """The scheduling state of a validated request: identity (`generation` is also its arrival
     index), a seed if none was given, and its `DecodeRule` (exit rule compiled once, stop ids
     including EOS unless `ignore_eos`, one output per step under a grammar, `draft_tokens`
-    drafts per speculative round)."""
+    drafts per speculative round; `prompt_loops` when its prompt runs fewer loops than the
+    model's `model_depth`)."""
     request_id, sampling = new.request_id, new.sampling
     if sampling.seed is None:
         sampling = structs.replace(sampling, seed=secrets.randbits(63))
@@ -98,6 +100,7 @@ def build_scheduled_request(
         ),
         arrival_index=generation,
         queued_time=queued_time,
+        prompt_loops=bounds.max_loops if bounds.max_loops < model_depth else None,
         kv_transfer=new.kv_transfer,
         constraint=constraint,
     )

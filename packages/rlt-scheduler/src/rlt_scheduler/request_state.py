@@ -63,6 +63,9 @@ class ScheduledRequest:
     finish_reason: FinishReason | None = None
     error: str | None = None
     delivered_tokens: int = 0  # outputs already reported in a delta
+    # the loops its prompt runs (its max_loops) when fewer than the model's, else None: such
+    # a prompt's KV differs from a full-depth one's (its prefix-cache salt says so)
+    prompt_loops: int | None = None
     kv_transfer: KVTransferParams | None = None  # PD role of this request, if any
     kv_landed: bool = False  # PD decode: the handoff completed; starts at the next step
     # structured output: the grammar matcher, which has consumed exactly the outputs recorded

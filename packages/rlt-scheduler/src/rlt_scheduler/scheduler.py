@@ -200,6 +200,7 @@ class Scheduler:
             exit_policy=self.exit_policy,
             eos_token_ids=self.eos_token_ids,
             queued_time=time.monotonic(),
+            model_depth=self.model_depth,
             draft_tokens=draft_tokens(self.config, new.sampling),
         )
         self._next_generation += 1

@@ -27,11 +27,13 @@ from rlt_scheduler.request_state import ScheduledRequest
 
 
 def prefix_salt(request: ScheduledRequest) -> bytes:
-    """The prefix-cache salt of the KV `request`'s prompt leaves: none for prefill's (plain and
-    full-depth scored prompts), the exit rule for a prompt run at exit depth (its KV depends on
+    """The prefix-cache salt of the KV `request`'s prompt leaves: none for prefill's at the
+    model's depth (plain and scored prompts), its loop count for a prompt run at fewer loops
+    (its request's max_loops), the exit rule for a prompt run at exit depth (its KV depends on
     every parameter that decides an exit; the engine's KV layout and model are fixed)."""
     if not request.sampling.score_at_exit_depth:
-        return b""
+        loops = request.prompt_loops
+        return b"" if loops is None else f"prompt-loops:{loops}".encode()
     rule = request.rule.exit
     return (
         f"exit-depth:{rule.kind.value}:{rule.min_loops}:{rule.max_loops}:{rule.threshold!r}:"

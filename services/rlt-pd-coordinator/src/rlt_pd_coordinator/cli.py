@@ -201,7 +201,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     loops.add_argument("--min-loops", type=int, default=LoopDefaults().min_loops)
     loops.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
-    loops.add_argument("--exit-threshold", type=float, default=0.5)
+    loops.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="default: 0.5 for a model with an exit gate, the fixed depth for one without",
+    )
 
 
 def split_model(argv: list[str]) -> tuple[str | None, list[str]]:

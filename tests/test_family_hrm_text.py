@@ -149,3 +149,13 @@ def test_served_over_http(hf_model_dir, expected):
         ids = http.post("/tokenize", json={"prompt": choice["text"]}).json()
         assert ids["count"] >= 1
         server.wait_idle()
+
+
+def test_preemption_restores_the_two_vector_state_exactly(hf_model_dir, expected):
+    """A pool too small for all three: requests are preempted to CPU snapshots (their [z_H,
+    z_L] rows and KV) and resumed; the tokens are transformers' still."""
+    tight = dict(ENGINE, num_kv_blocks=16, incremental_kv=True, enable_preemption=True)
+    with LLM(hf_model_dir, **tight) as llm:
+        tokens, _ = generate(llm)
+        assert llm.get_stats().preemptions > 0
+    assert tokens == expected["prefix_lm"]

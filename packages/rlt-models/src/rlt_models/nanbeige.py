@@ -21,7 +21,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rlt_contracts import (
     ExitSignal,
     FamilyDeclaration,
@@ -32,7 +31,8 @@ from rlt_contracts import (
 )
 from torch import nn
 
-from rlt_models import batch_invariant, fused_ops
+from rlt_models import fused_ops
+from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear
 from rlt_models.config_fields import (
     eos_ids,
     reject_enabled,
@@ -42,9 +42,8 @@ from rlt_models.config_fields import (
 )
 from rlt_models.errors import ModelConfigError
 from rlt_models.fp8_linear import project
-from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm
 from rlt_models.looped_model import LoopedModelBase
-from rlt_models.small_batch_linear import small_batch_linear
 
 MODEL_TYPE = "nanbeige"
 ARCHITECTURE = "NanbeigeForCausalLM"
@@ -249,55 +248,23 @@ def parameter_sources(config: NanbeigeConfig) -> dict[str, tuple[str, ...]]:
     return sources
 
 
-class LlamaLayer(nn.Module):
+class LlamaLayer(ProjectedAttentionLayer):
     """Pre-norm layer: x += o(attn(norm1(x))); x += mlp(norm2(x))."""
 
     def __init__(self, config: NanbeigeConfig, layer_index: int) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_split = (q_size, kv_size, kv_size)
-        d = config.hidden_size
-        self.qkv_proj = empty_parameter(q_size + 2 * kv_size, d)
-        self.o_proj = empty_parameter(d, q_size)
-        self.mlp = SwiGLU(d, config.intermediate_size)
-        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
-
-    def _attention(self, normed, cos, sin, attention, linear, impl):
-        n = normed.shape[0]
-        q_size, kv_size, _ = self.qkv_split
-        qkv = project(linear, normed, self.qkv_proj)
-        if impl is None:
-            q, k, v = qkv.split(self.qkv_split, dim=-1)
-            q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        else:
-            fused_ops.rotary_qk_(
-                qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, impl=impl
-            )
-            q = qkv[:, :q_size].view(n, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size :].reshape(n, self.num_kv_heads, self.head_dim)
-        out = attention(self.layer_index, q, k, v).reshape(n, -1)
-        return project(linear, out, self.o_proj)
+        super().__init__(config, layer_index)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, attention: LayerAttention, ops: ModelOps = DEFAULT_OPS):
-        x = x + self._attention(self.input_layernorm(x), cos, sin, attention, ops.linear, None)
+        x = x + self.attend(self.input_layernorm(x), cos, sin, attention, ops.linear, None)
         return x + self.mlp(self.post_attention_layernorm(x), ops)
 
     def forward_fused(self, x, normed, cos, sin, attention, next_norm_weight, *, impl, invariant):
         """(x, input_layernorm(x)) -> (x', RMSNorm(x'; next_norm_weight)) on the fused ops."""
-        if invariant:
-            linear = batch_invariant.linear
-        else:
-            linear = small_batch_linear if impl == "triton" else F.linear
+        linear = fused_linear(impl, invariant)
         eps = self.input_layernorm.eps
-        attn = self._attention(normed, cos, sin, attention, linear, impl)
+        attn = self.attend(normed, cos, sin, attention, linear, impl)
         x, m = fused_ops.add_rms_norm(
             x, attn, None, self.post_attention_layernorm.weight, eps, impl=impl
         )

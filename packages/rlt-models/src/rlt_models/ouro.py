@@ -24,35 +24,23 @@ values depend only on its own token, position and attention context.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from rlt_contracts import LayerAttention
 from torch import nn
 
-from rlt_models import batch_invariant, fused_ops
+from rlt_models import fused_ops
+from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear
 from rlt_models.config import OuroConfig
 from rlt_models.fp8_linear import project
-from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm, empty_parameter
 from rlt_models.looped_model import LoopedModelBase
-from rlt_models.small_batch_linear import small_batch_linear
 
 
-class OuroDecoderLayer(nn.Module):
+class OuroDecoderLayer(ProjectedAttentionLayer):
     """Sandwich-norm layer: x += norm2(attn(norm1(x))); x += norm4(mlp(norm3(x)))."""
 
     def __init__(self, config: OuroConfig, layer_index: int) -> None:
-        super().__init__()
-        self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_split = (q_size, kv_size, kv_size)
-        d = config.hidden_size
-        self.qkv_proj = empty_parameter(q_size + 2 * kv_size, d)
-        self.o_proj = empty_parameter(d, q_size)
-        self.mlp = SwiGLU(d, config.intermediate_size)
-        eps = config.rms_norm_eps
+        super().__init__(config, layer_index)
+        d, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps)
         self.input_layernorm_2 = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
@@ -66,14 +54,8 @@ class OuroDecoderLayer(nn.Module):
         attention: LayerAttention,
         ops: ModelOps = DEFAULT_OPS,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = project(ops.linear, self.input_layernorm(x), self.qkv_proj)
-        q, k, v = qkv.split(self.qkv_split, dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = attention(self.layer_index, q, k, v).reshape(n, -1)
-        x = x + self.input_layernorm_2(project(ops.linear, attn, self.o_proj))
+        attn = self.attend(self.input_layernorm(x), cos, sin, attention, ops.linear, None)
+        x = x + self.input_layernorm_2(attn)
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x), ops))
 
     def forward_fused(
@@ -94,23 +76,11 @@ class OuroDecoderLayer(nn.Module):
         the projections of few rows may use the measured small-batch kernel. `invariant`: the
         projections use the batch-invariant GEMM instead (the fused elementwise Triton kernels
         compute each element or row alone; the "torch" references keep F.silu)."""
-        n = x.shape[0]
-        if invariant:
-            linear = batch_invariant.linear
-        else:
-            linear = small_batch_linear if impl == "triton" else F.linear
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size, _ = self.qkv_split
-        qkv = project(linear, normed, self.qkv_proj)
-        fused_ops.rotary_qk_(qkv, cos, sin, heads, kv_heads, head_dim, impl=impl)
-        q = qkv[:, :q_size].view(n, heads, head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(n, kv_heads, head_dim)
-        v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
-        attn = attention(self.layer_index, q, k, v).reshape(n, -1)
+        linear = fused_linear(impl, invariant)
         eps = self.input_layernorm.eps
         x, m = fused_ops.add_rms_norm(
             x,
-            project(linear, attn, self.o_proj),
+            self.attend(normed, cos, sin, attention, linear, impl),
             self.input_layernorm_2.weight,
             self.post_attention_layernorm.weight,
             eps,

@@ -31,6 +31,11 @@ ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=256, ma
 
 @pytest.fixture(scope="module")
 def hf_model_dir(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hrm_text"))
+
+
+def write_hf_checkpoint(out):
+    """A tiny HRM-Text written by transformers' own class (`save_pretrained`) with a tokenizer."""
     from rlt_models.sample_text import SAMPLE_TEXT
     from rlt_models.tokenizer import save_hf_tokenizer, train_byte_level_bpe
 
@@ -52,7 +57,6 @@ def hf_model_dir(tmp_path_factory):
     model = transformers.HrmTextForCausalLM(config).eval()
     with torch.no_grad():
         model.model.z_L_init.normal_(0.0, 1.0)  # a learned vector; zero at init
-    out = tmp_path_factory.mktemp("hrm_text")
     model.save_pretrained(out)
     tokenizer = train_byte_level_bpe(SAMPLE_TEXT.splitlines(), vocab_size=320)
     save_hf_tokenizer(tokenizer, out, model_max_length=256)

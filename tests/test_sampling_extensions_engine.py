@@ -69,7 +69,8 @@ def oracle_outputs(path, layout, params_list, threshold):
         request = OracleRequest(
             tuple(prompt),
             p.max_tokens,
-            min_loops=p.min_loops,
+            # unset: the family's own minimum, 2 for a model with an exit gate (Ouro)
+            min_loops=2 if p.min_loops is None else p.min_loops,
             threshold=threshold,
             ignore_eos=p.ignore_eos,
             stop_token_ids=p.stop_token_ids,

@@ -22,7 +22,9 @@ Steps, in one process per measurement (a clean CUDA context each):
    tokens the memory-sized KV pool holds (kv_blocks / (pages per request x loops)).
 
 Stack weights are every checkpoint tensor but the embedding (one row read per token) and the LM
-head, counted from the family's own tensor list (rlt_models.families), at 2 bytes each; KV per
+head, counted from the family's own tensor list (rlt_models.families), at 2 bytes each, times
+the stack passes of a loop (the declaration's KV slots per plane over its distinct layers: 2
+for HRM-Text, whose loop runs its L stack three times and its H stack once; 1 otherwise); KV per
 loop and context token is layers x 2 (K, V) x KV heads x head_dim x 2 bytes. The mean decode
 context is prompt + output / 2 tokens.
 
@@ -132,13 +134,17 @@ def shape_bytes(shape: str, args) -> dict:
 
     config = shape_config(shape)
     shapes = family_of(config).tensor_shapes(config)
-    head = math.prod(shapes["lm_head.weight"]) * BYTES
+    head = math.prod(shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])) * BYTES
     stack = sum(
         math.prod(s) * BYTES
         for name, s in shapes.items()
         if name not in ("lm_head.weight", "model.embed_tokens.weight")
     )
     m = config.shape()
+    family = config.declaration()
+    # a loop reads each layer once per stack pass: its KV slots per plane over its distinct
+    # layers (1 for Ouro and Nanbeige, 2 for HRM-Text: the L stack 3 times, the H stack once)
+    stack *= family.kv.layers_per_plane / family.stages.core_layers
     kv_per_token_loop = m.num_layers * 2 * m.num_kv_heads * m.head_dim * BYTES
     context = args.prompt_len + args.output_len / 2
     per_token = m.num_loops * (stack + kv_per_token_loop * context) + head

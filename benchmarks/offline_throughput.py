@@ -101,7 +101,40 @@ NANBEIGE_SHAPES = {
         max_position_embeddings=2048,
     ),
 }
-SHAPE_NAMES = (*sorted(SHAPES), "ouro-1.4b", *sorted(NANBEIGE_SHAPES))
+HRM_TEXT_SHAPES = {
+    # name: HrmTextConfig fields. hrm-text-1b: the release's architecture (L and H stacks of 16
+    # layers, H_cycles 2 x (L_cycles 3 + 1) stack passes, 12 heads of 128, prefix-LM prompts)
+    "hrm-text-1b": dict(
+        vocab_size=65536,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_layers_per_stack=16,
+        num_attention_heads=12,
+        head_dim=128,
+        H_cycles=2,
+        L_cycles=3,
+        max_position_embeddings=4096,
+        embedding_scale=39.19,
+    ),
+    "tiny-hrm-text": dict(  # the CPU smoke test of the plumbing
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers_per_stack=2,
+        num_attention_heads=4,
+        head_dim=16,
+        H_cycles=2,
+        L_cycles=2,
+        max_position_embeddings=2048,
+        embedding_scale=10.0,
+    ),
+}
+SHAPE_NAMES = (
+    *sorted(SHAPES),
+    "ouro-1.4b",
+    *sorted(NANBEIGE_SHAPES),
+    *sorted(HRM_TEXT_SHAPES),
+)
 
 WARMUP_TOKENS = 4
 
@@ -170,12 +203,14 @@ class ArmResult:
 
 def shape_config(name: str):
     """The model config of a --shape name (any family)."""
-    from rlt_models import NanbeigeConfig, OuroConfig
+    from rlt_models import HrmTextConfig, NanbeigeConfig, OuroConfig
 
     if name == "ouro-1.4b":
         return OuroConfig.ouro_1_4b()
     if name in NANBEIGE_SHAPES:
         return NanbeigeConfig(**NANBEIGE_SHAPES[name])
+    if name in HRM_TEXT_SHAPES:
+        return HrmTextConfig(**HRM_TEXT_SHAPES[name])
     return OuroConfig(**SHAPES[name])
 
 

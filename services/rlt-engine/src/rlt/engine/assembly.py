@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -12,16 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from rlt_attention import select_attention_backend
 from rlt_contracts import (
-    DEFAULT_GATE_MIN_LOOPS,
     AttentionRequirements,
     ConfigurationError,
-    ExitSignal,
-    FamilyDeclaration,
-    Feature,
     KVLayout,
     ModelInfo,
     PDRole,
-    PromptMask,
 )
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
@@ -42,13 +36,12 @@ from rlt_runner import (
 from rlt_sampling import Sampler
 from rlt_scheduler import (
     Scheduler,
-    default_exit_policy,
-    make_exit_policy,
     max_rounds_per_step,
 )
 
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
+from rlt.engine.family_setup import family_setup
 from rlt.engine.startup import StartupClock, keep_kernel_choices, restore_kernel_choices
 from rlt.engine.structured_output import XGrammarCompiler
 
@@ -122,27 +115,6 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
             )
     cache_dir = config.resolved_cache_dir()
     restored_choices = restore_kernel_choices(cache_dir, device)
-    family = model.family
-    logger.info(
-        "model family %s (%s): %d loops by default, exit signal %s",
-        family.name,
-        family.architecture,
-        family.default_loops,
-        family.exit_signal.value,
-    )
-    check_family_features(config, family)
-    exit_policy = make_exit_policy(
-        config.exit_policy or default_exit_policy(family.exit_signal),
-        exit_trace=config.exit_trace,
-        model_depth=model.shape.num_loops,
-    )
-    if exit_policy.reads is not None and exit_policy.reads is not family.exit_signal:
-        raise ConfigurationError(
-            "exit_policy",
-            f"{exit_policy.name!r} reads the model's {exit_policy.reads.value} signal, which "
-            f"{family.name} does not produce (exit signal: {family.exit_signal.value}); use "
-            f"{default_exit_policy(family.exit_signal)!r} or 'trace'",
-        )
     model.fused_path = "auto" if config.fused_kernels else "off"
     model.batch_invariant = config.batch_invariant
     shape = model.shape
@@ -153,19 +125,10 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
             f"{max_model_len} exceeds the model's max_position_embeddings "
             f"{shape.max_position_embeddings}",
         )
-    whole_prompts = family.prompt_mask is PromptMask.PREFIX_LM
-    if whole_prompts:  # a prompt is one bidirectional block: computed in one step, never chunked
-        config = dataclasses.replace(
-            config,
-            prefill_chunk_size=max_model_len,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
-        )
-        logger.info(
-            "%s prompts are prefix-LM blocks: each is prefilled whole in one step (chunked "
-            "prefill off; token budget %d = the context length at least)",
-            family.name,
-            config.max_num_batched_tokens,
-        )
+    setup = family_setup(
+        config, model.family, model_depth=shape.num_loops, max_model_len=max_model_len
+    )
+    config, exit_policy, whole_prompts = setup.config, setup.exit_policy, setup.whole_prompts
     layout = config.layout
     requirements = AttentionRequirements(
         device_type=device.type,
@@ -259,7 +222,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         exit_policy=exit_policy,
         prefix_caching=kv.prefix_caching,
         constraint_compiler=constraint_compiler,
-        default_min_loops=DEFAULT_GATE_MIN_LOOPS if family.exit_signal is ExitSignal.GATE else 1,
+        default_min_loops=setup.default_min_loops,
     )
     graphs = config.cuda_graphs and device.type == "cuda"
     with clock.phase(
@@ -320,23 +283,6 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
     )
-
-
-def check_family_features(config: EngineConfig, family: FamilyDeclaration) -> None:
-    """Refuse, with the family's reason, an engine option its declaration does not support."""
-    asked = {
-        Feature.CHUNKED_PREFILL: config.prefill_chunk_size is not None,
-        Feature.PREFIX_CACHING: config.enable_prefix_caching,
-        Feature.SHARED_KV: config.layout is KVLayout.SHARED,
-        Feature.SPECULATIVE_DECODING: config.num_speculative_tokens > 0,
-        Feature.FP8_WEIGHTS: config.quantization == "fp8",
-        Feature.FP8_KV: config.kv_cache_dtype == "fp8",
-        Feature.PD: config.role is not PDRole.NONE,
-    }
-    for feature, used in asked.items():
-        reason = family.refusal(feature) if used else None
-        if reason is not None:
-            raise ConfigurationError(feature.value, reason)
 
 
 def _weights_line(model: LoopedModelBase | None, device: torch.device) -> str:

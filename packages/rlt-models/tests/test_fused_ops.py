@@ -21,10 +21,12 @@ import pytest  # noqa: E402
 from rlt_models import (  # noqa: E402
     DenseCausalAttention,
     DenseKVCache,
+    HrmTextConfig,
+    NanbeigeConfig,
     OuroConfig,
     build_model,
     fused_ops,
-    random_ouro_tensors,
+    random_checkpoint_tensors,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,29 +229,63 @@ TINY = OuroConfig(
 )
 
 
-def tiny_model(dtype):
-    return build_model(TINY, random_ouro_tensors(TINY, seed=5), dtype=dtype, device=DEVICE)
+TINY_FAMILIES = {
+    "ouro": TINY,
+    "nanbeige": NanbeigeConfig(  # pre-norm layers: add_rms_norm without a delta norm
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_loops=2,
+        max_position_embeddings=64,
+    ),
+    "hrm_text": HrmTextConfig(  # gated attention, unit-weight norms, two stacks per loop
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers_per_stack=2,
+        num_attention_heads=3,
+        head_dim=16,
+        H_cycles=2,
+        L_cycles=2,
+        max_position_embeddings=64,
+        embedding_scale=10.0,
+    ),
+}
+
+
+def tiny_model(dtype, family="ouro"):
+    config = TINY_FAMILIES[family]
+    return build_model(
+        config, random_checkpoint_tensors(config, seed=5), dtype=dtype, device=DEVICE
+    )
 
 
 def run_loops(model, path, token_ids, loops=2):
-    """Prefill all tokens at every loop, then one decode token; returns every loop's output."""
+    """Prefill all tokens at every loop, then one decode token; returns every loop's output
+    (and its exit probability, for a family with a gate)."""
     model.fused_path = path
-    caches = [DenseKVCache(TINY.num_hidden_layers) for _ in range(loops)]
+    caches = [DenseKVCache(model.shape.num_layers) for _ in range(loops)]
     outputs = []
     for tokens, first in ((token_ids[:-1], 0), (token_ids[-1:], len(token_ids) - 1)):
         h = model.embed(torch.tensor(tokens, device=DEVICE))
         positions = torch.arange(first, first + len(tokens), device=DEVICE)
         for loop in range(loops):
             h, probs = model.recurrent_step(h, positions, DenseCausalAttention(caches[loop]))
-            outputs += [h, probs]
+            outputs += [h] if probs is None else [h, probs]
     return outputs
 
 
 TOKENS = [3, 17, 42, 8, 61, 5]
+FAMILIES = pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 
 
-def test_fused_triton_step_matches_eager_fp32():
-    model = tiny_model(torch.float32)
+@FAMILIES
+def test_fused_triton_step_matches_eager_fp32(family):
+    model = tiny_model(torch.float32, family)
     eager = run_loops(model, "off", TOKENS)
     fused = run_loops(model, "triton", TOKENS)
     for a, e in zip(fused, eager, strict=True):
@@ -257,17 +293,19 @@ def test_fused_triton_step_matches_eager_fp32():
         assert (a.double() - e.double()).abs().max() <= 1e-5 * e.double().abs().max()
 
 
+@FAMILIES
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
-def test_fused_torch_step_is_bit_identical_to_eager(model_dtype):
-    model = tiny_model(model_dtype)
+def test_fused_torch_step_is_bit_identical_to_eager(model_dtype, family):
+    model = tiny_model(model_dtype, family)
     eager = run_loops(model, "off", TOKENS)
     fused = run_loops(model, "torch", TOKENS)
     for a, e in zip(fused, eager, strict=True):
         assert torch.equal(a, e)
 
 
-def test_fused_triton_step_tracks_eager_bf16(faithful_bf16):
-    model = tiny_model(torch.bfloat16)
+@FAMILIES
+def test_fused_triton_step_tracks_eager_bf16(faithful_bf16, family):
+    model = tiny_model(torch.bfloat16, family)
     eager = run_loops(model, "off", TOKENS)
     fused = run_loops(model, "triton", TOKENS)
     for a, e in zip(fused, eager, strict=True):

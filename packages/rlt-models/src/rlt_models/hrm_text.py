@@ -40,6 +40,8 @@ from rlt_contracts import (
 )
 from torch import nn
 
+from rlt_models import fused_ops
+from rlt_models.attention_layer import fused_linear
 from rlt_models.config_fields import (
     eos_ids,
     reject_enabled,
@@ -276,11 +278,33 @@ class GatedAttentionLayer(nn.Module):
         x = x + project(ops.linear, out, self.o_proj)
         return x + self.mlp(weightless_rms_norm(x, self.eps), ops)
 
+    def forward_fused(self, x, normed, cos, sin, attention, slot, unit, *, linear, impl, ops):
+        """(x, norm(x)) -> (x', norm(x')) on the fused elementwise ops; a weightless norm is
+        `fused_ops`' norm with a unit weight (the same numerics: weight * normed with weight 1
+        is exact)."""
+        n, shape = x.shape[0], (x.shape[0], self.heads, self.head_dim)
+        q_size = self.heads * self.head_dim
+        gqkv = project(linear, normed, self.gqkv_proj)  # [gate | q | k | v]
+        qkv = fused_ops.rotary_qk_(
+            gqkv[:, q_size:], cos, sin, self.heads, self.heads, self.head_dim, impl=impl
+        )
+        q, k, v = (qkv[:, i * q_size : (i + 1) * q_size].view(shape) for i in range(3))
+        out = attention(slot, q, k, v)
+        out = (ops.sigmoid(gqkv[:, :q_size].view(shape)) * out).reshape(n, -1)
+        x, m = fused_ops.add_rms_norm(
+            x, project(linear, out, self.o_proj), None, unit, self.eps, impl=impl
+        )
+        act = fused_ops.silu_mul(
+            project(linear, m, self.mlp.gate_up_proj), self.mlp.intermediate_size, impl=impl
+        )
+        down = project(linear, act, self.mlp.down_proj)
+        return fused_ops.add_rms_norm(x, down, None, unit, self.eps, impl=impl)
+
 
 class HrmTextModel(LoopedModelBase):
-    """HRM-Text with the `LoopedLanguageModel` interface; the state is [z_H, z_L]. It runs the
-    eager path only (`fused_path` has no effect: its norms are weightless and its attention
-    gated, which the fused layer kernels do not cover yet)."""
+    """HRM-Text with the `LoopedLanguageModel` interface; the state is [z_H, z_L]. Its fused
+    path (`fused_path`, as Ouro's) runs each stack as the fused pre-norm layers with a unit
+    norm weight; the gate's sigmoid and product stay two torch ops."""
 
     def __init__(self, config: HrmTextConfig) -> None:
         super().__init__(config, config.declaration())
@@ -288,19 +312,30 @@ class HrmTextModel(LoopedModelBase):
         self.L_layers = nn.ModuleList(GatedAttentionLayer(config) for _ in range(count))
         self.H_layers = nn.ModuleList(GatedAttentionLayer(config) for _ in range(count))
         self.z_L_init = empty_parameter(config.hidden_size)
-
-    def fused_impl(self, hidden: torch.Tensor) -> None:
-        return None
+        # the weightless norms' weight on the fused path (moves and casts with the model)
+        self.register_buffer("unit_norm_weight", torch.ones(config.hidden_size), persistent=False)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[z_H, z_L] = [embed(ids) * embedding_scale, z_L_init] ([N, 2d])."""
         z_high = super().embed(token_ids) * self.config.embedding_scale
         return torch.cat([z_high, self.z_L_init.to(z_high.dtype).expand_as(z_high)], dim=-1)
 
-    def _stack(self, layers, x, cos, sin, attention, first_slot: int) -> torch.Tensor:
+    def _stack(self, layers, x, cos, sin, attention, first_slot: int, impl) -> torch.Tensor:
+        """The stack's layers at KV slots first_slot.., then its weightless norm."""
+        eps = self.config.rms_norm_eps
+        if impl is None:
+            for index, layer in enumerate(layers):
+                x = layer(x, cos, sin, attention, first_slot + index, self.ops)
+            return weightless_rms_norm(x, eps)
+        unit = self.unit_norm_weight
+        linear = fused_linear(impl, self.batch_invariant)
+        normed = fused_ops.rms_norm(x, unit, eps, impl=impl)
         for index, layer in enumerate(layers):
-            x = layer(x, cos, sin, attention, first_slot + index, self.ops)
-        return weightless_rms_norm(x, self.config.rms_norm_eps)
+            x, normed = layer.forward_fused(
+                x, normed, cos, sin, attention, first_slot + index, unit,
+                linear=linear, impl=impl, ops=self.ops,
+            )  # fmt: skip
+        return normed  # the last layer's output norm is the stack's norm
 
     def recurrent_step(
         self,
@@ -314,13 +349,13 @@ class HrmTextModel(LoopedModelBase):
         config = self.config
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, table=self.batch_invariant)
         z_high, z_low = hidden.split(config.hidden_size, dim=-1)
-        per_stack = config.num_layers_per_stack
+        per_stack, impl = config.num_layers_per_stack, self.fused_impl(hidden)
         for cycle in range(config.L_cycles):
             z_low = self._stack(
-                self.L_layers, z_low + z_high, cos, sin, attention, cycle * per_stack
+                self.L_layers, z_low + z_high, cos, sin, attention, cycle * per_stack, impl
             )
         z_high = self._stack(
-            self.H_layers, z_high + z_low, cos, sin, attention, config.L_cycles * per_stack
+            self.H_layers, z_high + z_low, cos, sin, attention, config.L_cycles * per_stack, impl
         )
         return torch.cat([z_high, z_low], dim=-1), None
 

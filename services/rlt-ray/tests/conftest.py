@@ -48,6 +48,11 @@ ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 }
 DRIVER_ROUTER_ENV = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
+# Ray reads this one once, when it is first imported: a test that imports Ray before the
+# cluster starts (building an app, `rlt_ray.app`) would otherwise fix it at "on" for this
+# process, and the cluster's workers of a driver run under `uv run` would start through `uv
+# run` in a copy of the working directory, without Ray (seen: every worker crashed at start)
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", ENV["RAY_ENABLE_UV_RUN_RUNTIME_ENV"])
 
 
 @dataclass

@@ -7,7 +7,9 @@ tested with rlt-serve: `rlt_serve.shutdown`)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import sys
 
 import httpx
 import pytest
@@ -15,6 +17,18 @@ from rlt_contracts import ConfigurationError
 from rlt_ray import cli
 from rlt_ray.drain import Drainer
 from rlt_ray.runner import Placement, cluster_address
+
+
+@pytest.fixture(autouse=True)
+def _ray_environment_restored(monkeypatch):
+    """`cli.main` sets Ray's environment defaults for the cluster it would start: undone after
+    each test (this process may run the Ray cluster tests next)."""
+    for name in (cli.THROUGHPUT_OPTIMIZED_ENV, "RAY_ENABLE_UV_RUN_RUNTIME_ENV"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
 
 SERVE_FLAGS = [
     "serve",
@@ -106,6 +120,7 @@ def test_a_private_cluster_is_not_started_for_a_bad_model_or_a_taken_port(
     monkeypatch, tmp_path, capsys
 ):
     """Checked before Ray starts (exit 2, naming what is wrong), as `rlt serve` does."""
+    ray_serve_was_imported = "ray.serve" in sys.modules
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cli.main(["serve", str(tmp_path)]) == cli.EXIT_USAGE
     assert "lacks config.json" in capsys.readouterr().err
@@ -115,6 +130,7 @@ def test_a_private_cluster_is_not_started_for_a_bad_model_or_a_taken_port(
         port = taken.getsockname()[1]
         assert cli.main(["pd", "serve", "--port", str(port)]) == cli.EXIT_USAGE
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert "ray.serve" not in sys.modules or ray_serve_was_imported  # refused before Ray
 
 
 def test_the_cluster_is_the_flag_then_ray_address_then_a_private_one(monkeypatch):

@@ -17,6 +17,7 @@ its own temporary directory and free ports:
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 15
 PR_SET_PDEATHSIG = 1
 NODE_DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
 class ClusterStartError(RltError, RuntimeError):
@@ -80,7 +82,9 @@ class PrivateCluster:
 
     def command(self) -> list[str]:
         """`ray start --head --block` with every port it would otherwise take by default
-        (6379, 8265, 10001, 52365) chosen free, no dashboard, no autoscaler."""
+        (6379, 8265, 10001, 52365) chosen free, no dashboard, no autoscaler, and no idle
+        workers started ahead of need (they would compete with Ray's own agents, which must
+        come up within Ray's fixed 15 s, on a small machine)."""
         assert self.temp_dir is not None
         command = [
             sys.executable,
@@ -100,6 +104,7 @@ class PrivateCluster:
             f"--metrics-export-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}",
             f"--ray-client-server-port={free_port()}",
+            f"--system-config={json.dumps(SYSTEM_CONFIG)}",
         ]
         if self.num_cpus is not None:
             command.append(f"--num-cpus={self.num_cpus:g}")

@@ -133,9 +133,6 @@ class _Run:
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, line: str) -> None:
-        import ray
-        from ray import serve
-
         address, source = cluster_address(self.placement.address)
         host, port = self.serve_options.host, self.serve_options.port
         if address is None:
@@ -143,6 +140,10 @@ class _Run:
 
             port = port or free_port(host)
             check_can_listen(host, port)  # Serve's proxy binds it: a taken port fails now
+        import ray  # (after the checks: a refused command line imports no Ray)
+        from ray import serve
+
+        if address is None:
             os.environ.setdefault(MIN_DRAINING_ENV, "0")
             address = self._start_private_cluster()
             _say(f"started a private Ray cluster at {address} (logs: {self.cluster.temp_dir})")
@@ -174,7 +175,7 @@ class _Run:
             serve.run(
                 self.build(key), name=name, route_prefix=self.placement.route_prefix, blocking=False
             )
-        except (RltError, StopRequested):
+        except RltError:
             raise
         except Exception as exc:  # noqa: BLE001 - Serve's report of why the app did not start
             raise AppStartError(f"the Serve application {name!r} did not start: {exc}") from None
@@ -186,7 +187,7 @@ class _Run:
         gives its dashboard agent a fixed 15 s to start, which a loaded machine can exceed."""
         for attempt in range(1, CLUSTER_START_ATTEMPTS + 1):
             self.cluster = PrivateCluster()
-            with self.signals.deferred():  # no StopRequested between its fork and its record
+            with self.signals.deferred():  # no interrupt between its fork and its record
                 self.cluster.launch()
             try:
                 return self.cluster.wait_ready()
@@ -210,12 +211,15 @@ class _Run:
     # -- signals -------------------------------------------------------------------------------
     def on_signal(self, signum: int, stage: int) -> None:
         """The stop-signal action for the whole run (in the main thread, between bytecodes):
-        during start-up the first signal unwinds it (`StopRequested`) and a second exits at
+        during start-up the first signal unwinds it (KeyboardInterrupt) and a second exits at
         once; once serving, the main thread acts on `signals.stage` (drain, then abort) and
         only a third exits at once."""
         if not self.ready:
             if stage == 1:
-                raise StopRequested(signum)
+                # KeyboardInterrupt, not rlt's StopRequested: the main thread may be inside a
+                # blocking Ray call, whose signal check turns only KeyboardInterrupt (and
+                # SystemExit) into an exception of the call (anything else: a SystemError)
+                raise KeyboardInterrupt
             self.force(signum)
         elif stage >= 3:
             self.force(signum)
@@ -252,19 +256,22 @@ class _Run:
     # -- stop ----------------------------------------------------------------------------------
     def stop(self) -> None:
         """Remove what this run deployed (bounded), disconnect, stop a private cluster."""
-        import ray
-        from ray import serve
-
         try:
-            if self.deployed and ray.is_initialized():
+            # (deployed: connected. A private cluster whose start-up was cut short goes as a
+            # whole: nothing was served, its app need not be stopped politely first)
+            if self.deployed and (self.ready or self.cluster is None):
+                from ray import serve
+
                 self._delete_app(serve)
         except Exception as exc:  # noqa: BLE001 - reported; the cluster still stops
             _say(f"removing the app failed: {type(exc).__name__}: {exc}")
         finally:
             if self.drain is not None:
                 self.drain.clear()
-            with contextlib.suppress(Exception):
-                ray.shutdown()
+            ray = sys.modules.get("ray")  # (a command refused before Ray: nothing to do)
+            if ray is not None and ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
             if self.cluster is not None:
                 self.cluster.stop(keep_logs=self.keep_logs)
                 _say("the private Ray cluster stopped")
@@ -318,8 +325,8 @@ def run_app(
         with signals.acting(run.on_signal):
             try:
                 run.start(line)
-            except StopRequested as stop:
-                _say(f"{signal_name(stop.signum)} during start-up: stopping")
+            except (StopRequested, KeyboardInterrupt):  # (only `on_signal` raises the latter)
+                _say(f"{signal_name(signals.signals[0])} during start-up: stopping")
                 return EXIT_OK
             except ClusterStartError:
                 run.keep_logs = True

@@ -72,3 +72,20 @@ class ProjectedAttentionLayer(nn.Module):
             v = qkv[:, q_size + kv_size :].view(n, kv_heads, head_dim)
         out = attention(self.layer_index, q, k, v).reshape(n, -1)
         return project(linear, out, self.o_proj)
+
+
+def run_fused_layers(
+    layers, final_norm, hidden, cos, sin, attention: LayerAttention, *, impl: str, invariant: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers` (each with `input_layernorm` and `forward_fused`) on the fused path, the last
+    one's output norm being `final_norm`: returns (raw output, final_norm(raw output))."""
+    eps = final_norm.eps
+    x = hidden
+    normed = fused_ops.rms_norm(x, layers[0].input_layernorm.weight, eps, impl=impl)
+    for index, layer in enumerate(layers):
+        last = index + 1 == len(layers)
+        next_weight = final_norm.weight if last else layers[index + 1].input_layernorm.weight
+        x, normed = layer.forward_fused(
+            x, normed, cos, sin, attention, next_weight, impl=impl, invariant=invariant
+        )
+    return x, normed

@@ -32,7 +32,7 @@ from rlt_contracts import (
 from torch import nn
 
 from rlt_models import fused_ops
-from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear
+from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear, run_fused_layers
 from rlt_models.config_fields import (
     eos_ids,
     reject_enabled,
@@ -300,22 +300,10 @@ class NanbeigeModel(LoopedModelBase):
             for layer in self.layers:
                 x = layer(x, cos, sin, attention, self.ops)
             return (x if skip_norm else self.norm(x)), None
-        layers, eps = self.layers, self.norm.eps
-        x = hidden
-        normed = fused_ops.rms_norm(x, layers[0].input_layernorm.weight, eps, impl=impl)
-        for index, layer in enumerate(layers):
-            last = index + 1 == len(layers)
-            next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
-            x, normed = layer.forward_fused(
-                x,
-                normed,
-                cos,
-                sin,
-                attention,
-                next_weight,
-                impl=impl,
-                invariant=self.batch_invariant,
-            )
+        x, normed = run_fused_layers(
+            self.layers, self.norm, hidden, cos, sin, attention,
+            impl=impl, invariant=self.batch_invariant,
+        )  # fmt: skip
         return (x if skip_norm else normed), None
 
     def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:

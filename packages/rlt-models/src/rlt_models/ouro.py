@@ -28,7 +28,7 @@ from rlt_contracts import LayerAttention
 from torch import nn
 
 from rlt_models import fused_ops
-from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear
+from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear, run_fused_layers
 from rlt_models.config import OuroConfig
 from rlt_models.fp8_linear import project
 from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm, empty_parameter
@@ -144,23 +144,10 @@ class OuroModel(LoopedModelBase):
         impl: str,
     ) -> torch.Tensor:
         """All layers and the end-of-loop norm on the fused path; returns the normed state."""
-        layers = self.layers
-        eps = self.norm.eps
-        x = hidden
-        normed = fused_ops.rms_norm(x, layers[0].input_layernorm.weight, eps, impl=impl)
-        for index, layer in enumerate(layers):
-            last = index + 1 == len(layers)
-            next_weight = self.norm.weight if last else layers[index + 1].input_layernorm.weight
-            x, normed = layer.forward_fused(
-                x,
-                normed,
-                cos,
-                sin,
-                attention,
-                next_weight,
-                impl=impl,
-                invariant=self.batch_invariant,
-            )
+        _, normed = run_fused_layers(
+            self.layers, self.norm, hidden, cos, sin, attention,
+            impl=impl, invariant=self.batch_invariant,
+        )  # fmt: skip
         return normed
 
     def exit_probability(self, hidden: torch.Tensor, impl: str | None = None) -> torch.Tensor:

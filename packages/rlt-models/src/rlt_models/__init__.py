@@ -16,7 +16,6 @@ from rlt_models.families import (
     family_for,
     parse_config,
     read_config,
-    supported_architectures,
 )
 from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
 from rlt_models.loading import build_model, load_model, resolve_dtype
@@ -44,7 +43,6 @@ __all__ = [
     "parse_config",
     "random_checkpoint_tensors",
     "read_config",
-    "supported_architectures",
     "checkpoint_tensors",
     "load_model",
     "load_tokenizer",

@@ -69,10 +69,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(FAMILIES)
-
-
 def family_for(raw: Mapping[str, Any]) -> Family:
     """The family config.json names: its first `architectures` entry rlt knows, or (for a
     config without `architectures`) its `model_type`."""

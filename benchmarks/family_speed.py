@@ -177,9 +177,9 @@ def row_flags(concurrency: int, quick: bool) -> list[str]:
     ]
 
 
-def measure(shape: str, concurrency: int, args, out: Path) -> dict:
-    name = f"{shape}-c{concurrency}"
-    cmd = [
+def bench_command(shape: str, args) -> list[str]:
+    """offline_throughput.py on `shape`'s checkpoint (written once under --checkpoint-dir)."""
+    return [
         sys.executable,
         str(BENCH),
         "--shape",
@@ -188,6 +188,13 @@ def measure(shape: str, concurrency: int, args, out: Path) -> dict:
         args.checkpoint_dir,
         "--device",
         args.device,
+    ]
+
+
+def measure(shape: str, concurrency: int, args, out: Path) -> dict:
+    name = f"{shape}-c{concurrency}"
+    cmd = [
+        *bench_command(shape, args),
         "--dtype",
         args.dtype,
         "--prompt-len",
@@ -346,17 +353,7 @@ def main(argv=None) -> int:
         )
     runs, summaries = [], []
     for shape in shapes:
-        write = [
-            sys.executable,
-            str(BENCH),
-            "--shape",
-            shape,
-            "--checkpoint-dir",
-            args.checkpoint_dir,
-            "--device",
-            args.device,
-            "--write-checkpoint-only",
-        ]
+        write = [*bench_command(shape, args), "--write-checkpoint-only"]
         rc, elapsed = run(write, out / f"{shape}-checkpoint.log", 600)
         print(f"{shape}: checkpoint rc {rc} in {elapsed} s", flush=True)
         shape_runs = [measure(shape, c, args, out) for c in concurrencies] if rc == 0 else []

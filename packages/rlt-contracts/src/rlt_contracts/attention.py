@@ -44,6 +44,8 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     # (0.3.0) a call's groups may be bidirectional (`PagedAttentionBatch.causal` False): every
     # query sees its group's whole context (a prefix-LM family's prompt)
     supports_bidirectional_prompt: bool = False
+    # (0.3.1) a layer may pass `window` (LayerAttention): keys before p - W + 1 are not seen
+    supports_sliding_window: bool = False
 
 
 class AttentionRequirements(msgspec.Struct, frozen=True):
@@ -69,6 +71,7 @@ class AttentionRequirements(msgspec.Struct, frozen=True):
     batch_invariant: bool = False
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or "fp8"
     bidirectional_prompt: bool = False  # (0.3.0) the family's prompts are prefix-LM blocks
+    sliding_window: bool = False  # (0.3.1) some layer of the family attends within a window
 
 
 class UnmetRequirement(msgspec.Struct, frozen=True):

@@ -82,11 +82,27 @@ class KVPlan(msgspec.Struct, frozen=True):
       (a block that runs its stack several times per loop, as HRM-Text's cycles, keeps a slot
       per (pass, layer) in the loop's plane).
     per_loop: one plane per loop (True), so a query at loop k reads loop k's keys; the
-      `last_exited` layout then copies an exited token's KV into the deeper planes.
+      `last_exited` layout then copies an exited token's KV into the deeper planes. False: the
+      family's own KV is one plane that every loop overwrites (Dory's `last_loop`): the engine
+      uses the `shared` layout, and a prompt runs depth-major as one whole block (loop k of
+      every prompt position, then loop k + 1), so earlier loops see the prompt's own loop-k
+      keys beside the past's final ones, as the family's reference defines it.
+    stage_layers (0.3.1): layers outside the recurrent block that keep KV (prelude then coda,
+      run once per token); they take slots 0.. of one more plane, the stage plane, after the
+      loop planes, and the model's `embed` / `coda` attend through it.
+    sliding_window (0.3.1): some layer attends only to its last `window` positions (it passes
+      `window` to its `LayerAttention`); the attention backend must declare support.
     """
 
     layers_per_plane: int
     per_loop: bool = True
+    stage_layers: int = 0
+    sliding_window: bool = False
+
+    @property
+    def stage_planes(self) -> int:
+        """Planes after the loop planes: one when stage layers keep KV."""
+        return 1 if self.stage_layers else 0
 
 
 class FamilyDeclaration(msgspec.Struct, frozen=True):
@@ -100,7 +116,9 @@ class FamilyDeclaration(msgspec.Struct, frozen=True):
     kv: KVPlan
     exit_signal: ExitSignal
     default_loops: int  # loops a request runs when it does not say
-    max_loops: int  # the most a request may ask (KV is sized for it)
+    max_loops: int  # the engine's default cap on a request's loops (KV is sized for the cap)
+    # (0.3.1) the largest cap an engine may set (`max_model_loops`); None: any (elastic depth)
+    loop_limit: int | None = None
     prompt_mask: PromptMask = PromptMask.CAUSAL
     unsupported: tuple[tuple[Feature, str], ...] = ()  # (feature, why not)
 

@@ -50,9 +50,21 @@ class LayerAttention(Protocol):
     and `value` [N, Hkv, D] of the call's tokens. It stores key/value into the KV cache (where
     the call's metadata says) and returns the attention output [N, H, D] (softmax scale D^-0.5,
     causal over each row's visible context).
+
+    window (0.3.1): a sliding-window layer's width W: a query at position p sees only keys at
+    positions p - W + 1 .. p (transformers' `sliding_window`); None: the whole context. Only
+    backends declaring `supports_sliding_window` accept it.
     """
 
-    def __call__(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor: ...
+    def __call__(
+        self,
+        layer_index: int,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        window: int | None = None,
+    ) -> Tensor: ...
 
 
 class LoopedLanguageModel(Protocol):
@@ -66,12 +78,22 @@ class LoopedLanguageModel(Protocol):
       device int32 [1] flag the caller computed (e.g. "some row exits in this tick"); where it
       holds 0 no logit will be used, and the model may skip the head's work and return zeros.
       A hint: a model may always compute the logits. Never read on the host.
+
+    Stage layers (0.3.1): a family whose prelude or coda layers attend (`family.kv.stage_layers`
+    > 0) needs `positions` [N] int64 and `attention` (bound by the runner to the stage plane,
+    writing where the row runs that stage and to the scratch slot elsewhere) in `embed` and
+    `coda`; other families ignore both, so the runner passes them only to such a family.
     """
 
     shape: LoopedModelShape
     family: FamilyDeclaration  # (0.3.0) what the model's family declares (rlt_contracts.family)
 
-    def embed(self, token_ids: Tensor) -> Tensor: ...
+    def embed(
+        self,
+        token_ids: Tensor,
+        positions: Tensor | None = None,
+        attention: LayerAttention | None = None,
+    ) -> Tensor: ...
 
     def recurrent_step(
         self,
@@ -82,7 +104,14 @@ class LoopedLanguageModel(Protocol):
         compute_gate: bool = True,
     ) -> tuple[Tensor, Tensor | None]: ...
 
-    def coda(self, hidden: Tensor, *, needed: Tensor | None = None) -> Tensor: ...
+    def coda(
+        self,
+        hidden: Tensor,
+        *,
+        needed: Tensor | None = None,
+        positions: Tensor | None = None,
+        attention: LayerAttention | None = None,
+    ) -> Tensor: ...
 
 
 class SamplingMode(msgspec.Struct, frozen=True):

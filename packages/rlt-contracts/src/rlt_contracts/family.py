@@ -89,7 +89,7 @@ class KVPlan(msgspec.Struct, frozen=True):
       keys beside the past's final ones, as the family's reference defines it.
     stage_layers (0.3.1): layers outside the recurrent block that keep KV (prelude then coda,
       run once per token); they take slots 0.. of one more plane, the stage plane, after the
-      loop planes, and the model's `embed` / `coda` attend through it.
+      loop planes, and the model's `embed` (prelude) / `finish` (coda) attend through it.
     sliding_window (0.3.1): some layer attends only to its last `window` positions (it passes
       `window` to its `LayerAttention`); the attention backend must declare support.
     """

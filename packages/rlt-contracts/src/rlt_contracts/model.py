@@ -80,9 +80,12 @@ class LoopedLanguageModel(Protocol):
       A hint: a model may always compute the logits. Never read on the host.
 
     Stage layers (0.3.1): a family whose prelude or coda layers attend (`family.kv.stage_layers`
-    > 0) needs `positions` [N] int64 and `attention` (bound by the runner to the stage plane,
-    writing where the row runs that stage and to the scratch slot elsewhere) in `embed` and
-    `coda`; other families ignore both, so the runner passes them only to such a family.
+    > 0) takes `positions` [N] int64 and `attention` (bound by the runner to the stage plane,
+    writing where the row runs that stage and to the scratch slot elsewhere) in `embed` (the
+    prelude), and has `finish(state, positions, attention) -> state`: the coda's layers on a
+    token's state after its last loop, whose result `coda` (then the head alone) reads. Other
+    families ignore both arguments and have no `finish`; the runner passes them and calls
+    `finish` only for a family with stage layers.
     """
 
     shape: LoopedModelShape
@@ -104,14 +107,7 @@ class LoopedLanguageModel(Protocol):
         compute_gate: bool = True,
     ) -> tuple[Tensor, Tensor | None]: ...
 
-    def coda(
-        self,
-        hidden: Tensor,
-        *,
-        needed: Tensor | None = None,
-        positions: Tensor | None = None,
-        attention: LayerAttention | None = None,
-    ) -> Tensor: ...
+    def coda(self, hidden: Tensor, *, needed: Tensor | None = None) -> Tensor: ...
 
 
 class SamplingMode(msgspec.Struct, frozen=True):

@@ -32,7 +32,13 @@ class DenseCausalAttention:
         self.cache = cache
 
     def __call__(
-        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         cached_k = self.cache.keys[layer_index]
         cached_v = self.cache.values[layer_index]
@@ -40,13 +46,14 @@ class DenseCausalAttention:
         values = value if cached_v is None else torch.cat((cached_v, value))
         self.cache.keys[layer_index] = keys
         self.cache.values[layer_index] = values
-        return dense_causal_attention(query, keys, values)
+        return dense_causal_attention(query, keys, values, window=window)
 
 
 def dense_causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, window: int | None = None
 ) -> torch.Tensor:
-    """query [N, H, D] at the last N of the K positions of keys/values [K, Hkv, D] -> [N, H, D]."""
+    """query [N, H, D] at the last N of the K positions of keys/values [K, Hkv, D] -> [N, H, D];
+    `window` W: a query at position p sees keys p - W + 1 .. p only."""
     n, num_heads, head_dim = query.shape
     total = keys.shape[0]
     group = num_heads // keys.shape[1]
@@ -56,6 +63,9 @@ def dense_causal_attention(
     scores = (q @ k.transpose(1, 2)) * head_dim**-0.5
     query_pos = torch.arange(total - n, total, device=query.device)[:, None]
     key_pos = torch.arange(total, device=query.device)[None, :]
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return (probs @ v).transpose(0, 1).to(query.dtype)

@@ -49,6 +49,7 @@ from rlt_runner.exit_rules import decide_exits
 from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.row_state import DecodeRows
+from rlt_runner.stage_plane import StagePlane
 
 RING_COLUMNS = 3 + 2 * MAX_TOP_LOGPROBS
 
@@ -91,8 +92,11 @@ class DecodeProgram:
         self.ring = torch.zeros(
             max_ticks + WARMUP_RUNS, num_rows, RING_COLUMNS, dtype=torch.float64, device=device
         )
-        if fused_tick is None:
-            fused_tick = device.type == "cuda" and tick_kernels.available()
+        self.stage = (
+            StagePlane(kv, rows, self.query_start) if rows.stage_plane is not None else None
+        )
+        if fused_tick is None:  # the fused bookkeeping does not run a family's stage layers
+            fused_tick = device.type == "cuda" and tick_kernels.available() and self.stage is None
         self.kernels = tick_kernels.TickKernels(self) if fused_tick else None
 
     def begin_step(self) -> None:
@@ -117,32 +121,41 @@ class DecodeProgram:
         run = rows.active[:B] & ~rows.parked[:B] & ~rows.held[:B]
         loop_index = rows.loops[:B] + 1
         position = rows.position[:B]
-        plane = torch.clamp(self._plane(loop_index), max=rows.num_planes - 1)
+        plane = torch.clamp(self._plane(loop_index), max=rows.loop_planes - 1)
         pages = rows.block_tables.shape[-1]
         tables = rows.block_tables[:B].gather(1, plane.view(B, 1, 1).expand(B, 1, pages)).squeeze(1)
         page = torch.clamp(position // self.block_size, max=pages - 1)
         offset = position % self.block_size
         own_slot = tables.gather(1, page[:, None]).squeeze(1).to(torch.int64) * self.block_size
         own_slot = own_slot + offset
+        context = max_context or pages * self.block_size
         batch = PagedAttentionBatch(
             query_start=self.query_start[: B + 1],
             context_lengths=torch.where(run, position + 1, 1).to(torch.int32),
             block_tables=tables,
             write_slots=torch.where(run, own_slot, self.kv.scratch_slot),
             max_query_len=1,
-            max_context_len=max_context or pages * self.block_size,
+            max_context_len=context,
         )
+        state = rows.hidden[:B]
+        if self.stage is not None:  # a token's prelude runs in the tick of its first loop
+            first = run & (rows.loops[:B] == 0)
+            started = self._run_stage(self.model.embed, rows.token[:B], position, first, context)
+            state = torch.where(first[:, None], started, state)
         hidden, gate_probability = self.model.recurrent_step(
-            rows.hidden[:B],
+            state,
             position,
             self.attention.bind(self.kv.tensors, batch),
             compute_gate=gate,
         )
         decision = decide_exits(rows, B, loop_index, gate_probability)
         exits = decision.exits & run
-        if rows.num_planes > 1:
+        if rows.loop_planes > 1:
             self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
-        sampled = self._sample(hidden, slice(0, B), rows.outputs[:B], mode)
+        finished = hidden
+        if self.stage is not None:  # the coda's layers, for the rows that exit
+            finished = self._run_stage(self.model.finish, hidden, position, exits, context)
+        sampled = self._sample(finished, slice(0, B), rows.outputs[:B], mode)
         if mode.penalized:  # the counts the next token's penalties read
             rows.logits_state.output_counts[:B].scatter_add_(
                 1, sampled.token_ids[:, None], exits[:, None].to(torch.int32)
@@ -152,11 +165,10 @@ class DecodeProgram:
         self._record(B, exits, loop_index, sampled, mode)
         carry_on = exits & ~stops
         looping = run & ~exits
-        rows.hidden[:B] = torch.where(
-            carry_on[:, None],
-            self.model.embed(sampled.token_ids),
-            torch.where(looping[:, None], hidden, rows.hidden[:B]),
-        )
+        kept = torch.where(looping[:, None], hidden, rows.hidden[:B])
+        if self.stage is None:  # the next token's state (stage families: its prelude, next tick)
+            kept = torch.where(carry_on[:, None], self.model.embed(sampled.token_ids), kept)
+        rows.hidden[:B] = kept
         rows.token[:B] = torch.where(exits, sampled.token_ids, rows.token[:B])
         rows.position[:B] += carry_on.to(torch.int64)
         rows.loops[:B] = torch.where(exits, 0, torch.where(run, loop_index, rows.loops[:B]))
@@ -200,6 +212,12 @@ class DecodeProgram:
         self.tick_index += 1
         kernels.copy(B)
 
+    def _run_stage(self, stage, inputs, position, writes, max_context) -> torch.Tensor:
+        """A family's prelude (`embed`) or coda (`finish`) for rows [0, B) on the stage plane,
+        storing KV only for the rows `writes`."""
+        batch = self.stage.tick_batch(position.shape[0], position, writes, max_context)
+        return stage(inputs, position, self.attention.bind(self.kv.tensors, batch))
+
     def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
         if self.layout is KVLayout.LAST_EXITED:
             return loop_index - 1
@@ -211,7 +229,7 @@ class DecodeProgram:
         scratch = self.kv.scratch_slot
         copies = exits & (loop_index < self.depth)
         sources, targets = [], []
-        for plane in range(1, self.rows.num_planes):
+        for plane in range(1, self.rows.loop_planes):
             table = self.rows.block_tables[:B, plane]
             target = table.gather(1, page[:, None]).squeeze(1).to(torch.int64) * self.block_size
             needed = copies & (loop_index <= plane)
@@ -283,7 +301,8 @@ class DecodeProgram:
         rows.active.index_copy_(0, index, ~stops)
         rows.parked.index_copy_(0, index, ~stops if self.cohort else torch.zeros_like(stops))
         rows.held.index_copy_(0, index, ~stops & rows.hold_after_output[index])
-        rows.hidden.index_copy_(0, index, self.model.embed(token))
+        if self.stage is None:  # stage families: token 0's prelude runs in its first tick
+            rows.hidden.index_copy_(0, index, self.model.embed(token))
         return record
 
 

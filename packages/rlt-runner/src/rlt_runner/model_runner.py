@@ -135,9 +135,11 @@ class ModelRunner:
         # allocated: their table entries stay the scratch block).
         lookahead = speculation.num_drafts if speculation is not None else 0
         max_pages = -(-(max_model_len + lookahead) // block_size)
+        stage_planes = model.family.kv.stage_planes
         self.rows = DecodeRows(
             max_rows=max_num_seqs,
-            num_planes=kv_layout.storage_planes(shape.num_loops),
+            num_planes=kv_layout.storage_planes(shape.num_loops) + stage_planes,
+            stage_planes=stage_planes,
             max_pages=max_pages,
             hidden_size=shape.state_width,
             dtype=dtype,
@@ -216,8 +218,9 @@ class ModelRunner:
         """Prompts as graphs in the decode graphs' pool: SHARED waves (captured now) or
         depth-major steps (one chunk's buckets captured now, the rest on first use)."""
         tokens, chunk = self._prefill_graph_limits
-        if tokens <= 0:
-            return
+        kv_plan = self.model.family.kv
+        if tokens <= 0 or kv_plan.stage_layers or not kv_plan.per_loop:
+            return  # prompts of stage families and of one-plane KV plans run eagerly
         if self.layout is KVLayout.SHARED:
             self.shared_waves = SharedPrefillGraphs(
                 self.model,

@@ -9,6 +9,12 @@ every plane (no per-loop uploads, no host reads):
   e - 1 KV is copied into the deeper planes (as an exited token's). A prefix-LM
   family's prompt (`PromptMask.PREFIX_LM`) comes as one whole chunk and is one bidirectional
   block: every position reads every prompt position at each loop (`PagedAttentionBatch.causal`).
+- A family with stage layers (`KVPlan.stage_layers`, stage_plane.py) runs its prelude on the
+  chunk before loop 1 and its coda after the last loop, both over the stage plane; the kept
+  states are then the coda's output (the head's input).
+- A family whose KV is one plane that every loop overwrites (`KVPlan.per_loop` False) runs
+  depth-major on that plane: loop k of the prompt sees the past's final keys and the prompt's
+  own loop-k keys (its prompts come whole).
 - SHARED, position by position: each request advances one prompt position at a time through all
   loops (batched across requests), so every prompt token sees earlier prompt tokens at their
   final depth whatever the chunk boundaries are (slow: the layout's semantics require it). With
@@ -113,9 +119,10 @@ def run_prefill(
     if keep_states or loops is not None:
         graphs = shared_waves = None
     loops = loops or [depth] * len(chunks)
-    if layout is KVLayout.SHARED and shared_waves is not None:
+    position_major = layout is KVLayout.SHARED and model.family.kv.per_loop
+    if position_major and shared_waves is not None:
         shared_waves.run(chunks)
-    elif layout is KVLayout.SHARED:
+    elif position_major:
         return _position_by_position(model, attention, kv, rows, chunks, keep_states, loops)
     elif graphs is None or not graphs.run(chunks):
         return _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
@@ -131,8 +138,13 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
         [t for _, _, tokens, _ in chunks for t in tokens],
         block_size=kv.block_size,
     )
-    hidden = model.embed(groups.token_ids)
     causal = model.family.prompt_mask is not PromptMask.PREFIX_LM  # prompts come whole then
+    stage = rows.stage_plane  # the prelude's and coda's KV (stage_plane.py)
+    if stage is None:
+        hidden = model.embed(groups.token_ids)
+    else:
+        stage_attention = attention.bind(kv.tensors, groups.batch(stage, causal=causal))
+        hidden = model.embed(groups.token_ids, groups.positions, stage_attention)
     depth = model.shape.num_loops
     query_loops = None  # [N] loops of each query's request, when some run fewer than `depth`
     if min(loops) < depth:
@@ -150,6 +162,8 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
         hidden = computed if query_loops is None else torch.where(done[:, None], hidden, computed)
     if query_loops is not None and layout is KVLayout.LAST_EXITED:
         _copy_into_deeper_planes(kv, groups, query_loops, depth)
+    if stage is not None:  # every position's coda KV; the states the head reads
+        hidden = model.finish(hidden, groups.positions, stage_attention)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
     starts = [0]
     for _, _, tokens, _ in chunks:
@@ -171,6 +185,8 @@ def _copy_into_deeper_planes(kv, groups: PrefillGroups, query_loops, depth: int)
 
 
 def _position_by_position(model, attention, kv, rows, chunks, keep_states, loops) -> dict:
+    if rows.stage_plane is not None:
+        raise ValueError("position-by-position prompts do not run a family's stage layers")
     kept: dict[int, list[torch.Tensor]] = {i: [] for i in keep_states}
     for offset in range(max(len(tokens) for _, _, tokens, _ in chunks)):
         wave = [c for c in chunks if offset < len(c[2])]

@@ -128,9 +128,14 @@ class DecodeRows:
         trace_capacity: int = 1,
         vocab_size: int = 1,
         eos_token_ids: tuple[int, ...] = (),
+        stage_planes: int = 0,
     ) -> None:
+        """`num_planes` KV planes per page: the loop planes, then `stage_planes` (0 or 1) for
+        the family's prelude and coda layers (stage_plane.py)."""
         self.device = device
         self.num_planes = num_planes
+        self.loop_planes = num_planes - stage_planes
+        self.stage_plane = self.loop_planes if stage_planes else None
         self.max_pages = max_pages
         self.scratch_block = scratch_block
         self.stop_capacity = stop_capacity

@@ -36,7 +36,8 @@ Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counte
   profile (with --profile-steps N > 0, else null): see profile_decode_window().
 
 --shape picks a random checkpoint (bf16, written once under --checkpoint-dir): tiny,
-ouro-1.4b, nanbeige4.2-3b (the Nanbeige4.2-3B release's architecture), tiny-nanbeige.
+ouro-1.4b, nanbeige4.2-3b (the Nanbeige4.2-3B release's architecture), tiny-nanbeige,
+hrm-text-1b, tiny-hrm-text, dory-4b (the Dory1.0-4B release's architecture), tiny-dory.
 
 Examples:
   uv run python benchmarks/offline_throughput.py --shape tiny --arm fixed --arm gate
@@ -129,11 +130,48 @@ HRM_TEXT_SHAPES = {
         embedding_scale=10.0,
     ),
 }
+DORY_SHAPES = {
+    # name: DoryConfig fields. dory-4b: the release's architecture (`DoryConfig()` defaults:
+    # 8 prelude + 20 recurrent + 8 coda nGPT layers, 2 loops, 16 / 4 heads of 256, sliding
+    # window 1024 on three layers in four)
+    "dory-4b": dict(
+        vocab_size=131072,
+        hidden_size=2560,
+        intermediate_size=7168,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        n_input_layers=8,
+        n_recurrent_layers=20,
+        n_output_layers=8,
+        n_recurrent_loops=2,
+        max_position_embeddings=8192,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(36)
+        ),
+    ),
+    "tiny-dory": dict(  # the CPU smoke test of the plumbing
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_input_layers=1,
+        n_recurrent_layers=2,
+        n_output_layers=1,
+        n_recurrent_loops=2,
+        max_position_embeddings=2048,
+        sliding_window=32,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention", "sliding_attention"),
+    ),
+}
 SHAPE_NAMES = (
     *sorted(SHAPES),
     "ouro-1.4b",
     *sorted(NANBEIGE_SHAPES),
     *sorted(HRM_TEXT_SHAPES),
+    *sorted(DORY_SHAPES),
 )
 
 WARMUP_TOKENS = 4
@@ -204,7 +242,10 @@ class ArmResult:
 def shape_config(name: str):
     """The model config of a --shape name (any family)."""
     from rlt_models import HrmTextConfig, NanbeigeConfig, OuroConfig
+    from rlt_models.dory import DoryConfig
 
+    if name in DORY_SHAPES:
+        return DoryConfig(**DORY_SHAPES[name])
     if name == "ouro-1.4b":
         return OuroConfig.ouro_1_4b()
     if name in NANBEIGE_SHAPES:

@@ -248,3 +248,17 @@ def test_served_over_http(hf_model_dir):
         assert deep.status_code == 200, deep.text
         assert deep.json()["choices"][0]["exit_depths"] == [4] * MAX_TOKENS[0]
         server.wait_idle()
+
+
+def test_prompt_logprobs_equal_transformers(llm, hf_model_dir):
+    """Prompt scoring reads the coda's output at every prompt position (chunks of 3 here)."""
+    model = transformers.DoryForCausalLM.from_pretrained(hf_model_dir).eval()
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=1, ignore_eos=True, max_loops=2)
+    for prompt in PROMPTS:
+        out = llm.generate([prompt], scored)[0]
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        want = [float(logprobs[i, t]) for i, t in enumerate(prompt[1:])]
+        assert out.prompt_logprobs[0] is None
+        assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert llm.engine.core.leak_report() == []

@@ -3,7 +3,7 @@
 
     python3 benchmarks/family_speed.py --out DIR                  # on the GPU machine, repo root
     uv run python benchmarks/family_speed.py --out /tmp/f --device cpu \\
-        --shapes tiny,tiny-nanbeige --quick                        # CPU smoke test of the plumbing
+        --shapes tiny,tiny-nanbeige,tiny-hrm-text,tiny-dory --quick  # CPU smoke test
 
 Steps, in one process per measurement (a clean CUDA context each):
 1. The device's read bandwidth: a 4 GiB bf16 device-to-device copy (bytes read + written over
@@ -15,7 +15,14 @@ Steps, in one process per measurement (a clean CUDA context each):
    family's full depth), 1,024-token prompts, 128 output tokens, prefill chunk 1,024, LAST_EXITED,
    at each --concurrency C: requests / max-num-seqs / max-num-batched-tokens = 4 / 1 / 1100 for
    C = 1, 2C / C / 64C (at least 2048, at most 4096) otherwise (h200_table.py's rows).
-3. Per shape: the bandwidth floor of one request's decode, bytes per output token = loops x
+3. With --transformers (the default), per shape whose family the installed transformers has
+   (HRM-Text, Dory; family_speed_transformers.py): transformers' own `generate` on the same
+   checkpoint (transformers_generate.py: sdpa, greedy, exactly --output-len new tokens,
+   HRM-Text's prompts prefix-LM as rlt runs them), one batch of C requests per
+   --transformers-concurrency C (1,32), its decode tok/s (the prefill excluded, as rlt's) and
+   rlt's decode tok/s over it at the same C (--transformers-writer transformers: on a checkpoint
+   of transformers' own init instead, written with its `save_pretrained`).
+4. Per shape: the bandwidth floor of one request's decode, bytes per output token = loops x
    (stack weights + KV read per loop at the mean decode context) + LM head, over the bandwidth;
    the measured 1-request decode tok/s over that floor; at the largest C, "throughput per
    layer pass" = decode tok/s x layers x loops; and how many requests of prompt + output
@@ -29,8 +36,9 @@ loop and context token is layers x 2 (K, V) x KV heads x head_dim x 2 bytes. The
 context is prompt + output / 2 tokens.
 
 Writes into --out: <shape>-c<C>.json / .log per run (offline_throughput's JSON and output),
-bandwidth.json, families.json (everything above, the commands, versions and times) and
-families.md (the table, also printed at the end).
+<shape>-transformers.json / .log (the transformers arm), bandwidth.json, families.json
+(everything above, the commands, versions (transformers' too) and times) and families.md (the
+table, also printed at the end).
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import family_speed_transformers as tf_arm
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "offline_throughput.py"
@@ -125,7 +135,7 @@ def measure_bandwidth(out: Path) -> dict | None:
     return bw
 
 
-# -- 3. floors -------------------------------------------------------------------------------------
+# -- 4. floors -------------------------------------------------------------------------------------
 def shape_bytes(shape: str, args) -> dict:
     """Bytes one request's decode reads per output token, from the family's tensor list."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -269,7 +279,10 @@ def summarize(shape: str, runs: list[dict], bw: dict | None, args) -> dict:
     return summary
 
 
-def table(summaries: list[dict], concurrencies: list[int], bw: dict | None) -> str:
+def table(
+    summaries: list[dict], concurrencies: list[int], bw: dict | None, tf_concurrencies: list[int]
+) -> str:
+    """tf_concurrencies: the transformers arm's columns ([] for none)."""
     head = [
         "shape",
         "layers x loops",
@@ -278,6 +291,7 @@ def table(summaries: list[dict], concurrencies: list[int], bw: dict | None) -> s
         "c1 / floor",
         f"layer passes/s c{max(concurrencies)}",
         "requests the KV pool holds",
+        *(tf_arm.table_head(tf_concurrencies) if tf_concurrencies else []),
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for s in summaries:
@@ -289,6 +303,7 @@ def table(summaries: list[dict], concurrencies: list[int], bw: dict | None) -> s
             f"{s.get('layer_passes_per_s', 'n/a'):,}" if "layer_passes_per_s" in s else "n/a",
             str(s.get("requests_kv_pool_holds", "n/a")),
         ]
+        cells += tf_arm.table_cells(s, tf_concurrencies) if tf_concurrencies else []
         lines.append("| " + " | ".join(cells) + " |")
     if len(summaries) > 1 and all("layer_passes_per_s" in s for s in summaries):
         base = summaries[0]
@@ -306,7 +321,7 @@ def table(summaries: list[dict], concurrencies: list[int], bw: dict | None) -> s
 
 def versions() -> dict:
     out = {"python": sys.version.split()[0]}
-    for name in ("torch", "triton"):
+    for name in ("torch", "triton", "transformers"):
         try:
             out[name] = __import__(name).__version__
         except ImportError:
@@ -333,6 +348,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--run-timeout-s", type=float, default=240)
     parser.add_argument(
+        "--transformers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="transformers' own generate beside rlt, on the shapes whose family it has",
+    )
+    parser.add_argument("--transformers-concurrency", default="1,32")
+    parser.add_argument("--transformers-writer", default="rlt", choices=("rlt", "transformers"))
+    parser.add_argument(
         "--commit",
         default=os.environ.get("RLT_COMMIT", ""),
         help="the code's commit, recorded in families.json",
@@ -344,6 +367,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     shapes = args.shapes.split(",")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    tf_concurrencies = [int(c) for c in args.transformers_concurrency.split(",")]
+    tf_shapes = tf_arm.shapes_transformers_has(shapes) if args.transformers else []
+    expected_runs = len(shapes) * len(concurrencies) + len(tf_shapes) * len(tf_concurrencies)
     t0 = time.perf_counter()
     bw = measure_bandwidth(out) if args.device.startswith("cuda") else None
     if bw is not None:
@@ -357,11 +383,20 @@ def main(argv=None) -> int:
         rc, elapsed = run(write, out / f"{shape}-checkpoint.log", 600)
         print(f"{shape}: checkpoint rc {rc} in {elapsed} s", flush=True)
         shape_runs = [measure(shape, c, args, out) for c in concurrencies] if rc == 0 else []
-        runs += shape_runs
         summaries.append(summarize(shape, shape_runs, bw, args))
-    text = table(summaries, concurrencies, bw)
+        if shape in tf_shapes:
+            tf_runs = tf_arm.measure(shape, tf_concurrencies, args, out, run)
+            tf_arm.add_to_summary(summaries[-1], tf_runs)
+            shape_runs += tf_runs
+        runs += shape_runs
+    text = table(summaries, concurrencies, bw, tf_concurrencies if tf_shapes else [])
     payload = {
-        "setup": {**vars(args), **versions(), "total_s": round(time.perf_counter() - t0, 1)},
+        "setup": {
+            **vars(args),
+            **versions(),
+            "transformers_shapes": tf_shapes,
+            "total_s": round(time.perf_counter() - t0, 1),
+        },
         "bandwidth": bw,
         "summaries": summaries,
         "runs": runs,
@@ -369,11 +404,7 @@ def main(argv=None) -> int:
     (out / "families.json").write_text(json.dumps(payload, indent=2))
     (out / "families.md").write_text(text + "\n")
     print(text)
-    return (
-        0
-        if all(r["rc"] == 0 for r in runs) and len(runs) == len(shapes) * len(concurrencies)
-        else 1
-    )
+    return 0 if all(r["rc"] == 0 for r in runs) and len(runs) == expected_runs else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Download into .whl/ the cp312 manylinux wheels that the GPU machine's image lacks, at uv.lock's
-# versions (the image has torch, triton, numpy, transformers, tokenizers, ...; no registry).
+# versions (the image has torch, triton, numpy, transformers 5.17, tokenizers, ...; no
+# registry). transformers is carried at uv.lock's version too: the image's 5.17 may lack
+# HrmText / Dory (benchmarks/transformers_generate.py); 5.24's own needs are in the image at
+# versions it accepts (huggingface_hub 1.33.0 >= 1.31, tokenizers 0.23.2 in [0.23.1, 0.24),
+# safetensors 0.8.0 >= 0.8.0, regex, typer, tqdm, pyyaml, numpy, packaging).
 # benchmarks/h200_run.sh installs them there; pass `.whl` in the device call's carry.
 #
 # `bash benchmarks/fetch_device_wheels.sh ray` fills .whlray/ instead (carry `.whl` and
@@ -29,7 +33,7 @@ if [ "${1:-}" = ray ]; then
 else
   names="msgspec fastapi starlette opentelemetry-api pydantic pydantic-core annotated-types
   typing-inspection uvicorn openai httpx2 httpcore2 truststore jiter sniffio anyio
-  typing-extensions xgrammar apache-tvm-ffi pyzmq"
+  typing-extensions xgrammar apache-tvm-ffi pyzmq transformers"
   dest=.whl
 fi
 pins=$(python3 - $names <<'PY'

@@ -3,7 +3,8 @@
 # carry .whl: cp312 wheels of what the image lacks, at uv.lock's versions (msgspec, fastapi,
 # starlette, opentelemetry-api, pydantic, pydantic-core, annotated-types, typing-inspection,
 # uvicorn, openai, httpx2, httpcore2, truststore, jiter, sniffio, anyio, typing-extensions,
-# xgrammar, apache-tvm-ffi, pyzmq; `bash benchmarks/fetch_device_wheels.sh` downloads them), and
+# xgrammar, apache-tvm-ffi, pyzmq, and transformers 5.24.0, whose HrmText / Dory classes the
+# image's 5.17 may lack; `bash benchmarks/fetch_device_wheels.sh` downloads them), and
 # .whlpd for `pd` (benchmarks/repack_nixl_wheel.py), .whlray for `ray-serve` (`bash
 # benchmarks/fetch_device_wheels.sh ray`: ray repacked slim and what Ray Serve needs). Results
 # land in $OUT. One mode per call (each fits a 10-minute device command):
@@ -47,7 +48,10 @@
 #                                                  release shape (random bf16 weights; Ouro-1.4B
 #                                                  and Nanbeige4.2-3B by default) at 1 / 32 / 128
 #                                                  requests, its bandwidth floor at 1 request
-#                                                  and layer passes per second
+#                                                  and layer passes per second, and for
+#                                                  HRM-Text and Dory shapes transformers' own
+#                                                  generate at 1 and 32 requests beside rlt
+#                                                  (--no-transformers: rlt alone)
 #                                                  (benchmarks/family_speed.py ARGS, ~6 min;
 #                                                  files in $OUT/families.tgz)
 #   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without

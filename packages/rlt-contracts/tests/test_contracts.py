@@ -81,6 +81,17 @@ def test_sampling_params_defaults_and_loop_resolution():
     assert info.value.field == "min_loops"
 
 
+def test_an_unset_max_loops_is_the_default_depth_under_a_larger_cap():
+    """A model of depth 4 (the engine's loop cap) whose checkpoint runs 2 loops by default."""
+    assert SamplingParams().resolve_max_loops(4, default=2) == 2
+    assert SamplingParams(max_loops=4).resolve_max_loops(4, default=2) == 4
+    # min_loops above the default raises the resolved depth, so the bounds stay ordered
+    assert SamplingParams(min_loops=3).resolve_max_loops(4, default=2) == 3
+    with pytest.raises(InvalidRequestError, match="--max-model-loops") as info:
+        SamplingParams(max_loops=5).resolve_max_loops(4, default=2)
+    assert info.value.field == "max_loops"
+
+
 def test_sampling_params_json_round_trip_and_unknown_fields():
     params = SamplingParams(
         max_tokens=5, temperature=0.7, seed=None, stop=("\n",), exit_threshold=0.6

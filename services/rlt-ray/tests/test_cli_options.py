@@ -47,6 +47,8 @@ SERVE_FLAGS = [
     "/a",
     "--shutdown-timeout",
     "3",
+    "--max-model-loops",
+    "4",
 ]
 PD_FLAGS = [
     "pd",
@@ -65,6 +67,8 @@ PD_FLAGS = [
     "k",
     "--app-name",
     "rlt-pd",
+    "--max-model-loops",
+    "4",
 ]
 
 
@@ -93,6 +97,7 @@ def test_every_command_line_builds_its_options(argv):
         assert options.decode_resources == {"d": 1.0}
         assert placement.app_name == "rlt-pd" and placement.route_prefix == "/"
     assert config.pd_role == "none"
+    assert config.max_model_loops == (4 if argv in (SERVE_FLAGS, PD_FLAGS) else None)
 
 
 @pytest.mark.parametrize("command", [["serve"], ["pd", "serve"]], ids=["serve", "pd"])

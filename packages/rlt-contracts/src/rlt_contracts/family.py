@@ -9,7 +9,9 @@ once per loop -> coda layers (once) -> head. A `FamilyDeclaration` says, for one
 - how loop k + 1's input is formed from loop k's output (`loop_input`, for people),
 - its KV plan (`kv`: KV layer slots per plane, where one plane is one loop),
 - its exit signal (`exit_signal`: a learned gate, or none: the depth is then fixed per request),
-- its depth (`default_loops`, and `max_loops` a request may ask at most),
+- its depth (`default_loops`, what a request runs when it does not say; `max_loops`, the
+  engine's default cap on what a request may ask, which the model depth T and the KV are
+  sized for; `loop_limit`, the largest cap an engine may set with `max_model_loops`),
 - its prompt mask (`prompt_mask`: causal, or prefix-LM: the prompt is one bidirectional block),
 - the engine features it cannot support, each with the reason (`unsupported`), so start-up or
   the request fails with that reason (R13, R14) instead of computing something else.

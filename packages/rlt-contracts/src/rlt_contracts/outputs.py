@@ -179,7 +179,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     projections ("bfloat16", "float8_e4m3fn", ...); kv_cache_dtype; kv_capacity_tokens: tokens
     the KV pool holds at full depth (empty / 0 where unknown, e.g. a PD coordinator).
     (0.3.0) family: the model family's name ("ouro"); exit_signal: its `ExitSignal` value
-    ("gate" / "none"; empty where unknown), which decides the server's default threshold."""
+    ("gate" / "none"; empty where unknown), which decides the server's default threshold.
+    num_loops is the model depth: the most loops a request may ask (the engine's cap,
+    `max_model_loops`; KV is sized for it). (0.3.2) default_loops: the loops a request that
+    omits max_loops runs (the checkpoint's count; 0 where unknown: then num_loops)."""
 
     name: str
     path: str
@@ -192,6 +195,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     kv_capacity_tokens: int = 0
     family: str = ""
     exit_signal: str = ""
+    default_loops: int = 0
 
 
 __all__ = [

@@ -85,7 +85,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       min_loops: a token never exits before this many loops (>= 1); None (0.3.0 default): the
         model's own (`resolve_min_loops`: DEFAULT_GATE_MIN_LOOPS for a family with an exit
         gate, 1 otherwise), never above max_loops.
-      max_loops: a token always exits at this many loops; None means the model's depth.
+      max_loops: a token always exits at this many loops, 1 up to the model depth (the
+        engine's loop cap, `max_model_loops`); None (0.3.2): the model's default depth
+        (the checkpoint's loop count; `resolve_max_loops`).
       exit_threshold: exit after loop k once 1 - prod_{j<=k}(1 - sigmoid(gate_j)) >= threshold,
         in [0, 1]; 1.0 means a fixed depth of `max_loops` (adaptive exit disabled).
       priority: admission priority for the "priority" scheduling policy; lower runs first.
@@ -233,18 +235,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """True when the exit gate may end a token before `max_loops`."""
         return self.exit_threshold < 1.0
 
-    def resolve_max_loops(self, model_depth: int) -> int:
-        """Effective loop cap for a model with `model_depth` loops; raises if out of range."""
+    def resolve_max_loops(self, model_depth: int, default: int | None = None) -> int:
+        """The loops this request's prompt and tokens run at most, on a model of `model_depth`
+        loops (the engine's cap, `max_model_loops`); raises InvalidRequestError if out of range.
+
+        An unset `max_loops` is `default` (0.3.2: the model's default depth, e.g. the
+        checkpoint's 2 loops under a cap of 4; None: `model_depth`), raised to `min_loops`
+        when that is larger, so the bounds stay ordered."""
+        cap = f"the model depth ({model_depth}: the engine's loop cap, --max-model-loops)"
         if self.min_loops is not None and self.min_loops > model_depth:
-            raise InvalidRequestError(
-                "min_loops", f"must be <= the model depth ({model_depth}), got {self.min_loops}"
-            )
+            raise InvalidRequestError("min_loops", f"must be <= {cap}, got {self.min_loops}")
         if self.max_loops is None:
-            return model_depth
+            resolved = model_depth if default is None else default
+            return max(resolved, self.min_loops or 1)
         if self.max_loops > model_depth:
-            raise InvalidRequestError(
-                "max_loops", f"must be <= the model depth ({model_depth}), got {self.max_loops}"
-            )
+            raise InvalidRequestError("max_loops", f"must be <= {cap}, got {self.max_loops}")
         return self.max_loops
 
     def resolve_min_loops(self, max_loops: int, default: int) -> int:

@@ -234,6 +234,9 @@ class OuroConfig:
             exit_signal=ExitSignal.GATE,
             default_loops=self.total_ut_steps,
             max_loops=self.total_ut_steps,
+            # the hazard rule's last loop takes the exit mass left at T: the gate was trained
+            # for T loops, so no engine cap runs deeper (loop_cap.py)
+            loop_limit=self.total_ut_steps,
         )
 
     def num_parameters(self) -> int:

@@ -6,7 +6,8 @@ is fused into). Adding a family is a module and one line here; nothing outside r
 a family (tests/test_dependency_rules.py).
 
 `hf_overrides` (vLLM's name) are applied to config.json's mapping before the family reads it,
-so e.g. `{"num_loops": 1}` changes what the family declares and the engine sizes.
+so e.g. `{"num_loops": 1}` changes what the family declares and the engine sizes; then the
+engine's loop cap `max_model_loops` sets the model depth (loop_cap.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rlt_models import hrm_text, nanbeige, weights
 from rlt_models.config_fields import read_raw_config
 from rlt_models.errors import ModelConfigError
 from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
+from rlt_models.loop_cap import apply_loop_cap
 from rlt_models.nanbeige import NanbeigeConfig, NanbeigeModel
 from rlt_models.ouro import OuroModel
 
@@ -100,15 +102,25 @@ def family_of(config: Any) -> Family:
     raise TypeError(f"{type(config).__name__} is not a registered family's config")
 
 
-def parse_config(raw: Mapping[str, Any], hf_overrides: Mapping[str, Any] | None = None):
-    """The family's parsed config of a config.json mapping, after `hf_overrides`."""
+def parse_config(
+    raw: Mapping[str, Any],
+    hf_overrides: Mapping[str, Any] | None = None,
+    max_model_loops: int | None = None,
+):
+    """The family's parsed config of a config.json mapping, after `hf_overrides`, sized for
+    the engine's loop cap `max_model_loops` (None: the family's default cap; loop_cap.py)."""
     if hf_overrides:
         if not isinstance(hf_overrides, Mapping):
             raise ModelConfigError("hf_overrides", "must be a JSON object of config keys")
         raw = {**raw, **hf_overrides}
-    return family_for(raw).config.from_dict(dict(raw))
+    return apply_loop_cap(family_for(raw).config.from_dict(dict(raw)), max_model_loops)
 
 
-def read_config(model_dir: str | Path, hf_overrides: Mapping[str, Any] | None = None):
-    """Parse `model_dir`'s config.json as its family's config (after `hf_overrides`)."""
-    return parse_config(read_raw_config(model_dir), hf_overrides)
+def read_config(
+    model_dir: str | Path,
+    hf_overrides: Mapping[str, Any] | None = None,
+    max_model_loops: int | None = None,
+):
+    """Parse `model_dir`'s config.json as its family's config (after `hf_overrides`, under
+    the loop cap `max_model_loops`)."""
+    return parse_config(read_raw_config(model_dir), hf_overrides, max_model_loops)

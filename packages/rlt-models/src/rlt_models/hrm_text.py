@@ -52,6 +52,7 @@ from rlt_models.config_fields import (
 from rlt_models.errors import ModelConfigError
 from rlt_models.fp8_linear import project
 from rlt_models.layers import ModelOps, SwiGLU, apply_rotary, empty_parameter
+from rlt_models.loop_cap import ENGINE_FIELD
 from rlt_models.looped_model import LoopedModelBase
 
 MODEL_TYPE = "hrm_text"
@@ -110,6 +111,8 @@ class HrmTextConfig:
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = (0,)
     torch_dtype: str = "bfloat16"
+    # the engine's loop cap in H cycles (loop_cap.py; never in config.json); None: H_cycles
+    max_model_loops: int | None = None
 
     def __post_init__(self) -> None:
         require_fields(
@@ -136,7 +139,7 @@ class HrmTextConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> HrmTextConfig:
         require_model_type(raw, MODEL_TYPE)
-        known = set(cls.__dataclass_fields__) | _IGNORED_KEYS
+        known = (set(cls.__dataclass_fields__) - {ENGINE_FIELD}) | _IGNORED_KEYS
         reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
         h_cycles, l_cycles = raw.get("H_cycles", 2), raw.get("L_cycles", 3)
         # num_hidden_layers is inflated in saved configs (and stale after an H_cycles or
@@ -169,7 +172,8 @@ class HrmTextConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """config.json as transformers writes it (inflated num_hidden_layers)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "rope_theta"}
+        skipped = ("rope_theta", ENGINE_FIELD)
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skipped}
         out.update(
             architectures=[ARCHITECTURE],
             model_type=MODEL_TYPE,
@@ -183,10 +187,15 @@ class HrmTextConfig:
     def tied_tensors(self) -> dict[str, str]:
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
+    @property
+    def model_depth(self) -> int:
+        """H cycles the engine is sized for: its cap, by default the checkpoint's H_cycles."""
+        return self.max_model_loops or self.H_cycles
+
     def shape(self) -> LoopedModelShape:
         return LoopedModelShape(
             num_layers=self.num_layers_per_stack * self.passes_per_loop,
-            num_loops=self.H_cycles,
+            num_loops=self.model_depth,
             hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads,
             num_kv_heads=self.num_attention_heads,
@@ -208,7 +217,8 @@ class HrmTextConfig:
             kv=KVPlan(layers_per_plane=per_stack * self.passes_per_loop),
             exit_signal=ExitSignal.NONE,
             default_loops=self.H_cycles,
-            max_loops=self.H_cycles,
+            max_loops=self.model_depth,
+            loop_limit=None,  # one more H cycle is computable: any cap
             prompt_mask=PromptMask.PREFIX_LM if self.prefix_lm else PromptMask.CAUSAL,
             unsupported=_UNSUPPORTED,
         )

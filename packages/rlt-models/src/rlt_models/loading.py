@@ -96,6 +96,7 @@ def load_model(
     quantization: str | None = None,
     quantize_lm_head: bool = False,
     hf_overrides: dict | None = None,
+    max_model_loops: int | None = None,
 ):
     """Build the family's model from a checkpoint directory, checking names and shapes strictly.
 
@@ -104,10 +105,11 @@ def load_model(
     become fp8 with per-channel scales (`rlt_models.fp8`); a checkpoint that is already fp8
     (compressed-tensors, `rlt_models.fp8_checkpoint`) loads as fp8 whatever is asked.
     `dtype` is the activations' (and every unquantized weight's) dtype. `hf_overrides`: keys
-    applied to config.json before the family reads it.
+    applied to config.json before the family reads it. `max_model_loops`: the engine's loop
+    cap, the model depth `model.shape.num_loops` (None: the family's default; loop_cap.py).
     """
     model_dir = Path(model_dir)
-    config = read_config(model_dir, hf_overrides)
+    config = read_config(model_dir, hf_overrides, max_model_loops)
     scheme = read_scheme(json.loads((model_dir / "config.json").read_text()))
     target_dtype = resolve_dtype(dtype, config)
     device = torch.device(device)

@@ -43,6 +43,7 @@ from rlt_models.config_fields import (
 from rlt_models.errors import ModelConfigError
 from rlt_models.fp8_linear import project
 from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm
+from rlt_models.loop_cap import ENGINE_FIELD
 from rlt_models.looped_model import LoopedModelBase
 
 MODEL_TYPE = "nanbeige"
@@ -100,6 +101,8 @@ class NanbeigeConfig:
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = (0,)
     torch_dtype: str = "bfloat16"
+    # the engine's loop cap (loop_cap.py; never in config.json); None: num_loops
+    max_model_loops: int | None = None
 
     def __post_init__(self) -> None:
         require_fields(
@@ -127,7 +130,7 @@ class NanbeigeConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
         require_model_type(raw, MODEL_TYPE)
-        known = {f.name for f in fields(cls)} | _IGNORED_KEYS
+        known = ({f.name for f in fields(cls)} - {ENGINE_FIELD}) | _IGNORED_KEYS
         reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
         heads = raw.get("num_attention_heads")
         hidden = raw.get("hidden_size")
@@ -156,7 +159,8 @@ class NanbeigeConfig:
         """A config.json mapping in the Hub's layout that `from_dict` reads back identically."""
         out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
         for f in fields(self):
-            out[f.name] = getattr(self, f.name)
+            if f.name != ENGINE_FIELD:
+                out[f.name] = getattr(self, f.name)
         out["eos_token_id"] = list(self.eos_token_id)
         out.update(
             hidden_act="silu",
@@ -170,10 +174,15 @@ class NanbeigeConfig:
         """Tensors a checkpoint may leave out because they equal another (tied head)."""
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
 
+    @property
+    def model_depth(self) -> int:
+        """The loops the engine is sized for: its cap, by default the checkpoint's count."""
+        return self.max_model_loops or self.num_loops
+
     def shape(self) -> LoopedModelShape:
         return LoopedModelShape(
             num_layers=self.num_hidden_layers,
-            num_loops=self.num_loops,
+            num_loops=self.model_depth,
             hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads,
@@ -198,7 +207,8 @@ class NanbeigeConfig:
             kv=KVPlan(layers_per_plane=self.num_hidden_layers),
             exit_signal=ExitSignal.NONE,
             default_loops=self.num_loops,
-            max_loops=self.num_loops,
+            max_loops=self.model_depth,
+            loop_limit=None,  # more loops of the same layers are computable: any cap
         )
 
 

@@ -91,9 +91,13 @@ class Scheduler:
         prefix_caching: bool = False,
         constraint_compiler: ConstraintCompiler | None = None,
         default_min_loops: int = DEFAULT_GATE_MIN_LOOPS,
+        default_loops: int | None = None,
     ) -> None:
         """`default_min_loops`: a request's min_loops when it sets none (the engine passes 1
         for a family without an exit signal).
+        `default_loops`: a request's max_loops when it sets none (the engine passes the
+        family's default depth; None: `model_depth`, the engine's loop cap). A prompt run
+        below `model_depth` gets its loop count in its prefix-cache salt (intake.py).
         `prefix_caching`: `kv` publishes computed prompt pages for reuse (the engine passes
         its KV manager's setting); only then does a waiting request wait for pages a running
         request is computing (prefix_waits.py).
@@ -104,7 +108,9 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self.kv = kv
         self.model_depth = model_depth
-        self.limits = ModelLimits(vocab_size, model_depth, max_model_len, default_min_loops)
+        self.limits = ModelLimits(
+            vocab_size, model_depth, max_model_len, default_min_loops, default_loops
+        )
         self.eos_token_ids = tuple(eos_token_ids)
         self.exit_policy = exit_policy or HazardExitPolicy()
         config.check_depth(model_depth)

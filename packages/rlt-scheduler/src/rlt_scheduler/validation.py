@@ -20,13 +20,16 @@ from rlt_scheduler.exit_policy import LoopBounds
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a request is checked against: vocabulary, loop depth, context length (tokens);
-    default_min_loops: a request's min_loops when it sets none (`resolve_min_loops`)."""
+    """What a request is checked against: vocabulary, loop depth (the engine's loop cap),
+    context length (tokens); default_min_loops: a request's min_loops when it sets none
+    (`resolve_min_loops`); default_loops: its max_loops when it sets none (the checkpoint's
+    count, below `model_depth` under a larger cap; None: `model_depth`)."""
 
     vocab_size: int
     model_depth: int
     max_model_len: int
     default_min_loops: int = DEFAULT_GATE_MIN_LOOPS
+    default_loops: int | None = None
 
 
 def validate_request(
@@ -64,7 +67,7 @@ def validate_request(
                 "logit_bias",
                 f"token id {token} is not in the vocabulary [0, {limits.vocab_size})",
             )
-    max_loops = sampling.resolve_max_loops(limits.model_depth)
+    max_loops = sampling.resolve_max_loops(limits.model_depth, limits.default_loops)
     positions = len(prompt) + sampling.max_tokens - 1  # the last output is never fed back
     if positions > limits.max_model_len:
         raise CapacityError(

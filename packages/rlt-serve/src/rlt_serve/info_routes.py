@@ -34,6 +34,7 @@ def add_info_routes(
             created=ctx.created,
             max_model_len=info.max_model_len,
             num_loops=info.num_loops,
+            default_loops=info.default_loops or None,
             weight_dtype=info.weight_dtype or None,
             kv_cache_dtype=info.kv_cache_dtype or None,
             kv_capacity_tokens=info.kv_capacity_tokens or None,

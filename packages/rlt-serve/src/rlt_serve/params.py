@@ -22,8 +22,9 @@ from rlt_serve.structured_output import structured_output_of
 class LoopDefaults:
     """Loop settings applied when a request leaves them out (the server's --min-loops,
     --max-loops and --exit-threshold). min_loops None means the model's own
-    (`SamplingParams.resolve_min_loops`); max_loops None means the model depth; exit_threshold
-    None means the model's own default (`for_model`)."""
+    (`SamplingParams.resolve_min_loops`); max_loops None means the model's default depth (the
+    checkpoint's count, which the engine applies; at most the model depth, the engine's cap
+    --max-model-loops); exit_threshold None means the model's own default (`for_model`)."""
 
     min_loops: int | None = None
     max_loops: int | None = None
@@ -47,7 +48,7 @@ class LoopDefaults:
         try:
             SamplingParams(
                 min_loops=self.min_loops, max_loops=self.max_loops, exit_threshold=threshold
-            ).resolve_max_loops(info.num_loops)
+            ).resolve_max_loops(info.num_loops, info.default_loops or None)
         except InvalidRequestError as exc:
             raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
         return replace(self, exit_threshold=threshold)

@@ -200,7 +200,12 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "rlt"
     max_model_len: int = Field(description="rlt: context length in tokens.")
-    num_loops: int = Field(description="rlt: model depth (loops per token at most).")
+    num_loops: int = Field(
+        description="rlt: model depth, the loops a request may ask at most (the engine's cap)."
+    )
+    default_loops: int | None = Field(
+        None, description="rlt: the loops a request that omits max_loops runs."
+    )
     weight_dtype: str | None = Field(
         None, description="rlt: dtype of the shared stack's projections (e.g. float8_e4m3fn)."
     )

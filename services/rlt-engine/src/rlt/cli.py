@@ -41,6 +41,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"num_loops": 1}\' (vLLM\'s --hf-overrides)',
     )
     group.add_argument(
+        "--max-model-loops",
+        type=int,
+        default=None,
+        help="the most loops a request may ask (max_loops); KV is sized for it (default: twice "
+        "the checkpoint's count for a family with elastic depth, the checkpoint's count "
+        "otherwise; requests that omit max_loops run the checkpoint's count or --max-loops)",
+    )
+    group.add_argument(
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
     )
     group.add_argument(
@@ -292,7 +300,12 @@ def add_loop_arguments(group) -> None:
     """Loop bounds (for `rlt serve`: the defaults of requests that leave them out)."""
     d = SamplingParams()
     group.add_argument("--min-loops", type=int, default=d.min_loops)
-    group.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
+    group.add_argument(
+        "--max-loops",
+        type=int,
+        default=None,
+        help="default: the checkpoint's loop count (at most --max-model-loops)",
+    )
     group.add_argument(
         "--exit-threshold",
         type=float,

@@ -185,14 +185,26 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-def model_facts(model_dir: Path) -> tuple[int, tuple[int, ...], int, FamilyDeclaration]:
-    """(vocab_size, eos_token_ids, num_loops, family) from the checkpoint's config.json."""
+def model_facts(
+    model_dir: Path, max_model_loops: int | None = None
+) -> tuple[int, tuple[int, ...], int, FamilyDeclaration]:
+    """(vocab_size, eos_token_ids, num_loops, family) from the checkpoint's config.json, under
+    the engines' loop cap `max_model_loops` (None: the family's default); a cap the checkpoint's
+    family does not allow is a ConfigurationError naming it."""
     from rlt_models import read_config
 
     try:
         config = read_config(model_dir)
     except Exception as exc:  # noqa: BLE001 - any unreadable config is a configuration error
         raise ConfigurationError("model", f"cannot read {model_dir}/config.json: {exc}") from None
+    try:
+        config = read_config(model_dir, max_model_loops=max_model_loops)
+    except ConfigurationError as exc:
+        raise ConfigurationError(
+            "model",
+            f"the instances serve a model of {max_model_loops} loops, which {model_dir} cannot "
+            f"be ({exc.message}): give the coordinator the instances' model directory",
+        ) from None
     shape = config.shape()
     return shape.vocab_size, tuple(shape.eos_token_ids), shape.num_loops, config.declaration()
 
@@ -238,14 +250,13 @@ def _in_daemon_thread(function, *args) -> asyncio.Future:
 def build_model_info(
     model_dir: Path, served_name: str | None, instances: list[Instance]
 ) -> ModelInfo:
-    vocab_size, eos, config_loops, family = model_facts(model_dir)
     loops = {i.num_loops for i in instances if i.num_loops is not None}
-    if loops and loops != {config_loops}:
+    if len(loops) > 1:
         raise ConfigurationError(
-            "model",
-            f"the instances serve a model of {sorted(loops)} loops but {model_dir} has "
-            f"{config_loops}: give the coordinator the instances' model directory",
+            "model", f"the instances serve models of {sorted(loops)} loops: they must agree"
         )
+    # the instances' depth is their loop cap (--max-model-loops): the checkpoint must allow it
+    vocab_size, eos, config_loops, family = model_facts(model_dir, next(iter(loops), None))
     names = {i.model_id for i in instances if i.model_id is not None}
     if names - {model_dir.name, served_name}:
         logger.warning(
@@ -264,6 +275,7 @@ def build_model_info(
         eos_token_ids=eos,
         family=family.name,
         exit_signal=family.exit_signal.value,
+        default_loops=family.default_loops,
     )
 
 

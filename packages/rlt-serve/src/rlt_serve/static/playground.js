@@ -252,11 +252,13 @@
 
   // ---------------------------------------------------------------- model depth (GET /v1/models)
 
-  function applyDepth(depth) {
+  // depth: the most loops a request may ask (the engine's cap); defaultLoops: what a request
+  // that omits max_loops runs (the checkpoint's count), the field's value until touched
+  function applyDepth(depth, defaultLoops = depth) {
     state.depth = depth;
     for (const input of [el.minLoops, el.maxLoops]) input.max = String(depth);
     if (Number(el.maxLoops.value) > depth || el.maxLoops.dataset.touched !== "1") {
-      el.maxLoops.value = String(depth);
+      el.maxLoops.value = String(Math.min(defaultLoops, depth));
     }
     if (Number(el.minLoops.value) > depth) el.minLoops.value = String(depth);
     el.modelDepth.textContent = `T = ${depth} loops`;
@@ -277,7 +279,11 @@
       const card = ((await response.json()).data || [])[0] || {};
       state.model = card.id || null;
       el.modelName.textContent = card.id || "(model unknown)";
-      if (Number.isInteger(card.num_loops) && card.num_loops >= 1) applyDepth(card.num_loops);
+      if (Number.isInteger(card.num_loops) && card.num_loops >= 1) {
+        const fallback = card.num_loops;
+        const given = card.default_loops;
+        applyDepth(card.num_loops, Number.isInteger(given) && given >= 1 ? given : fallback);
+      }
     } catch (error) {
       showError(`Cannot reach the server: ${error.message}`);
     }

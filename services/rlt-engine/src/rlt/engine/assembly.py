@@ -112,7 +112,14 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
                 quantization=config.quantization,
                 quantize_lm_head=config.quantize_lm_head,
                 hf_overrides=config.hf_overrides,
+                max_model_loops=config.max_model_loops,
             )
+    elif config.max_model_loops not in (None, model.shape.num_loops):
+        raise ConfigurationError(
+            "max_model_loops",
+            f"the given model is sized for {model.shape.num_loops} loops, not "
+            f"{config.max_model_loops}: load it with max_model_loops={config.max_model_loops}",
+        )
     cache_dir = config.resolved_cache_dir()
     restored_choices = restore_kernel_choices(cache_dir, device)
     model.fused_path = "auto" if config.fused_kernels else "off"
@@ -223,6 +230,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         prefix_caching=kv.prefix_caching,
         constraint_compiler=constraint_compiler,
         default_min_loops=setup.default_min_loops,
+        default_loops=model.family.default_loops,
     )
     graphs = config.cuda_graphs and device.type == "cuda"
     with clock.phase(
@@ -410,4 +418,5 @@ def model_info(parts: EngineParts) -> ModelInfo:
         kv_capacity_tokens=parts.kv_capacity_tokens,
         family=parts.model.family.name,
         exit_signal=parts.model.family.exit_signal.value,
+        default_loops=parts.model.family.default_loops,
     )

@@ -93,6 +93,11 @@ class EngineConfig:
       file of {request_id: [depth per output token]} read by the "trace" policy.
     hf_overrides: config.json keys applied before the model's family reads it (vLLM's
       `hf_overrides`), e.g. {"num_loops": 1}.
+    max_model_loops: the engine's loop cap, the most loops a request may ask (`max_loops`);
+      the model depth the KV planes, runner and scheduler are sized for. None: the family's
+      default (twice the checkpoint's count for a family with elastic depth, the checkpoint's
+      count otherwise). Requests that omit `max_loops` still run the checkpoint's count. At
+      least that count; at most the family's loop limit (Ouro: its checkpoint's depth).
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
     admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
 
@@ -153,6 +158,7 @@ class EngineConfig:
     exit_policy: str | None = None
     exit_trace: str | Path | None = None
     hf_overrides: dict[str, Any] | None = None
+    max_model_loops: int | None = None
     max_num_batched_token_loops: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
@@ -207,7 +213,13 @@ class EngineConfig:
             raise ConfigurationError(
                 "kv_layout", f"must be one of {[m.value for m in KVLayout]}, got {self.kv_layout!r}"
             ) from None
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "cpu_kv_cache_bytes"):
+        for name in (
+            "block_size",
+            "num_kv_blocks",
+            "max_model_len",
+            "cpu_kv_cache_bytes",
+            "max_model_loops",
+        ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1

@@ -4,7 +4,8 @@
 the family's name: the exit policy (the family's own signal unless `exit_policy` names one; a
 policy that reads a signal the family does not produce is refused), the options the family
 declares unsupported (refused with its reason), whole-prompt prefill for a prefix-LM prompt
-(the token budget and chunk raised to the context length), and the default `min_loops`.
+(the token budget and chunk raised to the context length), and the default `min_loops`. The
+start-up log names the default depth and the loop cap (`model_depth`, `max_model_loops`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def family_setup(
     config: EngineConfig, family: FamilyDeclaration, *, model_depth: int, max_model_len: int
 ) -> FamilySetup:
     logger.info(
-        "model family %s (%s): %d loops by default, exit signal %s",
+        "model family %s (%s): %d loops by default, at most %d per request "
+        "(max_model_loops; KV sized for it), exit signal %s",
         family.name,
         family.architecture,
         family.default_loops,
+        model_depth,
         family.exit_signal.value,
     )
     check_family_features(config, family)

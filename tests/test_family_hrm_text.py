@@ -149,6 +149,10 @@ def test_served_over_http(hf_model_dir, expected):
         assert reply.status_code == 200, reply.text
         choice = reply.json()["choices"][0]
         assert choice["exit_depths"] == [2] * MAX_TOKENS[0]
+        # echo with logprobs scores the prompt: refused for a prefix-LM prompt, with the reason
+        echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})
+        assert echo.status_code == 400, echo.text
+        assert "prefix-LM" in echo.json()["error"]["message"]
         # the same prompt through the tokenizer round trip is not assumed: compare token ids
         ids = http.post("/tokenize", json={"prompt": choice["text"]}).json()
         assert ids["count"] >= 1

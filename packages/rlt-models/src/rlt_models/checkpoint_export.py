@@ -1,8 +1,10 @@
-"""Export a runtime `OuroModel` as a Hugging Face Ouro checkpoint directory.
+"""Export a runtime model of any registered family as its Hugging Face checkpoint directory.
 
-The inverse of `build_model`: the fused runtime parameters `qkv_proj` and `gate_up_proj` are
-split back into the checkpoint's q/k/v and gate/up tensors, and every tensor gets its exact
-Hugging Face name. `load_model` on the written directory gives back the same parameters.
+The inverse of `build_model`: each runtime parameter is split back into the checkpoint tensors
+the family fuses into it (`Family.parameter_sources`: Ouro's and Nanbeige's q/k/v and gate/up;
+HRM-Text's are stored fused), and every tensor gets its exact Hugging Face name; a tied head
+is not written (the checkpoint holds only the embedding, as transformers saves it). `load_model`
+on the written directory gives back the same parameters.
 """
 
 from __future__ import annotations
@@ -15,29 +17,32 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rlt_models.families import family_of
 from rlt_models.fp8 import Fp8Projection
 from rlt_models.loading import DTYPES, SINGLE_FILE
-from rlt_models.ouro import OuroModel
-from rlt_models.weights import checkpoint_tensor_shapes, parameter_sources
+from rlt_models.looped_model import LoopedModelBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def checkpoint_tensors(model: OuroModel) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: LoopedModelBase) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor by its Hugging Face name, in checkpoint order.
 
-    The tensors are detached views of the model's parameters (same device and dtype): q/k/v
-    are row blocks of `qkv_proj` [q + 2 kv, d], gate/up of `gate_up_proj` [2 f, d]. An fp8
+    The tensors are detached views of the model's parameters (same device and dtype): e.g.
+    q/k/v are row blocks of `qkv_proj` [q + 2 kv, d], gate/up of `gate_up_proj` [2 f, d]. An fp8
     projection is exported dequantized to the model dtype (the values its reference path
     multiplies by), so the written checkpoint is the fp8 model's exact float twin.
     """
-    shapes = checkpoint_tensor_shapes(model.config)
+    family = family_of(model.config)
+    shapes = family.tensor_shapes(model.config)
     params = dict(model.named_parameters())
     projections = {
         name: module for name, module in model.named_modules() if isinstance(module, Fp8Projection)
     }
     tensors: dict[str, torch.Tensor] = {}
-    for param_name, names in parameter_sources(model.config).items():
+    for param_name, names in family.parameter_sources(model.config).items():
+        if any(name in tensors for name in names):
+            continue  # a tied head reads the embedding, written already under its own name
         rows = [shapes[name][0] for name in names]
         if param_name in projections:
             weight = projections[param_name].dequantized(model.dtype)
@@ -49,7 +54,7 @@ def checkpoint_tensors(model: OuroModel) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(
-    model: OuroModel,
+    model: LoopedModelBase,
     out_dir: str | Path,
     *,
     dtype: str = "bfloat16",

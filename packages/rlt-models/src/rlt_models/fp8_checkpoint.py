@@ -1,15 +1,18 @@
-"""FP8 Ouro checkpoints in the compressed-tensors "float-quantized" format (what llm-compressor
-writes for vLLM's FP8 schemes): reading the scheme from config.json, the tensors it implies, and
-writing such a checkpoint from a bf16/fp32 one.
+"""FP8 checkpoints of any registered family in the compressed-tensors "float-quantized" format
+(what llm-compressor writes for vLLM's FP8 schemes): reading the scheme from config.json, the
+tensors it implies, and writing such a checkpoint from a bf16/fp32 one.
 
 Supported: one config group of 8-bit float weights, symmetric, per output channel
 (`strategy: channel`), static (stored) weight scales, with activations unquantized or quantized
 dynamically per token (the weights are the same either way; rlt chooses its own activation
 path). Each quantized `<module>.weight` is float8_e4m3fn [N, K] beside `<module>.weight_scale`
-[N, 1] (or [N]) in a float dtype. The seven projections of every layer are quantized; the LM
-head too unless `ignore` names it; embeddings, norms and the exit gate never. Anything else
-(static activation scales, per-tensor or block scales, a KV-cache scheme, other formats) is a
-`CheckpointError` naming what is unsupported.
+[N, 1] (or [N]) in a float dtype. The quantized tensors are the checkpoint tensors of the
+family's projections (the runtime parameters named in `PROJECTION_PARAMETERS`: Ouro's and
+Nanbeige's q/k/v/o and gate/up/down, HRM-Text's fused `gqkv_proj`, `o_proj`, `gate_up_proj`
+and `down_proj`), the LM head too unless `ignore` names it (a tied head is the embedding,
+never stored as fp8: it is quantized at load when asked); embeddings, norms, learned vectors
+and the exit gate never. Anything else (static activation scales, per-tensor or block scales,
+a KV-cache scheme, other formats) is a `CheckpointError` naming what is unsupported.
 """
 
 from __future__ import annotations
@@ -23,19 +26,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from rlt_models.config import OuroConfig
 from rlt_models.errors import CheckpointError
+from rlt_models.families import family_of, parse_config
 from rlt_models.fp8 import FP8, quantize_per_channel
 
-PROJECTIONS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+# Runtime parameters (by name suffix) that fp8 quantizes: every family's projections, fused as
+# the family fuses them (q/k/v -> qkv_proj, gate/up -> gate_up_proj; HRM-Text's gqkv_proj).
+PROJECTION_PARAMETERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LM_HEAD = "lm_head.weight"
 SCALE_SUFFIX = "_scale"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -93,14 +90,20 @@ def read_scheme(raw_config: dict[str, Any]) -> Fp8Scheme | None:
     return Fp8Scheme(lm_head=LM_HEAD.removesuffix(".weight") not in ignore)
 
 
-def quantized_names(config: OuroConfig, *, lm_head: bool) -> list[str]:
-    """Hugging Face names of the weights an fp8 checkpoint stores in fp8."""
+def quantized_names(config, *, lm_head: bool) -> list[str]:
+    """Hugging Face names of the weights an fp8 checkpoint of `config`'s family stores in fp8:
+    the checkpoint tensors of its projections, and the LM head with `lm_head` (unless the head
+    is tied: the checkpoint then stores only the embedding, in its float dtype)."""
+    family = family_of(config)
     names = [
-        f"model.layers.{i}.{module}.weight"
-        for i in range(config.num_hidden_layers)
-        for module in PROJECTIONS
+        name
+        for parameter, sources in family.parameter_sources(config).items()
+        if parameter.endswith(PROJECTION_PARAMETERS)
+        for name in sources
     ]
-    return names + ([LM_HEAD] if lm_head else [])
+    if lm_head and LM_HEAD in family.tensor_shapes(config):
+        names.append(LM_HEAD)
+    return names
 
 
 def scale_name(weight_name: str) -> str:
@@ -141,7 +144,7 @@ def quantization_config(*, lm_head: bool) -> dict[str, Any]:
 def write_fp8_checkpoint(
     source_dir: str | Path, out_dir: str | Path, *, quantize_lm_head: bool = False
 ) -> Path:
-    """Quantize a bf16/fp32 Ouro checkpoint's projections (and the LM head if asked) to fp8 with
+    """Quantize a bf16/fp32 checkpoint's projections (and the LM head if asked) to fp8 with
     per-channel scales and write it, with its tokenizer files, in the compressed-tensors format.
     Returns the output directory."""
     from rlt_models.loading import SINGLE_FILE, iter_checkpoint_tensors
@@ -150,7 +153,7 @@ def write_fp8_checkpoint(
     raw = json.loads((source / "config.json").read_text())
     if read_scheme(raw) is not None:
         raise CheckpointError(f"{source} is already quantized")
-    config = OuroConfig.from_dict(raw)
+    config = parse_config(raw)
     targets = set(quantized_names(config, lm_head=quantize_lm_head))
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_checkpoint_tensors(source):
@@ -160,6 +163,12 @@ def write_fp8_checkpoint(
             tensors[scale_name(name)] = scale[:, None].contiguous()
         else:
             tensors[name] = tensor.contiguous()
+    unmatched = sorted(targets - tensors.keys())
+    if unmatched:  # e.g. a family whose Hub names differ from its canonical ones
+        raise CheckpointError(
+            f"{source}: no stored tensor {unmatched[0]!r} to quantize (+{len(unmatched) - 1} "
+            "more); write_fp8_checkpoint reads checkpoints stored under the family's own names"
+        )
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     raw = {**raw, "quantization_config": quantization_config(lm_head=quantize_lm_head)}

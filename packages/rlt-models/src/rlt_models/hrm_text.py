@@ -80,16 +80,15 @@ _IGNORED_KEYS = frozenset(
         "output_attentions",
         "output_hidden_states",
         "return_dict",
+        "quantization_config",  # read by rlt_models.fp8_checkpoint
     }
 )
 _NEUTRAL = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-_UNSUPPORTED = (
+_UNSUPPORTED = ((Feature.SHARED_KV, "its KV keeps a slot per stack pass of each loop"),)
+# with prefix_lm (the release) a prompt position's KV depends on every prompt token, later
+# ones included, so a cached prefix of one prompt is not the same prefix of another
+_PREFIX_LM_UNSUPPORTED = (
     (Feature.PREFIX_CACHING, "a prefix-LM prompt's KV depends on the whole prompt"),
-    (Feature.SHARED_KV, "its KV keeps a slot per stack pass of each loop"),
-    (Feature.SPECULATIVE_DECODING, "not verified for this family yet"),
-    (Feature.PD, "its two-vector loop state is not handed over yet"),
-    (Feature.FP8_WEIGHTS, "not verified for this family yet"),
-    (Feature.FP8_KV, "no per-slot KV scales for its stack passes yet"),
 )
 
 
@@ -220,7 +219,7 @@ class HrmTextConfig:
             max_loops=self.model_depth,
             loop_limit=None,  # one more H cycle is computable: any cap
             prompt_mask=PromptMask.PREFIX_LM if self.prefix_lm else PromptMask.CAUSAL,
-            unsupported=_UNSUPPORTED,
+            unsupported=_UNSUPPORTED + (_PREFIX_LM_UNSUPPORTED if self.prefix_lm else ()),
         )
 
 

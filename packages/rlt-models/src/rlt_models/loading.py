@@ -15,6 +15,7 @@ from rlt_models.errors import CheckpointError
 from rlt_models.families import family_of, read_config
 from rlt_models.fp8 import FP8, Fp8Projection, quantize_per_channel
 from rlt_models.fp8_checkpoint import (
+    PROJECTION_PARAMETERS,
     Fp8Scheme,
     check_quantized_tensor,
     quantized_names,
@@ -155,7 +156,7 @@ def build_model(
         model = family.model(config).to(dtype)
     quantized = set()
     if quantization == "fp8" or scheme is not None:
-        quantized = {n for n in sources if n.endswith(_PROJECTION_PARAMS)}
+        quantized = {n for n in sources if n.endswith(PROJECTION_PARAMETERS)}
         if quantize_lm_head or (scheme is not None and scheme.lm_head):
             quantized.add("lm_head")
     params = dict(model.named_parameters())
@@ -171,10 +172,6 @@ def build_model(
     if family.llama_kv_scales:
         model.checkpoint_kv_scales = checkpoint_kv_scales(config, tensors, source)
     return model.eval()
-
-
-# runtime parameters of the stack that fp8 quantizes (q/k/v and gate/up fused)
-_PROJECTION_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _check_tensors(

@@ -29,10 +29,12 @@ from rlt_contracts import (
     EngineRequest,
     EngineStats,
     ExecutionIdentity,
+    FamilyDeclaration,
     FinishReason,
     InvalidRequestError,
     KVTransferParams,
     ModelRunnerOutput,
+    PromptMask,
     RequestOutputDelta,
     SamplingParams,
     SchedulerOutput,
@@ -45,6 +47,20 @@ from rlt.engine.pd_link import PDLink
 
 # How long a PD instance's step waits when it has no model work, only transfers to watch.
 PD_IDLE_POLL_S = 0.0005
+
+
+def prompt_scoring_refusal(family: FamilyDeclaration) -> str | None:
+    """Why a request of this family may not score its prompt (`prompt_logprobs`, echo with
+    logprobs), or None. A prefix-LM prompt is one bidirectional block: position p attends to
+    token p + 1 itself, so its logits are no log-probability of that token (and a decode fed
+    the prompt token by token, `score_at_exit_depth`, would compute another prompt mask)."""
+    if family.prompt_mask is not PromptMask.PREFIX_LM:
+        return None
+    return (
+        f"{family.name} prompts are prefix-LM blocks (every prompt position attends to the "
+        "whole prompt, the token it would score included), so prompt tokens have no "
+        "log-probabilities; prompt scoring needs a causal prompt mask"
+    )
 
 
 @dataclass
@@ -120,6 +136,7 @@ class EngineCore:
         self._last_event = None  # the latest collected step's end-of-work event (CUDA)
         self.pd: PDLink | None = None  # set for a PD prefill or decode instance
         self._pd_deltas: list[RequestOutputDelta] = []
+        self._prompt_scoring_refusal = prompt_scoring_refusal(runner.model.family)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -135,10 +152,12 @@ class EngineCore:
     def add_requests(self, requests: Sequence[EngineRequest]) -> list[ScheduledRequest]:
         """Queue several requests, all or none (Scheduler.add_requests)."""
         for request in requests:
-            self._check_pd_role(request)
+            self._check_request_options(request)
         return self.scheduler.add_requests(requests)
 
-    def _check_pd_role(self, request: EngineRequest) -> None:
+    def _check_request_options(self, request: EngineRequest) -> None:
+        if request.sampling.prompt_logprobs is not None and self._prompt_scoring_refusal:
+            raise InvalidRequestError("prompt_logprobs", self._prompt_scoring_refusal)
         kv_transfer = request.kv_transfer
         if kv_transfer is not None and request.sampling.prompt_logprobs is not None:
             # the prompt is computed on the prefill instance, which reports no scores

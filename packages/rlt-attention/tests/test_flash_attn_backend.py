@@ -29,11 +29,16 @@ DECODE = [(1, 1088), (1, 17), (1, 300), (1, 256), (1, 257), (1, 1), (1, 513)]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def compare(paged_case, backend, groups, *, dtype, device, **shape):
+def compare(paged_case, backend, groups, *, dtype, device, window=None, **shape):
     kwargs = dict(block_size=BLOCK, dtype=dtype, device=device, **shape)
     flash_case, torch_case = paged_case(groups, **kwargs), paged_case(groups, **kwargs)
-    out = flash_case.run(backend)
-    expected = torch_case.run(TorchPagedAttention())
+
+    def run(case, attention_backend):
+        attention = attention_backend.bind(case.kv_cache, case.batch)
+        return attention(case.layer_index, case.query, case.key, case.value, window=window)
+
+    out = run(flash_case, backend)
+    expected = run(torch_case, TorchPagedAttention())
     assert out.dtype == dtype and out.shape == expected.shape and torch.isfinite(out).all()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
@@ -73,6 +78,27 @@ def test_flash_attn_matches_torch_on_gpu(paged_case, dtype, heads, groups):
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=128,
+    )
+
+
+@pytest.mark.cuda
+@needs_flash_attn
+@pytest.mark.parametrize("window", [1, 100, 700])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 4)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("groups", [MIXED, PREFILL, DECODE], ids=["mixed", "prefill", "decode"])
+def test_flash_attn_sliding_window_matches_torch_on_gpu(paged_case, window, heads, groups):
+    """window_size=(W - 1, 0): the torch backend's window (itself checked against a dense
+    reference in test_sliding_window.py)."""
+    compare(
+        paged_case,
+        FlashAttnBackend(),
+        groups,
+        dtype=torch.bfloat16,
+        device="cuda",
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=128,
+        window=window,
     )
 
 
@@ -126,8 +152,10 @@ def _check_paged(q, k_cache, v_cache, block_table, batch_size):
     assert q.shape[-2] % k_cache.shape[2] == 0
 
 
-def _attend(q, k_cache, v_cache, table_row, seqlen_k, scale, causal):
-    """One batch element: q [Lq, H, D] over the first seqlen_k keys of its pages."""
+def _attend(q, k_cache, v_cache, table_row, seqlen_k, scale, causal, window_size=(-1, -1)):
+    """One batch element: q [Lq, H, D] over the first seqlen_k keys of its pages.
+    window_size (left, right), as flash-attn documents it: query i sees keys j in
+    [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] (a side < 0: unbounded)."""
     page = k_cache.shape[1]
     positions = torch.arange(seqlen_k, device=q.device)
     blocks = table_row.long()[positions // page]
@@ -140,6 +168,12 @@ def _attend(q, k_cache, v_cache, table_row, seqlen_k, scale, causal):
         seqlen_q = q.shape[0]
         limit = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
         scores = scores.masked_fill(positions[None, :] > limit, float("-inf"))
+    left, right = window_size
+    aligned = torch.arange(q.shape[0], device=q.device)[:, None] + seqlen_k - q.shape[0]
+    if left >= 0:
+        scores = scores.masked_fill(positions[None, :] < aligned - left, float("-inf"))
+    if right >= 0:
+        scores = scores.masked_fill(positions[None, :] > aligned + right, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).float()  # rounded, as flash-attn does
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
@@ -150,6 +184,7 @@ class FakeFlashAttn(types.ModuleType):
     def __init__(self):
         super().__init__("flash_attn")
         self.calls = []
+        self.windows = []  # window_size of every call
 
         def flash_attn_varlen_func(
             q,
@@ -170,6 +205,7 @@ class FakeFlashAttn(types.ModuleType):
             block_table=None,
         ):
             self.calls.append("varlen")
+            self.windows.append(window_size)
             batch = cu_seqlens_q.numel() - 1
             _check_paged(q, k, v, block_table, batch)
             for cu in (cu_seqlens_q, cu_seqlens_k):
@@ -181,7 +217,9 @@ class FakeFlashAttn(types.ModuleType):
                 q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
                 seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
                 assert q1 - q0 <= max_seqlen_q and seqlen_k <= max_seqlen_k
-                out[q0:q1] = _attend(q[q0:q1], k, v, block_table[b], seqlen_k, scale, causal)
+                out[q0:q1] = _attend(
+                    q[q0:q1], k, v, block_table[b], seqlen_k, scale, causal, window_size
+                )
             return out
 
         def flash_attn_with_kvcache(
@@ -206,6 +244,7 @@ class FakeFlashAttn(types.ModuleType):
             return_softmax_lse=False,
         ):
             self.calls.append("kvcache")
+            self.windows.append(window_size)
             assert q.dim() == 4 and k is None and v is None
             batch, seqlen_q = q.shape[:2]
             _check_paged(q, k_cache, v_cache, block_table, batch)
@@ -217,7 +256,9 @@ class FakeFlashAttn(types.ModuleType):
             for b in range(batch):
                 seqlen_k = int(cache_seqlens[b])
                 assert seqlen_k <= max_seqlen_k
-                out[b] = _attend(q[b], k_cache, v_cache, block_table[b], seqlen_k, scale, causal)
+                out[b] = _attend(
+                    q[b], k_cache, v_cache, block_table[b], seqlen_k, scale, causal, window_size
+                )
             return out
 
         self.flash_attn_varlen_func = flash_attn_varlen_func
@@ -255,6 +296,44 @@ def test_adapter_against_a_stand_in_flash_attn(paged_case, fake_flash_attn, grou
         head_dim=16,
     )
     assert set(fake_flash_attn.calls) == {path}
+
+
+@pytest.mark.parametrize(
+    ("groups", "path"),
+    [(MIXED, "varlen"), (DECODE, "kvcache")],
+    ids=["mixed", "decode"],
+)
+@pytest.mark.parametrize("window", [1, 100, 300])
+def test_adapter_passes_a_window_as_window_size(paged_case, fake_flash_attn, groups, path, window):
+    """window W -> window_size=(W - 1, 0) in both entry points (the stand-in applies it as
+    flash-attn documents); equal to the torch backend's window. Without a window, or with one
+    that hides nothing (>= the call's longest context), no window_size is passed."""
+    compare(
+        paged_case,
+        FlashAttnBackend(),
+        groups,
+        dtype=torch.bfloat16,
+        device="cpu",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        window=window,
+    )
+    assert set(fake_flash_attn.calls) == {path}
+    assert fake_flash_attn.windows == [(window - 1, 0)]
+    for unwindowed in (None, 1100):
+        compare(
+            paged_case,
+            FlashAttnBackend(),
+            groups,
+            dtype=torch.bfloat16,
+            device="cpu",
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            window=unwindowed,
+        )
+    assert fake_flash_attn.windows[1:] == [(-1, -1), (-1, -1)]
 
 
 def test_adapter_passes_only_the_table_columns_it_reads(paged_case, fake_flash_attn):

@@ -1,4 +1,5 @@
-"""Host-only validation of a `PagedAttentionBatch` against the KV cache and of one layer call.
+"""Host-only validation of a `PagedAttentionBatch` against the KV cache and of one layer call
+(its inputs' shapes and its sliding window).
 
 Only shapes, dtypes and devices are checked: reading tensor values would force a device sync,
 which the per-call path must not do (R21). Value-level preconditions (query_start ascending,
@@ -68,3 +69,30 @@ def check_layer_inputs(views: SlotViews, num_rows: int, query, key, value) -> No
         )
     if query.shape[1] % kv_heads:
         raise ValueError(f"{query.shape[1]} query heads not a multiple of {kv_heads} kv heads")
+
+
+def check_window(
+    window: int | None, batch: PagedAttentionBatch, max_context_len: int
+) -> int | None:
+    """A layer call's sliding window W (`LayerAttention`'s `window`): a query at position p sees
+    keys p - W + 1 .. p. Returns None for the whole context: `window` None, or a W of at least
+    `max_context_len` (no position p < max_context_len loses a key to it, so the call takes the
+    unwindowed path and its numbers). Host ints only (no sync).
+
+    Raises ValueError for a window that is not an int >= 1, and for a window over bidirectional
+    groups (`batch.causal` False): a prefix-LM prompt sees its whole context, and no family
+    windows one.
+    """
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"window must be None or an int >= 1 (a query at position p sees keys p - window + 1 "
+            f".. p), got {window!r}"
+        )
+    if not batch.causal:
+        raise ValueError(
+            f"window {window} given for bidirectional groups (causal=False): a sliding window "
+            "applies to causal groups only (a prefix-LM prompt sees its whole context)"
+        )
+    return None if window >= max_context_len else window

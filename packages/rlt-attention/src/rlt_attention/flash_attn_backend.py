@@ -23,6 +23,12 @@ How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`)
   which is exactly this contract's "queries are the last q_len positions of the context". It
   ignores where cu_seqlens_k says a group's keys start when a block table is given (keys come from
   the pages), so only the differences, the context lengths, matter.
+- A layer's sliding `window` W is flash-attn's `window_size=(W - 1, 0)` in both calls: query i
+  sees keys [i + seqlen_k - seqlen_q - (W - 1), i + seqlen_k - seqlen_q], bottom-right aligned
+  like its causal mask, which is the contract's p - W + 1 .. p. flash-attn's local mode starts
+  each query block (and each decode split) at the first key block its window reaches, so the
+  pages before the window are not loaded (by flash-attn's design; not measured here). Without a
+  window the argument is not passed, so those calls are exactly what they were.
 
 Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256 (a build may
 hold fewer head dims: rlt's benchmarks/build_flash_attn.sh compiles 128 only and then raises for
@@ -44,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
-from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
+from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs, check_window
 from rlt_attention.kv_store import SlotViews, slot_views, store_kv
 
 FLASH_ATTN_CAPABILITIES = AttentionCapabilities(
@@ -55,12 +61,14 @@ FLASH_ATTN_CAPABILITIES = AttentionCapabilities(
     block_size_multiple_of=256,
     supports_multi_token_queries=True,
     supports_cuda_graphs=False,  # not established for this adapter
+    supports_sliding_window=True,  # window_size=(W - 1, 0)
 )
 
 # Keyword arguments this adapter passes, per function (the probe checks that they exist).
 _VARLEN_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale")
-_VARLEN_ARGS += ("causal", "block_table")
+_VARLEN_ARGS += ("causal", "block_table", "window_size")
 _KVCACHE_ARGS = ("cache_seqlens", "block_table", "softmax_scale", "causal", "num_splits")
+_KVCACHE_ARGS += ("window_size",)
 
 
 class FlashAttnApi(NamedTuple):
@@ -156,6 +164,7 @@ class _FlashAttnBoundAttention:
         self._num_splits = num_splits
         self._kv_cache = kv_cache
         self._views = views
+        self._batch = batch
         self._write_slots = batch.write_slots
         self._shape = shape
         # Decode-only: every group one query row (flash_attn_with_kvcache's fixed q length 1).
@@ -169,11 +178,20 @@ class _FlashAttnBoundAttention:
             )
 
     def __call__(
-        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         """query [N, H, D], key/value [N, Hkv, D] (cuda, fp16/bf16) -> [N, H, D] in query's
-        dtype."""
+        dtype. window: a sliding-window layer's W (the query at p sees keys p - W + 1 .. p);
+        None: the whole context."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        window = check_window(window, self._batch, self._shape.max_context_len)
+        windowed = {} if window is None else {"window_size": (window - 1, 0)}
         store_kv(self._views, layer_index, self._write_slots, key, value)
         if self._shape.num_rows == 0:
             return torch.empty_like(query)
@@ -189,8 +207,9 @@ class _FlashAttnBoundAttention:
                 cache_seqlens=self._context_lengths,
                 block_table=self._block_table,
                 softmax_scale=scale,
-                causal=False,  # one query per group sees its whole context
+                causal=False,  # one query per group sees its whole context (or window)
                 num_splits=self._num_splits,
+                **windowed,
             ).squeeze(1)
         else:
             out = self._api.varlen(
@@ -204,5 +223,6 @@ class _FlashAttnBoundAttention:
                 softmax_scale=scale,
                 causal=True,  # bottom-right aligned: queries are the context's last q_len
                 block_table=self._block_table,
+                **windowed,
             )
         return out.to(query.dtype)

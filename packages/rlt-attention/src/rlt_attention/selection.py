@@ -1,7 +1,8 @@
 """Backend registry and selection against an engine's actual attention requirements (R13, R14).
 
 Every backend declares `AttentionCapabilities`; selection compares them with the
-`AttentionRequirements` (device, dtype, head dim, block size, KV layout) plus whether the
+`AttentionRequirements` (device, dtype, head dim, block size, KV layout, batch invariance, fp8
+KV, bidirectional prompts, sliding windows) plus whether the
 backend can run in this process at all (its optional dependency imports). "auto" walks a fixed
 preference order and reports why each other backend was passed over; an explicit name is
 honoured or refused with a `ConfigurationError` naming every option involved -- never silently
@@ -102,7 +103,27 @@ def unmet(name: str, requirements: AttentionRequirements) -> list[UnmetRequireme
     entry = BACKENDS[name]
     unavailable = entry.unavailable_reason()
     reasons = [UnmetRequirement(OPTION, unavailable)] if unavailable else []
-    return reasons + unmet_requirements(entry.capabilities, requirements)
+    reasons += unmet_requirements(entry.capabilities, requirements)
+    return reasons + _unmet_sliding_window(entry.capabilities, requirements)
+
+
+def _unmet_sliding_window(
+    capabilities: AttentionCapabilities, requirements: AttentionRequirements
+) -> list[UnmetRequirement]:
+    """`requirements.sliding_window` (contracts 0.3.1) is a hard requirement, met only by a
+    backend declaring `supports_sliding_window`; `unmet_requirements` of rlt-contracts 0.3.1
+    does not check it, so selection does (the reason names the option to change: `model`, as
+    the family's other attention needs; and the requirement, `sliding_window`)."""
+    if not requirements.sliding_window or capabilities.supports_sliding_window:
+        return []
+    return [
+        UnmetRequirement(
+            "model",
+            f"{capabilities.name} cannot attend within a sliding window (sliding_window: a "
+            "layer of this model's family passes `window`) and declares no "
+            "supports_sliding_window",
+        )
+    ]
 
 
 def incompatibilities(name: str, requirements: AttentionRequirements) -> list[str]:
@@ -231,6 +252,7 @@ def _describe(requirements: AttentionRequirements) -> str:
     r = requirements
     graphs = ", cuda graphs" if r.cuda_graphs else ""
     graphs += ", batch-invariant" if r.batch_invariant else ""
+    graphs += ", sliding window" if r.sliding_window else ""
     return (
         f"{r.device_type}/{r.dtype}, head_dim {r.head_dim}, {r.num_heads}/{r.num_kv_heads} heads, "
         f"block_size {r.block_size}, {r.kv_layout.value} KV{graphs}"

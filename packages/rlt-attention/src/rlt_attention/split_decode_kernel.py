@@ -12,6 +12,12 @@ position context_len - q + i) is masked causally. With one split the split kerne
 normalises and writes the output itself. num_splits is a function of bind-time host ints only,
 so a CUDA graph captured with full-width block tables keeps a fixed grid.
 
+With a sliding window W (`WINDOW` > 0, a compile-time constant) the splits cover only the keys
+the group's queries can see, [max(context_len - q - W + 1, 0), context_len) (for a decode row
+the last W positions), so the pages wholly before the window are never read; a row at position
+p also loses the keys <= p - W. A split may then see no key of a row (or none at all): its
+partial is empty (max -inf, sum 0) and the combine gives it weight 0.
+
 Optionally (`fused_decode` of the backend) the split kernel also stores the call's own keys and
 values and its last split to finish merges the partials (atomic ticket), saving two launches;
 measured slower on an H200, so the backend does not use it by default.
@@ -84,6 +90,7 @@ def _split_decode_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
     KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
     KEYS_AS_ROWS: tl.constexpr,  # products as keys x rows: widened K/V stay the register operand
+    WINDOW: tl.constexpr,  # > 0: sliding window (row at p sees keys p - WINDOW + 1 .. p)
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -97,9 +104,12 @@ def _split_decode_kernel(
         return  # padding group without a query row
     # The group's queries are its last query_len positions; each sees every key up to its own.
     context_len = tl.load(context_lengths_ptr + group)
-    per_split = (context_len + num_splits - 1) // num_splits
+    keys_begin = 0  # the first key any of the group's queries sees
+    if WINDOW > 0:
+        keys_begin = tl.maximum(context_len - query_len - WINDOW + 1, 0)
+    per_split = (context_len - keys_begin + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    key_start = split * split_len
+    key_start = keys_begin + split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -206,6 +216,8 @@ def _split_decode_kernel(
             # products' register operand, never staged through shared memory
             scores_t = tl.dot(k, q_t, input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
             visible_t = key_valid[:, None] & (key_position[:, None] <= row_position[None, :])
+            if WINDOW > 0:
+                visible_t = visible_t & (key_position[:, None] > row_position[None, :] - WINDOW)
             scores_t = tl.where(visible_t, scores_t, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores_t, 0))
             finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -227,6 +239,8 @@ def _split_decode_kernel(
         else:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
             visible = key_valid[None, :] & (key_position[None, :] <= row_position[:, None])
+            if WINDOW > 0:
+                visible = visible & (key_position[None, :] > row_position[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, 1))
             # a row that has seen no key yet (all masked so far) keeps max -inf: exponentials
@@ -373,9 +387,12 @@ def launch_split_decode_attention(
     queries_per_group: int = 1,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """Attention of groups of at most `queries_per_group` queries (1: decode rows), split over
-    the keys; `split.block_m` must hold queries_per_group x G rows.
+    the keys; `split.block_m` must hold queries_per_group x G rows. `window` W: the query at
+    position p sees keys p - W + 1 .. p only, and the splits cover only the keys the group's
+    queries see (each W compiles its own kernels; None the unwindowed ones).
 
     Same arguments as `launch_paged_attention`. Grid (S, Hkv, num_splits) for the split kernel;
     the fp32 partials are allocated here with torch.empty (a CUDA-graph capture puts them in the
@@ -441,6 +458,7 @@ def launch_split_decode_attention(
             DIRECT_OUTPUT=direct,
             USE_PDL=pdl,
             KV_FP8=key_scale is not None,
+            WINDOW=window or 0,
             num_warps=split.num_warps,
             num_stages=split.num_stages,
             **dependent_launch.launch_options(pdl),
@@ -480,6 +498,7 @@ def launch_split_decode_attention(
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
         KEYS_AS_ROWS=split.product == "keys_by_rows",
+        WINDOW=window or 0,
         num_warps=split.num_warps,
         num_stages=split.num_stages,
         **dependent_launch.launch_options(pdl),

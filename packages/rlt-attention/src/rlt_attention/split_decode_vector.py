@@ -11,8 +11,12 @@ of an fp8 cache widen to fp32 through fp16 (one instruction per two e4m3 values)
 through shared memory.
 
 The partials (or, with one split, the output) have the layout of the tensor-core kernel, so the
-same combine kernel merges them. Importing this module decorates the kernel: on a machine
-without CUDA set TRITON_INTERPRET=1 before importing it.
+same combine kernel merges them. With a sliding window W the splits cover only the row's last W
+positions, [max(context_len - W, 0), context_len), all of which it sees: the pages before them
+are never read, and no mask beyond the split's range is needed.
+
+Importing this module decorates the kernel: on a machine without CUDA set TRITON_INTERPRET=1
+before importing it.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def split_decode_vector_kernel(
     DIRECT_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write the output here
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
     KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
+    WINDOW: tl.constexpr,  # > 0: sliding window (the row at p sees keys p - WINDOW + 1 .. p)
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -67,9 +72,12 @@ def split_decode_vector_kernel(
     if tl.load(query_start_ptr + group + 1) == query_begin:
         return  # padding group without a query row
     context_len = tl.load(context_lengths_ptr + group)
-    per_split = (context_len + num_splits - 1) // num_splits
+    keys_begin = 0  # the first key the row sees (its position is context_len - 1)
+    if WINDOW > 0:
+        keys_begin = tl.maximum(context_len - WINDOW, 0)
+    per_split = (context_len - keys_begin + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    key_start = split * split_len
+    key_start = keys_begin + split * split_len
     key_end = tl.minimum(key_start + split_len, context_len)
 
     offs_d = tl.arange(0, BLOCK_D)

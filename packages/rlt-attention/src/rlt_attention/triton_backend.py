@@ -11,6 +11,11 @@ chunks longer than that the tiled kernel. That is why `supports_cuda_graphs` is 
 graph captured for a given (S, N, max_query_len, max_context_len) replays correctly when the
 runner rewrites those metadata tensors in place. (Capture itself has not been exercised by
 this package's CPU tests.)
+
+A layer's sliding `window` W is a compile-time constant of the read kernels (one compiled
+variant per W; None keeps the unwindowed kernels): the split-KV kernels cover only the keys a
+group's queries see, and their split count is chosen for at most W + max_query_len - 1 keys
+(a host int, so a captured graph keeps its grid).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import functools
 import torch
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
-from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs
+from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs, check_window
 from rlt_attention.kv_store import SlotViews, slot_views
 
 try:
@@ -42,6 +47,7 @@ TRITON_CAPABILITIES = AttentionCapabilities(
     supports_cuda_graphs=True,
     supports_batch_invariance=True,  # argued (see TritonPagedAttention), not measured on a GPU
     supports_fp8_kv=True,
+    supports_sliding_window=True,
 )
 
 # Split-KV calls: the (query, head) rows one tile of the split kernel holds (q x G <= this).
@@ -89,7 +95,10 @@ class TritonPagedAttention:
     position 0 in BLOCK_N steps, the same steps whatever else shares its tile; steps past its
     causal limit (the tile's other queries see further) are fully masked and leave its running
     max, sum and accumulator exactly unchanged. The argument is not measured: no GPU ran it, and
-    its cost (the split-KV speed-up at small batches is given up) is unmeasured.
+    its cost (the split-KV speed-up at small batches is given up) is unmeasured. A sliding
+    window keeps the argument: the walk starts at the step of the tile's first visible key on
+    the same absolute BLOCK_N grid, and the steps before a row's own window are fully masked
+    for it (state unchanged as above).
     """
 
     capabilities = TRITON_CAPABILITIES
@@ -196,10 +205,19 @@ class _TritonBoundAttention:
         self._sm_count = _sm_count(kv_cache.key_cache.device) if split_decode else 0
 
     def __call__(
-        self, layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype."""
+        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype.
+        window: a sliding-window layer's W (the query at p sees keys p - W + 1 .. p); None:
+        the whole context."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        window = check_window(window, self._batch, self._shape.max_context_len)
         store_in_split = self._store_in_split
         views = self._views
         scales = {}
@@ -225,6 +243,9 @@ class _TritonBoundAttention:
         queries = self._shape.max_query_len
         few = queries == 1 or queries * (num_heads // kv_heads) <= SPLIT_TILE_ROWS
         if self._split_decode and few and self._batch.causal:
+            keys_read = self._shape.max_context_len  # the most keys a group's queries see
+            if window is not None:
+                keys_read = min(keys_read, window + self._shape.max_query_len - 1)
             split_decode_kernel.launch_split_decode_attention(
                 out,
                 query,
@@ -236,7 +257,7 @@ class _TritonBoundAttention:
                 split=split_config.choose_splits(
                     num_groups=self._shape.num_groups,
                     num_kv_heads=kv_heads,
-                    max_context_len=self._shape.max_context_len,
+                    max_context_len=keys_read,
                     queries_per_kv=num_heads // kv_heads,
                     head_dim=head_dim,
                     sm_count=self._sm_count,
@@ -251,6 +272,7 @@ class _TritonBoundAttention:
                 write_slots=self._batch.write_slots if store_in_split else None,
                 tickets=self._tickets,
                 queries_per_group=self._shape.max_query_len,
+                window=window,
                 **scales,
             )
             return out
@@ -271,6 +293,7 @@ class _TritonBoundAttention:
                 block_n=self._block_n,
             ),
             causal=self._batch.causal,
+            window=window,
             **scales,
         )
         return out

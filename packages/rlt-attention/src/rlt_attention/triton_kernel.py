@@ -6,6 +6,9 @@ values of a page are loaded once for all G heads (decode rows fill the tile with
 chunks with queries). Query i of a group sits at position context_len - q_len + i and sees keys
 at positions <= its own; keys are loaded BLOCK_N positions at a time through the block table
 (any block size: each key looks up its own page). Scores and the running softmax are fp32.
+With a sliding window W (`WINDOW` > 0, a compile-time constant) a row at position p also loses
+the keys <= p - W, and the key loop starts at the BLOCK_N-aligned step holding the tile's first
+visible key (see the kernel).
 
 Every size the launch depends on is a host int of the bound call (S, max_query_len, H, Hkv, D):
 nothing is read back from the device, and the loop bound over keys is read on the device.
@@ -71,6 +74,7 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch
     KV_FP8: tl.constexpr,  # the cache is e4m3 with per-layer scales
     CAUSAL: tl.constexpr,  # False: every row of a group sees the group's whole context
+    WINDOW: tl.constexpr,  # > 0: sliding window (row at p sees keys p - WINDOW + 1 .. p)
 ):
     if USE_PDL:
         wait_for_prior_grid()
@@ -113,9 +117,20 @@ def _paged_attention_kernel(
         key_end = first_query_position + tl.minimum(query_len, tile_begin + BLOCK_Q)
     else:  # a bidirectional group: every row sees the whole context
         key_end = context_len
-    for key_begin in range(0, key_end, BLOCK_N):
+    key_begin_first = 0
+    if WINDOW > 0:
+        # Keys before the tile's first row's window are invisible to every row of the tile and
+        # are never loaded (nor their pages' table entries). The loop starts at the step that
+        # holds the first visible key, on the absolute BLOCK_N grid, so a row's steps are the
+        # same whatever else shares its tile (batch invariance); the keys of that step before
+        # the window are masked like those past key_end.
+        key_window_start = tl.maximum(first_query_position + tile_begin - WINDOW + 1, 0)
+        key_begin_first = key_window_start // BLOCK_N * BLOCK_N
+    for key_begin in range(key_begin_first, key_end, BLOCK_N):
         key_position = key_begin + tl.arange(0, BLOCK_N)
         key_valid = key_position < key_end
+        if WINDOW > 0:
+            key_valid = key_valid & (key_position >= key_window_start)
         block = tl.load(
             block_tables_ptr + group * stride_table_group + key_position // PAGE_SIZE,
             mask=key_valid,
@@ -129,6 +144,8 @@ def _paged_attention_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
             visible = (key_position[None, :] <= query_position[:, None]) & key_valid[None, :]
+            if WINDOW > 0:
+                visible = visible & (key_position[None, :] > query_position[:, None] - WINDOW)
         else:
             visible = (query_position[:, None] >= 0) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -207,15 +224,20 @@ def launch_paged_attention(
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
     causal: bool = True,
+    window: int | None = None,
 ) -> None:
     """Write attention of `query` [N, H, D] over one layer's paged cache into `out` [N, H, D].
     `causal` False: every query of a group sees the group's whole context (a prefix-LM prompt).
+    `window` W: the query at position p sees keys p - W + 1 .. p only (causal groups; each W
+    compiles its own kernel, None the unwindowed one).
 
     key_cache / value_cache: [num_blocks, block_size, Hkv, D] (one layer), last dim contiguous.
     key_scale / value_scale: fp32 [1] device tensors, the layer's scales of an fp8 cache.
     block_tables [S, P] int32, query_start [S + 1] int32, context_lengths [S] int32, same device.
     Launch grid: (S * ceil(max_query_len / BLOCK_Q), Hkv); no host sync.
     """
+    if window is not None and not causal:
+        raise ValueError("a sliding window applies to causal groups only")
     num_groups = context_lengths.shape[0]
     _, num_heads, head_dim = query.shape
     _, page_size, kv_heads, _ = key_cache.shape
@@ -257,6 +279,7 @@ def launch_paged_attention(
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
         CAUSAL=causal,
+        WINDOW=window or 0,
         num_warps=tiles.num_warps,
         **dependent_launch.launch_options(pdl),
     )

@@ -1,0 +1,42 @@
+"""The layer call shared by the torch backend's two modes: check the inputs and the window, store
+the call's keys/values at their write slots, then attend (`_attend`, the mode's math)."""
+
+from __future__ import annotations
+
+import torch
+from rlt_contracts import PagedAttentionBatch
+
+from rlt_attention.batch_shape import BatchShape, check_layer_inputs, check_window
+from rlt_attention.kv_store import SlotViews, store_kv
+
+
+class BoundTorchAttention:
+    """A `LayerAttention` valid for one call: stores the layer's new keys/values at the write
+    slots, then `_attend` (the subclass's math) reads the borrowed KV views."""
+
+    def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
+        self._views = views
+        self._batch = batch
+        self._shape = shape
+
+    def __call__(
+        self,
+        layer_index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype.
+        window: a sliding-window layer's W (the query at p sees keys p - W + 1 .. p); None:
+        the whole context."""
+        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
+        window = check_window(window, self._batch, self._shape.max_context_len)
+        store_kv(self._views, layer_index, self._batch.write_slots, key, value)
+        if self._shape.num_rows == 0:
+            return torch.empty_like(query)
+        return self._attend(layer_index, query, window)
+
+    def _attend(self, layer_index: int, query: torch.Tensor, window: int | None) -> torch.Tensor:
+        raise NotImplementedError

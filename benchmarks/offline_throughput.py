@@ -37,7 +37,8 @@ Per arm (JSON --json-out, "results"; all times host wall clock, time.perf_counte
 
 --shape picks a random checkpoint (bf16, written once under --checkpoint-dir): tiny,
 ouro-1.4b, nanbeige4.2-3b (the Nanbeige4.2-3B release's architecture), tiny-nanbeige,
-hrm-text-1b, tiny-hrm-text, dory-4b (the Dory1.0-4B release's architecture), tiny-dory.
+hrm-text-1b, tiny-hrm-text, dory-4b (the Dory1.0-4B release's architecture), tiny-dory,
+huginn-3.5b (the Huginn-0125 release's architecture, 32 steps by default), tiny-huginn.
 
 Examples:
   uv run python benchmarks/offline_throughput.py --shape tiny --arm fixed --arm gate
@@ -166,12 +167,41 @@ DORY_SHAPES = {
         layer_types=("sliding_attention", "sliding_attention", "full_attention", "sliding_attention"),
     ),
 }
+HUGINN_SHAPES = {
+    # name: HuginnConfig fields. huginn-3.5b: the Huginn-0125 release's architecture (2 prelude
+    # + 4 recurrent + 2 coda sandwich blocks, 55 heads of 96, mean_recurrence 32: requests run
+    # 32 steps by default, the engine's cap is 64)
+    "huginn-3.5b": dict(
+        vocab_size=65536,
+        n_embd=5280,
+        n_heads=55,
+        n_layers_in_prelude=2,
+        n_layers_in_recurrent_block=4,
+        n_layers_in_coda=2,
+        intermediate_size=17920,
+        mean_recurrence=32,
+        block_size=4096,
+    ),
+    "tiny-huginn": dict(  # the CPU smoke test of the plumbing
+        vocab_size=512,
+        n_embd=64,
+        n_heads=4,
+        n_layers_in_prelude=1,
+        n_layers_in_recurrent_block=2,
+        n_layers_in_coda=1,
+        intermediate_size=128,
+        mean_recurrence=4,
+        block_size=2048,
+        eos_token_id=(0,),
+    ),
+}
 SHAPE_NAMES = (
     *sorted(SHAPES),
     "ouro-1.4b",
     *sorted(NANBEIGE_SHAPES),
     *sorted(HRM_TEXT_SHAPES),
     *sorted(DORY_SHAPES),
+    *sorted(HUGINN_SHAPES),
 )
 
 WARMUP_TOKENS = 4
@@ -243,9 +273,12 @@ def shape_config(name: str):
     """The model config of a --shape name (any family)."""
     from rlt_models import HrmTextConfig, NanbeigeConfig, OuroConfig
     from rlt_models.dory import DoryConfig
+    from rlt_models.huginn_config import HuginnConfig
 
     if name in DORY_SHAPES:
         return DoryConfig(**DORY_SHAPES[name])
+    if name in HUGINN_SHAPES:
+        return HuginnConfig(**HUGINN_SHAPES[name])
     if name == "ouro-1.4b":
         return OuroConfig.ouro_1_4b()
     if name in NANBEIGE_SHAPES:

@@ -59,7 +59,7 @@ def random_checkpoint_tensors(
     tensors = {}
     for name, shape in family_of(config).tensor_shapes(config).items():
         noise = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if _is_norm_weight(name):
             tensors[name] = 1.0 + init.norm_jitter * noise
         elif name == "model.early_exit_gate.weight":
             tensors[name] = init.gate_std * noise
@@ -68,6 +68,14 @@ def random_checkpoint_tensors(
         else:
             tensors[name] = init.weight_std * noise
     return tensors
+
+
+def _is_norm_weight(name: str) -> bool:
+    """An RMSNorm's weight: Llama's `*norm.weight` / `*layernorm*`, Huginn's `norm_1..4` and
+    `ln_f` (module names that hold "norm" or start with "ln_")."""
+    module, _, leaf = name.rpartition(".")
+    owner = module.rpartition(".")[2]
+    return leaf == "weight" and ("norm" in owner or owner.startswith("ln_"))
 
 
 def write_random_checkpoint(
@@ -94,6 +102,9 @@ def write_random_checkpoint(
     config = dataclasses.replace(config, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     random = random_checkpoint_tensors(config, seed=seed, init=init, device=device)
+    # tensors config.json defines that the family's checkpoints store too (Huginn's RoPE table)
+    derived = getattr(config, "derived_tensors", None)
+    random.update(derived() if derived is not None else {})
     tensors = {name: tensor.to(DTYPES[dtype]).cpu().contiguous() for name, tensor in random.items()}
     if max_shard_bytes is None:
         save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from rlt_models import config as ouro_config
-from rlt_models import hrm_text, nanbeige, weights
+from rlt_models import hrm_text, huginn, huginn_config, nanbeige, weights
 from rlt_models.config_fields import read_raw_config
 from rlt_models.errors import ModelConfigError
 from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
+from rlt_models.huginn_config import HuginnConfig
 from rlt_models.loop_cap import apply_loop_cap
 from rlt_models.nanbeige import NanbeigeConfig, NanbeigeModel
 from rlt_models.ouro import OuroModel
@@ -65,6 +66,15 @@ FAMILIES: dict[str, Family] = {
             HrmTextModel,
             hrm_text.checkpoint_tensor_shapes,
             hrm_text.parameter_sources,
+            llama_kv_scales=False,
+        ),
+        Family(
+            huginn_config.ARCHITECTURE,
+            huginn_config.MODEL_TYPE,
+            HuginnConfig,
+            huginn.HuginnModel,
+            huginn.checkpoint_tensor_shapes,
+            huginn.parameter_sources,
             llama_kv_scales=False,
         ),
     )

@@ -149,6 +149,7 @@ def build_model(
     family = family_of(config)
     sources = family.parameter_sources(config)
     tensors = _drop_tied_copies(config.tied_tensors(), tensors, source)
+    tensors = _drop_derived_copies(config, tensors, source)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
     kv_scales = kv_scale_names(config) if family.llama_kv_scales else {}
     _check_tensors(family.tensor_shapes(config), tensors, stored_fp8, kv_scales, source)
@@ -226,6 +227,33 @@ def _drop_tied_copies(
                 f"{source}: {name!r} differs from {tied_to!r}, but config.json ties them"
             )
     return {k: v for k, v in tensors.items() if k not in stored}
+
+
+def _drop_derived_copies(config, tensors: dict[str, torch.Tensor], source: str) -> dict:
+    """Tensors a checkpoint may store although config.json defines them (a family config's
+    optional `derived_tensors()`, e.g. Huginn's RoPE table `freqs_cis`): a stored one must
+    equal the computed one within a few units of its stored dtype's rounding (cos/sin of the
+    same fp32 angles differ by an ulp between math libraries), and is then not used."""
+    derive = getattr(config, "derived_tensors", None)
+    if derive is None:
+        return tensors
+    derived = derive()
+    for name, expected in derived.items():
+        stored = tensors.get(name)
+        if stored is None:
+            continue
+        if tuple(stored.shape) != tuple(expected.shape) or not stored.is_floating_point():
+            raise CheckpointError(
+                f"tensor {name!r} in {source} is {stored.dtype} {tuple(stored.shape)}, expected "
+                f"a float tensor of shape {tuple(expected.shape)}"
+            )
+        error = (stored.float() - expected.float()).abs().max().item()
+        if error > 4 * torch.finfo(stored.dtype).eps:
+            raise CheckpointError(
+                f"tensor {name!r} in {source} differs from what config.json defines (max "
+                f"|difference| {error:.3g})"
+            )
+    return {k: v for k, v in tensors.items() if k not in derived}
 
 
 def _install_fp8(model, param_name, source_names, tensors, stored_fp8, device) -> None:

@@ -1,0 +1,245 @@
+"""The Huginn-0125 looped family ("Raven", tomg-group-umd/huginn-0125): a prelude, a recurrent
+block of 4 layers applied `mean_recurrence` (32) times, a coda (model-families.md section 4;
+config.json: `huginn_config.py`).
+
+Forward (the authors' `raven_modeling_minimal.py`):
+
+    e = prelude(wte(x) * embed_scale)              embed_scale = sqrt(n_embd) in the release
+    s = s0                                         the initial state (below)
+    each step: s = core_block(adapter(cat[s, e]))  adapter: Linear(2d -> d), state first
+    logits = head(ln_f(coda(ln_f(s))))             the same ln_f twice; the head tied to wte
+
+Every block is a "sandwich": x = norm_2(x + attn(norm_1(x))); x = norm_4(x + mlp(norm_3(x))),
+RMSNorm with fp32 statistics cast back, then times the weight. Attention: fused Wqkv [q; k; v],
+q += qk_bias[0] and k += qk_bias[1] BEFORE RoPE, RoPE on ADJACENT pairs (x[2j], x[2j + 1]) at
+frequency rope_base^(-2j / head_dim), rotated in fp32 and cast back; multi-head, no GQA. MLP:
+fc -> (gate, up) halves, proj(silu(gate) * up). No biases besides qk_bias.
+
+State: [s, e] ([N, 2d]); `embed` (the prelude) returns [s0, e], `recurrent_step` one step,
+`finish` the coda's blocks on ln_f(s), `coda` ln_f and the head. KV: the core layers keep one
+plane per step (a query at step k reads step k's keys of earlier positions: the authors'
+"full" cache); the prelude's and coda's layers one slot each on the stage plane
+(`KVPlan.stage_layers`). No exit signal yet: every token runs its request's steps (a request's
+`max_loops`, by default `mean_recurrence`, at most the engine's cap, by default twice that).
+
+Initial state: ZERO, always (the authors' `init_scale=0`). The release's `state_init` is
+"like-init": the authors' code draws s0 per call from a truncated normal (std
+init_values["std"], cut at 3 std, times embed_scale). Serving that draw reproducibly needs a
+random stream per request that the runner does not hand to models yet (the engine option
+`initial_state` is a follow-up), so until then outputs are those of the zero state; loading a
+"like-init" checkpoint logs it.
+
+Checkpoints (the Hub's names, as the authors' class stores them): `transformer.wte.weight`,
+`transformer.adapter.weight` [d, 2d], `transformer.ln_f.weight`, for each block of
+`transformer.{prelude,core_block,coda}.{i}`: `attn.Wqkv.weight` [3d, d], `attn.proj.weight`,
+`attn.qk_bias` [2, 1, heads, head_dim] (with `qk_bias`), `mlp.fc.weight` [2f, d] (gate then
+up), `mlp.proj.weight`, `norm_1..norm_4.weight`; `lm_head.weight` when the head is not tied
+(tied: it may be stored, equal to the embedding, as on the Hub, or not). The RoPE table
+`freqs_cis` [1, block_size, 1, head_dim / 2, 2] (cos, sin), a persistent buffer of the
+authors' model, may be stored: it must then equal the table computed here (`derived_tensors`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from rlt_contracts import LayerAttention
+from torch import nn
+
+from rlt_models.fp8_linear import project
+from rlt_models.huginn_config import STAGES, HuginnConfig, rope_table
+from rlt_models.layers import ModelOps, RMSNorm, empty_parameter
+from rlt_models.looped_model import LoopedModelBase
+
+logger = logging.getLogger(__name__)
+
+
+class PairRotary:
+    """The pair-wise RoPE table (fp32 cos/sin of every position below block_size), computed
+    once per device and gathered by position: a row's values never depend on its batch."""
+
+    def __init__(self, head_dim: int, base: float, positions: int) -> None:
+        self.head_dim, self.base, self.positions = head_dim, base, positions
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, head_dim / 2] fp32 (broadcast over heads)."""
+        table = self._tables.get(positions.device)
+        if table is None:
+            table = rope_table(self.head_dim, self.base, self.positions, positions.device)
+            self._tables[positions.device] = table
+        cos, sin = table
+        return cos[positions][:, None], sin[positions][:, None]
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] with each pair (x[2j], x[2j + 1]) rotated by angle j, in fp32 (the
+    authors' `apply_rotary_emb_complex_like`), cast back to x's dtype."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class SandwichBlock(nn.Module):
+    """One block (module doc); `slot` is its KV slot on its plane."""
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        d, f = config.n_embd, config.intermediate_size
+        self.heads, self.head_dim, self.intermediate_size = config.n_heads, config.head_dim, f
+        self.norm_1, self.norm_2, self.norm_3, self.norm_4 = (
+            RMSNorm(d, config.norm_eps) for _ in range(4)
+        )
+        self.qkv_proj = empty_parameter(3 * d, d)
+        self.qk_bias = empty_parameter(2, 1, self.heads, self.head_dim) if config.qk_bias else None
+        self.o_proj = empty_parameter(d, d)
+        self.gate_up_proj = empty_parameter(2 * f, d)
+        self.down_proj = empty_parameter(d, f)
+
+    def forward(self, x, cos, sin, attention: LayerAttention, slot: int, ops: ModelOps):
+        n = x.shape[0]
+        qkv = project(ops.linear, self.norm_1(x), self.qkv_proj).view(n, 3, self.heads, -1)
+        q, k, v = qkv.unbind(1)
+        if self.qk_bias is not None:  # before RoPE
+            q, k = q + self.qk_bias[0, 0], k + self.qk_bias[1, 0]
+        q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        out = attention(slot, q, k, v).reshape(n, -1)
+        x = self.norm_2(x + project(ops.linear, out, self.o_proj))
+        gate, up = project(ops.linear, self.norm_3(x), self.gate_up_proj).split(
+            self.intermediate_size, dim=-1
+        )
+        return self.norm_4(x + project(ops.linear, ops.silu(gate) * up, self.down_proj))
+
+
+class HuginnModel(LoopedModelBase):
+    """Huginn with the `LoopedLanguageModel` interface: `embed` runs the prelude and `finish`
+    the coda's blocks, both on the stage plane (`positions` and `attention` required)."""
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__(config, config.declaration())
+        d = config.n_embd
+        self.adapter = empty_parameter(d, 2 * d)
+        self.prelude = nn.ModuleList(
+            SandwichBlock(config) for _ in range(config.n_layers_in_prelude)
+        )
+        self.core_block = nn.ModuleList(
+            SandwichBlock(config) for _ in range(config.n_layers_in_recurrent_block)
+        )
+        self.coda_blocks = nn.ModuleList(
+            SandwichBlock(config) for _ in range(config.n_layers_in_coda)
+        )
+        self.ln_f = RMSNorm(d, config.norm_eps)
+        self.pair_rotary = PairRotary(config.head_dim, config.rope_base, config.block_size)
+        if config.state_init != "zero":
+            logger.warning(
+                "huginn: the checkpoint's state_init is %r (a random initial state per call in "
+                "the authors' code); rlt serves the zero initial state (the engine option "
+                "initial_state is not implemented yet)",
+                config.state_init,
+            )
+
+    def _run(self, blocks, x, positions, attention, first_slot: int) -> torch.Tensor:
+        if attention is None or positions is None:
+            raise ValueError("Huginn's prelude and coda attend: pass positions and attention")
+        cos, sin = self.pair_rotary.cos_sin(positions)
+        for index, block in enumerate(blocks):
+            x = block(x, cos, sin, attention, first_slot + index, self.ops)
+        return x
+
+    def embed(self, token_ids, positions=None, attention=None) -> torch.Tensor:
+        """The prelude (stage slots 0..): [s0 = 0, e] of the scaled embeddings."""
+        x = super().embed(token_ids) * self.config.scale
+        e = self._run(self.prelude, x, positions, attention, 0)
+        return torch.cat([torch.zeros_like(e), e], dim=-1)
+
+    def recurrent_step(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        attention: LayerAttention,
+        *,
+        compute_gate: bool = True,
+    ) -> tuple[torch.Tensor, None]:
+        """One step: s = core_block(adapter(cat[s, e])); `hidden` is cat[s, e] already. The
+        family has no gate: the exit probability is always None."""
+        e = hidden[:, self.config.n_embd :]
+        x = project(self.ops.linear, hidden, self.adapter)
+        cos, sin = self.pair_rotary.cos_sin(positions)
+        for index, block in enumerate(self.core_block):
+            x = block(x, cos, sin, attention, index, self.ops)
+        return torch.cat([x, e], dim=-1), None
+
+    def finish(self, hidden, positions, attention) -> torch.Tensor:
+        """The coda's blocks on ln_f(s) (stage slots after the prelude's)."""
+        d = self.config.n_embd
+        x = self.ln_f(hidden[:, :d])
+        x = self._run(self.coda_blocks, x, positions, attention, self.config.n_layers_in_prelude)
+        return torch.cat([x, hidden[:, d:]], dim=-1)
+
+    def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:
+        """ln_f (its second use) and the head: logits [N, V] in the model dtype."""
+        x = self.ln_f(hidden[:, : self.config.n_embd].contiguous())
+        return super().coda(x, needed=needed)
+
+
+def _block_tensor_shapes(config: HuginnConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    d, f = config.n_embd, config.intermediate_size
+    shapes = {f"{prefix}.norm_{i}.weight": (d,) for i in range(1, 5)}
+    shapes[f"{prefix}.attn.Wqkv.weight"] = (3 * d, d)
+    if config.qk_bias:
+        shapes[f"{prefix}.attn.qk_bias"] = (2, 1, config.n_heads, config.head_dim)
+    shapes[f"{prefix}.attn.proj.weight"] = (d, d)
+    shapes[f"{prefix}.mlp.fc.weight"] = (2 * f, d)
+    shapes[f"{prefix}.mlp.proj.weight"] = (d, f)
+    return shapes
+
+
+def _blocks(config: HuginnConfig):
+    """(stage, index) of every block, prelude first."""
+    counts = (
+        config.n_layers_in_prelude,
+        config.n_layers_in_recurrent_block,
+        config.n_layers_in_coda,
+    )
+    for stage, count in zip(STAGES, counts, strict=True):
+        for i in range(count):
+            yield stage, i
+
+
+def checkpoint_tensor_shapes(config: HuginnConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must hold (the Hub's names) with its shape."""
+    d, v = config.n_embd, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (v, d),
+        "transformer.adapter.weight": (d, 2 * d),
+    }
+    for stage, i in _blocks(config):
+        shapes.update(_block_tensor_shapes(config, f"transformer.{stage}.{i}"))
+    shapes["transformer.ln_f.weight"] = (d,)
+    if not config.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def parameter_sources(config: HuginnConfig) -> dict[str, tuple[str, ...]]:
+    """Runtime parameter name -> checkpoint tensors concatenated (dim 0) to form it."""
+    sources: dict[str, tuple[str, ...]] = {
+        "embed_tokens": ("transformer.wte.weight",),
+        "adapter": ("transformer.adapter.weight",),
+    }
+    runtime_stage = {"prelude": "prelude", "core_block": "core_block", "coda": "coda_blocks"}
+    for stage, i in _blocks(config):
+        hf, rt = f"transformer.{stage}.{i}", f"{runtime_stage[stage]}.{i}"
+        sources[f"{rt}.qkv_proj"] = (f"{hf}.attn.Wqkv.weight",)
+        sources[f"{rt}.o_proj"] = (f"{hf}.attn.proj.weight",)
+        sources[f"{rt}.gate_up_proj"] = (f"{hf}.mlp.fc.weight",)
+        sources[f"{rt}.down_proj"] = (f"{hf}.mlp.proj.weight",)
+        if config.qk_bias:
+            sources[f"{rt}.qk_bias"] = (f"{hf}.attn.qk_bias",)
+        for n in range(1, 5):
+            sources[f"{rt}.norm_{n}.weight"] = (f"{hf}.norm_{n}.weight",)
+    sources["ln_f.weight"] = ("transformer.ln_f.weight",)
+    sources["lm_head"] = (config.tied_tensors().get("lm_head.weight", "lm_head.weight"),)
+    return sources

@@ -19,6 +19,7 @@
 #   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
 #   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository, then
 #                                                  the kernel suites that run on CUDA when present
+#   bash benchmarks/h200_run.sh cmd COMMAND...     COMMAND with the wheels and PYTHONPATH set up
 #   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
 #   bash benchmarks/h200_run.sh speculative [ARGS...]  speculation's CUDA tests (SPEC_TESTS=0 skips
@@ -124,6 +125,8 @@ case "$mode" in
       tests/test_tick_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -3 ;;
   table)
     python3 benchmarks/h200_table.py --out "$OUT/table" "$@" ;;
+  cmd)  # any command, with the wheels and PYTHONPATH above
+    "$@" ;;
   speculative)
     [ "${SPEC_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_cuda_speculative.py tests/test_speculative_kernels.py \
       2>&1 | tee "$OUT/spec_tests.log" | tail -25

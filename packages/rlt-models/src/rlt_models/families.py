@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rlt_models import config as ouro_config
-from rlt_models import hrm_text, huginn, huginn_config, nanbeige, weights
+from rlt_models import dory, hrm_text, huginn, huginn_config, nanbeige, weights
 from rlt_models.config_fields import read_raw_config
+from rlt_models.dory import DoryConfig, DoryModel
 from rlt_models.errors import ModelConfigError
 from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
 from rlt_models.huginn_config import HuginnConfig
@@ -38,6 +39,9 @@ class Family:
     parameter_sources: Callable[[Any], dict[str, tuple[str, ...]]]
     # the checkpoint may carry per-layer fp8 KV scales under Llama's names (kv_scales.py)
     llama_kv_scales: bool = True
+    # a stored tensor name in the family's canonical (transformers') layout, for checkpoints
+    # published under other names (None: names are canonical already)
+    canonical_name: Callable[[str], str] | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -67,6 +71,16 @@ FAMILIES: dict[str, Family] = {
             hrm_text.checkpoint_tensor_shapes,
             hrm_text.parameter_sources,
             llama_kv_scales=False,
+        ),
+        Family(
+            dory.ARCHITECTURE,
+            dory.MODEL_TYPE,
+            DoryConfig,
+            DoryModel,
+            dory.checkpoint_tensor_shapes,
+            dory.parameter_sources,
+            llama_kv_scales=False,
+            canonical_name=dory.hub_tensor_name,
         ),
         Family(
             huginn_config.ARCHITECTURE,

@@ -148,6 +148,8 @@ def build_model(
         raise ValueError("quantize_lm_head needs quantization='fp8' (or an fp8 checkpoint)")
     family = family_of(config)
     sources = family.parameter_sources(config)
+    if family.canonical_name is not None:
+        tensors = _canonical_names(family.canonical_name, tensors, source)
     tensors = _drop_tied_copies(config.tied_tensors(), tensors, source)
     tensors = _drop_derived_copies(config, tensors, source)
     stored_fp8 = set(quantized_names(config, lm_head=scheme.lm_head)) if scheme else set()
@@ -212,6 +214,17 @@ def _check_tensors(
         shown = ", ".join(repr(m) for m in missing[:5])
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s) {shown}{more} in {source}")
+
+
+def _canonical_names(rename, tensors: dict[str, torch.Tensor], source: str) -> dict:
+    """The tensors under the family's canonical names (two stored names for one is an error)."""
+    renamed: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        canonical = rename(name)
+        if canonical in renamed:
+            raise CheckpointError(f"{source}: two tensors are stored for {canonical!r}")
+        renamed[canonical] = tensor
+    return renamed
 
 
 def _drop_tied_copies(

@@ -16,6 +16,7 @@ from rlt_contracts import (
     KVLayout,
     ModelInfo,
     PDRole,
+    PromptMask,
 )
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
@@ -148,13 +149,14 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
         batch_invariant=model.batch_invariant,
         kv_cache_dtype=config.kv_cache_dtype,
-        bidirectional_prompt=whole_prompts,
+        bidirectional_prompt=model.family.prompt_mask is PromptMask.PREFIX_LM,
+        sliding_window=model.family.kv.sliding_window,
     )
     selection = select_attention_backend(requirements, config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)
     if selection.warning:
         logger.warning("attention backend %s: %s", selection.name, selection.warning)
-    num_planes = layout.storage_planes(shape.num_loops)
+    num_planes = layout.storage_planes(shape.num_loops) + model.family.kv.stage_planes
     pages_per_request = -(-max_model_len // config.block_size)
     kv_scales = None
     if config.kv_cache_dtype == "fp8":

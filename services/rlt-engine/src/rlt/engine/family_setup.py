@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class FamilySetup:
     config: EngineConfig  # with whole-prompt batching where the family needs it
     exit_policy: ExitPolicy
-    whole_prompts: bool  # prompts are prefix-LM blocks: prefilled whole, bidirectionally
+    whole_prompts: bool  # prompts are prefilled whole (prefix-LM, or a one-plane KV plan)
     default_min_loops: int  # a request's min_loops when it sets none
 
 
@@ -63,17 +63,28 @@ def family_setup(
             f"{family.name} does not produce (exit signal: {family.exit_signal.value}); use "
             f"{default_exit_policy(family.exit_signal)!r} or 'trace'",
         )
-    whole_prompts = family.prompt_mask is PromptMask.PREFIX_LM
-    if whole_prompts:  # a prompt is one bidirectional block: computed in one step, never chunked
+    if not family.kv.per_loop and config.kv_layout != "shared":
+        config = dataclasses.replace(config, kv_layout="shared")
+        logger.info(
+            "%s keeps one KV plane that every loop overwrites (its checkpoint's KV mode): "
+            "kv_layout shared",
+            family.name,
+        )
+    prefix_lm = family.prompt_mask is PromptMask.PREFIX_LM
+    # a prompt is one block (prefix-LM: bidirectional; a one-plane KV plan: its earlier loops
+    # see the prompt's own keys): computed in one step, never chunked
+    whole_prompts = prefix_lm or not family.kv.per_loop
+    if whole_prompts:
         config = dataclasses.replace(
             config,
             prefill_chunk_size=max_model_len,
             max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
         )
         logger.info(
-            "%s prompts are prefix-LM blocks: each is prefilled whole in one step (chunked "
-            "prefill off; token budget %d = the context length at least)",
+            "%s prompts are %s: each is prefilled whole in one step (chunked prefill off; "
+            "token budget %d = the context length at least)",
             family.name,
+            "prefix-LM blocks" if prefix_lm else "one block for its shared KV plane",
             config.max_num_batched_tokens,
         )
     gated = family.exit_signal is ExitSignal.GATE

@@ -10,8 +10,7 @@ tests' checkpoints (test_family_nanbeige.py, test_family_hrm_text.py).
   reused; prefix-cache hits for Nanbeige) make no host-device sync besides the one read-back
   per step (as tests/test_cuda_fp8.py for Ouro), and the pool holds one byte per element.
 
-Not yet run on a GPU (no machine came when it was written): its flows were run on the CPU
-without the CUDA-only assertions (graphs, sync debug mode), where they hold.
+Run on one H100 at 0ddf472 (torch 2.11, triton 3.6): 4 passed in 92 s.
 """
 
 from __future__ import annotations

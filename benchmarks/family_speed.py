@@ -22,11 +22,14 @@ Steps, in one process per measurement (a clean CUDA context each):
    --transformers-concurrency C (1,32), its decode tok/s (the prefill excluded, as rlt's) and
    rlt's decode tok/s over it at the same C (--transformers-writer transformers: on a checkpoint
    of transformers' own init instead, written with its `save_pretrained`).
-4. Per shape: the bandwidth floor of one request's decode, bytes per output token = loops x
-   (stack weights + KV read per loop at the mean decode context) + LM head, over the bandwidth;
-   the measured 1-request decode tok/s over that floor; at the largest C, "throughput per
-   layer pass" = decode tok/s x layers x loops; and how many requests of prompt + output
-   tokens the memory-sized KV pool holds (kv_blocks / (pages per request x loops)).
+4. Per shape: the bandwidth floor of one request's decode at the family's default depth (the
+   runs' requests omit max_loops), bytes per output token = loops x (core weights + core KV
+   read per loop at the mean decode context) + prelude and coda weights and KV (once per
+   token) + LM head, over the bandwidth; the measured 1-request decode tok/s over that floor;
+   at the largest C, "throughput per layer pass" = decode tok/s x layer passes per token
+   (loops x core passes + prelude and coda layers); and how many requests of prompt + output
+   tokens the memory-sized KV pool holds (kv_blocks / (pages per request x KV planes per
+   position: one per loop up to the engine's cap, plus the stage plane)).
 
 Stack weights are every checkpoint tensor but the embedding (one row read per token) and the LM
 head, counted from the family's own tensor list (rlt_models.families), at 2 bytes each, times
@@ -152,19 +155,36 @@ def shape_bytes(shape: str, args) -> dict:
     )
     m = config.shape()
     family = config.declaration()
-    # a loop reads each layer once per stack pass: its KV slots per plane over its distinct
-    # layers (1 for Ouro and Nanbeige, 2 for HRM-Text: the L stack 3 times, the H stack once)
-    stack *= family.kv.layers_per_plane / family.stages.core_layers
-    kv_per_token_loop = m.num_layers * 2 * m.num_kv_heads * m.head_dim * BYTES
+    stages = family.stages
+    distinct = stages.core_layers + stages.prelude_layers + stages.coda_layers
+    layer_bytes = stack / distinct  # the families' layers of one model have one shape
+    # a loop reads each core layer once per stack pass: its KV slots per plane over its
+    # distinct layers (1 for Ouro, Nanbeige, Dory and Huginn; 2 for HRM-Text: the L stack 3
+    # times, the H stack once); prelude and coda layers (Dory, Huginn) run once per token
+    passes = 1 if family.kv.stage_layers else family.kv.layers_per_plane / stages.core_layers
+    core_bytes = layer_bytes * stages.core_layers * passes
+    stage_bytes = layer_bytes * family.kv.stage_layers
+    slot_bytes = 2 * m.num_kv_heads * m.head_dim * BYTES  # K and V of one layer slot
+    core_slots = stages.core_layers * passes
     context = args.prompt_len + args.output_len / 2
-    per_token = m.num_loops * (stack + kv_per_token_loop * context) + head
+    loops = family.default_loops  # the runs' requests omit max_loops
+    per_token = (
+        loops * (core_bytes + core_slots * slot_bytes * context)
+        + stage_bytes
+        + family.kv.stage_layers * slot_bytes * context
+        + head
+    )
     return {
         "layers": m.num_layers,
-        "loops": m.num_loops,
+        "loops": loops,
+        # layer passes one token makes: its loops' core passes and its prelude and coda layers
+        "layer_passes_per_token": round(loops * core_slots + family.kv.stage_layers),
+        "kv_planes_per_position": m.num_loops + family.kv.stage_planes,
         "parameters": sum(math.prod(s) for s in shapes.values()),
-        "stack_weight_bytes_per_loop": stack,
+        "stack_weight_bytes_per_loop": core_bytes,
+        "stage_weight_bytes_per_token": stage_bytes,
         "lm_head_bytes": head,
-        "kv_bytes_per_context_token_per_loop": kv_per_token_loop,
+        "kv_bytes_per_context_token_per_loop": core_slots * slot_bytes,
         "mean_decode_context_tokens": context,
         "bytes_per_output_token_c1": round(per_token),
     }
@@ -271,8 +291,10 @@ def summarize(shape: str, runs: list[dict], bw: dict | None, args) -> dict:
     if top is not None:
         tok_s = by_c[top]["decode_output_tokens_per_s"]
         summary["per_layer_pass_concurrency"] = top
-        summary["layer_passes_per_s"] = round(tok_s * info["layers"] * info["loops"])
-        summary["requests_kv_pool_holds"] = by_c[top]["kv_blocks"] // (pages * info["loops"])
+        summary["layer_passes_per_s"] = round(tok_s * info["layer_passes_per_token"])
+        summary["requests_kv_pool_holds"] = by_c[top]["kv_blocks"] // (
+            pages * info["kv_planes_per_position"]
+        )
         summary["max_running_at_top"] = by_c[top]["max_running"]
     summary["decode_tok_s"] = {c: r["decode_output_tokens_per_s"] for c, r in sorted(by_c.items())}
     summary["e2e_tok_s"] = {c: r["output_tokens_per_s"] for c, r in sorted(by_c.items())}
@@ -285,7 +307,7 @@ def table(
     """tf_concurrencies: the transformers arm's columns ([] for none)."""
     head = [
         "shape",
-        "layers x loops",
+        "layer passes per token",
         *[f"decode tok/s c{c}" for c in concurrencies],
         "floor c1 tok/s",
         "c1 / floor",
@@ -295,7 +317,7 @@ def table(
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for s in summaries:
-        cells = [s["shape"], f"{s['layers']} x {s['loops']}"]
+        cells = [s["shape"], str(s["layer_passes_per_token"])]
         cells += [f"{s['decode_tok_s'].get(c, 'failed')}" for c in concurrencies]
         cells += [
             str(s.get("floor_tok_s_c1", "n/a")),

@@ -269,7 +269,7 @@ def measure(model_dir: Path, batch_sizes: list[int], args) -> dict:
     import transformers
 
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     load_start = time.perf_counter()
     model = load_model(model_dir, device=args.device, dtype=args.dtype)
     load_s = round(time.perf_counter() - load_start, 1)

@@ -51,6 +51,8 @@ from rlt_contracts import (
 )
 from torch import nn
 
+from rlt_models import ngpt_ops
+from rlt_models.attention_layer import fused_linear
 from rlt_models.config_fields import (
     eos_ids,
     reject_enabled,
@@ -59,14 +61,14 @@ from rlt_models.config_fields import (
     torch_dtype_name,
 )
 from rlt_models.errors import ModelConfigError
-from rlt_models.fp8_linear import project
-from rlt_models.layers import ModelOps, RotaryEmbedding, apply_rotary, empty_parameter
+from rlt_models.layers import RotaryEmbedding, empty_parameter
 from rlt_models.looped_model import LoopedModelBase
+from rlt_models.ngpt_layer import DerivedTensors, NGPTLayer, run_eager_layers, run_fused_layers
+from rlt_models.ngpt_ops import unit_reference as unit
 
 MODEL_TYPE = "dory"
 ARCHITECTURE = "DoryForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"
-UNIT_NORM_EPS = 1e-6  # transformers' DoryL2Norm default
 KV_MODES = ("per_loop", "last_loop")
 
 _IGNORED_KEYS = frozenset(
@@ -393,78 +395,33 @@ def parameter_sources(config: DoryConfig) -> dict[str, tuple[str, ...]]:
     return sources
 
 
-def unit(x: torch.Tensor) -> torch.Tensor:
-    """x / ||x|| over the last dim (fp32 statistics, eps 1e-6 inside the root), cast back."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + UNIT_NORM_EPS)).to(x.dtype)
-
-
-class NGPTLayer(nn.Module):
-    """One nGPT layer (module doc); `slot` is its KV slot on its plane, `window` its sliding
-    window (None: full attention)."""
-
-    def __init__(self, config: DoryConfig, kind: str) -> None:
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.split = (q, kv, kv, q)
-        self.intermediate_size = f
-        self.qkvg_proj = empty_parameter(2 * q + 2 * kv, d)
-        self.o_proj = empty_parameter(d, q)
-        self.gate_up_proj = empty_parameter(2 * f, d)
-        self.down_proj = empty_parameter(d, f)
-        self.sqk = empty_parameter(q)
-        self.s_gate = empty_parameter(q)
-        self.suv_gate = empty_parameter(f)
-        self.suv_up = empty_parameter(f)
-        self.lambda_1 = empty_parameter(d)
-        self.lambda_2 = empty_parameter(d)
-        self.window = config.sliding_window if kind == SLIDING else None
-        self.full_rope = kind == FULL
-        init = config.initializer_range
-        self.sqk_scale = self.head_dim**0.5 / init
-        self.s_gate_scale = d**0.25 / init
-        self.suv_scale = d**0.5
-        self.lambda_scale = config.ngpt_alpha_init / init
-
-    def forward(self, h, rope, attention: LayerAttention, slot: int, ops: ModelOps):
-        n = h.shape[0]
-        cos, sin = rope[self.full_rope]
-        x = unit(h)
-        q, k, v, g = project(ops.linear, x, self.qkvg_proj).split(self.split, dim=-1)
-        q = apply_rotary(unit(q.reshape(n, self.heads, self.head_dim)), cos, sin)
-        k = apply_rotary(unit(k.reshape(n, self.kv_heads, self.head_dim)), cos, sin)
-        q = q * (self.sqk * self.sqk_scale).square().view(self.heads, self.head_dim)
-        out = attention(
-            slot, q, k, v.reshape(n, self.kv_heads, self.head_dim), window=self.window
-        ).reshape(n, -1)
-        out = out * ops.sigmoid(g * (self.s_gate * self.s_gate_scale).square())
-        a = unit(project(ops.linear, unit(out), self.o_proj))
-        h = x + (self.lambda_1 * self.lambda_scale).abs() * (a - x)
-        y = unit(h)
-        gate, up = project(ops.linear, y, self.gate_up_proj).split(self.intermediate_size, dim=-1)
-        act = ops.silu(gate * (self.suv_gate * self.suv_scale)) * (up * (self.suv_up * self.suv_scale))
-        m = unit(project(ops.linear, unit(act), self.down_proj))
-        return y + (self.lambda_2 * self.lambda_scale).abs() * (m - y)
-
-
 class DoryModel(LoopedModelBase):
     """Dory with the `LoopedLanguageModel` interface: `embed` runs the prelude and `finish`
     the coda, both on the stage plane (`positions` and `attention` required); the state is
-    [h, unit(prelude output)]."""
+    [h, unit(prelude output)].
+
+    `fused_path` (`LoopedModelBase`) picks each stage's path: eager (`NGPTLayer.forward`) or
+    fused (`NGPTLayer.forward_fused` with the `ngpt_ops` of `fused_impl(hidden)`, projections
+    through `fused_linear`: the batch-invariant GEMM in batch-invariant mode). The fused path
+    carries x = unit(h) between layers: a stage starts with one `unit_norm`, a loop with one
+    `unit_add_unit` (unit(unit(h) + inject)), and the prelude's last layer gives unit(p) too.
+    """
 
     def __init__(self, config: DoryConfig) -> None:
         super().__init__(config, config.declaration())
-        self.layers = nn.ModuleList(NGPTLayer(config, kind) for kind in config.layer_types)
+        self.layers = nn.ModuleList(
+            NGPTLayer(
+                config,
+                window=config.sliding_window if kind == SLIDING else None,
+                full_rope=kind == FULL,
+            )
+            for kind in config.layer_types
+        )
         self.full_rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta_full, config.max_position_embeddings
         )
         self.logit_scale = empty_parameter(config.vocab_size)
+        self._derived_logit_scale = DerivedTensors()
         first, last = config.n_input_layers, config.n_input_layers + config.n_recurrent_layers
         self.prelude_layers = self.layers[:first]
         self.recurrent_layers = self.layers[first:last]
@@ -477,18 +434,25 @@ class DoryModel(LoopedModelBase):
             self.full_rotary.cos_sin(positions, dtype, table=table),
         )
 
-    def _run(self, layers, h, positions, attention, first_slot: int) -> torch.Tensor:
+    def _stage(self, layers, h, positions, attention, first_slot: int):
+        """A stage's layers on h at stage slots first_slot.. -> (their output, its unit on the
+        fused path, else None)."""
         if attention is None or positions is None:
             raise ValueError("Dory's prelude and coda attend: pass positions and attention")
         rope = self._rope(positions, h.dtype)
-        for index, layer in enumerate(layers):
-            h = layer(h, rope, attention, first_slot + index, self.ops)
-        return h
+        impl = self.fused_impl(h)
+        if impl is None or not layers:
+            return run_eager_layers(layers, h, rope, attention, first_slot, self.ops), None
+        linear = fused_linear(impl, self.batch_invariant)
+        x = ngpt_ops.unit_norm(h, impl=impl)
+        return run_fused_layers(layers, x, rope, attention, first_slot, linear=linear, impl=impl)
 
     def embed(self, token_ids, positions=None, attention=None) -> torch.Tensor:
         """The prelude: [p, unit(p)] of the embedded tokens (stage slots 0..)."""
-        p = self._run(self.prelude_layers, super().embed(token_ids), positions, attention, 0)
-        return torch.cat([p, unit(p)], dim=-1)
+        p, unit_p = self._stage(
+            self.prelude_layers, super().embed(token_ids), positions, attention, 0
+        )
+        return torch.cat([p, unit(p) if unit_p is None else unit_p], dim=-1)
 
     def recurrent_step(
         self,
@@ -500,21 +464,33 @@ class DoryModel(LoopedModelBase):
     ) -> tuple[torch.Tensor, None]:
         """One loop: h = unit(h) + inject, then the recurrent layers (no exit gate)."""
         h, inject = hidden.split(self.config.hidden_size, dim=-1)
-        h = unit(h) + inject
         rope = self._rope(positions, hidden.dtype)
-        for index, layer in enumerate(self.recurrent_layers):
-            h = layer(h, rope, attention, index, self.ops)
+        impl = self.fused_impl(hidden)
+        if impl is None:
+            h = run_eager_layers(
+                self.recurrent_layers, unit(h) + inject, rope, attention, 0, self.ops
+            )
+        else:
+            x = ngpt_ops.unit_add_unit(h, inject, impl=impl)
+            linear = fused_linear(impl, self.batch_invariant)
+            h, _ = run_fused_layers(
+                self.recurrent_layers, x, rope, attention, 0, linear=linear, impl=impl
+            )
         return torch.cat([h, inject], dim=-1), None
 
     def finish(self, hidden, positions, attention) -> torch.Tensor:
         """The coda's layers on a token's final state (stage slots after the prelude's)."""
         h, inject = hidden.split(self.config.hidden_size, dim=-1)
-        h = self._run(self.coda_layers, h, positions, attention, self.config.n_input_layers)
+        h, _ = self._stage(self.coda_layers, h, positions, attention, self.config.n_input_layers)
         return torch.cat([h, inject], dim=-1)
 
     def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:
-        """unit(h), the head, and the per-token logit scale."""
-        h = unit(hidden[:, : self.config.hidden_size].contiguous())
+        """unit(h), the head, and the per-token logit scale (derived once: `DerivedTensors`)."""
+        h = hidden[:, : self.config.hidden_size]
+        impl = self.fused_impl(hidden)
+        h = unit(h.contiguous()) if impl is None else ngpt_ops.unit_norm(h, impl=impl)
         logits = super().coda(h, needed=needed)
-        scale = self.logit_scale.float() / self.config.initializer_range
+        scale = self._derived_logit_scale.get(
+            (self.logit_scale,), lambda: self.logit_scale.float() / self.config.initializer_range
+        )
         return (logits.float() * scale).to(logits.dtype)

@@ -262,3 +262,15 @@ def test_prompt_logprobs_equal_transformers(llm, hf_model_dir):
         assert out.prompt_logprobs[0] is None
         assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-5)
     assert llm.engine.core.leak_report() == []
+
+
+def test_an_engine_cap_above_the_default(hf_model_dir, expected):
+    from rlt_contracts import InvalidRequestError
+
+    with LLM(hf_model_dir, max_model_loops=3, **ENGINE) as llm:
+        assert llm.engine.model_info().num_loops == 3
+        tokens, _ = generate(llm)
+        deep, _ = generate(llm, max_loops=3)
+        with pytest.raises(InvalidRequestError, match="max-model-loops"):
+            generate(llm, max_loops=4)
+    assert (tokens, deep) == (expected[2], expected[3])

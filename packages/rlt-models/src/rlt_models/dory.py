@@ -63,6 +63,7 @@ from rlt_models.config_fields import (
 from rlt_models.errors import ModelConfigError
 from rlt_models.layers import RotaryEmbedding, empty_parameter
 from rlt_models.looped_model import LoopedModelBase
+from rlt_models.loop_cap import ENGINE_FIELD
 from rlt_models.ngpt_layer import DerivedTensors, NGPTLayer, run_eager_layers, run_fused_layers
 from rlt_models.ngpt_ops import unit_reference as unit
 
@@ -129,6 +130,7 @@ class DoryConfig:
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = (0,)
     torch_dtype: str = "bfloat16"
+    max_model_loops: int | None = None  # the engine's cap (loop_cap.py), never in config.json
 
     def __post_init__(self) -> None:
         require_fields(
@@ -183,7 +185,7 @@ class DoryConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DoryConfig:
         require_model_type(raw, MODEL_TYPE)
-        known = {f.name for f in fields(cls)} | _IGNORED_KEYS
+        known = ({f.name for f in fields(cls)} - {ENGINE_FIELD}) | _IGNORED_KEYS
         reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
         counts = {
             key: raw.get(key, default)
@@ -237,7 +239,7 @@ class DoryConfig:
         """config.json in the Hub's layout (two entries per layer) that `from_dict` reads."""
         out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
         for f in fields(self):
-            if not f.name.startswith("rope_theta"):
+            if not f.name.startswith("rope_theta") and f.name != ENGINE_FIELD:
                 out[f.name] = getattr(self, f.name)
         out.update(
             layer_types=[block for kind in self.layer_types for block in (kind, "mlp")],
@@ -261,11 +263,16 @@ class DoryConfig:
     def stage_layers(self) -> int:
         return self.n_input_layers + self.n_output_layers
 
+    @property
+    def loop_cap(self) -> int:
+        """The engine's cap on a request's loops: by default twice the checkpoint's (elastic)."""
+        return self.max_model_loops or 2 * self.n_recurrent_loops
+
     def shape(self) -> LoopedModelShape:
         return LoopedModelShape(
             # one block holds a plane's slots: the recurrent layers', or the stage plane's
             num_layers=max(self.n_recurrent_layers, self.stage_layers),
-            num_loops=2 * self.n_recurrent_loops,
+            num_loops=self.loop_cap,
             hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads,
@@ -307,7 +314,7 @@ class DoryConfig:
             ),
             exit_signal=ExitSignal.NONE,
             default_loops=self.n_recurrent_loops,
-            max_loops=2 * self.n_recurrent_loops,
+            max_loops=self.loop_cap,
             loop_limit=None,
             unsupported=unsupported,
         )

@@ -14,30 +14,18 @@ from typing import Any
 
 from rlt_contracts import ExitSignal, FamilyDeclaration, KVPlan, LoopedModelShape, StagePlan
 
-from rlt_models.config_fields import read_raw_config
+from rlt_models.config_fields import HF_METADATA_KEYS, read_raw_config
 from rlt_models.errors import ModelConfigError
 
 MODEL_TYPE = "ouro"
 ARCHITECTURE = "OuroForCausalLM"
 
 # Keys a real Ouro / Qwen2-derived config carries that do not change the computation.
-_IGNORED_KEYS = frozenset(
+_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
     {
-        "architectures",
-        "auto_map",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
         "initializer_range",
-        "use_cache",
-        "bos_token_id",
-        "pad_token_id",
         "max_window_layers",
         "chunk_size",
-        "_name_or_path",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
         "attention_dropout",
     }
 )
@@ -114,7 +102,7 @@ class OuroConfig:
             {f for f in cls.__dataclass_fields__}
             | _IGNORED_KEYS
             | _CHECKED_KEYS
-            | {"model_type", "quantization_config"}  # the latter: rlt_models.fp8_checkpoint
+            | {"quantization_config"}  # rlt_models.fp8_checkpoint
         )
         unknown = sorted(set(raw) - known)
         if unknown:

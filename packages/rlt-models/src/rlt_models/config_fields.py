@@ -11,6 +11,26 @@ from typing import Any
 from rlt_models.errors import ModelConfigError
 
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
+# Keys transformers writes into every config.json that do not change a model's computation
+# (metadata, generation ids, output switches); each family adds its own to what it accepts.
+HF_METADATA_KEYS = frozenset(
+    {
+        "architectures",
+        "auto_map",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "use_cache",
+        "bos_token_id",
+        "pad_token_id",
+        "eos_token_id",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
 
 
 def require_model_type(raw: Any, expected: str) -> None:

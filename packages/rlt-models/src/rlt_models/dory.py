@@ -54,6 +54,7 @@ from torch import nn
 from rlt_models import ngpt_ops
 from rlt_models.attention_layer import fused_linear
 from rlt_models.config_fields import (
+    HF_METADATA_KEYS,
     eos_ids,
     reject_enabled,
     require_fields,
@@ -72,19 +73,8 @@ ARCHITECTURE = "DoryForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"
 KV_MODES = ("per_loop", "last_loop")
 
-_IGNORED_KEYS = frozenset(
+_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
     {
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "use_cache",
-        "bos_token_id",
-        "pad_token_id",
-        "eos_token_id",
-        "_name_or_path",
         "attention_dropout",
         "num_hidden_layers",
         "layer_types",
@@ -92,9 +82,6 @@ _IGNORED_KEYS = frozenset(
         "n_input_layers",
         "n_recurrent_layers",
         "n_output_layers",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
     }
 )
 _NEUTRAL = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}

@@ -43,6 +43,7 @@ from torch import nn
 from rlt_models import fused_ops
 from rlt_models.attention_layer import fused_linear
 from rlt_models.config_fields import (
+    HF_METADATA_KEYS,
     eos_ids,
     reject_enabled,
     require_fields,
@@ -58,28 +59,14 @@ from rlt_models.looped_model import LoopedModelBase
 MODEL_TYPE = "hrm_text"
 ARCHITECTURE = "HrmTextForCausalLM"
 
-_IGNORED_KEYS = frozenset(
+_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
     {
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "use_cache",
-        "bos_token_id",
-        "pad_token_id",
-        "eos_token_id",
-        "_name_or_path",
         "attention_dropout",
         "L_bp_cycles",  # training-only gradient routing
         "num_hidden_layers",  # inflated: num_layers_per_stack is the real count
         "initializer_range",  # read for the default embedding_scale
         "rope_parameters",
         "rope_theta",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
         "quantization_config",  # read by rlt_models.fp8_checkpoint
     }
 )

@@ -36,6 +36,7 @@ from rlt_contracts import (
 )
 
 from rlt_models.config_fields import (
+    HF_METADATA_KEYS,
     eos_ids,
     reject_enabled,
     require_fields,
@@ -61,22 +62,8 @@ _TRAINING_SETTINGS = {
     "padding_multiple": 4096,
     "sampling_scheme": "poisson-lognormal-filling",
 }
-_IGNORED_KEYS = frozenset(
+_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
     {
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
-        "_name_or_path",
-        "use_cache",
-        "bos_token_id",
-        "pad_token_id",
-        "eos_token_id",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
         *_TRAINING_SETTINGS,
         "test_time_noise_type",  # read only with test_time_noise > 0 (refused)
         # derived by the authors' config (checked or read below)

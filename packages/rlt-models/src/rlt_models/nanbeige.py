@@ -34,6 +34,7 @@ from torch import nn
 from rlt_models import fused_ops
 from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear, run_fused_layers
 from rlt_models.config_fields import (
+    HF_METADATA_KEYS,
     eos_ids,
     reject_enabled,
     require_fields,
@@ -50,25 +51,11 @@ MODEL_TYPE = "nanbeige"
 ARCHITECTURE = "NanbeigeForCausalLM"
 
 # Keys that do not change the computation (metadata, training-only settings).
-_IGNORED_KEYS = frozenset(
+_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
     {
-        "architectures",
-        "auto_map",
-        "model_type",
-        "torch_dtype",
-        "dtype",
-        "transformers_version",
         "initializer_range",
-        "use_cache",
-        "bos_token_id",
-        "pad_token_id",
-        "eos_token_id",
-        "_name_or_path",
         "attention_dropout",
         "pretraining_tp",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
         "quantization_config",  # read by rlt_models.fp8_checkpoint
     }
 )

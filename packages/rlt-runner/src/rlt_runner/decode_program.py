@@ -21,6 +21,11 @@ replayed as graphs) back to back. Rows that are not active (free, prefilling, fi
 held by structured output) compute garbage that is never kept: their KV write goes to the
 scratch slot, their attention reads one key, and every state update is masked.
 
+A family with stage layers (Dory, Huginn: `KVPlan.stage_layers`, stage_plane.py) also runs, in
+the same tick, its prelude for the rows whose token starts (before the loop) and its coda's
+layers for the rows that exit (before the head), both on the stage plane; its next token's
+state is then made by that prelude in the token's first tick, not at commit.
+
 `start_rows` is the coda of rows whose prompt just completed (token 0, full depth).
 
 Ring layout: float64 [max_ticks + WARMUP_RUNS, S, 3 + 2k]; columns token (-1 = no token this

@@ -237,7 +237,7 @@ def test_the_reference_depends_on_every_depth(expected):
 
 def test_declaration_and_model_info(llm):
     info = llm.engine.model_info()
-    assert (info.family, info.exit_signal) == ("huginn", "none")
+    assert (info.family, info.exit_signal) == ("huginn", "latent_change")
     assert (info.default_loops, info.num_loops) == (DEFAULT, CAP)
     declared = llm.engine.core.runner.model.family
     assert declared.stages == StagePlan(core_layers=4, prelude_layers=2, coda_layers=2)
@@ -262,8 +262,6 @@ def test_a_request_runs_its_max_loops_below_and_above_the_default(llm, expected,
 def test_beyond_the_cap_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="max_loops"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, max_loops=CAP + 1))
-    with pytest.raises(InvalidRequestError, match="no exit signal"):
-        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, exit_threshold=0.5))
 
 
 def test_batched_mixed_depths_equal_serial_and_prefix_hits_equal_misses(llm, expected):

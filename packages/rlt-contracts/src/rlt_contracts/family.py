@@ -37,11 +37,16 @@ DEFAULT_GATE_MIN_LOOPS = 2
 class ExitSignal(enum.StrEnum):
     """What a loop produces that an exit rule can read.
 
-    GATE  a learned exit probability per loop (Ouro): rules "ouro" / "ouro_delayed" / "trace".
-    NONE  nothing: every token runs its request's `max_loops` (rule "fixed", or "trace").
+    GATE           a learned exit probability per loop (Ouro): rules "hazard" / "hazard_delayed"
+                   (aliases "ouro" / "ouro_delayed") / "trace".
+    LATENT_CHANGE  (0.3.3) how far one loop moved the state, ||s_k - s_{k-1}|| / ||s_k|| in fp32
+                   (Huginn; s_0 the initial state): rules "latent_diff" / "latent_diff_delayed"
+                   exit once it falls below the threshold / "trace".
+    NONE           nothing: every token runs its request's `max_loops` (rule "fixed", or "trace").
     """
 
     GATE = "gate"
+    LATENT_CHANGE = "latent_change"
     NONE = "none"
 
 

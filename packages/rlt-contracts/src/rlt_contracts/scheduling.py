@@ -58,17 +58,23 @@ class ExitRuleKind(enum.StrEnum):
     DELAYED_HAZARD  the same hazard, but a trigger at loop k makes the token exit after loop k+1
                     (max_loops still wins; the extra loop's hidden state reaches coda).
     TRACE           token i exits after trace_depths[i] loops; the gate is never computed.
+    LATENT_DIFF     (0.3.3) exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops
+                    and the loop's latent change (ExitSignal.LATENT_CHANGE, fp32) < threshold.
+    DELAYED_LATENT_DIFF  the same test, a trigger at loop k making the token exit after loop k+1.
     """
 
     HAZARD = "hazard"
     DELAYED_HAZARD = "delayed_hazard"
     TRACE = "trace"
+    LATENT_DIFF = "latent_diff"
+    DELAYED_LATENT_DIFF = "delayed_latent_diff"
 
 
 class ExitRule(msgspec.Struct, frozen=True):
     """One request's exit policy as data (see `ExitRuleKind`): 1 <= min_loops <= max_loops <= T.
 
-    threshold: in [0, 1]; 1.0 never triggers (fixed depth max_loops). Unused by TRACE.
+    threshold: in [0, 1]; 1.0 never triggers (fixed depth max_loops). Unused by TRACE. For the
+      latent rules the exit is below it (a latent change of 1.0 or more is no convergence).
     trace_depths: TRACE only; entry i is output token i's depth (entry 0, the prefill, is T).
     """
 
@@ -80,7 +86,8 @@ class ExitRule(msgspec.Struct, frozen=True):
 
     @property
     def uses_gate(self) -> bool:
-        """Whether a decision may read the gate (else the runner may skip computing it)."""
+        """Whether a decision may read the loop's exit signal (the gate, or the latent change;
+        else the runner may skip computing it)."""
         return self.kind is not ExitRuleKind.TRACE and self.threshold < 1.0
 
     @property

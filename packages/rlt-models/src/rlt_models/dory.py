@@ -63,8 +63,8 @@ from rlt_models.config_fields import (
 )
 from rlt_models.errors import ModelConfigError
 from rlt_models.layers import RotaryEmbedding, empty_parameter
-from rlt_models.looped_model import LoopedModelBase
 from rlt_models.loop_cap import ENGINE_FIELD
+from rlt_models.looped_model import LoopedModelBase
 from rlt_models.ngpt_layer import DerivedTensors, NGPTLayer, run_eager_layers, run_fused_layers
 from rlt_models.ngpt_ops import unit_reference as unit
 
@@ -236,7 +236,10 @@ class DoryConfig:
             n_output_layers=2 * self.n_output_layers,
             rope_parameters={
                 kind: {"rope_type": "default", "rope_theta": theta}
-                for kind, theta in ((SLIDING, self.rope_theta_sliding), (FULL, self.rope_theta_full))
+                for kind, theta in (
+                    (SLIDING, self.rope_theta_sliding),
+                    (FULL, self.rope_theta_full),
+                )
             },
             eos_token_id=list(self.eos_token_id),
             hidden_act="silu",

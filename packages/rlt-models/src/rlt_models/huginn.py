@@ -19,8 +19,10 @@ State: [s, e] ([N, 2d]); `embed` (the prelude) returns [s0, e], `recurrent_step`
 `finish` the coda's blocks on ln_f(s), `coda` ln_f and the head. KV: the core layers keep one
 plane per step (a query at step k reads step k's keys of earlier positions: the authors'
 "full" cache); the prelude's and coda's layers one slot each on the stage plane
-(`KVPlan.stage_layers`). No exit signal yet: every token runs its request's steps (a request's
-`max_loops`, by default `mean_recurrence`, at most the engine's cap, by default twice that).
+(`KVPlan.stage_layers`). Exit signal: each step's latent change ||s_k - s_{k-1}|| / ||s_k||
+in fp32 (`ExitSignal.LATENT_CHANGE`, the authors' `latent-diff`), read by the scheduler's
+`latent_diff` rules; a request without a threshold runs its `max_loops` steps (by default
+`mean_recurrence`, at most the engine's cap, by default twice that).
 
 Initial state: ZERO, always (the authors' `init_scale=0`). The release's `state_init` is
 "like-init": the authors' code draws s0 per call from a truncated normal (std
@@ -161,15 +163,21 @@ class HuginnModel(LoopedModelBase):
         attention: LayerAttention,
         *,
         compute_gate: bool = True,
-    ) -> tuple[torch.Tensor, None]:
-        """One step: s = core_block(adapter(cat[s, e])); `hidden` is cat[s, e] already. The
-        family has no gate: the exit probability is always None."""
-        e = hidden[:, self.config.n_embd :]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: s = core_block(adapter(cat[s, e])); `hidden` is cat[s, e] already. With
+        `compute_gate`, also the step's latent change ||s_k - s_{k-1}|| / ||s_k|| [N] in fp32
+        (ExitSignal.LATENT_CHANGE; the authors' `latent-diff` criterion)."""
+        d = self.config.n_embd
+        e = hidden[:, d:]
         x = project(self.ops.linear, hidden, self.adapter)
         cos, sin = self.pair_rotary.cos_sin(positions)
         for index, block in enumerate(self.core_block):
             x = block(x, cos, sin, attention, index, self.ops)
-        return torch.cat([x, e], dim=-1), None
+        change = None
+        if compute_gate:
+            now = x.float()
+            change = (now - hidden[:, :d].float()).norm(dim=-1) / now.norm(dim=-1)
+        return torch.cat([x, e], dim=-1), change
 
     def finish(self, hidden, positions, attention) -> torch.Tensor:
         """The coda's blocks on ln_f(s) (stage slots after the prelude's)."""

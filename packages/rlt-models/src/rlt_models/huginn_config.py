@@ -91,7 +91,7 @@ _UNSUPPORTED = (
     (Feature.SHARED_KV, "the shared layout's prompts run position by position, which does not "
      "run the prelude's and coda's layers"),
     (Feature.SPECULATIVE_DECODING, "a draft's positions would need the prelude's and coda's KV"),
-    (Feature.EXIT_DEPTH_SCORING, "its convergence exits are not implemented yet"),
+    (Feature.EXIT_DEPTH_SCORING, "prompt scoring at exit depth is not built for stage families"),
     (Feature.PD, "the stage plane's handover is not verified for this family yet"),
     (Feature.FP8_WEIGHTS, "not verified for this family yet"),
     (Feature.FP8_KV, "not verified for this family yet"),
@@ -328,7 +328,7 @@ class HuginnConfig:
                 layers_per_plane=max(self.n_layers_in_recurrent_block, self.stage_layers),
                 stage_layers=self.stage_layers,
             ),
-            exit_signal=ExitSignal.NONE,  # convergence exits: a follow-up
+            exit_signal=ExitSignal.LATENT_CHANGE,
             default_loops=self.mean_recurrence,
             max_loops=self.model_depth,
             loop_limit=None,  # more steps of the same block are computable: any cap

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 from rlt_contracts import (
     AttentionBackend,
+    ExitSignal,
     KVLayout,
     LoopedLanguageModel,
     PagedAttentionBatch,
@@ -100,8 +101,14 @@ class DecodeProgram:
         self.stage = (
             StagePlane(kv, rows, self.query_start) if rows.stage_plane is not None else None
         )
-        if fused_tick is None:  # the fused bookkeeping does not run a family's stage layers
-            fused_tick = device.type == "cuda" and tick_kernels.available() and self.stage is None
+        if fused_tick is None:  # the fused bookkeeping runs no stage layers and the hazard
+            # and trace rules only (not the latent-change rules)
+            fused_tick = (
+                device.type == "cuda"
+                and tick_kernels.available()
+                and self.stage is None
+                and model.family.exit_signal is not ExitSignal.LATENT_CHANGE
+            )
         self.kernels = tick_kernels.TickKernels(self) if fused_tick else None
 
     def begin_step(self) -> None:

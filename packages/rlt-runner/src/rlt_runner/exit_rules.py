@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from rlt_runner.row_state import DELAYED_CODE, HAZARD_CODE, DecodeRows
+from rlt_runner.row_state import (
+    DELAYED_CODE,
+    DELAYED_LATENT_CODE,
+    HAZARD_CODE,
+    LATENT_CODE,
+    DecodeRows,
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ def decide_exits(
 def apply_exit_rules(
     rules: ExitRules,
     loop_index: torch.Tensor,
-    gate: torch.Tensor | None,
+    signal: torch.Tensor | None,
     *,
     survival: torch.Tensor,
     pending_exit: torch.Tensor,
@@ -82,27 +88,28 @@ def apply_exit_rules(
 ) -> ExitDecision:
     """Apply each token's rule after loop `loop_index` [B] (1-based), given its exit state
     before the loop (survival fp64, pending_exit) and the output index it will produce (the
-    TRACE rule's entry)."""
+    TRACE rule's entry). `signal` [B] fp32 is the loop's exit signal: the gate's exit
+    probability for the hazard rules, the latent change for the latent rules (one family per
+    engine, so one kind of signal per batch)."""
     at_max = loop_index >= rules.max_loops
     pending = pending_exit
-    if gate is not None:
-        survival = survival * (1.0 - gate.to(torch.float64))
-        triggered = (
-            (rules.threshold < 1.0)
-            & (loop_index >= rules.min_loops)
-            & (1.0 - survival >= rules.threshold)
-        )
-        hazard_exit = at_max | triggered
+    latent = (rules.kind == LATENT_CODE) | (rules.kind == DELAYED_LATENT_CODE)
+    if signal is not None:
+        value = signal.to(torch.float64)
+        survival = torch.where(latent, survival, survival * (1.0 - value))
+        crossed = torch.where(latent, value < rules.threshold, 1.0 - survival >= rules.threshold)
+        triggered = (rules.threshold < 1.0) & (loop_index >= rules.min_loops) & crossed
+        at_once = at_max | triggered
         delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
         pending = torch.where((pending == 0) & triggered, loop_index + 1, pending)
     else:
-        hazard_exit = at_max
+        at_once = at_max
         delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
     trace_index = output_index.clamp(max=rules.trace.shape[1] - 1)
     trace_depth = rules.trace.gather(1, trace_index[:, None]).squeeze(1).to(torch.int64)
+    immediate = (rules.kind == HAZARD_CODE) | (rules.kind == LATENT_CODE)
+    delayed = (rules.kind == DELAYED_CODE) | (rules.kind == DELAYED_LATENT_CODE)
     exits = torch.where(
-        rules.kind == HAZARD_CODE,
-        hazard_exit,
-        torch.where(rules.kind == DELAYED_CODE, delayed_exit, loop_index >= trace_depth),
+        immediate, at_once, torch.where(delayed, delayed_exit, loop_index >= trace_depth)
     )
     return ExitDecision(exits, survival, pending)

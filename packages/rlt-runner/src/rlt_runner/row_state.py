@@ -53,7 +53,7 @@ from rlt_contracts import (
 from rlt_runner.logits_state import LogitsState
 from rlt_runner.transfers import upload
 
-HAZARD_CODE, DELAYED_CODE, TRACE_CODE = 0, 1, 2
+HAZARD_CODE, DELAYED_CODE, TRACE_CODE, LATENT_CODE, DELAYED_LATENT_CODE = 0, 1, 2, 3, 4
 # Per-row int64 / fp32 parameters written at activation, in upload column order.
 INT_FIELDS = (
     "rule_kind",
@@ -77,6 +77,8 @@ RULE_CODES = {
     ExitRuleKind.HAZARD: HAZARD_CODE,
     ExitRuleKind.DELAYED_HAZARD: DELAYED_CODE,
     ExitRuleKind.TRACE: TRACE_CODE,
+    ExitRuleKind.LATENT_DIFF: LATENT_CODE,
+    ExitRuleKind.DELAYED_LATENT_DIFF: DELAYED_LATENT_CODE,
 }
 
 # Buffers that hold a row's progress (saved by snapshots; reset at admission).

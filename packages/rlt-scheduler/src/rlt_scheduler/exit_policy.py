@@ -10,6 +10,11 @@ from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule
                   exit after loop k + 1: the decision of loop k may then be read after loop
                   k + 1 was already submitted. max_loops still wins, and the hidden state of the
                   extra loop is what reaches coda.
+  latent_diff     exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                  the loop's latent change ||s_k - s_{k-1}|| / ||s_k|| < threshold (a family
+                  whose loops converge, e.g. Huginn's; a request without a threshold runs its
+                  max_loops).
+  latent_diff_delayed  the same test, a trigger at loop k making the token exit after k + 1.
   trace           replays recorded per-token depths (token i exits at trace[i]); the gate is
                   never computed or read.
   fixed           every token runs its request's max_loops (families without an exit signal);
@@ -45,6 +50,8 @@ class ExitPolicyName(enum.StrEnum):
     HAZARD_DELAYED = "hazard_delayed"
     TRACE = "trace"
     FIXED = "fixed"
+    LATENT_DIFF = "latent_diff"
+    LATENT_DIFF_DELAYED = "latent_diff_delayed"
 
 
 # Earlier names of the hazard rules, accepted wherever a policy is named (CLI, EngineConfig).
@@ -52,9 +59,17 @@ POLICY_ALIASES = {"ouro": ExitPolicyName.HAZARD, "ouro_delayed": ExitPolicyName.
 POLICY_CHOICES = (*(p.value for p in ExitPolicyName), *POLICY_ALIASES)
 
 
+_OWN_POLICY = {
+    ExitSignal.GATE: ExitPolicyName.HAZARD,
+    ExitSignal.LATENT_CHANGE: ExitPolicyName.LATENT_DIFF,
+    ExitSignal.NONE: ExitPolicyName.FIXED,
+}
+
+
 def default_exit_policy(signal: ExitSignal) -> str:
-    """The policy of a family's own exit signal: its gate's hazard, or its fixed depth."""
-    return ExitPolicyName.HAZARD.value if signal is ExitSignal.GATE else ExitPolicyName.FIXED.value
+    """The policy of a family's own exit signal: its gate's hazard, its latent change's
+    convergence test, or its fixed depth."""
+    return _OWN_POLICY[signal].value
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,19 @@ class DelayedHazardExitPolicy(HazardExitPolicy):
 
     name = ExitPolicyName.HAZARD_DELAYED.value
     kind = ExitRuleKind.DELAYED_HAZARD
+
+
+class LatentDiffExitPolicy(HazardExitPolicy):
+    """Exit once a loop moves the state by less than the threshold (relative to its norm)."""
+
+    name = ExitPolicyName.LATENT_DIFF.value
+    kind = ExitRuleKind.LATENT_DIFF
+    reads = ExitSignal.LATENT_CHANGE
+
+
+class DelayedLatentDiffExitPolicy(LatentDiffExitPolicy):
+    name = ExitPolicyName.LATENT_DIFF_DELAYED.value
+    kind = ExitRuleKind.DELAYED_LATENT_DIFF
 
 
 class TraceExitPolicy:
@@ -210,8 +238,10 @@ def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: i
             ("exit_trace", "exit_policy"),
             f"an exit_trace is only read by exit_policy 'trace', not {name!r}",
         )
-    if policy is ExitPolicyName.FIXED:
-        return FixedDepthExitPolicy()
-    if policy is ExitPolicyName.HAZARD:
-        return HazardExitPolicy()
-    return DelayedHazardExitPolicy()
+    return {
+        ExitPolicyName.FIXED: FixedDepthExitPolicy,
+        ExitPolicyName.HAZARD: HazardExitPolicy,
+        ExitPolicyName.HAZARD_DELAYED: DelayedHazardExitPolicy,
+        ExitPolicyName.LATENT_DIFF: LatentDiffExitPolicy,
+        ExitPolicyName.LATENT_DIFF_DELAYED: DelayedLatentDiffExitPolicy,
+    }[policy]()

@@ -164,7 +164,12 @@ DORY_SHAPES = {
         n_recurrent_loops=2,
         max_position_embeddings=2048,
         sliding_window=32,
-        layer_types=("sliding_attention", "sliding_attention", "full_attention", "sliding_attention"),
+        layer_types=(
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ),
     ),
 }
 HUGINN_SHAPES = {

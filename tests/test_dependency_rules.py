@@ -213,6 +213,9 @@ def test_no_module_outside_rlt_models_names_a_family():
 
     assert find_family_name_breaches(REPO) == []
     # the checker sees names, imports and literals, and lets docstrings explain
-    source = '"""Ouro is one family."""\nfrom rlt_models import OuroConfig\nif name == "nanbeige": x.dory_loops = 1\n'
+    source = (
+        '"""Ouro is one family."""\nfrom rlt_models import OuroConfig\n'
+        'if name == "nanbeige": x.dory_loops = 1\n'
+    )
     found = family_name_breaches(source, Path("pkg/mod.py"))
     assert [b.split(": ", 1)[1] for b in found] == ["'OuroConfig'", "'nanbeige'", "'dory_loops'"]

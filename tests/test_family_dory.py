@@ -102,9 +102,7 @@ def full_forward_greedy(path, prompt, n, **overrides):
 
 @pytest.fixture(scope="module")
 def expected(hf_model_dir):
-    return {
-        loops: reference(hf_model_dir, n_recurrent_loops=loops) for loops in (1, 2, 3, 4)
-    } | {
+    return {loops: reference(hf_model_dir, n_recurrent_loops=loops) for loops in (1, 2, 3, 4)} | {
         "last_loop": reference(hf_model_dir, recurrent_kv_cache_mode="last_loop"),
         "no_window": reference(hf_model_dir, sliding_window=64),
     }

@@ -26,13 +26,34 @@ def missing_model_files(model_dir: str | Path, *, tokenizer: bool = True) -> lis
         missing.append(CONFIG_FILE)
     if not ((path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()):
         missing.append(f"the weights ({SINGLE_FILE}, or {INDEX_FILE} and its shards)")
-    if tokenizer and not any(
-        all((path / name).is_file() for name in names) for names in TOKENIZER_FILE_SETS
-    ):
-        alternatives = ", ".join(" + ".join(names) for names in TOKENIZER_FILE_SETS[:-1])
-        last = " + ".join(TOKENIZER_FILE_SETS[-1])
-        missing.append(f"the tokenizer ({alternatives} or {last})")
+    if tokenizer and not has_tokenizer_files(path):
+        missing.append(_TOKENIZER_FILES)
     return missing
+
+
+def has_tokenizer_files(directory: str | Path) -> bool:
+    path = Path(directory)
+    return any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILE_SETS)
+
+
+_TOKENIZER_FILES = "the tokenizer ({} or {})".format(
+    ", ".join(" + ".join(names) for names in TOKENIZER_FILE_SETS[:-1]),
+    " + ".join(TOKENIZER_FILE_SETS[-1]),
+)
+
+
+def check_tokenizer_dir(directory: str | Path) -> None:
+    """Raise `ConfigurationError("tokenizer", ...)` unless `directory` holds a tokenizer
+    (a tokenizer given apart from the checkpoint: vLLM's --tokenizer)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigurationError(
+            "tokenizer", f"{str(directory)!r} is not a directory (give a tokenizer's directory)"
+        )
+    if not has_tokenizer_files(path):
+        raise ConfigurationError(
+            "tokenizer", f"{path} holds no tokenizer; it lacks {_TOKENIZER_FILES}"
+        )
 
 
 def check_model_dir(model_dir: str | Path, *, tokenizer: bool = True) -> None:

@@ -19,6 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlt_serve import chat, completions
+from rlt_serve.chat_template import check_chat_template
 from rlt_serve.context import ServerContext
 from rlt_serve.errors import (
     APIError,
@@ -94,6 +95,8 @@ def build_app(
     engine_error: Callable[[], BaseException | None] | None = None,
     pd: PDControl | None = None,
     version: str | None = None,
+    chat_template: str | None = None,
+    default_seed: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over `client` (docs/serving.md describes the API).
 
@@ -110,9 +113,14 @@ def build_app(
     pd: an engine instance's PD control: adds the /internal/pd/* endpoints a PD coordinator
       uses (pd_routes.py).
     version: what GET /version reports (default: rlt-serve's package version).
+    chat_template: a Jinja chat template used instead of the tokenizer's (vLLM's
+      --chat-template); one that does not compile is a `ConfigurationError` here.
+    default_seed: the seed of requests that give none (vLLM's --seed); None: they draw one.
     Shutting the app down (lifespan end) shuts the client down.
     """
     info = client.model_info()
+    if chat_template is not None:
+        check_chat_template(tokenizer, chat_template)
     observed_failure: list[BaseException] = []
 
     def current_engine_error() -> BaseException | None:
@@ -134,6 +142,8 @@ def build_app(
         loop_defaults=(loop_defaults or LoopDefaults()).for_model(info),
         metrics=metrics,
         engine_error=current_engine_error,
+        chat_template=chat_template,
+        default_seed=default_seed,
     )
 
     @asynccontextmanager

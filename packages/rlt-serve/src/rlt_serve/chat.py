@@ -46,6 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
+        chat_template=ctx.chat_template,
     )
     echoed = _echoed_text(body)
     check_prompt(prompt, info, param="messages")
@@ -68,6 +69,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         prompt_logprobs=body.prompt_logprobs,
         extra_stop_token_ids=chat_stop_token_ids(ctx.tokenizer, info.vocab_size),
         defaults=ctx.loop_defaults,
+        default_seed=ctx.default_seed,
         field_names=field_names,
     )
     response_id = new_id("chatcmpl")

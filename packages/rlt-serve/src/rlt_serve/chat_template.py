@@ -6,6 +6,9 @@ their arguments parsed into objects, are passed on). A template that never menti
 `tool_calls` cannot render them, so a conversation holding some answers 400 there instead of
 silently dropping them.
 
+The template is the tokenizer's own unless the server was given one (`--chat-template`:
+`build_app(chat_template=...)`, passed here for every rendering).
+
 Rendering options (both chat completions and POST /tokenize):
   add_generation_prompt: end with the assistant turn's opening (default true).
   continue_final_message: leave the final message open (no closing tokens) so the model
@@ -19,6 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from rlt_contracts import ConfigurationError
 
 from rlt_serve.errors import invalid
 from rlt_serve.prompts import Tokenizer, encode_text
@@ -56,15 +61,17 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize the result."""
+    """Render `messages` with the model's chat template (or `chat_template`, the server's
+    --chat-template) and tokenize the result."""
     if add_generation_prompt and continue_final_message:
         raise invalid(
             "continue_final_message",
             "continue_final_message: cannot be combined with add_generation_prompt=true (set "
             "add_generation_prompt to false to continue the final message)",
         )
-    conversation = build_conversation(messages, tokenizer)
+    conversation = build_conversation(messages, tokenizer, chat_template)
     kwargs = dict(chat_template_kwargs or {})
     for name in kwargs:
         if name in RESERVED_TEMPLATE_KWARGS:
@@ -72,6 +79,8 @@ def chat_prompt(
             raise invalid(param, f"{param}: reserved; use the request field instead")
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -84,7 +93,28 @@ def chat_prompt(
     return encode_text(text, tokenizer, "messages")
 
 
-def build_conversation(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[dict[str, Any]]:
+def check_chat_template(tokenizer: Tokenizer, chat_template: str) -> None:
+    """A server's --chat-template compiles: rendered once for a one-message conversation by the
+    tokenizer's own renderer (jinja2's sandbox, as for every request). A syntax error is a
+    `ConfigurationError`; errors the template raises for that conversation (its own checks,
+    e.g. of the roles' order) are left to the requests that meet them."""
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}],
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - only a syntax error is the template's fault
+        if type(exc).__name__ == "TemplateSyntaxError":
+            raise ConfigurationError(
+                "chat_template", f"not a valid Jinja template: {exc}"
+            ) from None
+
+
+def build_conversation(
+    messages: list[ChatMessage], tokenizer: Tokenizer, chat_template: str | None = None
+) -> list[dict[str, Any]]:
     """The template's conversation; 400 naming the message field that cannot be rendered."""
     if not messages:
         raise invalid("messages", "messages: at least one message is required")
@@ -110,7 +140,7 @@ def build_conversation(messages: list[ChatMessage], tokenizer: Tokenizer) -> lis
                 )
             entry["tool_call_id"] = message.tool_call_id
         if message.tool_calls:
-            entry["tool_calls"] = _tool_calls(message, field, tokenizer)
+            entry["tool_calls"] = _tool_calls(message, field, tokenizer, chat_template)
         conversation.append(entry)
     return conversation
 
@@ -136,12 +166,14 @@ def chat_stop_token_ids(tokenizer: Tokenizer, vocab_size: int) -> tuple[int, ...
     return ()
 
 
-def _tool_calls(message: ChatMessage, field: str, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+def _tool_calls(
+    message: ChatMessage, field: str, tokenizer: Tokenizer, chat_template: str | None
+) -> list[dict[str, Any]]:
     if message.role != "assistant":
         raise invalid(
             f"{field}.tool_calls", f"{field}.tool_calls: only assistant messages make tool calls"
         )
-    template = getattr(tokenizer, "chat_template", None)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and "tool_calls" not in template:
         raise invalid(
             f"{field}.tool_calls",

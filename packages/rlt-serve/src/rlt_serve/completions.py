@@ -56,6 +56,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         logprobs=body.logprobs,
         prompt_logprobs=scoring,
         defaults=ctx.loop_defaults,
+        default_seed=ctx.default_seed,
         field_names={"prompt_logprobs": "prompt_logprobs" if body.prompt_logprobs else "logprobs"},
     )
     echoed = prompt_texts(body.prompt, prompts, ctx.tokenizer) if body.echo else None

@@ -23,6 +23,8 @@ class ServerContext:
     loop_defaults: LoopDefaults
     metrics: ServingMetrics
     engine_error: Callable[[], BaseException | None]
+    chat_template: str | None = None  # the server's --chat-template (None: the tokenizer's)
+    default_seed: int | None = None  # the server's --seed, for requests that give none
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
 

@@ -124,9 +124,11 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     extra_stop_token_ids: tuple[int, ...] = (),
     defaults: LoopDefaults,
+    default_seed: int | None = None,
     field_names: dict[str, str] | None = None,
 ) -> SamplingParams:
-    """Build and validate the engine's parameters; a bad value is a 400 naming its field."""
+    """Build and validate the engine's parameters; a bad value is a 400 naming its field.
+    `default_seed` (the server's --seed) seeds a request that gives no seed."""
     stop = request.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     min_loops, max_loops = request.min_loops, request.max_loops
@@ -143,7 +145,7 @@ def sampling_params(
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=-1 if request.top_k == 0 else request.top_k,
-            seed=request.seed,
+            seed=request.seed if request.seed is not None else default_seed,
             stop=stops,
             stop_token_ids=tuple(request.stop_token_ids or ()) + extra_stop_token_ids,
             ignore_eos=request.ignore_eos,

@@ -75,6 +75,7 @@ def add_tokenize_routes(
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=ctx.chat_template,
             )
         else:
             try:

@@ -16,8 +16,15 @@ from collections.abc import Sequence
 
 from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
 from rlt_scheduler import POLICY_CHOICES
+from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_USAGE
 from rlt_serve.listening import check_can_listen, port_number
+from rlt_serve.vllm_flags import (
+    add_front_arguments,
+    add_model_arguments,
+    check_model_arguments,
+    front_settings_from_args,
+)
 
 from rlt.engine.config import BATCH_DEFAULTS, EngineConfig
 
@@ -49,44 +56,91 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "otherwise; requests that omit max_loops run the checkpoint's count or --max-loops)",
     )
     group.add_argument(
-        "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' and activations' dtype (auto: the checkpoint's torch_dtype)",
     )
     group.add_argument(
         "--quantization",
         default=None,
         choices=["fp8"],
-        help="fp8: the stack's projections in float8_e4m3fn with per-channel scales",
+        help="fp8: the stack's projections in float8_e4m3fn with per-channel scales "
+        "(default: none, the weights in --dtype)",
     )
-    group.add_argument("--quantize-lm-head", action="store_true", help="with fp8, the LM head too")
+    group.add_argument(
+        "--quantize-lm-head", action="store_true", help="with fp8, the LM head in fp8 too"
+    )
     group.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
         choices=["auto", "fp8"],
-        help="fp8: KV cache in float8_e4m3fn with per-layer scales (about 2x the tokens)",
+        help="fp8: KV cache in float8_e4m3fn with per-layer scales (about 2x the tokens); "
+        "auto: the model's dtype",
     )
-    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    group.add_argument("--kv-layout", default=d.kv_layout, choices=["last_exited", "shared"])
     group.add_argument(
-        "--scheduling-mode", default=d.scheduling_mode, choices=["refill", "no_refill"]
+        "--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N"
+    )
+    group.add_argument(
+        "--kv-layout",
+        default=d.kv_layout,
+        choices=["last_exited", "shared"],
+        help="last_exited: a KV plane per loop depth; shared: one plane (1/depth the memory)",
+    )
+    group.add_argument(
+        "--scheduling-mode",
+        default=d.scheduling_mode,
+        choices=["refill", "no_refill"],
+        help="refill: an exited row's successor starts at once; no_refill: cohorts drain first",
     )
     sizes = "(default: {} on the CPU, {} on CUDA)"
     group.add_argument(
-        "--max-num-seqs", type=int, default=None, help=sizes.format(*_batch_defaults(0))
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most requests running at once " + sizes.format(*_batch_defaults(0)),
     )
     group.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help=sizes.format(*_batch_defaults(1))
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step " + sizes.format(*_batch_defaults(1)),
     )
     group.add_argument(
         "--prefill-chunk-size",
         type=int,
         default=None,
-        help=sizes.format(*_batch_defaults(2)) + "; never above the token budget",
+        help="prompt tokens of one request per step "
+        + sizes.format(*_batch_defaults(2))
+        + "; never above the token budget",
     )
-    group.add_argument("--block-size", type=int, default=d.block_size)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--attention-backend", default=d.attention_backend)
-    group.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    group.add_argument(
+        "--block-size", type=int, default=d.block_size, help="token positions per KV block"
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: sized from free memory on CUDA; on the CPU "
+        "enough for --max-num-seqs full-length requests, at most --cpu-kv-cache-bytes)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens (default: the model's max_position_embeddings)",
+    )
+    group.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        help="auto (chosen for the device and dtype), torch, triton or flash_attn",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of the GPU's memory this engine may use (weights, activations, KV)",
+    )
     group.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
@@ -157,33 +211,83 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cap on token x loop passes per step (default: no cap)",
     )
-    group.add_argument("--enable-prefix-caching", action="store_true")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="share full prompt pages across requests, at every depth",
+    )
     group.add_argument(
         "--incremental-kv",
         action="store_true",
         help="claim KV pages as requests grow instead of a lifetime reservation",
     )
-    group.add_argument("--kv-watermark", type=float, default=d.kv_watermark)
     group.add_argument(
-        "--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"]
+        "--kv-watermark",
+        type=float,
+        default=d.kv_watermark,
+        help="fraction of the KV pool kept free at admission while other requests run",
     )
-    group.add_argument("--enable-preemption", action="store_true")
+    group.add_argument(
+        "--scheduling-policy",
+        default=d.scheduling_policy,
+        choices=["fcfs", "priority"],
+        help="admission order: first come first served, or by request priority (lower first)",
+    )
+    group.add_argument(
+        "--enable-preemption",
+        action="store_true",
+        help="under memory pressure or for priority, move requests' KV to the CPU (lossless)",
+    )
     group.add_argument(
         "--exit-policy",
         default=d.exit_policy,
         choices=POLICY_CHOICES,
-        help="default: the model family's own exit signal (hazard for a gated family, fixed "
-        "depth for one without a signal); the first wave's names are aliases of the hazard rules",
+        help="how each token's exit loop is chosen (default: the model family's own exit "
+        "signal: hazard for a gated family, fixed depth for one without a signal); ouro and "
+        "ouro_delayed are aliases of the hazard rules",
     )
     group.add_argument(
         "--exit-trace",
         default=None,
         help="JSON file {request_id: [depth per output token]} for --exit-policy trace",
     )
-    group.add_argument("--admission-scan-limit", type=int, default=d.admission_scan_limit)
-    group.add_argument("--max-admission-bypasses", type=int, default=d.max_admission_bypasses)
-    group.add_argument("--cpu-kv-cache-bytes", type=int, default=d.cpu_kv_cache_bytes)
+    group.add_argument(
+        "--admission-scan-limit",
+        type=int,
+        default=d.admission_scan_limit,
+        help="waiting requests admission looks at per step",
+    )
+    group.add_argument(
+        "--max-admission-bypasses",
+        type=int,
+        default=d.max_admission_bypasses,
+        help="times a request that does not fit may be overtaken by later ones",
+    )
+    group.add_argument(
+        "--cpu-kv-cache-bytes",
+        type=int,
+        default=d.cpu_kv_cache_bytes,
+        help="on the CPU, the most bytes of a KV pool sized without --num-kv-blocks",
+    )
+    add_habitual_engine_arguments(parser)
     add_speculation_arguments(parser)
+
+
+def add_habitual_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags that rlt takes with vLLM's meaning (rlt_serve.vllm_flags)."""
+    group = parser.add_argument_group("flags from vLLM (docs/serving.md)")
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory of the tokenizer to use instead of the checkpoint's (default: the "
+        "checkpoint's own)",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: the same as --no-cuda-graphs (default: off, graphs on CUDA)",
+    )
+    add_model_arguments(group)
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -273,46 +377,76 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Every EngineConfig field has a flag of the same name (--kebab-case) above; a command
-    without some flags (e.g. `generate` has no PD flags) keeps their defaults."""
-    return EngineConfig(
-        **{
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(EngineConfig)
-            if hasattr(args, f.name)
-        }
-    )
+    without some flags (e.g. `generate` has no PD flags) keeps their defaults. vLLM's
+    --enforce-eager is --no-cuda-graphs (prompt graphs off with them)."""
+    options = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if hasattr(args, f.name)
+    }
+    if getattr(args, "enforce_eager", False):
+        options.update(cuda_graphs=False, prefill_cuda_graphs=False)
+    return EngineConfig(**options)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     group = parser.add_argument_group("sampling and loops")
-    group.add_argument("--max-tokens", type=int, default=48)
-    group.add_argument("--temperature", type=float, default=d.temperature)
-    group.add_argument("--top-p", type=float, default=d.top_p)
-    group.add_argument("--top-k", type=int, default=d.top_k)
-    group.add_argument("--seed", type=int, default=d.seed)
+    group.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens to generate per prompt, at most"
+    )
+    # rlt generate samples greedily unless told otherwise (as SamplingParams() in Python);
+    # HTTP requests that omit temperature get 1.0, OpenAI's default (docs/configuration.md)
+    group.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="0 is greedy; > 0 samples (default: 0 here and in SamplingParams; 1.0 for HTTP "
+        "requests that omit it, as in OpenAI's API)",
+    )
+    group.add_argument(
+        "--top-p", type=float, default=d.top_p, help="nucleus mass kept; 1 keeps every token"
+    )
+    group.add_argument(
+        "--top-k", type=int, default=d.top_k, help="most likely tokens kept; -1 keeps every token"
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=d.seed,
+        help="seed of each prompt's random stream: sampled output repeats run to run",
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
+    )
     add_loop_arguments(group)
 
 
 def add_loop_arguments(group) -> None:
     """Loop bounds (for `rlt serve`: the defaults of requests that leave them out)."""
-    d = SamplingParams()
-    group.add_argument("--min-loops", type=int, default=d.min_loops)
+    group.add_argument(
+        "--min-loops",
+        type=int,
+        default=None,
+        help="loops every token runs before it may exit (default: the model family's own)",
+    )
     group.add_argument(
         "--max-loops",
         type=int,
         default=None,
-        help="default: the checkpoint's loop count (at most --max-model-loops)",
+        help="loops after which every token exits (default: the checkpoint's loop count, at "
+        "most --max-model-loops)",
     )
+    # 0.5 for the CLI and the servers (LoopDefaults.for_model); SamplingParams() in Python
+    # keeps 1.0, fixed depth (docs/configuration.md, "Defaults by entry point")
     group.add_argument(
         "--exit-threshold",
         type=float,
         default=None,
         help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth); "
-        f"default: {DEFAULT_GATE_EXIT_THRESHOLD} for a model with an exit gate, the fixed "
-        "depth for one without an exit signal",
+        f"default: {DEFAULT_GATE_EXIT_THRESHOLD} for a model with an exit gate (1.0 in "
+        "Python's SamplingParams), the fixed depth for one without an exit signal",
     )
 
 
@@ -336,14 +470,24 @@ def sampling_params_from_args(args: argparse.Namespace, exit_signal: str) -> Sam
     )
 
 
+def check_model_sources(args: argparse.Namespace) -> None:
+    """Before anything loads: vLLM's model flags (rlt_serve.vllm_flags), and what the model
+    directory lacks (with --tokenizer, that directory holds the tokenizer instead)."""
+    from rlt.engine.assembly import resolve_model_dir, resolve_tokenizer_dir
+
+    check_model_arguments(args)
+    separate_tokenizer = resolve_tokenizer_dir(args.tokenizer) is not None
+    resolve_model_dir(args.model, tokenizer=not separate_tokenizer)
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from rlt.engine.assembly import resolve_model_dir
     from rlt.llm import LLM
 
-    resolve_model_dir(args.model, tokenizer=True)  # before anything loads: what it lacks
+    check_model_sources(args)
     llm = LLM.from_config(engine_config_from_args(args))
     params = sampling_params_from_args(args, llm.engine.model_info().exit_signal)
-    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    # a progress bar (requests, tokens) on a terminal; none in a pipe or a log file
+    outputs = llm.generate(args.prompts, params, use_tqdm=sys.stderr.isatty())
     stats = llm.get_stats()
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if args.json:
@@ -393,7 +537,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
     )
-    group.add_argument("--port", type=port_number, default=8000, help="0..65535 (0: any free)")
+    group.add_argument(
+        "--port", type=port_number, default=8000, help="port to listen on, 0..65535 (0: any free)"
+    )
     group.add_argument(
         "--api-key",
         default=os.environ.get("RLT_API_KEY"),
@@ -432,8 +578,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the one engine-core process",
     )
     group.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="level of the server's log lines (rlt's, and uvicorn's unless --uvicorn-log-level)",
     )
+    add_front_arguments(parser.add_argument_group("server: flags from vLLM (docs/serving.md)"))
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     add_loop_arguments(loops)
 
@@ -485,7 +635,8 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
         raise ConfigurationError("api_server_count", f"must be >= 1, got {args.api_server_count}")
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
-    resolve_model_dir(args.model, tokenizer=True)  # before anything loads: what it lacks
+    check_model_sources(args)  # before anything loads: what the model directory lacks
+    front = front_settings_from_args(args)  # the chat template read, TLS files loaded
     check_can_listen(args.host, args.port)  # a taken port fails now, not after the model loads
     loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
     options = ServeOptions(
@@ -499,6 +650,7 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         api_server_count=args.api_server_count,
+        front=front,
     )
     config = engine_config_from_args(args)
     core = None
@@ -515,13 +667,21 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlt.versions import VersionsAction
+
     parser = argparse.ArgumentParser(
         prog="rlt", description="Serve and run recurrent looped transformers."
     )
+    parser.add_argument("--version", action=VersionsAction)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate text for one or more prompts")
     generate.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched)")
-    generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    generate.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per prompt instead of text (default: off, the text and its "
+        "exit depths)",
+    )
     add_engine_arguments(generate)
     add_sampling_arguments(generate)
     generate.set_defaults(handler=run_generate)
@@ -550,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rlt.bench.cli import add_bench_parser
 
     add_bench_parser(commands)
-    return parser
+    return explain_defaults(parser)  # every option's help shows its default (rlt_serve.cli_help)
 
 
 def _enable_stack_dumps() -> None:
@@ -585,7 +745,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pd_main(argv[1:])
     if argv[:1] == ["ray"]:  # Ray Serve: the optional rlt-ray distribution's plug-in
         return _plugin_command("ray", argv[1:])
-    args = build_parser().parse_args(argv)
+    # an unknown flag is reported with its subcommand's usage
+    args = parse_command_line(build_parser(), argv)
     try:
         return args.handler(args)
     except RltError as exc:

@@ -63,7 +63,9 @@ class LLM:
 
         prompts: a string, a list of strings, or a list of token-id lists.
         sampling_params: one for all prompts, or one per prompt.
-        use_tqdm: show a progress bar (default: when there are more than 8 prompts).
+        use_tqdm: show a progress bar on stderr: finished requests, and the tokens generated
+          so far with their rate (default: when there are more than 8 prompts; `rlt generate`
+          shows it when stderr is a terminal).
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
@@ -80,11 +82,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(batch), use_tqdm)
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            outputs = self.engine.step()
+            for output in outputs:
                 if output.finished:
                     results[output.request_id] = output
-                    if progress is not None:
-                        progress.update(1)
+            if progress is not None:
+                progress.step(outputs)
         if progress is not None:
             progress.close()
         return [results[request_id] for request_id in request_ids]
@@ -119,9 +122,31 @@ def _as_params_list(
     return params
 
 
-def _progress_bar(total: int, use_tqdm: bool | None):
+def _progress_bar(total: int, use_tqdm: bool | None) -> _Progress | None:
     if not (use_tqdm if use_tqdm is not None else total > 8):
         return None
-    from tqdm import tqdm
+    return _Progress(total)
 
-    return tqdm(total=total, desc="generating", unit="req")
+
+class _Progress:
+    """tqdm's bar of finished requests, with the tokens generated so far and their rate:
+    `generating:  50%|#####     | 1/2 [00:03<00:03, 0.33req/s, 96 tokens, 31.2 tok/s]`."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="generating", unit="req")
+        self.tokens: dict[str, int] = {}  # request id -> tokens generated (outputs are cumulative)
+
+    def step(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.tokens[output.request_id] = len(output.token_ids)
+        finished = sum(1 for output in outputs if output.finished)
+        generated = sum(self.tokens.values())
+        elapsed = self.bar.format_dict["elapsed"]
+        rate = f", {generated / elapsed:.1f} tok/s" if elapsed > 0 else ""
+        self.bar.set_postfix_str(f"{generated} tokens{rate}", refresh=False)
+        self.bar.update(finished)  # (0 too: the postfix is redrawn at tqdm's own pace)
+
+    def close(self) -> None:
+        self.bar.close()

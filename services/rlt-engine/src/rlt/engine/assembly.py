@@ -21,7 +21,7 @@ from rlt_contracts import (
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
-from rlt_models.model_dir import check_model_dir
+from rlt_models.model_dir import check_model_dir, check_tokenizer_dir
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
     FP8,
@@ -72,6 +72,12 @@ class EngineParts:
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
+    tokenizer_dir: Path | None = None  # --tokenizer's directory (None: model_dir's tokenizer)
+
+    @property
+    def tokenizer_source(self) -> Path:
+        """Where the engine's tokenizer loads from."""
+        return self.tokenizer_dir or self.model_dir
 
 
 def resolve_model_dir(model: str | Path | None, *, tokenizer: bool = False) -> Path:
@@ -89,6 +95,16 @@ def resolve_model_dir(model: str | Path | None, *, tokenizer: bool = False) -> P
     return path
 
 
+def resolve_tokenizer_dir(tokenizer: str | Path | None) -> Path | None:
+    """The directory of a tokenizer given apart from the checkpoint (EngineConfig.tokenizer,
+    --tokenizer), checked to hold one; None when none was given (the checkpoint's is used)."""
+    if tokenizer is None:
+        return None
+    path = Path(tokenizer).expanduser()
+    check_tokenizer_dir(path)
+    return path
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,6 +119,8 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     device (benchmarks share one between engines); None loads it."""
     clock = StartupClock()
     model_dir = resolve_model_dir(config.model)
+    tokenizer_dir = resolve_tokenizer_dir(config.tokenizer)
+    tokenizer_source = tokenizer_dir or model_dir
     device = resolve_device(config.device)
     if model is None:
         with clock.phase("weights", lambda: _weights_line(model, device)):
@@ -161,7 +179,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     kv_scales = None
     if config.kv_cache_dtype == "fp8":
         with clock.phase("fp8 KV scales"):
-            kv_scales = fp8_kv_scales(model, model_dir)
+            kv_scales = fp8_kv_scales(model, tokenizer_source)
     kv_dtype = model.dtype if kv_scales is None else FP8
     bytes_per_block = KVStorage.bytes_per_block(
         shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
@@ -217,7 +235,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     )
     # Structured output: grammars over the checkpoint's tokenizer (loaded on first use).
     constraint_compiler = XGrammarCompiler(
-        lambda: load_tokenizer(model_dir),
+        lambda: load_tokenizer(tokenizer_source),
         vocab_size=shape.vocab_size,
         stop_token_ids=shape.eos_token_ids,
     )
@@ -292,6 +310,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         pd=pd,
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
+        tokenizer_dir=tokenizer_dir,
     )
 
 
@@ -315,14 +334,14 @@ def _graphs_line(runner: ModelRunner) -> str:
     return ", ".join(parts)
 
 
-def fp8_kv_scales(model: LoopedModelBase, model_dir: Path) -> KVScales:
+def fp8_kv_scales(model: LoopedModelBase, tokenizer_dir: Path) -> KVScales:
     """The fp8 KV cache's per-layer scales: the checkpoint's, else calibrated on the sample
-    text through the checkpoint's tokenizer (rlt_models.kv_scales)."""
+    text through the engine's tokenizer (`tokenizer_dir`; rlt_models.kv_scales)."""
     if model.checkpoint_kv_scales is not None:
         keys, values = model.checkpoint_kv_scales
         source = "checkpoint"
     else:
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
         token_ids = tokenizer.encode(
             SAMPLE_TEXT, truncation=True, max_length=MAX_CALIBRATION_TOKENS
         )

@@ -31,6 +31,8 @@ class EngineConfig:
     """Options of one engine (Python keywords; the CLI spells them --kebab-case).
 
     model: checkpoint directory (None = the bundled default model).
+    tokenizer: directory of the tokenizer to use instead of the checkpoint's (vLLM's
+      --tokenizer; None: the checkpoint's own).
     dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
     quantization: None, or "fp8": the stack's projections as float8_e4m3fn with per-channel
       scales, quantized at load (a compressed-tensors fp8 checkpoint loads as fp8 anyway).
@@ -124,6 +126,7 @@ class EngineConfig:
     """
 
     model: str | Path | None = None
+    tokenizer: str | Path | None = None
     dtype: str = "auto"
     quantization: str | None = None
     quantize_lm_head: bool = False

@@ -77,8 +77,9 @@ class LLMEngine:
 
     @cached_property
     def tokenizer(self):
-        """The checkpoint's tokenizer, loaded on first use (token-id prompts never need it)."""
-        return load_tokenizer(self.parts.model_dir)
+        """The engine's tokenizer (the checkpoint's, or EngineConfig.tokenizer's), loaded on
+        first use (token-id prompts never need it)."""
+        return load_tokenizer(self.parts.tokenizer_source)
 
     def model_info(self) -> ModelInfo:
         return model_info(self.parts)

@@ -48,7 +48,7 @@ from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
 from rlt_serve.shutdown import StopRequested, StopSignals, stopping
 
-from rlt.engine.assembly import resolve_model_dir
+from rlt.engine.assembly import resolve_model_dir, resolve_tokenizer_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.llm_engine import LLMEngine
 from rlt.engine.startup import StartupClock, configure_logging
@@ -87,6 +87,8 @@ def build_front_app(client: CoreClient, tokenizer, options: ServeOptions, pd: PD
         engine_error=lambda: client.dead,
         pd=EnginePDControl(client, pd),
         version=package_version("rlt"),
+        chat_template=options.front.chat_template,
+        default_seed=options.front.default_seed,
     )
 
 
@@ -98,10 +100,11 @@ def uvicorn_config(app, options: ServeOptions) -> uvicorn.Config:
         app,
         host=options.host,
         port=options.port,
-        log_level=options.log_level,
         lifespan="on",
         timeout_graceful_shutdown=options.shutdown_timeout + HARD_STOP_MARGIN_S,
         server_header=False,
+        # TLS, uvicorn's own log level (never rlt's loggers), its access log
+        **options.front.uvicorn_options(options.log_level),
     )
 
 
@@ -137,7 +140,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # the URL once it answers (the port the OS chose for --port 0)
             port = sockets[0].getsockname()[1] if sockets else self.config.port
-            self.clock.ready(f"ready at http://{self.config.host}:{port}")
+            scheme = "https" if self.config.is_ssl else "http"
+            self.clock.ready(f"ready at {scheme}://{self.config.host}:{port}")
 
     def core_died(self) -> None:
         self.engine_died = True
@@ -190,7 +194,7 @@ def serve(
             with signals.spawning():
                 core = CoreProcess.spawn(config, log_level=options.log_level)
         with clock.phase("front end: tokenizer (while the core starts)"):
-            tokenizer = front_end_tokenizer(resolve_model_dir(config.model))
+            tokenizer = front_end_tokenizer(tokenizer_source(config))
         with clock.phase("engine core process ready (see its [core] lines)"):
             endpoint = core.wait_ready()
         return run_front_end(
@@ -212,6 +216,11 @@ def serve(
                 core.stop()
 
 
+def tokenizer_source(config: EngineConfig) -> Path:
+    """The directory the front ends load the tokenizer from: --tokenizer's, else the model's."""
+    return resolve_tokenizer_dir(config.tokenizer) or resolve_model_dir(config.model)
+
+
 def front_end_tokenizer(model_dir: Path):
     try:
         return load_tokenizer(model_dir)
@@ -229,16 +238,18 @@ def run_front_end(
     sock=None,
     clock: StartupClock | None = None,
     tokenizer=None,
+    tokenizer_dir: Path | None = None,
 ) -> int:
     """One front end (HTTP, tokenization, output processing) over a running core; `sock`: a
     listening socket shared by several front ends (None: bind host:port). `signals`: the
     process's installed stop-signal policy (a signal before the server runs raises
-    `StopRequested`)."""
+    `StopRequested`). `tokenizer`: already loaded; else loaded from `tokenizer_dir` (None: the
+    model directory the core serves)."""
     clock = clock or StartupClock()
     model_info = endpoint.ready.model_info
     with clock.phase("front end: app"):
         if tokenizer is None:
-            tokenizer = front_end_tokenizer(Path(model_info.path))
+            tokenizer = front_end_tokenizer(tokenizer_dir or Path(model_info.path))
         transport = ProcessTransport(endpoint, f"fe{index}", owns_core=owns_core)
         client = CoreClient(
             transport,

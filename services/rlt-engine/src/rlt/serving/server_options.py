@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
+from rlt_serve.vllm_flags import FrontSettings
 
 EXIT_ENGINE_DIED = 1  # exit code of `rlt serve` when the engine core died under the server
 
@@ -23,3 +24,6 @@ class ServeOptions:
     shutdown_timeout: float = 10.0
     log_level: str = "info"
     api_server_count: int = 1  # front-end processes over the one engine core
+    # vLLM's front flags: --seed, --chat-template, TLS, --uvicorn-log-level,
+    # --disable-log-requests (rlt_serve.vllm_flags)
+    front: FrontSettings = field(default_factory=FrontSettings)

@@ -49,7 +49,7 @@ from rlt_serve.shutdown import (
     unblock_stop_signals,
 )
 
-from rlt.engine.assembly import resolve_model_dir
+from rlt.engine.assembly import resolve_tokenizer_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.startup import StartupClock, configure_logging
 from rlt.serving.core_process_client import (
@@ -59,7 +59,7 @@ from rlt.serving.core_process_client import (
     child_start_method,
 )
 from rlt.serving.front_end_metrics import FrontEndMetrics
-from rlt.serving.server import front_end_tokenizer
+from rlt.serving.server import front_end_tokenizer, tokenizer_source
 from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ def _run_front_end(
     sock: socket.socket,
     parent_only: tuple,
     tokenizer=None,
+    tokenizer_dir=None,
 ) -> None:
     """Entry point of a front-end process (forked, or spawned), started with SIGINT/SIGTERM
     blocked: it leaves the terminal's process group (a group signal reaches it once, forwarded
@@ -99,6 +100,7 @@ def _run_front_end(
             signals=signals,
             sock=sock,
             tokenizer=tokenizer,
+            tokenizer_dir=tokenizer_dir,
         )
     except StopRequested:
         code = signals.exit_code()
@@ -130,7 +132,7 @@ class _Supervisor:
             # forked front ends inherit it: loaded once, while the core starts, instead of by
             # every front end after it (spawned ones load their own)
             with self.clock.phase("tokenizer for the front ends (while the core starts)"):
-                self.tokenizer = front_end_tokenizer(resolve_model_dir(self.config.model))
+                self.tokenizer = front_end_tokenizer(tokenizer_source(self.config))
         with self.clock.phase("engine core process ready (see its [core] lines)"):
             self.core.wait_ready()
         # `rlt serve` probed the port before this: a failure here is a race
@@ -148,6 +150,7 @@ class _Supervisor:
                     self.sock,
                     self.core.parent_only(),
                     self.tokenizer,
+                    resolve_tokenizer_dir(self.config.tokenizer),
                 ),
                 name=f"rlt-api-server-{index}",
             )

@@ -120,7 +120,11 @@ def record_generated(
             break
     request.outputs.extend(generated, 0, end)
     stats.generation_tokens += end
-    stats.decode_loops += sum(generated.exit_depths[max(0, 1 - start) : end])  # not token 0
+    decoded = generated.exit_depths[max(0, 1 - start) : end]  # not token 0 (the prefill's)
+    stats.decode_loops += sum(decoded)
+    stats.decoded_tokens += len(decoded)
+    # a token never loops past its rule's max_loops: the others exited early (C-speed count)
+    stats.early_exit_tokens += len(decoded) - decoded.count(request.rule.exit.max_loops)
     return decision
 
 

@@ -13,6 +13,8 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt positions computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     decode_loops: int = 0  # loops run for output tokens 1.. (token 0 comes from prefill)
+    decoded_tokens: int = 0  # output tokens 1.. recorded (what decode_loops is divided by)
+    early_exit_tokens: int = 0  # of those, tokens that exited before their rule's max_loops
     finished_requests: int = 0
     aborted_requests: int = 0
     preemptions: int = 0

@@ -586,6 +586,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_front_arguments(parser.add_argument_group("server: flags from vLLM (docs/serving.md)"))
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     add_loop_arguments(loops)
+    add_stats_arguments(parser)
+
+
+def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine core's live statistics line (rlt.engine.stats_log; EngineConfig.log_stats,
+    stats_interval_s): every server that runs an engine (rlt serve, its PD instances, rlt ray)."""
+    d = EngineConfig(device="cpu")
+    group = parser.add_argument_group("live engine statistics")
+    group.add_argument(
+        "--stats-interval",
+        dest="stats_interval_s",
+        type=float,
+        default=d.stats_interval_s,
+        metavar="SECONDS",
+        help="while the engine has work, one INFO line of prompt and generation throughput, "
+        "running and waiting requests, KV use, prefix hits and loop mix every SECONDS, "
+        "whatever --log-level says (default: %(default)g, as vLLM)",
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        dest="log_stats",
+        action="store_false",
+        help="no live statistics lines (default: they are on)",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:

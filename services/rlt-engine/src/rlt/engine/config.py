@@ -123,6 +123,12 @@ class EngineConfig:
     pd_max_inflight_bytes: prefill: bytes of posted, unfinished KV writes (later chunks wait);
       None: twice the KV of one step's prompt tokens (max_num_batched_tokens at every plane),
       at least 256 MiB (`pd_assembly.default_max_inflight_bytes`).
+
+    Live statistics (docs/serving.md, "Live engine statistics"; read by the engine core's loop,
+    `rlt.engine.stats_log`, so by `rlt serve`, PD instances and Ray replicas, not by `LLM`):
+    log_stats: one INFO line of throughput, queue, KV and loop mix every stats_interval_s
+      seconds while the engine has work (vLLM's default; False: vLLM's --disable-log-stats).
+    stats_interval_s: seconds between those lines (default 10, as vLLM's).
     """
 
     model: str | Path | None = None
@@ -173,6 +179,8 @@ class EngineConfig:
     pd_kv_lease_s: float = 480.0
     pd_write_timeout_s: float = 300.0
     pd_max_inflight_bytes: int | None = None
+    log_stats: bool = True
+    stats_interval_s: float = 10.0
 
     def resolved_cache_dir(self) -> Path | None:
         """The cache directory start-up uses (cache_dir above); None when "off"."""
@@ -243,6 +251,15 @@ class EngineConfig:
                 "speculative_draft_loops", f"must be a positive integer, got {draft_loops!r}"
             )
         self._check_pd()
+        if not isinstance(self.log_stats, bool):
+            raise ConfigurationError("log_stats", f"must be True or False, got {self.log_stats!r}")
+        interval = self.stats_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
+            0 < interval < float("inf")  # also refuses NaN
+        ):
+            raise ConfigurationError(
+                "stats_interval_s", f"must be a number of seconds > 0, got {interval!r}"
+            )
         if self.exit_policy == "trace" and self.exit_trace is None:
             raise ConfigurationError(
                 ("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file"

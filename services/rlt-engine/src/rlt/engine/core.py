@@ -338,3 +338,9 @@ class EngineCore:
             spec_accepted_tokens=counters.spec_accepted_tokens,
             spec_accepted_per_position=tuple(counters.spec_accepted_per_position),
         )
+
+    def loop_mix(self) -> tuple[int, int]:
+        """(output tokens 1.. recorded, those of them that exited before their request's
+        max_loops) so far: the scheduler's host counters, read by the live statistics line."""
+        counters = self.scheduler.stats
+        return counters.decoded_tokens, counters.early_exit_tokens

@@ -18,6 +18,10 @@ is queued and then aborted at once, so it still ends with a final delta.
 Every round's outputs carry the core's statistics after it. An add without requests is answered
 at once, before the next step: a front end sends one to read the current statistics
 (`CoreClient.refresh_stats`, when /metrics is scraped).
+
+With `stats_interval_s` the loop also writes the live statistics line (`stats_log`) every
+that many seconds while there is work; an idle transport blocks no longer than `wake_in_s()`
+so that the window in which work ended gets its line.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from rlt_contracts import (
 )
 
 from rlt.engine.core import EngineCore
+from rlt.engine.stats_log import StatsLog, StatsSample, make_visible
 
 STATS_INTERVAL_S = 0.05  # the longest a front end's statistics lag behind the core
 
@@ -57,7 +62,15 @@ class _PendingAdd:
 class CoreLoop:
     """Not thread-safe: the transport's one thread calls every method."""
 
-    def __init__(self, core: EngineCore, *, constraint_compiler=None, pd_transport=None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        constraint_compiler=None,
+        pd_transport=None,
+        stats_interval_s: float | None = None,
+    ) -> None:
+        """`stats_interval_s`: seconds between live statistics lines (None: none)."""
         self.core = core
         self._compiler = constraint_compiler
         self._pd_transport = pd_transport
@@ -70,6 +83,10 @@ class CoreLoop:
         self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._changed = False  # something happened since the last take_outputs
         self._stats_sent_s = 0.0
+        self._stats_log: StatsLog | None = None
+        if stats_interval_s is not None:
+            make_visible()
+            self._stats_log = StatsLog(lambda: StatsSample.of(core), stats_interval_s)
         self.stopped = False
 
     # -- state ---------------------------------------------------------------------------------
@@ -88,6 +105,14 @@ class CoreLoop:
     def compiling(self) -> bool:
         """Adds wait for their grammars: poll again soon even when idle."""
         return bool(self._pending)
+
+    def wake_in_s(self) -> float | None:
+        """Seconds an idle transport may block before calling `step()` again although no
+        message came: when the live statistics line of the window in which work ended is due
+        (None: until a message comes)."""
+        if self._stats_log is None:
+            return None
+        return self._stats_log.seconds_until_due(time.monotonic())
 
     # -- messages ------------------------------------------------------------------------------
     def handle(self, client: str, message) -> None:
@@ -203,10 +228,15 @@ class CoreLoop:
         first."""
         if self._pending:
             self.poll_compiles()
+        stats_log = self._stats_log
         if self.core.has_unfinished_requests():
+            if stats_log is not None:
+                stats_log.step_starting()
             deltas = self.core.step()
             now = time.monotonic()
             idle = not self.core.has_unfinished_requests()
+            if stats_log is not None:
+                stats_log.step_done(now, idle)
             if deltas or idle or now - self._stats_sent_s >= STATS_INTERVAL_S:
                 # a step without results (a prompt chunk, a PD instance polling its transfers
                 # thousands of times a second) sends its statistics at most every interval;
@@ -214,6 +244,8 @@ class CoreLoop:
                 # transfer released without a delta would stay in the front's load forever)
                 self._changed = True
             self._route(deltas)
+        elif stats_log is not None:
+            stats_log.idle_tick(time.monotonic())
 
     def _route(self, deltas: list[RequestOutputDelta]) -> None:
         owners = self._owners

@@ -24,6 +24,7 @@ blocked (`rlt_serve.shutdown`, `StopSignals.spawning`): they are unblocked once 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -76,6 +77,7 @@ def run_core_process(
         parts.core,
         constraint_compiler=parts.constraint_compiler,
         pd_transport=pd.transport if pd is not None else None,
+        stats_interval_s=config.stats_interval_s if config.log_stats else None,
     )
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
@@ -128,6 +130,10 @@ def _serve(core_loop, socket, parent_alive) -> None:
             timeout = 0
         else:
             timeout = COMPILE_POLL_MS if core_loop.compiling else None
+            wake_s = core_loop.wake_in_s()  # the live statistics line of an ended burst
+            if wake_s is not None:
+                wake_ms = math.ceil(wake_s * 1000)
+                timeout = wake_ms if timeout is None else min(timeout, wake_ms)
         events = dict(poller.poll(timeout))
         if parent_alive.fileno() in events:
             logger.info("the process that started this core stopped or died: shutting down")

@@ -43,10 +43,12 @@ class _ThreadTransport:
 
     def __init__(self, engine: LLMEngine, thread_name: str) -> None:
         parts = engine.parts
+        config = engine.config
         self.core_loop = CoreLoop(
             engine.core,
             constraint_compiler=parts.constraint_compiler,
             pd_transport=parts.pd.transport if parts.pd is not None else None,
+            stats_interval_s=config.stats_interval_s if config.log_stats else None,
         )
         self.client: AsyncEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -77,7 +79,8 @@ class _ThreadTransport:
         try:
             while not core_loop.stopped:
                 block = not core_loop.has_work
-                for message in self._take(block, COMPILE_POLL_S if core_loop.compiling else None):
+                timeout = self._idle_timeout_s(core_loop) if block else None
+                for message in self._take(block, timeout):
                     core_loop.handle(_CLIENT, message)
                     if core_loop.stopped:
                         break
@@ -93,6 +96,16 @@ class _ThreadTransport:
             self._post("on_dead", EngineDeadError(f"engine thread failed: {exc!r}"))
             return
         self._post("on_dead", EngineDeadError("the engine was shut down"))
+
+    @staticmethod
+    def _idle_timeout_s(core_loop: CoreLoop) -> float | None:
+        """How long to block for a message while idle: grammars being compiled are polled,
+        and the live statistics line of an ended burst is written when due."""
+        timeout = COMPILE_POLL_S if core_loop.compiling else None
+        wake_s = core_loop.wake_in_s()
+        if wake_s is not None:
+            timeout = wake_s if timeout is None else min(timeout, wake_s)
+        return timeout
 
     def _take(self, block: bool, timeout: float | None) -> list:
         messages = []

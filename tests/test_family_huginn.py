@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import shutil
 
@@ -64,6 +63,7 @@ CONFIG = HuginnConfig(
 )
 INIT = RandomInit(weight_std=0.1)
 ENGINE = dict(
+    initial_state="zero",  # the reference's default; the like-init draw: its own tests below
     dtype="float32",
     device="cpu",
     block_size=4,
@@ -146,8 +146,24 @@ def _rope_pairs(x, positions, base):  # x [n, heads, d]: (x[2j], x[2j + 1]) rota
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
 
 
-def reference_logits(weights, raw, ids, steps):
-    """Logits of every position of `ids`, each position run `steps` recurrent steps."""
+def like_init_state(seed, n, d):
+    """The like-init initial state of positions 0..n-1 of a request with `seed`, float64: the
+    authors' truncated normal (std sqrt(2 / (5d)), cut at 3 std, times sqrt(d)) by the inverse
+    CDF of rlt's per-(seed, position) uniforms (the stream is rlt's definition; the transform
+    is written here)."""
+    from rlt_sampling.noise import STATE_DOMAIN, counter_uniform
+
+    u = counter_uniform(
+        torch.full((n,), seed, dtype=torch.int64), torch.arange(n), d, domain=STATE_DOMAIN
+    ).double()
+    edge = 0.5 * math.erfc(3 / math.sqrt(2))
+    standard = math.sqrt(2) * torch.erfinv(2 * (edge + u * (1 - 2 * edge)) - 1)
+    return standard * math.sqrt(2 / (5 * d)) * math.sqrt(d)
+
+
+def reference_logits(weights, raw, ids, steps, seed=None):
+    """Logits of every position of `ids`, each position run `steps` recurrent steps, from the
+    zero initial state (seed None) or the like-init state of the request's `seed`."""
     w = {k: v.double() for k, v in weights.items()}
     d, heads, eps = raw["n_embd"], raw["n_heads"], raw["norm_eps"]
     head_dim, f, n = d // heads, raw["intermediate_size"], len(ids)
@@ -177,7 +193,7 @@ def reference_logits(weights, raw, ids, steps):
     e = embed[torch.tensor(ids)] * raw["init_values"]["embed_scale"]
     for i in range(raw["n_layers_in_prelude"]):
         e = block(f"transformer.prelude.{i}", e)
-    s = torch.zeros_like(e)  # the zero initial state
+    s = torch.zeros_like(e) if seed is None else like_init_state(seed, n, d)
     for _ in range(steps):
         s = torch.cat([s, e], -1) @ w["transformer.adapter.weight"].T  # state first
         for i in range(raw["n_layers_in_recurrent_block"]):
@@ -189,12 +205,12 @@ def reference_logits(weights, raw, ids, steps):
     return x @ w.get("lm_head.weight", embed).T
 
 
-def reference_greedy(path, prompt, max_tokens, steps):
+def reference_greedy(path, prompt, max_tokens, steps, seed=None):
     weights = load_file(str(path / "model.safetensors"))
     raw = json.loads((path / "config.json").read_text())
     ids = list(prompt)
     for _ in range(max_tokens):
-        logits = reference_logits(weights, raw, ids, steps)[-1]
+        logits = reference_logits(weights, raw, ids, steps, seed)[-1]
         top = logits.topk(2).values
         assert top[0] - top[1] > MARGIN, "ill-conditioned case"
         ids.append(int(logits.argmax()))
@@ -211,8 +227,8 @@ def expected(checkpoint):
 
 
 # -- the engine -----------------------------------------------------------------------------
-def generate(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, **loops):
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, **loops) for n in max_tokens]
+def generate(llm, prompts=PROMPTS, max_tokens=MAX_TOKENS, **params):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **params) for n in max_tokens]
     outputs = llm.generate(prompts, params)
     assert llm.engine.core.leak_report() == []
     return outputs
@@ -429,15 +445,37 @@ def test_options_rlt_does_not_implement_are_refused_by_name(key, value):
         HuginnConfig.from_dict({**HUB_CONFIG, key: value})
 
 
-def test_the_initial_state_kind_is_logged(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="rlt_models.huginn"):
-        zero = write_random_checkpoint(
-            tmp_path / "zero", dataclasses.replace(CONFIG, state_init="zero"), seed=3
-        )
-        load_model(zero)
-        assert "initial state" not in caplog.text
-        load_model(write_random_checkpoint(tmp_path / "like", CONFIG, seed=3))
-    assert "'like-init'" in caplog.text and "zero initial state" in caplog.text
+def test_the_like_init_state_is_drawn_per_request_seed_and_position(checkpoint):
+    """initial_state="random" (the default): each token's s0 from its request's seed and its
+    position, so tokens equal the reference's draw whatever the batch, chunking or
+    preemption, and another seed gives other tokens."""
+    want = {
+        seed: [
+            reference_greedy(checkpoint, p, n, DEFAULT, seed)
+            for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+        ]
+        for seed in (0, 7)
+    }
+    assert want[0] != want[7] != expected_zero(checkpoint)
+    random = {k: v for k, v in ENGINE.items() if k != "initial_state"}
+    tight = dict(random, num_kv_blocks=48, incremental_kv=True, enable_preemption=True)
+    with LLM(checkpoint, **tight) as llm:
+        for seed in (0, 7):
+            outputs = generate(llm, seed=seed)
+            assert tokens(outputs) == want[seed]
+            serial = [
+                tokens(generate(llm, [p], [n], seed=seed))[0]
+                for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+            ]
+            assert serial == want[seed]
+        assert llm.get_stats().preemptions > 0
+
+
+def expected_zero(checkpoint):
+    return [
+        reference_greedy(checkpoint, p, n, DEFAULT)
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
 
 
 def test_served_over_http(checkpoint):

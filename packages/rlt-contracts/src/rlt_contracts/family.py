@@ -128,6 +128,9 @@ class FamilyDeclaration(msgspec.Struct, frozen=True):
     loop_limit: int | None = None
     prompt_mask: PromptMask = PromptMask.CAUSAL
     unsupported: tuple[tuple[Feature, str], ...] = ()  # (feature, why not)
+    # (0.3.4) the loop state starts from a random draw, seeded per request and position
+    # (`embed(..., uniforms=...)`); the engine's `initial_state="zero"` starts it at zero
+    random_initial_state: bool = False
 
     @property
     def state_vectors(self) -> int:

@@ -86,6 +86,11 @@ class LoopedLanguageModel(Protocol):
     token's state after its last loop, whose result `coda` (then the head alone) reads. Other
     families ignore both arguments and have no `finish`; the runner passes them and calls
     `finish` only for a family with stage layers.
+
+    Random initial state (0.3.4): a family declaring `random_initial_state` takes `uniforms`
+    [N, hidden_size] fp32 in (0, 1) in `embed` (`TokenSampler.state_uniforms` of the token's
+    request seed and position) and draws its initial loop state from them; None: the zero state
+    (the engine's `initial_state="zero"`).
     """
 
     shape: LoopedModelShape
@@ -96,6 +101,7 @@ class LoopedLanguageModel(Protocol):
         token_ids: Tensor,
         positions: Tensor | None = None,
         attention: LayerAttention | None = None,
+        uniforms: Tensor | None = None,
     ) -> Tensor: ...
 
     def recurrent_step(
@@ -219,6 +225,13 @@ class TokenSampler(Protocol):
         min_p: Tensor | None = None,
         adjustments: LogitsAdjustments | None = None,
     ) -> SampledRows: ...
+
+    def state_uniforms(self, seed: Tensor, position: Tensor, width: int) -> Tensor:
+        """(0.3.4) Uniforms fp32 [N, width] strictly inside (0, 1) for a family's random initial
+        loop state: element [n, i] depends only on (seed[n], position[n], i), in a stream apart
+        from token sampling's, so a token's draw never depends on its batch, on preemption or
+        on which instance (PD) computes it."""
+        ...
 
 
 class ProposedRows(Protocol):

@@ -24,12 +24,13 @@ in fp32 (`ExitSignal.LATENT_CHANGE`, the authors' `latent-diff`), read by the sc
 `latent_diff` rules; a request without a threshold runs its `max_loops` steps (by default
 `mean_recurrence`, at most the engine's cap, by default twice that).
 
-Initial state: ZERO, always (the authors' `init_scale=0`). The release's `state_init` is
-"like-init": the authors' code draws s0 per call from a truncated normal (std
-init_values["std"], cut at 3 std, times embed_scale). Serving that draw reproducibly needs a
-random stream per request that the runner does not hand to models yet (the engine option
-`initial_state` is a follow-up), so until then outputs are those of the zero state; loading a
-"like-init" checkpoint logs it.
+Initial state: the release's `state_init` "like-init" draws s0 from a truncated normal (std
+sqrt(2 / (5 n_embd)), cut at +-3 std, times sqrt(n_embd)), as the authors' code does on every
+call. rlt draws it per token from the uniforms the runner passes (`embed(..., uniforms=...)`:
+the token's request seed and position, a stream apart from token sampling's), by the inverse
+normal CDF restricted to [-3, 3], so a request's output never depends on its batch, on
+preemption or on where it runs. Without uniforms (the engine's `initial_state="zero"`) and for
+a checkpoint whose `state_init` is "zero", s0 is zero (the authors' `init_scale=0`).
 
 Checkpoints (the Hub's names, as the authors' class stores them): `transformer.wte.weight`,
 `transformer.adapter.weight` [d, 2d], `transformer.ln_f.weight`, for each block of
@@ -43,7 +44,7 @@ authors' model, may be stored: it must then equal the table computed here (`deri
 
 from __future__ import annotations
 
-import logging
+import math
 
 import torch
 from rlt_contracts import LayerAttention
@@ -53,8 +54,6 @@ from rlt_models.fp8_linear import project
 from rlt_models.huginn_config import STAGES, HuginnConfig, rope_table
 from rlt_models.layers import ModelOps, RMSNorm, empty_parameter
 from rlt_models.looped_model import LoopedModelBase
-
-logger = logging.getLogger(__name__)
 
 
 class PairRotary:
@@ -134,13 +133,6 @@ class HuginnModel(LoopedModelBase):
         )
         self.ln_f = RMSNorm(d, config.norm_eps)
         self.pair_rotary = PairRotary(config.head_dim, config.rope_base, config.block_size)
-        if config.state_init != "zero":
-            logger.warning(
-                "huginn: the checkpoint's state_init is %r (a random initial state per call in "
-                "the authors' code); rlt serves the zero initial state (the engine option "
-                "initial_state is not implemented yet)",
-                config.state_init,
-            )
 
     def _run(self, blocks, x, positions, attention, first_slot: int) -> torch.Tensor:
         if attention is None or positions is None:
@@ -150,11 +142,14 @@ class HuginnModel(LoopedModelBase):
             x = block(x, cos, sin, attention, first_slot + index, self.ops)
         return x
 
-    def embed(self, token_ids, positions=None, attention=None) -> torch.Tensor:
-        """The prelude (stage slots 0..): [s0 = 0, e] of the scaled embeddings."""
+    def embed(self, token_ids, positions=None, attention=None, uniforms=None) -> torch.Tensor:
+        """The prelude (stage slots 0..): [s0, e] of the scaled embeddings; s0 drawn from
+        `uniforms` [N, n_embd] (module doc), zero without them."""
         x = super().embed(token_ids) * self.config.scale
         e = self._run(self.prelude, x, positions, attention, 0)
-        return torch.cat([torch.zeros_like(e), e], dim=-1)
+        if uniforms is None or self.config.state_init == "zero":
+            return torch.cat([torch.zeros_like(e), e], dim=-1)
+        return torch.cat([truncated_normal_state(uniforms, self.config.n_embd).to(e.dtype), e], -1)
 
     def recurrent_step(
         self,
@@ -190,6 +185,20 @@ class HuginnModel(LoopedModelBase):
         """ln_f (its second use) and the head: logits [N, V] in the model dtype."""
         x = self.ln_f(hidden[:, : self.config.n_embd].contiguous())
         return super().coda(x, needed=needed)
+
+
+TRUNCATION = 3.0  # the initial state's normal is cut at +-3 std
+_EDGE = 0.5 * math.erfc(TRUNCATION / math.sqrt(2.0))  # Phi(-3)
+
+
+def truncated_normal_state(uniforms: torch.Tensor, n_embd: int) -> torch.Tensor:
+    """The like-init state of uniforms in (0, 1), fp32: Phi^-1 of a uniform on [Phi(-3), Phi(3)]
+    times std sqrt(2 / (5 n_embd)), times sqrt(n_embd)."""
+    p = _EDGE + uniforms.float() * (1.0 - 2.0 * _EDGE)
+    standard = math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)
+    return standard.clamp_(-TRUNCATION, TRUNCATION) * (
+        math.sqrt(2.0 / (5 * n_embd)) * math.sqrt(n_embd)
+    )
 
 
 def _block_tensor_shapes(config: HuginnConfig, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -14,9 +14,10 @@ fields it is built from. What the authors' model reads decides the meaning here:
   ignored; module choices (`block_class_name`, `injection_type`, ...) must hold the release's
   value and test-time noise must be off, or loading fails naming the key.
 
-Initial state: the release says `state_init: "like-init"`, a random draw per call (truncated
-normal, std init_values["std"], times embed_scale); rlt serves the zero state for now (module
-doc of huginn.py) and accepts "like-init" and "zero"; other kinds are refused by name.
+Initial state: the release says `state_init: "like-init"`, a random draw (truncated normal, std
+sqrt(2 / (5 n_embd)) cut at 3 std, times sqrt(n_embd)), which rlt draws per token from its
+request's seed and position (the declaration's `random_initial_state`; module doc of
+huginn.py); "zero" starts at zero; other kinds are refused by name.
 """
 
 from __future__ import annotations
@@ -333,6 +334,7 @@ class HuginnConfig:
             max_loops=self.model_depth,
             loop_limit=None,  # more steps of the same block are computable: any cap
             unsupported=_UNSUPPORTED,
+            random_initial_state=self.state_init == "like-init",
         )
 
 

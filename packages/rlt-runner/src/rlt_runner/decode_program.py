@@ -79,7 +79,10 @@ class DecodeProgram:
         max_ticks: int,
         max_context: int,
         fused_tick: bool | None = None,
+        random_initial_state: bool = True,
     ) -> None:
+        """`random_initial_state`: a family declaring a random initial state draws it from
+        each token's (seed, position) stream (False: the zero state)."""
         self.model = model
         self.attention = attention
         self.sampler = sampler
@@ -100,6 +103,12 @@ class DecodeProgram:
         )
         self.stage = (
             StagePlane(kv, rows, self.query_start) if rows.stage_plane is not None else None
+        )
+        # the uniforms a family's random initial state is drawn from (None: zero state)
+        self.state_uniforms = (
+            sampler.state_uniforms
+            if random_initial_state and model.family.random_initial_state
+            else None
         )
         if fused_tick is None:  # the fused bookkeeping runs no stage layers and the hazard
             # and trace rules only (not the latent-change rules)
@@ -152,7 +161,13 @@ class DecodeProgram:
         state = rows.hidden[:B]
         if self.stage is not None:  # a token's prelude runs in the tick of its first loop
             first = run & (rows.loops[:B] == 0)
-            started = self._run_stage(self.model.embed, rows.token[:B], position, first, context)
+            extra = {}
+            if self.state_uniforms is not None:
+                width = self.model.shape.hidden_size
+                extra["uniforms"] = self.state_uniforms(rows.seed[:B], position, width)
+            started = self._run_stage(
+                self.model.embed, rows.token[:B], position, first, context, **extra
+            )
             state = torch.where(first[:, None], started, state)
         hidden, gate_probability = self.model.recurrent_step(
             state,
@@ -224,11 +239,11 @@ class DecodeProgram:
         self.tick_index += 1
         kernels.copy(B)
 
-    def _run_stage(self, stage, inputs, position, writes, max_context) -> torch.Tensor:
+    def _run_stage(self, stage, inputs, position, writes, max_context, **extra) -> torch.Tensor:
         """A family's prelude (`embed`) or coda (`finish`) for rows [0, B) on the stage plane,
         storing KV only for the rows `writes`."""
         batch = self.stage.tick_batch(position.shape[0], position, writes, max_context)
-        return stage(inputs, position, self.attention.bind(self.kv.tensors, batch))
+        return stage(inputs, position, self.attention.bind(self.kv.tensors, batch), **extra)
 
     def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
         if self.layout is KVLayout.LAST_EXITED:

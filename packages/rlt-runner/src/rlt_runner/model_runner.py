@@ -107,13 +107,16 @@ class ModelRunner:
         max_prefill_chunk: int = 0,
         speculation: SpeculationSettings | None = None,
         kv_scales: KVScales | None = None,
+        random_initial_state: bool = True,
     ) -> None:
         """`kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it
         has `dtype`). `cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
         `prefill_graph_tokens` > 0 (with `cuda_graphs`): prompts as graphs too, SHARED waves
         or depth-major steps of up to that many tokens in chunks of up to `max_prefill_chunk`
         (larger steps run eagerly). `speculation`: steps may run speculative rounds (the
-        sampler must then be a `SpeculativeSampler`)."""
+        sampler must then be a `SpeculativeSampler`). `random_initial_state`: a family that
+        declares a random initial state draws it per token from its request's seed and its
+        position (False: the zero state; the engine's `initial_state`)."""
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -159,6 +162,7 @@ class ModelRunner:
             cohort=cohort_decoding,
             max_ticks=max_decode_ticks,
             max_context=max_pages * block_size,
+            random_initial_state=random_initial_state,
         )
         # prompt scoring at exit depth (torch bookkeeping: chunks are not bounded like rounds)
         self.position_loops = PositionLoops(
@@ -376,6 +380,7 @@ class ModelRunner:
             chunks,
             graphs=self.prefill_graphs,
             shared_waves=self.shared_waves,
+            state_uniforms=self.program.state_uniforms,
         )
         pending.prompt_scores.extend(results.scores)
         # Submission only: collect reports these once the step's completion is established.

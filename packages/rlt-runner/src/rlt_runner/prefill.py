@@ -106,10 +106,13 @@ def run_prefill(
     shared_waves: SharedPrefillGraphs | None = None,
     keep_states: frozenset[int] = frozenset(),
     loops: list[int] | None = None,
+    state_uniforms=None,
 ) -> dict[int, torch.Tensor]:
     """Run chunks (row, start_position, token_ids, completes_prompt), each at its request's
     `loops` (None: every chunk at the model's depth); with CUDA graphs on, `graphs`
     (depth-major steps) or `shared_waves` (the SHARED layout's waves) run chunks at full depth.
+    `state_uniforms`: the source of a family's random initial state
+    (`TokenSampler.state_uniforms`; None: the zero state).
     Returns {chunk index: final states [len, d]} for the chunks in `keep_states` (eager)."""
     if not chunks:
         return {}
@@ -125,11 +128,15 @@ def run_prefill(
     elif position_major:
         return _position_by_position(model, attention, kv, rows, chunks, keep_states, loops)
     elif graphs is None or not graphs.run(chunks):
-        return _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
+        return _depth_major(
+            model, attention, kv, rows, layout, chunks, keep_states, loops, state_uniforms
+        )
     return {}
 
 
-def _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops) -> dict:
+def _depth_major(
+    model, attention, kv, rows, layout, chunks, keep_states, loops, state_uniforms=None
+) -> dict:
     groups = PrefillGroups(
         rows,
         [row for row, _, _, _ in chunks],
@@ -144,7 +151,12 @@ def _depth_major(model, attention, kv, rows, layout, chunks, keep_states, loops)
         hidden = model.embed(groups.token_ids)
     else:
         stage_attention = attention.bind(kv.tensors, groups.batch(stage, causal=causal))
-        hidden = model.embed(groups.token_ids, groups.positions, stage_attention)
+        extra = {}
+        if state_uniforms is not None:  # each query's request seed and position
+            seeds = rows.seed[groups.row_index][groups.group_of_query]
+            width = model.shape.hidden_size
+            extra["uniforms"] = state_uniforms(seeds, groups.positions, width)
+        hidden = model.embed(groups.token_ids, groups.positions, stage_attention, **extra)
     depth = model.shape.num_loops
     query_loops = None  # [N] loops of each query's request, when some run fewer than `depth`
     if min(loops) < depth:

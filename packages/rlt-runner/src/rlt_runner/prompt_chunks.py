@@ -44,6 +44,7 @@ def run_prompt_chunks(
     *,
     graphs: PrefillGraphs | None,
     shared_waves: SharedPrefillGraphs | None,
+    state_uniforms=None,
 ) -> ChunkResults:
     records = [rows.record(c.identity) for c in chunks]
     at_exit = [i for i, r in enumerate(records) if r.sampling.score_at_exit_depth]
@@ -69,6 +70,7 @@ def run_prompt_chunks(
             j for j, i in enumerate(full) if records[i].sampling.prompt_logprobs is not None
         ),
         loops=[records[i].rule.exit.max_loops for i in full],
+        state_uniforms=state_uniforms,
     )
     states_of = {full[j]: (states, None) for j, states in kept.items()}
     results = ChunkResults()

@@ -32,6 +32,7 @@ import torch
 MASK32 = 0xFFFFFFFF
 SEED_DOMAIN = 0x9E3779B9  # separates the key chain from the token words (golden-ratio constant)
 TOKEN_DOMAIN = 0x85EBCA6B
+STATE_DOMAIN = 0xC2B2AE35  # a family's random initial state: words apart from token noise
 _LOWBIAS32_MUL1 = 0x7FEB352D
 _LOWBIAS32_MUL2 = 0x846CA68B
 _UNIFORM_BITS = 24
@@ -74,14 +75,17 @@ def row_keys(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return lowbias32(key ^ (counter & MASK32))
 
 
-def counter_uniform(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def counter_uniform(
+    seed: torch.Tensor, counter: torch.Tensor, vocab_size: int, *, domain: int = TOKEN_DOMAIN
+) -> torch.Tensor:
     """Uniforms fp32 [N, vocab_size] strictly inside (0, 1), on the device of `seed`.
 
     Element [n, v] depends only on (seed[n], counter[n], v): never on N, on other rows or on any
-    generator state.
+    generator state. `domain` separates streams of one (seed, counter): token noise
+    (TOKEN_DOMAIN), a family's initial state (STATE_DOMAIN, counter = the token's position).
     """
     token_words = lowbias32(
-        torch.arange(vocab_size, dtype=torch.int64, device=seed.device) ^ TOKEN_DOMAIN
+        torch.arange(vocab_size, dtype=torch.int64, device=seed.device) ^ domain
     )
     keys = row_keys(seed, counter)
     # lowbias32(key ^ word), its first xorshift split over the XOR: (a ^ b) >> 16 == a>>16 ^ b>>16.

@@ -34,7 +34,7 @@ from rlt_contracts import LogitsAdjustments, SamplingMode, SamplingRow
 
 from rlt_sampling.batch import SamplingBatch
 from rlt_sampling.distribution import adjusted_logits, filtered_logits
-from rlt_sampling.noise import counter_gumbel
+from rlt_sampling.noise import STATE_DOMAIN, counter_gumbel, counter_uniform
 from rlt_sampling.output import SamplerOutput
 from rlt_sampling.speculative import Proposal, Verification, propose, verify
 
@@ -84,6 +84,13 @@ class Sampler:
             adjustments=adjustments,
         )
         return self.sample(logits, batch)
+
+    def state_uniforms(
+        self, seed: torch.Tensor, position: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """Uniforms [N, width] in (0, 1) of each row's (seed, position), apart from token noise
+        (a family's random initial state; rlt_contracts.TokenSampler)."""
+        return counter_uniform(seed, position, width, domain=STATE_DOMAIN)
 
     def propose_rows(self, logits: torch.Tensor, *, mode: SamplingMode, **rows) -> Proposal:
         """`rlt_contracts.SpeculativeSampler.propose_rows`: one draft token per row (keywords

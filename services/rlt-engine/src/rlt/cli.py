@@ -56,6 +56,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "otherwise; requests that omit max_loops run the checkpoint's count or --max-loops)",
     )
     group.add_argument(
+        "--initial-state",
+        default=d.initial_state,
+        choices=["random", "zero"],
+        help="how a family whose loop state starts from a random draw (Huginn-0125) starts it: "
+        "drawn per token from the request's seed and position, or zero (default: %(default)s)",
+    )
+    group.add_argument(
         "--dtype",
         default=d.dtype,
         choices=["auto", "float32", "bfloat16", "float16"],

@@ -212,6 +212,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
             max_prefill_chunk=config.prefill_chunk_size,
             speculation=speculation,
             kv_scales=kv_scales,
+            random_initial_state=config.initial_state == "random",
         )
 
     activation = None

@@ -26,6 +26,8 @@ def _device_type(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
+INITIAL_STATES = ("random", "zero")
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine (Python keywords; the CLI spells them --kebab-case).
@@ -100,6 +102,9 @@ class EngineConfig:
       default (twice the checkpoint's count for a family with elastic depth, the checkpoint's
       count otherwise). Requests that omit `max_loops` still run the checkpoint's count. At
       least that count; at most the family's loop limit (Ouro: its checkpoint's depth).
+    initial_state: "random" (default) or "zero": how a family whose loop state starts from a
+      random draw (Huginn-0125's like-init) starts it: drawn per token from its request's seed
+      and position, or zero. Other families have no initial-state choice and ignore it.
     max_num_batched_token_loops: cap on token x loop passes per step (None: no cap).
     admission_scan_limit / max_admission_bypasses: bounded-bypass admission.
 
@@ -168,6 +173,7 @@ class EngineConfig:
     exit_trace: str | Path | None = None
     hf_overrides: dict[str, Any] | None = None
     max_model_loops: int | None = None
+    initial_state: str = "random"
     max_num_batched_token_loops: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
@@ -224,6 +230,10 @@ class EngineConfig:
             raise ConfigurationError(
                 "kv_layout", f"must be one of {[m.value for m in KVLayout]}, got {self.kv_layout!r}"
             ) from None
+        if self.initial_state not in INITIAL_STATES:
+            raise ConfigurationError(
+                "initial_state", f"must be one of {INITIAL_STATES}, got {self.initial_state!r}"
+            )
         for name in (
             "block_size",
             "num_kv_blocks",

@@ -87,6 +87,15 @@ def family_setup(
             "prefix-LM blocks" if prefix_lm else "one block for its shared KV plane",
             config.max_num_batched_tokens,
         )
+    if family.random_initial_state:
+        logger.info(
+            "%s starts each token's loop state %s (initial_state=%s)",
+            family.name,
+            "from a random draw of its request's seed and position"
+            if config.initial_state == "random"
+            else "at zero",
+            config.initial_state,
+        )
     gated = family.exit_signal is ExitSignal.GATE
     return FamilySetup(
         config=config,

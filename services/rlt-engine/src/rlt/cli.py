@@ -44,8 +44,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-overrides",
         type=_json_object,
         default=None,
-        help='JSON object of config.json keys applied before the model loads, e.g. '
-        '\'{"num_loops": 1}\' (vLLM\'s --hf-overrides)',
+        help="JSON object of config.json keys applied before the model loads, e.g. "
+        "'{\"num_loops\": 1}' (vLLM's --hf-overrides; default: none, config.json as it is)",
     )
     group.add_argument(
         "--max-model-loops",
@@ -256,7 +256,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--exit-trace",
         default=None,
-        help="JSON file {request_id: [depth per output token]} for --exit-policy trace",
+        help="JSON file {request_id: [depth per output token]} for --exit-policy trace "
+        "(default: none; that policy needs one)",
     )
     group.add_argument(
         "--admission-scan-limit",

@@ -53,4 +53,5 @@ class VersionsAction(argparse._VersionAction):
         )
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(message=versions_text() + "\n")
+        print(versions_text())  # on stdout, as argparse's own --version
+        parser.exit()

@@ -23,8 +23,15 @@ from collections.abc import Sequence
 
 from rlt_contracts import ConfigurationError, RltError
 from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
+from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_USAGE
 from rlt_serve.listening import port_number
+from rlt_serve.vllm_flags import (
+    add_front_arguments,
+    add_model_arguments,
+    check_model_arguments,
+    front_settings_from_args,
+)
 
 from rlt_pd_coordinator.client import Timeouts
 from rlt_pd_coordinator.server import CoordinatorOptions, run
@@ -51,13 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     parser.set_defaults(serve_parser=serve)
-    return parser
+    return explain_defaults(parser)  # every option's help shows its default
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = CoordinatorOptions()
     parser.add_argument(
-        "--model", default=None, help="checkpoint directory (also the positional MODEL)"
+        "--model",
+        default=None,
+        help="checkpoint directory (also the positional MODEL; default: the engine's bundled "
+        "model)",
     )
     pd = parser.add_argument_group("prefill/decode instances")
     pd.add_argument("--num-prefill", type=int, default=0, help="local prefill instances to start")
@@ -126,6 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--instance-log-level",
         default=defaults.instance_log_level,
         choices=["critical", "error", "warning", "info", "debug"],
+        help="--log-level of the local instances",
     )
     local.add_argument(
         "--restart-delay",
@@ -166,7 +177,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.credit_wait,
         help="seconds a request waits for a free credit before HTTP 429",
     )
-    timing.add_argument("--connect-timeout", type=float, default=defaults.connect_timeout)
+    timing.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=defaults.connect_timeout,
+        help="seconds to connect to an instance",
+    )
     timing.add_argument(
         "--poll-interval",
         type=float,
@@ -186,9 +202,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("RLT_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)",
     )
-    front.add_argument("--served-model-name", default=None)
-    front.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    front.add_argument("--allowed-origin", action="append", default=[])
+    front.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the model directory's name)",
+    )
+    front.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused (HTTP 413)",
+    )
+    front.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        help="browser origin allowed to call the API (CORS; repeatable)",
+    )
     front.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -196,16 +226,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests may take to finish after SIGINT/SIGTERM",
     )
     front.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="level of the coordinator's log lines (and uvicorn's unless --uvicorn-log-level)",
     )
+    add_front_arguments(front)
+    model = parser.add_argument_group("model flags from vLLM (docs/serving.md)")
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory of the tokenizer the front and the local instances use instead of the "
+        "checkpoint's (default: the checkpoint's own)",
+    )
+    add_model_arguments(model)
     loops = parser.add_argument_group("loop defaults (requests may override them)")
-    loops.add_argument("--min-loops", type=int, default=LoopDefaults().min_loops)
-    loops.add_argument("--max-loops", type=int, default=None, help="default: the model depth")
+    loops.add_argument(
+        "--min-loops",
+        type=int,
+        default=LoopDefaults().min_loops,
+        help="loops every token runs before it may exit (default: the model family's own)",
+    )
+    loops.add_argument(
+        "--max-loops",
+        type=int,
+        default=None,
+        help="loops after which every token exits (default: the model depth)",
+    )
     loops.add_argument(
         "--exit-threshold",
         type=float,
         default=None,
-        help="default: 0.5 for a model with an exit gate, the fixed depth for one without",
+        help="exit once the gate's cumulative probability reaches this (default: 0.5 for a "
+        "model with an exit gate, the fixed depth for one without)",
     )
 
 
@@ -230,6 +283,9 @@ def options_from_args(
     command = tuple(shlex.split(args.engine_command)) if args.engine_command else DEFAULT_COMMAND
     if not command:
         raise ConfigurationError("engine_command", "must not be empty")
+    check_model_arguments(args)
+    if args.tokenizer is not None and local:  # the instances detokenize with it too
+        engine_args = [*engine_args, "--tokenizer", args.tokenizer]
     return CoordinatorOptions(
         model=model if model is not None else args.model,
         mode="router" if router else "pd",
@@ -262,6 +318,8 @@ def options_from_args(
         instance_log_level=args.instance_log_level,
         startup_timeout=args.startup_timeout,
         restart_delay=args.restart_delay,
+        tokenizer=args.tokenizer,
+        front=front_settings_from_args(args),
     )
 
 
@@ -272,7 +330,7 @@ def parse(argv: Sequence[str]) -> CoordinatorOptions:
         argv = argv[1:]
     parser = build_parser()
     if argv[:1] != ["serve"]:
-        parser.parse_args(argv)  # prints usage / help, or the error, and exits
+        parse_command_line(parser, argv)  # prints usage / help, or the error, and exits
         parser.error("expected the `serve` command")
     model, rest = split_model(argv[1:])
     args, engine_args = parser.get_default("serve_parser").parse_known_args(rest)

@@ -47,6 +47,7 @@ from rlt_serve.shutdown import (
     signal_name,
     stopping,
 )
+from rlt_serve.vllm_flags import FrontSettings
 
 from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
@@ -97,6 +98,10 @@ class CoordinatorOptions:
     startup_timeout: float = 600.0
     stop_timeout: float = 15.0
     restart_delay: float = 1.0
+    # vLLM's flags: the tokenizer's directory (front and local instances; None: the model's),
+    # and the front's --seed, --chat-template, TLS, uvicorn's log level, its access log
+    tokenizer: str | None = None
+    front: FrontSettings = field(default_factory=FrontSettings)
 
     def instances(self) -> list[Instance]:
         """The local instances (named by role and index) then the listed URLs."""
@@ -218,6 +223,17 @@ def load_tokenizer(model_dir: Path):
         raise ConfigurationError("model", f"the front needs the model's tokenizer: {exc}") from None
 
 
+def tokenizer_dir(tokenizer: str | None, model_dir: Path) -> Path:
+    """The front's tokenizer directory: --tokenizer's (checked to hold one), else the model's."""
+    if tokenizer is None:
+        return model_dir
+    from rlt_models.model_dir import check_tokenizer_dir  # torch: only once a model is needed
+
+    path = Path(tokenizer).expanduser()
+    check_tokenizer_dir(path)
+    return path
+
+
 def _in_daemon_thread(function, *args) -> asyncio.Future:
     """`function(*args)` on a daemon thread, as a future of the running loop. Not on the
     loop's executor: `asyncio.run` joins that one's threads on the way out, so a stop during
@@ -289,10 +305,12 @@ def build_front(
     loop_defaults: LoopDefaults,
     host: str,
     allowed_origins: tuple[str, ...] = (),
+    front: FrontSettings | None = None,
 ):
     """The coordinator's HTTP front over `client`: rlt-serve's app (the OpenAI routes, health
     from `client.unavailable`) plus `GET /v1/pd/instances`. `host` is where the front listens
-    (a loopback host turns the Host-header guard on). Used by `Coordinator` and by rlt-ray's
+    (a loopback host turns the Host-header guard on); `front`: --seed and --chat-template
+    (rlt_serve.vllm_flags). Used by `Coordinator` and by rlt-ray's
     PD ingress, which hosts the same front inside a Ray Serve deployment."""
     app = build_app(
         client,
@@ -304,6 +322,8 @@ def build_front(
         allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else None,
         allowed_origins=allowed_origins,
         engine_error=client.unavailable,
+        chat_template=front.chat_template if front else None,
+        default_seed=front.default_seed if front else None,
     )
 
     async def instances_view() -> JSONResponse:
@@ -378,7 +398,7 @@ class Coordinator:
         tokenizer = self._tokenizer
         loading = None
         if tokenizer is None:  # load it while the instances start
-            loading = _in_daemon_thread(load_tokenizer, model_dir)
+            loading = _in_daemon_thread(load_tokenizer, tokenizer_dir(options.tokenizer, model_dir))
         try:
             if self.supervisor is not None:
                 await self.supervisor.start()
@@ -404,6 +424,7 @@ class Coordinator:
             loop_defaults=options.loop_defaults,
             host=options.host,
             allowed_origins=options.allowed_origins,
+            front=options.front,
         )
         counts = {r: len(self.cluster.of_role(r)) for r in PDRole}
         logger.info(
@@ -428,10 +449,10 @@ class Coordinator:
             self.app,
             host=options.host,
             port=options.port,
-            log_level=options.log_level,
             lifespan="on",
             timeout_graceful_shutdown=options.shutdown_timeout + HARD_STOP_MARGIN_S,
             server_header=False,
+            **options.front.uvicorn_options(options.log_level),  # TLS, uvicorn's logs
         )
         self.server = _DrainingServer(
             config,
@@ -485,7 +506,8 @@ class _DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # the URL once it answers (the port the OS chose for --port 0)
             port = sockets[0].getsockname()[1] if sockets else self.config.port
-            logger.info("ready at http://%s:%d", self.config.host, port)
+            scheme = "https" if self.config.is_ssl else "http"
+            logger.info("ready at %s://%s:%d", scheme, self.config.host, port)
 
     async def shutdown(self, sockets=None) -> None:
         if self._on_shutdown is not None:

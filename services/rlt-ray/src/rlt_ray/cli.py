@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from rlt_contracts import ConfigurationError, RltError
+from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from rlt_serve.shutdown import StopRequested, StopSignals, signal_name
 
@@ -58,12 +59,34 @@ def _add_placement_arguments(group, d) -> None:
         dest="num_gpus",
         type=float,
         default=None,
-        help="default: 1 when the engine runs on CUDA, else 0",
+        help="GPUs each engine replica asks Ray for (default: 1 when the engine runs on CUDA, "
+        "else 0)",
     )
-    group.add_argument("--num-cpus-per-replica", dest="num_cpus", type=float, default=d.num_cpus)
-    group.add_argument("--max-replicas-per-node", type=int, default=None)
-    group.add_argument("--health-check-period-s", type=float, default=d.health_check_period_s)
-    group.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
+    group.add_argument(
+        "--num-cpus-per-replica",
+        dest="num_cpus",
+        type=float,
+        default=d.num_cpus,
+        help="CPUs each engine replica asks Ray for",
+    )
+    group.add_argument(
+        "--max-replicas-per-node",
+        type=int,
+        default=None,
+        help="most engine replicas Ray places on one node (default: no limit)",
+    )
+    group.add_argument(
+        "--health-check-period-s",
+        type=float,
+        default=d.health_check_period_s,
+        help="seconds between Ray Serve's health checks of a replica",
+    )
+    group.add_argument(
+        "--health-check-timeout-s",
+        type=float,
+        default=d.health_check_timeout_s,
+        help="seconds a health check may take before the replica counts as unhealthy",
+    )
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,10 +95,16 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     _add_placement_arguments(group, d)
     group.add_argument("--replicas", type=int, default=d.replicas, help="engine replicas")
     group.add_argument(
-        "--min-replicas", type=int, default=None, help="autoscale from this many (with --max)"
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscale from this many (with --max-replicas; default: none, --replicas fixed)",
     )
     group.add_argument(
-        "--max-replicas", type=int, default=None, help="autoscale up to this many (with --min)"
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale up to this many (with --min-replicas; default: none, --replicas fixed)",
     )
     group.add_argument(
         "--target-ongoing-requests",
@@ -102,7 +131,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix_affinity's load bound: a replica takes a request by affinity only while "
         "its load stays <= ceil(factor x mean load) + --load-slack",
     )
-    group.add_argument("--load-slack", type=int, default=d.load_slack)
+    group.add_argument(
+        "--load-slack",
+        type=int,
+        default=d.load_slack,
+        help="requests a replica may take by affinity above --load-factor's bound",
+    )
     group.add_argument(
         "--replica-resource",
         action="append",
@@ -110,7 +144,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=AMOUNT",
         help="custom Ray resource each replica needs (repeatable)",
     )
-    group.add_argument("--ingress-replicas", type=int, default=d.ingress_replicas)
+    group.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=d.ingress_replicas,
+        help="replicas of the HTTP front (tokenization and routing; CPU only)",
+    )
     group.add_argument(
         "--max-ongoing-requests", type=int, default=d.max_ongoing_requests, help="per replica"
     )
@@ -120,7 +159,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.routing_stats_period_s,
         help="how often each replica reports its load to the router",
     )
-    group.add_argument("--submit-timeout-s", type=float, default=d.submit_timeout_s)
+    group.add_argument(
+        "--submit-timeout-s",
+        type=float,
+        default=d.submit_timeout_s,
+        help="seconds the front waits for an engine replica to take a request",
+    )
     group.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
@@ -152,12 +196,18 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=AMOUNT",
         help="custom Ray resource each decode replica needs",
     )
-    group.add_argument("--prefill-credits", type=int, default=d.prefill_credits)
-    group.add_argument("--decode-credits", type=int, default=d.decode_credits)
-    group.add_argument("--admission-timeout", type=float, default=d.admission_timeout_s)
-    group.add_argument("--transfer-timeout", type=float, default=d.transfer_timeout_s)
-    group.add_argument("--credit-wait", type=float, default=d.credit_wait_s)
-    group.add_argument("--poll-interval", type=float, default=d.poll_interval_s)
+    for flag, default, what in (
+        ("--prefill-credits", d.prefill_credits, "most requests in flight per prefill replica"),
+        ("--decode-credits", d.decode_credits, "most requests in flight per decode replica"),
+    ):
+        group.add_argument(flag, type=int, default=default, help=what)
+    for flag, default, what in (
+        ("--admission-timeout", d.admission_timeout_s, "for a decode replica to admit a request"),
+        ("--transfer-timeout", d.transfer_timeout_s, "from the prefill call to the first token"),
+        ("--credit-wait", d.credit_wait_s, "a request waits for a free credit before HTTP 429"),
+        ("--poll-interval", d.poll_interval_s, "between load / health polls of each replica"),
+    ):
+        group.add_argument(flag, type=float, default=default, help=f"seconds {what}")
     group.add_argument(
         "--discovery-period-s",
         type=float,
@@ -199,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         _refuse_front_end_count(sub)
     add_ray_arguments(serve)
     add_pd_arguments(pd_serve)
-    return parser
+    return explain_defaults(parser)  # every option's help shows its default
 
 
 def _refuse_front_end_count(parser: argparse.ArgumentParser) -> None:
@@ -247,6 +297,7 @@ def serve_options_from_args(args: argparse.Namespace):
     if args.max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
     return ServeOptions(
+        front=_front_settings(args),
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -256,6 +307,33 @@ def serve_options_from_args(args: argparse.Namespace):
         allowed_origins=tuple(args.allowed_origin),
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
+    )
+
+
+# vLLM's flags `rlt serve` takes that do not apply here: Ray Serve's HTTP proxy, not a uvicorn
+# of rlt's, answers the requests, and the replicas and the ingress read the model directory's
+# own tokenizer
+NOT_UNDER_RAY = {
+    "ssl_certfile": "TLS: terminate it in front of Ray Serve's proxy (a load balancer)",
+    "ssl_keyfile": "TLS: terminate it in front of Ray Serve's proxy (a load balancer)",
+    "uvicorn_log_level": "Ray Serve's proxy logs its own requests (RAY_SERVE_* settings)",
+    "disable_log_requests": "Ray Serve's proxy logs its own requests (RAY_SERVE_* settings)",
+    "tokenizer": "give a model directory that holds the tokenizer",
+}
+
+
+def _front_settings(args: argparse.Namespace):
+    """--seed and --chat-template for the ingress's app (rlt_serve.vllm_flags); the flags of
+    `rlt serve` that do not apply under Ray are refused, each with what to do instead."""
+    from rlt_serve.vllm_flags import FrontSettings, check_model_arguments, read_chat_template
+
+    for name, instead in NOT_UNDER_RAY.items():
+        if getattr(args, name, None):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigurationError(name, f"{flag} does not apply to rlt ray: {instead}")
+    check_model_arguments(args)
+    return FrontSettings(
+        default_seed=args.seed, chat_template=read_chat_template(args.chat_template)
     )
 
 
@@ -374,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         set_ray_environment_defaults()
         argv = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(build_parser(), argv)  # errors: the subcommand's usage
         run = run_pd_serve if args.command == "pd" else run_serve
         return run(args, signals)
     except StopRequested as stop:

@@ -189,6 +189,7 @@ class PDIngress:
             loop_defaults=s.loop_defaults,
             host=s.host,
             allowed_origins=s.allowed_origins,
+            front=s.front,
         )
 
     # -- membership ---------------------------------------------------------------------------

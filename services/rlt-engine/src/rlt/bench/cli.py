@@ -92,7 +92,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset-path",
         default=None,
         help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line, optional '
-        '"max_tokens"',
+        '"max_tokens" (default: none)',
     )
     data.add_argument(
         "--num-prompts", type=int, default=1000, help="requests per run (default: 1000)"
@@ -158,7 +158,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--extra-body",
         default=None,
-        help="JSON object merged into every request body (other servers' extensions)",
+        help="JSON object merged into every request body (other servers' extensions; "
+        "default: none)",
     )
 
     load = parser.add_argument_group("load")
@@ -196,7 +197,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-request-rates",
         type=parse_rates,
         default=None,
-        help="comma-separated rates (e.g. 1,2,4,inf): one run per rate, same prompts",
+        help="comma-separated rates (e.g. 1,2,4,inf): one run per rate, same prompts "
+        "(default: none, one run at --request-rate)",
     )
 
     out = parser.add_argument_group("metrics and output")
@@ -205,7 +207,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="KEY:MS",
-        help="SLOs for goodput, KEY one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50",
+        help="SLOs for goodput, KEY one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50 "
+        "(default: none, no goodput)",
     )
     out.add_argument(
         "--metric-percentiles",
@@ -226,7 +229,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         default=None,
         metavar="FILE",
-        help="draw latency percentiles and throughput against request rate (needs rlt[bench])",
+        help="draw latency percentiles and throughput against request rate (needs rlt[bench]; "
+        "default: none, no plot)",
     )
     out.add_argument("--disable-tqdm", action="store_true", help="no progress bar (on stderr)")
 

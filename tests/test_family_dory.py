@@ -272,3 +272,16 @@ def test_an_engine_cap_above_the_default(hf_model_dir, expected):
         with pytest.raises(InvalidRequestError, match="max-model-loops"):
             generate(llm, max_loops=4)
     assert (tokens, deep) == (expected[2], expected[3])
+
+
+def test_scoring_at_exit_depth_is_refused_per_request(llm):
+    """The family declares exit-depth scoring unsupported (its prelude and coda are not run by
+    that path): a request asking for it is a 400-class error, and the engine keeps serving."""
+    from rlt_contracts import InvalidRequestError
+
+    asked = SamplingParams(max_tokens=2, prompt_logprobs=1, score_at_exit_depth=True)
+    with pytest.raises(InvalidRequestError, match="dory") as refused:
+        llm.generate([PROMPTS[0]], asked)
+    assert refused.value.field == "score_at_exit_depth"
+    tokens, _ = generate(llm, max_loops=2)
+    assert llm.engine.core.leak_report() == []

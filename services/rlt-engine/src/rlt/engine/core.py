@@ -30,6 +30,7 @@ from rlt_contracts import (
     EngineStats,
     ExecutionIdentity,
     FamilyDeclaration,
+    Feature,
     FinishReason,
     InvalidRequestError,
     KVTransferParams,
@@ -137,6 +138,7 @@ class EngineCore:
         self.pd: PDLink | None = None  # set for a PD prefill or decode instance
         self._pd_deltas: list[RequestOutputDelta] = []
         self._prompt_scoring_refusal = prompt_scoring_refusal(runner.model.family)
+        self._exit_depth_scoring_refusal = runner.model.family.refusal(Feature.EXIT_DEPTH_SCORING)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -158,6 +160,8 @@ class EngineCore:
     def _check_request_options(self, request: EngineRequest) -> None:
         if request.sampling.prompt_logprobs is not None and self._prompt_scoring_refusal:
             raise InvalidRequestError("prompt_logprobs", self._prompt_scoring_refusal)
+        if request.sampling.score_at_exit_depth and self._exit_depth_scoring_refusal:
+            raise InvalidRequestError("score_at_exit_depth", self._exit_depth_scoring_refusal)
         kv_transfer = request.kv_transfer
         if kv_transfer is not None and request.sampling.prompt_logprobs is not None:
             # the prompt is computed on the prefill instance, which reports no scores

@@ -53,6 +53,10 @@ GRACE_S = 5
 IDLE_EXIT_S = 20  # from SIGINT to exit with nothing in flight ("well under" Ray's 30 s)
 SENTINEL_APP = "rlt"  # the other cluster's app: the name and route `rlt ray serve` defaults to
 DRAINING = re.compile(r"rlt ray: SIGINT: draining")
+STATS_LINE = re.compile(
+    r"ServeReplica:.*rlt\.engine\.stats: engine: .*generation throughput ([\d,.]+) tok/s, .*"
+    r"loops per token ([\d.]+)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +110,8 @@ def serve_command(other_cluster):
 
     started = time.monotonic()
     command = Command(
-        ["serve", "--port", str(free_port()), "--shutdown-timeout", str(GRACE_S)],
+        ["serve", "--port", str(free_port()), "--shutdown-timeout", str(GRACE_S)]
+        + ["--stats-interval", "1"],  # the replica's live statistics lines (issue 41)
         command_env(),
     )
     session = None
@@ -142,6 +147,9 @@ def test_ray_serve_runs_on_a_private_cluster_in_its_own_session(serve_command, o
     assert stream.status == 200 and events[-1] == "[DONE]", events[-3:]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert choice_text(events)
+    # the engine replica's live statistics line reaches this console (Ray streams its stderr)
+    stats = run.command.wait_for_line(STATS_LINE, 30)
+    assert float(stats.group(1).replace(",", "")) > 0 and 1.0 <= float(stats.group(2)) <= 4.0
     # the other cluster: untouched (its `rlt` app still answers at `/`)
     assert cluster_view(other_cluster) == run.before
     # Ray's processes (GCS, raylet, the replicas) run in a session that is not the command's:

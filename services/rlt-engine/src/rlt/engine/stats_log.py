@@ -40,6 +40,7 @@ one, so `--log-level warning` (and PD instances, which run at warning) still sho
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,11 +111,13 @@ def stats_line(before: StatsSample, after: StatsSample, busy_s: float) -> str:
 def make_visible() -> None:
     """INFO lines of `rlt.engine.stats` reach a handler whatever the process's log level: the
     logger's own level is INFO unless someone set one, and a process whose logging nobody set
-    up (a Ray replica: Python's last-resort handler drops INFO) gets a stderr handler."""
+    up gets a handler on the process's real stderr. A Ray Serve replica is such a process:
+    Python's last-resort handler would drop INFO, and Serve points `sys.stderr` at its own log
+    files, while Ray streams the real stderr to the `rlt ray serve` console."""
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     if not logger.hasHandlers():
-        handler = logging.StreamHandler()
+        handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False  # a root handler added later would print it twice

@@ -247,8 +247,16 @@ def test_tensor_parallelism_is_refused_naming_what_exists(argv, capsys, nothing_
         (["--ssl-certfile", "{tmp}/junk.pem"], "cannot load the certificate and its key"),
         (["--chat-template", "chatml"], "'chatml' is neither a file nor a Jinja template"),
         (["--tokenizer", "{tmp}"], "{tmp} holds no tokenizer; it lacks the tokenizer"),
+        (["--seed", "-1"], "seed: must be in [0, 2**63), got -1"),
     ],
-    ids=["key without certificate", "no such certificate", "not a certificate", "template", "tok"],
+    ids=[
+        "key without certificate",
+        "no such certificate",
+        "not a certificate",
+        "template",
+        "tokenizer",
+        "seed",
+    ],
 )
 def test_bad_flag_values_are_refused_with_the_flag_named(
     flags, message, tmp_path, capsys, nothing_starts

@@ -62,7 +62,8 @@ class LoopFields(RequestModel):
     exit_threshold: float | None = Field(
         None,
         description="rlt: exit once the gate's cumulative exit probability reaches this, "
-        "in [0, 1]; 1.0 runs every token to max_loops. Default: the server's --exit-threshold.",
+        "in [0, 1]; 1.0 runs every token to max_loops. Default: the server's --exit-threshold "
+        "(0.5 for a model with an exit gate; SamplingParams in Python defaults to 1.0).",
     )
     priority: int | None = Field(
         0,
@@ -176,7 +177,11 @@ class _CommonOpenAIFields(LoopFields, StructuredOutputFields):
     model: str | None = Field(
         None, description="The served model name (GET /v1/models); omitted means that model."
     )
-    temperature: float | None = Field(1.0, description=">= 0; 0 is greedy (argmax).")
+    # 1.0 as in OpenAI's API; `rlt generate` and SamplingParams() default to 0 (greedy),
+    # the playground's form to 0.7 (docs/configuration.md, "Defaults by entry point")
+    temperature: float | None = Field(
+        1.0, description=">= 0; 0 is greedy (argmax). Default 1.0, as OpenAI's API."
+    )
     top_p: float | None = Field(1.0, description="Nucleus mass in (0, 1].")
     seed: int | None = Field(
         None,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlt_contracts import ConfigurationError
+from rlt_contracts.sampling import MAX_SEED
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TEMPLATE_MARKERS = ("{{", "{%")
@@ -136,6 +137,8 @@ def front_settings_from_args(args: argparse.Namespace) -> FrontSettings:
     """The settings of the parsed front flags, checked (a `ConfigurationError` naming the flag:
     before anything loads)."""
     check_tls_files(args.ssl_keyfile, args.ssl_certfile)
+    if args.seed is not None and not 0 <= args.seed < MAX_SEED:
+        raise ConfigurationError("seed", f"must be in [0, 2**63), got {args.seed}")
     return FrontSettings(
         default_seed=args.seed,
         chat_template=read_chat_template(args.chat_template),

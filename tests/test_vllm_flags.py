@@ -9,6 +9,9 @@ vLLM"; docs/configuration.md, "Defaults by entry point").
 - Refusals before anything starts: --tensor-parallel-size 2 (naming what exists instead),
   --ssl-keyfile without a certificate, a --chat-template that is neither file nor template, a
   --tokenizer directory without a tokenizer; an unknown flag prints the subcommand's usage.
+- `rlt pd serve` takes the front flags (the settings it hands its front, the engine flags and
+  --tokenizer its instances get) and refuses -tp 2; `rlt ray` takes --seed and
+  --chat-template and refuses TLS.
 - Every option of every command (rlt, rlt pd, rlt ray) shows its default and a meaning;
   `rlt --version` lists the distributions; `rlt generate` shows a progress bar on a terminal
   only.
@@ -376,3 +379,48 @@ def test_generate_in_a_pipe_shows_no_progress_bar(capsys):
     assert "generating" not in captured.err
     assert "rlt: note: --trust-remote-code changes nothing" in captured.err
     assert captured.out.count("exit depths:") == 2
+
+
+# -- rlt pd serve and rlt ray: where the flags apply -------------------------------------------
+
+
+def test_rlt_pd_serve_takes_the_front_flags(tmp_path):
+    from rlt_pd_coordinator.cli import parse as parse_pd
+
+    key, cert = self_signed_certificate(tmp_path)
+    options = parse_pd(
+        ["serve", "--replicas", "1", "--seed", "7", "--chat-template", CHAT_TEMPLATE,
+         "--ssl-keyfile", key, "--ssl-certfile", cert, "--uvicorn-log-level", "error",
+         "--disable-log-requests", "--tokenizer", str(DEFAULT_MODEL_DIR), "-tp", "1",
+         "--enforce-eager"]
+    )  # fmt: skip
+    front = options.front
+    assert (front.default_seed, front.chat_template, front.scheme) == (7, CHAT_TEMPLATE, "https")
+    assert front.uvicorn_options("info") == {
+        "log_level": "error",
+        "access_log": False,
+        "ssl_keyfile": key,
+        "ssl_certfile": cert,
+    }
+    assert options.tokenizer == str(DEFAULT_MODEL_DIR)
+    # engine flags pass to the local instances, with the tokenizer they detokenize with
+    assert options.engine_args == ("--enforce-eager", "--tokenizer", str(DEFAULT_MODEL_DIR))
+
+
+def test_rlt_pd_serve_refuses_tensor_parallelism(capsys):
+    error = refused(["pd", "serve", "--replicas", "1", "--tensor-parallel-size", "2"], capsys)
+    assert "rlt pd: error: tensor_parallel_size: 2 GPUs per engine" in error
+
+
+def test_rlt_ray_takes_seed_and_template_and_refuses_tls():
+    rlt_ray_cli = pytest.importorskip("rlt_ray.cli")
+    from rlt_contracts import ConfigurationError
+
+    args = rlt_ray_cli.build_parser().parse_args(
+        ["serve", "--seed", "7", "--chat-template", CHAT_TEMPLATE]
+    )
+    front = rlt_ray_cli.serve_options_from_args(args).front
+    assert (front.default_seed, front.chat_template) == (7, CHAT_TEMPLATE)
+    args = rlt_ray_cli.build_parser().parse_args(["serve", "--ssl-certfile", "cert.pem"])
+    with pytest.raises(ConfigurationError, match="--ssl-certfile does not apply to rlt ray"):
+        rlt_ray_cli.serve_options_from_args(args)

@@ -2,7 +2,9 @@
 OpenAI-compatible endpoint (rlt, the PD coordinator, or another server).
 
 Modules, each usable on its own:
-- `datasets`: the requests to send (a seeded synthetic length distribution, or a JSONL file);
+- `datasets`: the requests to send (a seeded synthetic length distribution with an optional
+  shared prefix, or a JSONL file); `sharegpt`: vLLM's ShareGPT sampling; `tokenizer`: the
+  benchmark's own tokenizer (`--tokenizer`), which counts ShareGPT lengths;
 - `arrival`: when to send them (Poisson/gamma, constant or burst arrivals at a request rate);
 - `request`: send one streaming request and measure it;
 - `wire_client`: OpenAI's wire format over HTTP without the SDK's cost per request;

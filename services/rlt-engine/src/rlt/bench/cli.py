@@ -16,9 +16,9 @@ from rlt_serve.listening import port_number
 
 from rlt.bench.arrival import ARRIVAL_PROCESSES, parse_rate, parse_rates
 from rlt.bench.datasets import DEFAULT_VOCAB_SIZE
-from rlt.bench.metrics import parse_goodput, parse_percentiles
+from rlt.bench.metrics import parse_goodput, parse_percentile_metrics, parse_percentiles
 from rlt.bench.report import print_sweep_table
-from rlt.bench.request import Endpoint, parse_extra_body
+from rlt.bench.request import BACKENDS, Endpoint, parse_extra_body
 
 DESCRIPTION = """\
 Load-test an OpenAI-compatible server (rlt serve, the PD coordinator, vLLM, ...) with
@@ -32,6 +32,8 @@ examples:
       --random-output-len 32 --ignore-eos --save-result
   rlt bench serve --endpoint /v1/chat/completions --dataset-name jsonl \\
       --dataset-path prompts.jsonl --max-concurrency 8
+  rlt bench serve --backend openai-chat --dataset-name sharegpt --tokenizer MODEL_DIR \\
+      --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json --num-warmups 8
   rlt bench serve --sweep-request-rates 1,2,4,inf --num-prompts 100 --plot sweep.png"""
 
 
@@ -55,9 +57,17 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="server port without --base-url (default: 8000)",
     )
     server.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default=None,
+        help="vLLM's request kinds: openai (completions; vllm is its older name) or "
+        "openai-chat (chat completions) (default: the kind --endpoint takes, openai without it)",
+    )
+    server.add_argument(
         "--endpoint",
-        default="/v1/completions",
-        help="API path: /v1/completions or /v1/chat/completions (default: %(default)s)",
+        default=None,
+        help="API path ending in /completions or /chat/completions (default: "
+        "/v1/chat/completions with --backend openai-chat, else /v1/completions)",
     )
     server.add_argument(
         "--model",
@@ -84,15 +94,29 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("workload")
     data.add_argument(
         "--dataset-name",
-        choices=["random", "jsonl"],
+        choices=["random", "jsonl", "sharegpt"],
         default="random",
-        help="random: seeded synthetic lengths; jsonl: prompts from --dataset-path",
+        help="random: seeded synthetic lengths; jsonl: prompts from --dataset-path; sharegpt: "
+        "vLLM's ShareGPT JSON at --dataset-path, lengths counted with --tokenizer "
+        "(default: random)",
     )
     data.add_argument(
         "--dataset-path",
         default=None,
-        help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line, optional '
-        '"max_tokens" (default: none)',
+        help='jsonl: one {"prompt": ...} or {"messages": [...]} per line, optional '
+        '"max_tokens"; sharegpt: a local ShareGPT JSON file (default: none)',
+    )
+    data.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory or Hugging Face id that counts ShareGPT lengths, and the "
+        "replies of a server that sends no usage (default: none; sharegpt takes --model's)",
+    )
+    data.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every ShareGPT request (default: its reference reply's length)",
     )
     data.add_argument(
         "--num-prompts", type=int, default=1000, help="requests per run (default: 1000)"
@@ -102,6 +126,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     data.add_argument(
         "--random-output-len", type=int, default=64, help="mean output tokens (default: 64)"
+    )
+    data.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="tokens (chat: words) of one random prefix that starts every random prompt, "
+        "before its --random-input-len (default: 0)",
     )
     data.add_argument(
         "--random-range-ratio",
@@ -194,6 +225,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="most requests in flight; arrivals beyond it wait (default: no cap)",
     )
     load.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="copies of the first request sent before the run, not measured (default: 0)",
+    )
+    load.add_argument(
         "--sweep-request-rates",
         type=parse_rates,
         default=None,
@@ -209,6 +246,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY:MS",
         help="SLOs for goodput, KEY one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50 "
         "(default: none, no goodput)",
+    )
+    out.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="latency metrics whose percentiles are reported and printed (default: %(default)s)",
     )
     out.add_argument(
         "--metric-percentiles",
@@ -253,8 +295,21 @@ def add_bench_parser(commands) -> None:
 def run_bench_serve(args: argparse.Namespace) -> int:
     from rlt.bench.session import BenchFailed, BenchSession
 
-    if args.dataset_name == "jsonl" and not args.dataset_path:
-        raise ConfigurationError("dataset_path", "--dataset-name jsonl needs --dataset-path")
+    if args.dataset_name != "random" and not args.dataset_path:
+        raise ConfigurationError(
+            "dataset_path", f"--dataset-name {args.dataset_name} needs --dataset-path"
+        )
+    tokenizer_id = args.tokenizer
+    if args.dataset_name == "sharegpt" and tokenizer_id is None:
+        if args.model is None:
+            raise ConfigurationError(
+                ("tokenizer", "dataset_name"),
+                "--dataset-name sharegpt counts prompt and reply tokens: pass --tokenizer "
+                "(a tokenizer directory or Hugging Face id; vLLM takes --model's)",
+            )
+        tokenizer_id = args.model
+    if args.num_warmups < 0:
+        raise ConfigurationError("num_warmups", f"must be >= 0, got {args.num_warmups}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ConfigurationError("max_concurrency", f"must be >= 1, got {args.max_concurrency}")
     if args.request_timeout <= 0:
@@ -266,7 +321,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             raise ConfigurationError(
                 ("request_rate", "sweep_request_rates"), "give one or the other"
             )
-    endpoint = Endpoint.parse(args.base_url or f"http://{args.host}:{args.port}", args.endpoint)
+    endpoint = Endpoint.resolve(
+        args.base_url or f"http://{args.host}:{args.port}", args.endpoint, args.backend
+    )
     if args.plot:
         from rlt.bench.plot import require_matplotlib
 
@@ -291,6 +348,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         percentiles=parse_percentiles(args.metric_percentiles),
         goodput=parse_goodput(args.goodput),
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        percentile_metrics=parse_percentile_metrics(args.percentile_metrics),
+        tokenizer_id=tokenizer_id,
     )
     rates = args.sweep_request_rates or [
         math.inf if args.request_rate is None else args.request_rate

@@ -5,7 +5,12 @@
 `/v1/completions` the prompt is a list of token ids drawn uniformly from [0, vocab_size), so the
 input length is exact. For `/v1/chat/completions` (which takes text) it is one user message of
 that many random common English words: about one token each, so the input length is
-approximate; the server's `usage.prompt_tokens` is what gets reported.
+approximate; the server's `usage.prompt_tokens` is what gets reported. With `prefix_len` P
+(vLLM's `--random-prefix-len`) every prompt starts with the same P random ids (words), drawn
+once, before its own random part: a prompt has P + its drawn input length tokens, and a
+server's prefix cache can share the first P.
+
+`sharegpt` (vLLM's ShareGPT JSON, with a tokenizer) lives in `rlt.bench.sharegpt`.
 
 `jsonl`: one JSON object per line, `{"prompt": "text"}` (or a list of token ids, completions
 only) or `{"messages": [...]}` (chat only), optionally with `"max_tokens"` (else the default
@@ -61,6 +66,7 @@ def random_requests(
     range_ratio: float = 0.0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = 0,
+    prefix_len: int = 0,
 ) -> list[BenchRequest]:
     """`num_prompts` synthetic requests; the same arguments always give the same requests."""
     if num_prompts < 1:
@@ -74,18 +80,25 @@ def random_requests(
         raise ConfigurationError("random_range_ratio", f"must be in [0, 1), got {range_ratio}")
     if vocab_size < 1:
         raise ConfigurationError("random_vocab_size", f"must be >= 1, got {vocab_size}")
+    if prefix_len < 0:
+        raise ConfigurationError("random_prefix_len", f"must be >= 0, got {prefix_len}")
     rng = random.Random(seed)
     input_lens = _lengths(rng, num_prompts, input_len, range_ratio)
     output_lens = _lengths(rng, num_prompts, output_len, range_ratio)
+    # drawn after the lengths (and nothing when 0): prefix_len 0 keeps every earlier workload
+    if chat:
+        prefix_words = [rng.choice(WORDS) for _ in range(prefix_len)]
+    else:
+        prefix_ids = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     requests = []
     for i, (n_in, n_out) in enumerate(zip(input_lens, output_lens, strict=True)):
         if chat:
-            text = " ".join(rng.choice(WORDS) for _ in range(n_in))
+            text = " ".join(prefix_words + [rng.choice(WORDS) for _ in range(n_in)])
             messages = [{"role": "user", "content": text}]
             requests.append(BenchRequest(i, n_out, messages=messages))
         else:
-            ids = [rng.randrange(vocab_size) for _ in range(n_in)]
-            requests.append(BenchRequest(i, n_out, prompt=ids, prompt_len=n_in))
+            ids = prefix_ids + [rng.randrange(vocab_size) for _ in range(n_in)]
+            requests.append(BenchRequest(i, n_out, prompt=ids, prompt_len=len(ids)))
     return requests
 
 

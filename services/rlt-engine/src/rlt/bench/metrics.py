@@ -1,11 +1,18 @@
 """Aggregate per-request measurements into the result of a run (vLLM's key names).
 
 Latency statistics cover the completed requests only, in milliseconds: for each of `ttft`,
-`tpot`, `itl`, `e2el` the keys `mean_X_ms`, `median_X_ms`, `std_X_ms`, `min_X_ms`, `max_X_ms`
-and `pQ_X_ms` for every requested percentile Q (linear interpolation between order
-statistics, numpy's default). ITL pools the chunk gaps of every request; TPOT leaves out
-one-token requests. Goodput (vLLM's `--goodput`): a completed request is good when each given
-SLO holds (`ttft`, `tpot`, `e2el`, in ms; a one-token request passes the TPOT one).
+`tpot`, `itl`, `e2el` the keys `mean_X_ms`, `median_X_ms`, `std_X_ms`, `min_X_ms`, `max_X_ms`,
+and `pQ_X_ms` for every requested percentile Q (vLLM's `--metric-percentiles`; linear
+interpolation between order statistics, numpy's default) of the metrics X that
+`--percentile-metrics` selects (default: all four). ITL pools the chunk gaps of every
+request; TPOT leaves out one-token requests. Goodput (vLLM's `--goodput`): a completed
+request is good when each given SLO holds (`ttft`, `tpot`, `e2el`, in ms; a one-token request
+passes the TPOT one); `request_goodput` is None without SLOs, as in vLLM.
+
+Peaks (vLLM's `max_output_tokens_per_s`, `max_concurrent_requests`): the run is cut into
+one-second buckets from its start; each completed request's tokens fall into the bucket of the
+chunk that carried them (its send time + TTFT + the chunk gaps), and it counts as in flight in
+every bucket from the one it was sent in to the one it ended in.
 """
 
 from __future__ import annotations
@@ -65,6 +72,18 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
+def parse_percentile_metrics(text: str) -> tuple[str, ...]:
+    """Parse vLLM's --percentile-metrics: "ttft,tpot" -> ("ttft", "tpot")."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in LATENCY_METRICS]
+    if not names or unknown:
+        raise ConfigurationError(
+            "percentile_metrics",
+            f"comma-separated names out of {','.join(LATENCY_METRICS)}, got {text!r}",
+        )
+    return tuple(dict.fromkeys(names))
+
+
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     """["ttft:500", "tpot:50"] -> {"ttft": 500.0, "tpot": 50.0} (milliseconds)."""
     slos: dict[str, float] = {}
@@ -98,16 +117,35 @@ def _rate(count: float, duration: float) -> float:
     return count / duration if duration > 0 else 0.0
 
 
+def peaks(done: Sequence[RequestResult]) -> tuple[float, int]:
+    """(most output tokens in one second of the run, most requests in flight in one second)
+    over the completed requests (see the module docstring)."""
+    if not done:
+        return 0.0, 0
+    buckets = int(max(r.start + r.latency for r in done)) + 1
+    tokens, in_flight = [0] * buckets, [0] * buckets
+    for r in done:
+        arrival = r.start + r.ttft
+        for gap, count in zip([0.0, *r.itls], r.chunk_tokens, strict=False):
+            arrival += gap
+            tokens[min(int(arrival), buckets - 1)] += count
+        for second in range(int(r.start), int(r.start + r.latency) + 1):
+            in_flight[second] += 1
+    return float(max(tokens)), max(in_flight)
+
+
 def summarize(
     results: Sequence[RequestResult | None],
     duration: float,
     *,
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
     goodput_slos: dict[str, float] | None = None,
+    percentile_metrics: Iterable[str] = LATENCY_METRICS,
 ) -> dict:
     """The aggregate and per-request result of one run. `results[i]` is None for a request
     that was never sent (the run was interrupted first)."""
     percentiles = tuple(percentiles)
+    percentile_metrics = tuple(percentile_metrics)
     sent = [r for r in results if r is not None]
     done = [r for r in sent if r.success]
     errors = Counter(r.error_kind for r in sent if not r.success)
@@ -132,6 +170,9 @@ def summarize(
             good_requests=good,
             goodput_slos_ms=dict(goodput_slos),
         )
+    else:
+        summary["request_goodput"] = None
+    summary["max_output_tokens_per_s"], summary["max_concurrent_requests"] = peaks(done)
     series = {
         "ttft": [r.ttft for r in done],
         "tpot": [r.tpot for r in done if r.tpot is not None],
@@ -139,7 +180,8 @@ def summarize(
         "e2el": [r.latency for r in done],
     }
     for name in LATENCY_METRICS:
-        summary.update(describe(series[name], name, percentiles))
+        chosen = percentiles if name in percentile_metrics else ()
+        summary.update(describe(series[name], name, chosen))
     decoded = [d for r in done for d in r.exit_depths[1:]]
     chunks = sum(len(r.chunk_tokens) for r in done)
     summary.update(
@@ -170,6 +212,7 @@ def per_request(results: Sequence[RequestResult | None]) -> dict[str, list]:
         "chunk_tokens": [r.chunk_tokens for r in rows],
         "loops_per_token": [r.loops_per_token for r in rows],
         "finish_reasons": [r.finish_reason for r in rows],
+        "generated_texts": [r.generated_text for r in rows],
         "errors": [r.error for r in rows],
         "error_kinds": [None if r.success else r.error_kind for r in rows],
     }

@@ -58,6 +58,8 @@ def print_summary(result: dict, out: TextIO) -> None:
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="), file=out)
     if result.get("interrupted"):
         print("(interrupted: partial results)", file=out)
+    if result.get("num_warmups"):
+        _line(out, "Warm-up requests (not measured):", result["num_warmups"])
     _line(out, "Request rate (req/s):", result["request_rate"])
     _line(out, "Successful requests:", result["completed"])
     _line(out, "Failed requests:", result["failed"])
@@ -70,13 +72,15 @@ def print_summary(result: dict, out: TextIO) -> None:
     _line(out, "Total input tokens:", result["total_input_tokens"])
     _line(out, "Total generated tokens:", result["total_output_tokens"])
     _line(out, "Request throughput (req/s):", result["request_throughput"])
-    if "request_goodput" in result:
+    if result.get("request_goodput") is not None:
         _line(out, "Request goodput (req/s):", result["request_goodput"])
     _line(out, "Output token throughput (tok/s):", result["output_throughput"])
+    _line(out, "Peak output token throughput (tok/s):", result["max_output_tokens_per_s"])
+    _line(out, "Peak concurrent requests:", result["max_concurrent_requests"])
     _line(out, "Total token throughput (tok/s):", result["total_token_throughput"])
     _line(out, "Mean loops per token:", result["mean_loops_per_token"])
     _line(out, "Mean tokens per stream chunk:", result["mean_tokens_per_chunk"])
-    for name in LATENCY_METRICS:
+    for name in result.get("percentile_metrics", LATENCY_METRICS):
         print("{s:{c}^{n}}".format(s=f" {TITLES[name]} ", n=50, c="-"), file=out)
         _line(out, f"Mean {name.upper()} (ms):", result[f"mean_{name}_ms"])
         _line(out, f"Median {name.upper()} (ms):", result[f"median_{name}_ms"])

@@ -32,6 +32,9 @@ from rlt.bench.datasets import BenchRequest
 
 CHAT_SUFFIX = "/chat/completions"
 COMPLETIONS_SUFFIX = "/completions"
+# `--backend` (vLLM's names of its OpenAI-compatible request functions) -> whether it speaks
+# chat; "vllm" is vLLM's older name of the completions one
+BACKENDS = {"openai": False, "vllm": False, "openai-chat": True}
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,24 @@ class Endpoint:
             "endpoint", f"must end in /completions or /chat/completions, got {path}"
         )
 
+    @classmethod
+    def resolve(cls, base_url: str, path: str | None, backend: str | None) -> Endpoint:
+        """`--endpoint` and `--backend` together: a missing path is the backend's
+        (`openai-chat`: /v1/chat/completions, else /v1/completions); both given must agree."""
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigurationError("backend", f"one of {sorted(BACKENDS)}, got {backend!r}")
+        if path is None:
+            path = "/v1/chat/completions" if backend and BACKENDS[backend] else "/v1/completions"
+        endpoint = cls.parse(base_url, path)
+        if backend is not None and BACKENDS[backend] != endpoint.chat:
+            speaks = "chat completions" if BACKENDS[backend] else "completions"
+            raise ConfigurationError(
+                ("backend", "endpoint"),
+                f"--backend {backend} sends {speaks} requests, but --endpoint {endpoint.path} "
+                "takes the other kind; leave --endpoint out or make them agree",
+            )
+        return endpoint
+
 
 @dataclass
 class RequestResult:
@@ -79,6 +100,11 @@ class RequestResult:
     usage_reported: bool = False
     exit_depths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    text_chunks: list[str] = field(default_factory=list)  # the streamed text, as it came
+
+    @property
+    def generated_text(self) -> str:
+        return "".join(self.text_chunks)
 
     @property
     def tpot(self) -> float | None:
@@ -195,6 +221,8 @@ async def send_request(
                         text = choice.delta.content if choice.delta is not None else None
                     else:
                         text = choice.text
+                    if text:
+                        result.text_chunks.append(text)
                     if depths:
                         tokens, saw_depths = len(depths), True
                         result.exit_depths.extend(depths)

@@ -1,9 +1,12 @@
-"""One `rlt bench serve` invocation: find the model, build the workload once, then run it at
-each request rate (one rate, or a sweep), printing and saving each run's result."""
+"""One `rlt bench serve` invocation: find the model, build the workload once, send its first
+request alone (the test request) and `--num-warmups` copies of it (not measured), then run it
+at each request rate (one rate, or a sweep), printing and saving each run's result."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
 import sys
 import time
@@ -14,7 +17,7 @@ from rlt_contracts import RltError
 
 from rlt.bench.arrival import arrival_times
 from rlt.bench.datasets import DEFAULT_VOCAB_SIZE, BenchRequest, jsonl_requests, random_requests
-from rlt.bench.metrics import summarize
+from rlt.bench.metrics import LATENCY_METRICS, summarize
 from rlt.bench.report import (
     default_result_filename,
     print_summary,
@@ -32,7 +35,25 @@ class BenchFailed(RltError):
     message; bad flags exit 2)."""
 
 
-def build_requests(args: argparse.Namespace, *, chat: bool, vocab_size: int) -> list:
+def backend_name(args, endpoint: Endpoint) -> str:
+    """`--backend` as given, else the one `--endpoint` implies."""
+    return args.backend or ("openai-chat" if endpoint.chat else "openai")
+
+
+def build_requests(
+    args: argparse.Namespace, *, chat: bool, vocab_size: int, tokenizer=None
+) -> list:
+    if args.dataset_name == "sharegpt":
+        from rlt.bench.sharegpt import sharegpt_requests
+
+        return sharegpt_requests(
+            args.dataset_path,
+            args.num_prompts,
+            chat=chat,
+            tokenizer=tokenizer,
+            output_len=args.sharegpt_output_len,
+            seed=args.seed,
+        )
     if args.dataset_name == "jsonl":
         return jsonl_requests(
             args.dataset_path,
@@ -48,22 +69,32 @@ def build_requests(args: argparse.Namespace, *, chat: bool, vocab_size: int) -> 
         range_ratio=args.random_range_ratio,
         vocab_size=vocab_size,
         seed=args.seed,
+        prefix_len=args.random_prefix_len,
     )
 
 
-def result_metadata(args, endpoint: Endpoint, model: str, rate: float, date: str) -> dict:
+def result_metadata(
+    args, endpoint: Endpoint, model: str, rate: float, date: str, tokenizer_id: str | None
+) -> dict:
+    backend = backend_name(args, endpoint)
     return {
         "date": date,
-        "backend": "openai-chat" if endpoint.chat else "openai",
+        "endpoint_type": backend,  # vLLM writes both names
+        "backend": backend,
+        "label": None,
         "base_url": endpoint.base_url,
         "endpoint": endpoint.path,
         "model_id": model,
+        "tokenizer_id": tokenizer_id,
         "num_prompts": args.num_prompts,
+        "num_warmups": args.num_warmups,
         "dataset_name": args.dataset_name,
         "dataset_path": args.dataset_path,
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
+        "random_prefix_len": args.random_prefix_len,
+        "sharegpt_output_len": args.sharegpt_output_len,
         "request_rate": rate_label(rate) if math.isinf(rate) else rate,
         "arrival": args.arrival,
         "burstiness": args.burstiness,
@@ -82,8 +113,9 @@ def result_metadata(args, endpoint: Endpoint, model: str, rate: float, date: str
 def result_filename(args, endpoint: Endpoint, model: str, rate: float, date: str, sweep: bool):
     if args.result_filename:
         return with_rate_suffix(args.result_filename, rate) if sweep else args.result_filename
-    backend = "openai-chat" if endpoint.chat else "openai"
-    return default_result_filename(backend, model, rate, args.max_concurrency, date)
+    return default_result_filename(
+        backend_name(args, endpoint), model, rate, args.max_concurrency, date
+    )
 
 
 @dataclass
@@ -95,8 +127,11 @@ class BenchSession:
     percentiles: tuple[float, ...]
     goodput: dict[str, float]
     date: str
+    percentile_metrics: tuple[str, ...] = LATENCY_METRICS
+    tokenizer_id: str | None = None  # --tokenizer, else --model for a ShareGPT workload
     model: str | None = None
     results: list[dict] = field(default_factory=list)
+    tokenizer: Any = None
 
     async def _discover(self, client) -> int:
         """Fill in the model (if not given); return the vocabulary size for random prompts."""
@@ -131,10 +166,17 @@ class BenchSession:
         )
         async with client:
             vocab_size = await self._discover(client)
-            requests = build_requests(args, chat=self.endpoint.chat, vocab_size=vocab_size)
+            if self.tokenizer_id is not None:
+                from rlt.bench.tokenizer import load_bench_tokenizer
+
+                self.tokenizer = load_bench_tokenizer(self.tokenizer_id)
+            requests = build_requests(
+                args, chat=self.endpoint.chat, vocab_size=vocab_size, tokenizer=self.tokenizer
+            )
             options = RequestOptions(model=self.model, **self.options)
             if requests:
                 await self._test_request(client, requests[0], options)
+                await self._warm_up(client, requests[0], options)
             for rate in rates:
                 result = await self._run_rate(client, requests, options, rate, len(rates) > 1)
                 self.results.append(result)
@@ -161,6 +203,43 @@ class BenchSession:
                 f"({result.error_kind}: {result.error}); check the server and the flags"
             )
         print(f"test request: ok in {result.latency:.2f} s; starting the run", file=sys.stderr)
+
+    async def _warm_up(self, client, request: BenchRequest, options: RequestOptions):
+        """As `vllm bench serve --num-warmups N`: N copies of the first request, at most
+        --max-concurrency at a time, before the measured runs (which they are not part of)."""
+        count = self.args.num_warmups
+        if count < 1:
+            return
+        print(f"warm-up: {count} requests", file=sys.stderr)
+        cap = self.args.max_concurrency
+        slots = asyncio.Semaphore(cap) if cap else None
+
+        async def one(index: int) -> RequestResult:
+            async with slots if slots is not None else contextlib.nullcontext():
+                return await send_request(
+                    client,
+                    self.endpoint,
+                    request,
+                    options,
+                    RequestResult(index=index),
+                    time.perf_counter(),
+                )
+
+        results = await asyncio.gather(*(one(i) for i in range(count)))
+        failed = [r for r in results if not r.success]
+        note = (
+            f"; {len(failed)} failed ({failed[0].error_kind}: {failed[0].error})" if failed else ""
+        )
+        print(f"warm-up: done{note}", file=sys.stderr)
+
+    def _count_with_tokenizer(self, results) -> None:
+        """Replies of a server that sent no usage: their tokens counted with --tokenizer
+        (vLLM's count) instead of one per text chunk; prompts from the dataset's lengths."""
+        from rlt.bench.tokenizer import count_tokens
+
+        for result in results:
+            if result is not None and result.success and not result.usage_reported:
+                result.output_tokens = count_tokens(self.tokenizer, result.generated_text)
 
     async def _run_rate(
         self, client, requests: list[BenchRequest], options: RequestOptions, rate, sweep: bool
@@ -192,8 +271,16 @@ class BenchSession:
                 max_concurrency=args.max_concurrency,
                 progress=progress,
             )
-        result = result_metadata(args, self.endpoint, self.model, rate, self.date)
-        result.update(interrupted=outcome.interrupted, percentiles=list(self.percentiles))
+        if self.tokenizer is not None:
+            self._count_with_tokenizer(outcome.results)
+        result = result_metadata(
+            args, self.endpoint, self.model, rate, self.date, self.tokenizer_id
+        )
+        result.update(
+            interrupted=outcome.interrupted,
+            percentiles=list(self.percentiles),
+            percentile_metrics=list(self.percentile_metrics),
+        )
         # the run's start on the machine's monotonic clock: lines a server's step log
         # (RLT_STEP_LOG, same clock) up with the requests' start_times
         result["started_perf_counter_s"] = outcome.started_s
@@ -203,6 +290,7 @@ class BenchSession:
                 outcome.duration,
                 percentiles=self.percentiles,
                 goodput_slos=self.goodput,
+                percentile_metrics=self.percentile_metrics,
             )
         )
         print_summary(result, sys.stdout)

@@ -16,7 +16,7 @@ from rlt import LLM
 from rlt_contracts import PDCompatibility
 from rlt_models import CheckpointError, DenseCausalAttention, DenseKVCache, load_model
 from rlt_models.kv_scales import HEADROOM, calibrate_kv_scales
-from rlt_models.loading import SINGLE_FILE
+from rlt_models.safetensors_files import SINGLE_FILE
 from safetensors.torch import load_file, save_file
 from test_fp8_engine import ENGINE as BASE_ENGINE
 from test_fp8_engine import PROMPTS, params

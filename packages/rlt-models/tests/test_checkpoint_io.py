@@ -15,7 +15,7 @@ from rlt_models import (
     random_ouro_tensors,
     write_random_checkpoint,
 )
-from rlt_models.loading import iter_checkpoint_tensors
+from rlt_models.safetensors_files import iter_checkpoint_tensors
 from rlt_models.weights import checkpoint_tensor_shapes
 from safetensors.torch import load_file, save_file
 

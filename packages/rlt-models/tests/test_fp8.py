@@ -13,7 +13,7 @@ from rlt_models import CheckpointError, OuroConfig, load_model, save_checkpoint
 from rlt_models.checkpoint_writer import write_random_checkpoint
 from rlt_models.fp8 import FP8, FP8_MAX, Fp8Projection, dequantize, quantize_per_channel
 from rlt_models.fp8_checkpoint import write_fp8_checkpoint
-from rlt_models.loading import SINGLE_FILE
+from rlt_models.safetensors_files import SINGLE_FILE
 from safetensors.torch import load_file, save_file
 
 CONFIG = OuroConfig(

@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 
 from rlt_models.families import family_of
 from rlt_models.fp8 import Fp8Projection
-from rlt_models.loading import DTYPES, SINGLE_FILE
+from rlt_models.loading import DTYPES
 from rlt_models.looped_model import LoopedModelBase
+from rlt_models.safetensors_files import SINGLE_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

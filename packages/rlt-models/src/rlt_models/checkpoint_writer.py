@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from rlt_models.config import OuroConfig
 from rlt_models.families import family_of
-from rlt_models.loading import DTYPES, INDEX_FILE, SINGLE_FILE
+from rlt_models.loading import DTYPES
+from rlt_models.safetensors_files import INDEX_FILE, SINGLE_FILE
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_models.tokenizer import MIN_VOCAB_SIZE, save_hf_tokenizer, train_byte_level_bpe
 

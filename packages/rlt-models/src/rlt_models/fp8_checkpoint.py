@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from rlt_models.errors import CheckpointError
 from rlt_models.families import family_of, parse_config
 from rlt_models.fp8 import FP8, quantize_per_channel
+from rlt_models.safetensors_files import SINGLE_FILE, iter_checkpoint_tensors
 
 # Runtime parameters (by name suffix) that fp8 quantizes: every family's projections, fused as
 # the family fuses them (q/k/v -> qkv_proj, gate/up -> gate_up_proj; HRM-Text's gqkv_proj).
@@ -147,8 +148,6 @@ def write_fp8_checkpoint(
     """Quantize a bf16/fp32 checkpoint's projections (and the LM head if asked) to fp8 with
     per-channel scales and write it, with its tokenizer files, in the compressed-tensors format.
     Returns the output directory."""
-    from rlt_models.loading import SINGLE_FILE, iter_checkpoint_tensors
-
     source, out = Path(source_dir), Path(out_dir)
     raw = json.loads((source / "config.json").read_text())
     if read_scheme(raw) is not None:

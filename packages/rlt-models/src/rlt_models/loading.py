@@ -4,12 +4,9 @@ tokenizer): config.json's `architectures` picks the family (`rlt_models.families
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from rlt_models.errors import CheckpointError
 from rlt_models.families import family_of, read_config
@@ -24,9 +21,7 @@ from rlt_models.fp8_checkpoint import (
     scale_vector,
 )
 from rlt_models.kv_scales import checkpoint_kv_scales, kv_scale_names
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from rlt_models.safetensors_files import iter_checkpoint_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,48 +37,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, config) -> torch.dtype:
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} unsupported; use one of {sorted(DTYPES)}")
     return DTYPES[dtype]
-
-
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it, from the single file or the sharded index."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index_path}: malformed index ({exc})") from exc
-        files = {name: model_dir / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.exists():
-                raise CheckpointError(f"{index_path} names shard {shard.name}, which is missing")
-        return files
-    single = model_dir / SINGLE_FILE
-    if not single.exists():
-        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
-    with _open(single) as handle:
-        return {name: single for name in handle.keys()}
-
-
-def iter_checkpoint_tensors(
-    model_dir: Path, device: str = "cpu"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, in its stored dtype."""
-    files = checkpoint_files(model_dir)
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path, names in by_file.items():
-        with _open(path, device) as handle:
-            available = set(handle.keys())
-            for name in names:
-                if name not in available:
-                    raise CheckpointError(
-                        f"tensor {name!r} is listed for {path.name} but not in it"
-                    )
-                try:
-                    yield name, handle.get_tensor(name)
-                except SafetensorError as exc:
-                    raise CheckpointError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
 
 
 QUANTIZATIONS = (None, "fp8")
@@ -287,10 +240,3 @@ def _install_fp8(model, param_name, source_names, tensors, stored_fp8, device) -
     owner = model.get_submodule(owner_path) if owner_path else model
     delattr(owner, attr)
     setattr(owner, attr, Fp8Projection(data.to(device), scale.to(device)))
-
-
-def _open(path: Path, device: str = "cpu") -> ExitStack:
-    try:
-        return safe_open(str(path), framework="pt", device=device)
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlt_contracts import ConfigurationError
 
-from rlt_models.loading import INDEX_FILE, SINGLE_FILE
+from rlt_models.safetensors_files import INDEX_FILE, SINGLE_FILE
 
 CONFIG_FILE = "config.json"
 # Any of these sets is a tokenizer transformers loads offline: the fast tokenizer's one file,

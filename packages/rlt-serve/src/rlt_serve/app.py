@@ -26,7 +26,6 @@ from rlt_serve.errors import (
     handle_api_error,
     handle_http_exception,
     handle_unexpected,
-    handle_validation_error,
 )
 from rlt_serve.guards import RequestGuard
 from rlt_serve.info_routes import add_info_routes, package_version
@@ -44,6 +43,7 @@ from rlt_serve.response_schemas import (
 )
 from rlt_serve.tokenize_routes import add_tokenize_routes
 from rlt_serve.unexpected_errors import UnexpectedErrorsAnswered
+from rlt_serve.validation_errors import handle_validation_error
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 

@@ -4,7 +4,7 @@ Every failure a request can cause maps to one `APIError` here, so handlers raise
 build error bodies themselves:
 
   400 invalid_request_error  malformed JSON, wrong types, unknown fields, invalid values
-                             (`param` names the field)
+                             (`param` names the field; pydantic's errors: validation_errors.py)
   401 authentication_error   missing or wrong API key            (code invalid_api_key)
   403 permission_error       cross-origin browser request or foreign Host header
   404 invalid_request_error  unknown model                       (code model_not_found)
@@ -21,7 +21,6 @@ import json
 from typing import Any
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from rlt_contracts import (
     CapacityError,
@@ -30,23 +29,6 @@ from rlt_contracts import (
     OverloadedError,
     RltError,
 )
-
-# pydantic names union members in error locations ("prompt" -> "list[int]" -> 0); those
-# segments are not request fields.
-_TYPE_TAGS = {
-    "str",
-    "int",
-    "float",
-    "bool",
-    "none",
-    "list",
-    "dict",
-    "function-after",
-    "function-before",
-    "function-wrap",
-    "literal",
-    "tagged-union",
-}
 
 
 class APIError(Exception):
@@ -127,79 +109,8 @@ def from_engine_error(exc: BaseException, *, field_names: dict[str, str] | None 
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
 
 
-def param_of(location: tuple[Any, ...]) -> str | None:
-    """'messages[0].content' from a pydantic error location ('body', 'messages', 0, 'content')."""
-    parts = list(location[1:] if location and location[0] == "body" else location)
-    name = ""
-    for part in parts:
-        if isinstance(part, int):
-            name += f"[{part}]"
-        elif isinstance(part, str) and not _is_tag(part):
-            name += f".{part}" if name else part
-        else:
-            break  # a union member tag: the field itself is named already
-    return name or None
-
-
-def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    if not errors:
-        return invalid(None, "invalid request body")
-    first = errors[0]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        return invalid(None, f"malformed JSON body: {detail}".rstrip(": "))
-    if kind == "string_unicode":  # pydantic cannot even read a key holding a lone surrogate
-        from rlt_serve.unicode_input import first_invalid_text
-
-        param = first_invalid_text(getattr(exc, "body", None))
-        return invalid(
-            param or None,
-            f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, which is not "
-            "valid Unicode",
-        )
-    location = tuple(first.get("loc", ()))
-    param = param_of(location)
-    if kind == "extra_forbidden":  # the last segment is the unknown name itself, whatever it is
-        parent, name = param_of(location[:-1]), str(location[-1])
-        param = f"{parent}.{name}" if parent else name
-        return invalid(param, f"Unrecognized request argument supplied: {param}")
-    if param is None:
-        return invalid(None, "the request body must be a JSON object")
-    if kind == "missing":
-        return invalid(param, f"{param}: field required")
-    members = _union_members(errors, location)
-    if len(members) > 1:  # pydantic reports one error per union member
-        return invalid(param, f"{param}: must be one of {', '.join(members)}")
-    return invalid(param, f"{param}: {first.get('msg', 'invalid value')}")
-
-
-def _union_members(errors: list[dict[str, Any]], location: tuple[Any, ...]) -> list[str]:
-    """The member tags of the union at the first error's field, e.g. ['str', 'list[int]']."""
-    depth = next(
-        (i for i, part in enumerate(location) if isinstance(part, str) and _is_tag(part)), None
-    )
-    if depth is None:
-        return []
-    members: list[str] = []
-    for error in errors:
-        loc = tuple(error.get("loc", ()))
-        if loc[:depth] == location[:depth] and len(loc) > depth and loc[depth] not in members:
-            members.append(str(loc[depth]))
-    return members
-
-
-def _is_tag(part: str) -> bool:
-    return not part.isidentifier() or part in _TYPE_TAGS
-
-
 async def handle_api_error(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
-
-
-async def handle_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error_to_api_error(exc).response()
 
 
 async def handle_http_exception(_request: Request, exc: Exception) -> JSONResponse:

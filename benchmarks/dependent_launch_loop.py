@@ -42,12 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def set_pdl(enabled: bool) -> None:
-    from rlt_attention import dependent_launch as attention_pdl
-    from rlt_models import dependent_launch as model_pdl
+def set_pdl(enabled: bool | None) -> None:
+    from rlt_contracts import dependent_launch
 
-    model_pdl.set_enabled(enabled)
-    attention_pdl.set_enabled(enabled)
+    dependent_launch.set_enabled(enabled)  # the one switch of both kernel packages
 
 
 def ptx_has_griddepcontrol() -> bool:

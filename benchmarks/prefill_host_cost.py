@@ -62,8 +62,7 @@ def main(argv=None) -> int:
 
     import torch
     from rlt_attention import TritonPagedAttention
-    from rlt_attention import dependent_launch as attention_pdl
-    from rlt_models import dependent_launch as model_pdl
+    from rlt_contracts import dependent_launch
 
     model, paged = ouro_1_4b_on_cuda(max_batch=CHUNKS, context=CHUNK_LEN)
     batch, positions = prefill_batch(paged, "cuda")
@@ -81,8 +80,7 @@ def main(argv=None) -> int:
     timer = Timer("cuda", replays=args.repeats, warmup=3)
     with torch.inference_mode():
         for pdl in (True, False):
-            model_pdl.set_enabled(pdl)
-            attention_pdl.set_enabled(pdl)
+            dependent_launch.set_enabled(pdl)
             replay, _ = timer.capture(step)
             gpu_ms = timer.median_ms(replay)
             enqueue, eager = [], []
@@ -100,8 +98,7 @@ def main(argv=None) -> int:
                 "eager_ms": round(statistics.median(eager[2:]), 3),
             }
             print(pdl, results["arms"]["pdl" if pdl else "no_pdl"], flush=True)
-        model_pdl.set_enabled(None)
-        attention_pdl.set_enabled(None)
+        dependent_launch.set_enabled(None)
         torch.cuda.synchronize()
         profiler = cProfile.Profile()
         profiler.enable()

@@ -90,21 +90,19 @@ def test_bf16_cuda_runs_and_tracks_fp32(llm_factory):
 def test_programmatic_dependent_launch_changes_no_result(llm_factory, dtype):
     """PDL (on by default on sm_90+) only lets a kernel start while its predecessor drains:
     tokens, exit depths and logprobs are bit-identical with it off (same kernels, same math;
-    the second engine reuses the first's small-batch GEMV choices)."""
-    from rlt_attention import dependent_launch as attention_pdl
-    from rlt_models import dependent_launch as model_pdl
+    the second engine reuses the first's small-batch GEMV choices). One switch turns it off
+    for both kernel packages."""
+    from rlt_contracts import dependent_launch
 
     params = SamplingParams(max_tokens=10, exit_threshold=0.6, ignore_eos=True, logprobs=2)
     results = {}
     try:
         for enabled in (False, True):
-            model_pdl.set_enabled(enabled)
-            attention_pdl.set_enabled(enabled)
+            dependent_launch.set_enabled(enabled)
             outputs = llm_factory(device="cuda", dtype=dtype).generate(PROMPTS, params)
             results[enabled] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outputs]
     finally:
-        model_pdl.set_enabled(None)
-        attention_pdl.set_enabled(None)
+        dependent_launch.set_enabled(None)
     assert results[True] == results[False]
 
 

@@ -33,9 +33,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_attention import dependent_launch
-from rlt_attention.dependent_launch import wait_for_prior_grid
+from rlt_attention import grid_dependency
+from rlt_attention.grid_dependency import wait_for_prior_grid
 from rlt_attention.split_config import SplitConfig
 from rlt_attention.split_decode_vector import split_decode_vector_kernel
 from rlt_attention.triton_kernel import quantize_fp8
@@ -417,7 +418,7 @@ def launch_split_decode_attention(
         raise ValueError("storing the call's keys or merging in the split kernel needs q_len 1")
     if queries_per_group * (num_heads // kv_heads) > split.block_m:
         raise ValueError(f"block_m {split.block_m} cannot hold {queries_per_group} queries")
-    pdl = dependent_launch.enabled(query)
+    pdl = grid_dependency.enabled(query)
     if direct:
         partial_max = partial_sum = partial_acc = out  # unused
     else:
@@ -461,7 +462,7 @@ def launch_split_decode_attention(
             WINDOW=window or 0,
             num_warps=split.num_warps,
             num_stages=split.num_stages,
-            **dependent_launch.launch_options(pdl),
+            **launch_options(pdl),
         )
         if not direct:
             _launch_combine(out, partial_max, partial_sum, partial_acc, query_start, 1, split, pdl)
@@ -501,7 +502,7 @@ def launch_split_decode_attention(
         WINDOW=window or 0,
         num_warps=split.num_warps,
         num_stages=split.num_stages,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     if direct or fused_combine:
         return
@@ -532,5 +533,5 @@ def _launch_combine(
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         USE_PDL=pdl,
         num_warps=1 if split.block_d * num_splits <= 2048 else 4,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rlt_attention.dependent_launch import wait_for_prior_grid
+from rlt_attention.grid_dependency import wait_for_prior_grid
 
 
 @triton.jit

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_attention import dependent_launch
-from rlt_attention.dependent_launch import wait_for_prior_grid
+from rlt_attention import grid_dependency
+from rlt_attention.grid_dependency import wait_for_prior_grid
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Triton's interpreter rounds some fp32 -> e4m3 conversions wrongly (125.46 -> 64, measured with
@@ -245,7 +246,7 @@ def launch_paged_attention(
     if num_groups == 0 or num_query_tiles == 0:
         return
     grid = (num_groups * num_query_tiles, kv_heads)
-    pdl = dependent_launch.enabled(query)
+    pdl = grid_dependency.enabled(query)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -281,7 +282,7 @@ def launch_paged_attention(
         CAUSAL=causal,
         WINDOW=window or 0,
         num_warps=tiles.num_warps,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
 
 
@@ -389,7 +390,7 @@ def launch_store_kv(
         value = value.contiguous()
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(kv_heads), max(1, 4096 // block_d))
-    pdl = dependent_launch.enabled(key)
+    pdl = grid_dependency.enabled(key)
     _store_kv_kernel[(num_rows, triton.cdiv(kv_heads, block_h))](
         key,
         value,
@@ -413,5 +414,5 @@ def launch_store_kv(
         USE_PDL=pdl,
         KV_FP8=key_scale is not None,
         num_warps=4,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )

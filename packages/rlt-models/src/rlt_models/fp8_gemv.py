@@ -36,8 +36,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_models import dependent_launch
+from rlt_models import grid_dependency
 from rlt_models import small_batch_linear as sbl
 
 triton, tl = sbl.triton, (sbl.tl if sbl.triton is not None else None)
@@ -74,7 +75,7 @@ CONFIGS = (
 )
 
 if triton is not None:
-    from rlt_models.dependent_launch import wait_for_prior_grid
+    from rlt_models.grid_dependency import wait_for_prior_grid
 
     @triton.jit
     def _widen(words, ASM: tl.constexpr):
@@ -298,7 +299,7 @@ def launch_persistent(
     if programs is None:  # the first call: a provisional wave, then the compiled kernel's
         per_sm = _per_sm.get(key, max(1, 16 // config.num_warps))
         programs = _grid(tiles, per_sm, x.device) if x.is_cuda else tiles
-    pdl = dependent_launch.enabled(x)
+    pdl = grid_dependency.enabled(x)
     compiled = _persistent_gemv_kernel[(max(1, min(programs, tiles)),)](
         x,
         words,
@@ -317,7 +318,7 @@ def launch_persistent(
         PREDICATED=needed is not None,
         num_warps=config.num_warps,
         num_stages=1,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     if key not in _per_sm and x.is_cuda:
         per_sm = _programs_per_sm(compiled, config.num_warps, x.device)

@@ -19,9 +19,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_models import dependent_launch
-from rlt_models.dependent_launch import wait_for_prior_grid
+from rlt_models import grid_dependency
+from rlt_models.grid_dependency import wait_for_prior_grid
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -201,7 +202,7 @@ def _row_warps(block: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [N, d] -> weight * rms_norm(x) [N, d] in x's dtype (one program per row)."""
     _check_device(x, weight)
-    pdl = dependent_launch.enabled(x)
+    pdl = grid_dependency.enabled(x)
     num_rows, d = x.shape
     out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -219,7 +220,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         num_warps=_row_warps(block),
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return out
 
@@ -235,7 +236,7 @@ def add_rms_norm(
     with delta_weight None the delta is added as it is (a pre-norm layer's residual add)."""
     norm_delta = delta_weight is not None
     _check_device(residual, delta, out_weight, *([delta_weight] if norm_delta else []))
-    pdl = dependent_launch.enabled(residual)
+    pdl = grid_dependency.enabled(residual)
     num_rows, d = residual.shape
     new_residual = torch.empty((num_rows, d), dtype=residual.dtype, device=residual.device)
     normed = torch.empty_like(new_residual)
@@ -260,7 +261,7 @@ def add_rms_norm(
         num_warps=_row_warps(block),
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return new_residual, normed
 
@@ -275,7 +276,7 @@ def rotary_qk_(
 ) -> torch.Tensor:
     """Rotate the q and k heads of qkv [N, (H + 2 Hkv) * D] in place; returns qkv."""
     _check_device(qkv, cos, sin)
-    pdl = dependent_launch.enabled(qkv)
+    pdl = grid_dependency.enabled(qkv)
     num_rows = qkv.shape[0]
     rotated_heads = num_heads + num_kv_heads
     if num_rows == 0:
@@ -298,7 +299,7 @@ def rotary_qk_(
         num_warps=4,
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return qkv
 
@@ -306,7 +307,7 @@ def rotary_qk_(
 def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """gate_up [N, 2F] (gate first) -> silu(gate) * up [N, F]."""
     _check_device(gate_up)
-    pdl = dependent_launch.enabled(gate_up)
+    pdl = grid_dependency.enabled(gate_up)
     num_rows = gate_up.shape[0]
     out = torch.empty((num_rows, intermediate_size), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows == 0:
@@ -323,7 +324,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
         num_warps=4,
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return out
 
@@ -331,7 +332,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
 def exit_gate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """sigmoid(hidden . weight + bias) [N] fp32; hidden [N, d], weight [d] / bias [1] fp32."""
     _check_device(hidden, weight, bias)
-    pdl = dependent_launch.enabled(hidden)
+    pdl = grid_dependency.enabled(hidden)
     num_rows, d = hidden.shape
     out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     if num_rows == 0:
@@ -348,6 +349,6 @@ def exit_gate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
         num_warps=_row_warps(block),
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return out

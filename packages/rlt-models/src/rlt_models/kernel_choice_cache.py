@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rlt_models import dependent_launch, fp8_gemv
+from rlt_models import fp8_gemv, grid_dependency
 from rlt_models import fp8_linear as f8
 from rlt_models import small_batch_linear as sbl
 
@@ -55,7 +55,7 @@ def fingerprint(device: torch.device) -> str:
         "capability": list(torch.cuda.get_device_capability(device)),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "pdl": dependent_launch.enabled(probe),
+        "pdl": grid_dependency.enabled(probe),
         "candidates": repr((sbl.CONFIGS, sbl.MARGIN, f8.FP8_TILES, fp8_gemv.CONFIGS, f8.TOLERANCE)),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]

@@ -8,7 +8,7 @@ rounds; compiled without mul+add contraction (`fused_kernels.NO_FMA`: an FMA wou
 product's rounding). A unit norm needs its whole row, so the row-wise kernels run one program
 per row holding the row in registers (width up to 8,192 at the release shape's intermediate
 7,168: 16 values per thread at 16 warps). Rows are addressed through their stride; the last dim
-must be contiguous. Launched with programmatic dependent launch where `dependent_launch` says.
+must be contiguous. Launched with programmatic dependent launch where `grid_dependency` says.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_models import dependent_launch
-from rlt_models.dependent_launch import wait_for_prior_grid
+from rlt_models import grid_dependency
 from rlt_models.fused_kernels import INTERPRETED, NO_FMA
+from rlt_models.grid_dependency import wait_for_prior_grid
 from rlt_models.ngpt_ops import UNIT_NORM_EPS
 
 
@@ -242,7 +243,7 @@ def _row_launch(kernel, rows: int, width: int, *args, pdl: bool, **constants) ->
         USE_PDL=pdl,
         **constants,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
 
 
@@ -255,7 +256,7 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
     rows, width = x.shape
     out = _empty_rows(x, rows, width)
     if rows:
-        pdl = dependent_launch.enabled(x)
+        pdl = grid_dependency.enabled(x)
         _row_launch(_unit_norm_kernel, rows, width, x, out, x.stride(0), out.stride(0), pdl=pdl)
     return out
 
@@ -265,7 +266,7 @@ def unit_add_unit(h: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     rows, width = h.shape
     out = _empty_rows(h, rows, width)
     if rows:
-        pdl = dependent_launch.enabled(h)
+        pdl = grid_dependency.enabled(h)
         strides = (h.stride(0), other.stride(0), out.stride(0))
         _row_launch(_unit_add_unit_kernel, rows, width, h, other, out, *strides, pdl=pdl)
     return out
@@ -276,7 +277,7 @@ def qk_unit_rope_scale_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale) -> N
     rows, rotated = qkvg.shape[0], heads + kv_heads
     if not rows:
         return
-    pdl = dependent_launch.enabled(qkvg)
+    pdl = grid_dependency.enabled(qkvg)
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     # a few heads a program: at one row the release shape (20 heads of 256) runs 10 programs
@@ -298,7 +299,7 @@ def qk_unit_rope_scale_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale) -> N
         num_warps=4,
         USE_PDL=pdl,
         **NO_FMA,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
 
 
@@ -307,7 +308,7 @@ def gated_unit(out: torch.Tensor, gate: torch.Tensor, gate_scale: torch.Tensor) 
     rows, width = out.shape
     result = _empty_rows(out, rows, width)
     if rows:
-        pdl = dependent_launch.enabled(out)
+        pdl = grid_dependency.enabled(out)
         strides = (out.stride(0), gate.stride(0), result.stride(0))
         _row_launch(
             _gated_unit_kernel, rows, width, out, gate, gate_scale, result, *strides, pdl=pdl
@@ -321,7 +322,7 @@ def unit_interpolate(x, raw, rate, keep_h: bool):
     y = _empty_rows(x, rows, width)
     h = _empty_rows(x, rows, width) if keep_h else None
     if rows:
-        pdl = dependent_launch.enabled(x)
+        pdl = grid_dependency.enabled(x)
         h_arg = y if h is None else h  # not written without KEEP_H
         strides = (x.stride(0), raw.stride(0), h_arg.stride(0), y.stride(0))
         _row_launch(
@@ -336,7 +337,7 @@ def scaled_silu_unit(gate_up, gate_scale, up_scale, intermediate_size: int) -> t
     rows = gate_up.shape[0]
     out = _empty_rows(gate_up, rows, intermediate_size)
     if rows:
-        pdl = dependent_launch.enabled(gate_up)
+        pdl = grid_dependency.enabled(gate_up)
         _row_launch(
             _scaled_silu_unit_kernel, rows, intermediate_size, gate_up, gate_scale, up_scale,
             out, gate_up.stride(0), out.stride(0), pdl=pdl,

@@ -21,7 +21,7 @@ first). Only bf16/fp16 weights are considered (fp32 keeps cuBLAS, whose tests ar
 fp64). Output equals cuBLAS up to the order of the fp32 accumulation (then one rounding to act
 dtype).
 
-On sm_90+ the kernels are launched with programmatic dependent launch (`dependent_launch`):
+On sm_90+ the kernels are launched with programmatic dependent launch (`grid_dependency`):
 each CTA loads its first weight tile, then waits for the previous kernel, then reads x. With
 `needed` (the LM head in a decode tick: "does any row exit?") a CTA waits first, and where the
 flag is 0 writes zeros and reads no weight. (With PDL on, all four Ouro-1.4B projections chose
@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from rlt_contracts.dependent_launch import launch_options
 
-from rlt_models import dependent_launch
+from rlt_models import grid_dependency
 
 try:
     import triton
@@ -83,7 +84,7 @@ CONFIGS = (
 )
 
 if triton is not None:
-    from rlt_models.dependent_launch import wait_for_prior_grid
+    from rlt_models.grid_dependency import wait_for_prior_grid
 
     @triton.jit
     def _small_rows_linear_kernel(
@@ -202,7 +203,7 @@ def launch(
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    pdl = dependent_launch.enabled(x)
+    pdl = grid_dependency.enabled(x)
     if config.single_row:
         if rows != 1:
             raise ValueError(f"the single-row kernel takes 1 row, got {rows}")
@@ -222,7 +223,7 @@ def launch(
             SCALED=scale is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            **dependent_launch.launch_options(pdl),
+            **launch_options(pdl),
         )
         return out
     _small_rows_linear_kernel[(triton.cdiv(n, config.block_n),)](
@@ -245,7 +246,7 @@ def launch(
         SCALED=scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **dependent_launch.launch_options(pdl),
+        **launch_options(pdl),
     )
     return out
 

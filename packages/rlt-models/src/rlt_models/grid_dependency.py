@@ -1,0 +1,49 @@
+"""This package's side of programmatic dependent launch (PDL): the Triton helper its kernels call
+and whether a tensor's device takes PDL launches.
+
+The switch (RLT_PDL, `set_enabled`), the instructions and their order, and the launch keyword
+are `rlt_contracts.dependent_launch`'s, shared with rlt-attention's kernels; what stays here is
+what needs torch or Triton, which rlt-contracts does not have. Every kernel launched with
+`launch_options(pdl)` takes `USE_PDL=pdl` and, when set, calls `wait_for_prior_grid()` before
+it touches memory a previous kernel may write (otherwise it would race); the weight-streaming
+GEMVs load their first weight tile before it. A kernel without the attribute (cuBLAS, torch
+ops) waits for its predecessor as usual, so PDL kernels mix freely with others in one stream or
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from rlt_contracts import dependent_launch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - linux wheels of torch bring triton
+    triton = None
+
+
+@functools.cache
+def _device_supports(device_index: int) -> bool:
+    return dependent_launch.supports(torch.cuda.get_device_capability(device_index)[0])
+
+
+def enabled(tensor: torch.Tensor) -> bool:
+    """Whether kernels working on `tensor` are launched with PDL."""
+    if triton is None or not tensor.is_cuda or not dependent_launch.requested():
+        return False
+    return _device_supports(tensor.get_device())  # an int: cheap on every eager launch
+
+
+if triton is not None:
+    _FIRST: tl.constexpr = tl.constexpr(dependent_launch.GRID_DEPENDENCY_INSTRUCTIONS[0])
+    _SECOND: tl.constexpr = tl.constexpr(dependent_launch.GRID_DEPENDENCY_INSTRUCTIONS[1])
+
+    @triton.jit
+    def wait_for_prior_grid():
+        """launch_dependents and griddepcontrol.wait, in the switch's order. Not pure: never
+        removed as dead code."""
+        tl.inline_asm_elementwise(_FIRST, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_SECOND, "=r", [], dtype=tl.int32, is_pure=False, pack=1)

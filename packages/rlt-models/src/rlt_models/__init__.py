@@ -1,53 +1,54 @@
 """rlt-models: the looped model families (Ouro, Nanbeige4.2), their registry, strict checkpoint
-loading, and checkpoint writing and export."""
+loading, and checkpoint writing and export.
 
-from rlt_models.checkpoint_export import checkpoint_tensors, save_checkpoint
-from rlt_models.checkpoint_writer import (
-    RandomInit,
-    random_checkpoint_tensors,
-    random_ouro_tensors,
-    write_random_checkpoint,
-)
-from rlt_models.config import OuroConfig
-from rlt_models.dense_attention import DenseCausalAttention, DenseKVCache
-from rlt_models.errors import CheckpointError, ModelConfigError
-from rlt_models.families import (
-    FAMILIES,
-    family_for,
-    parse_config,
-    read_config,
-)
-from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
-from rlt_models.loading import build_model, load_model, resolve_dtype
-from rlt_models.looped_model import LoopedModelBase
-from rlt_models.nanbeige import NanbeigeConfig, NanbeigeModel
-from rlt_models.ouro import OuroModel
-from rlt_models.tokenizer import load_tokenizer
+The public names load their module on first use (PEP 562): `import rlt_models` and
+`rlt_models.model_source` import no torch, so a command refuses a Hugging Face model id it
+cannot resolve in about a second, before it pays for torch (2-3 s on a small CPU machine).
+"""
 
-__all__ = [
-    "FAMILIES",
-    "CheckpointError",
-    "DenseCausalAttention",
-    "DenseKVCache",
-    "HrmTextConfig",
-    "HrmTextModel",
-    "LoopedModelBase",
-    "ModelConfigError",
-    "NanbeigeConfig",
-    "NanbeigeModel",
-    "OuroConfig",
-    "OuroModel",
-    "RandomInit",
-    "build_model",
-    "family_for",
-    "parse_config",
-    "random_checkpoint_tensors",
-    "read_config",
-    "checkpoint_tensors",
-    "load_model",
-    "load_tokenizer",
-    "random_ouro_tensors",
-    "resolve_dtype",
-    "save_checkpoint",
-    "write_random_checkpoint",
-]
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "checkpoint_tensors": "rlt_models.checkpoint_export",
+    "save_checkpoint": "rlt_models.checkpoint_export",
+    "RandomInit": "rlt_models.checkpoint_writer",
+    "random_checkpoint_tensors": "rlt_models.checkpoint_writer",
+    "random_ouro_tensors": "rlt_models.checkpoint_writer",
+    "write_random_checkpoint": "rlt_models.checkpoint_writer",
+    "OuroConfig": "rlt_models.config",
+    "DenseCausalAttention": "rlt_models.dense_attention",
+    "DenseKVCache": "rlt_models.dense_attention",
+    "CheckpointError": "rlt_models.errors",
+    "ModelConfigError": "rlt_models.errors",
+    "FAMILIES": "rlt_models.families",
+    "family_for": "rlt_models.families",
+    "parse_config": "rlt_models.families",
+    "read_config": "rlt_models.families",
+    "HrmTextConfig": "rlt_models.hrm_text",
+    "HrmTextModel": "rlt_models.hrm_text",
+    "build_model": "rlt_models.loading",
+    "load_model": "rlt_models.loading",
+    "resolve_dtype": "rlt_models.loading",
+    "LoopedModelBase": "rlt_models.looped_model",
+    "NanbeigeConfig": "rlt_models.nanbeige",
+    "NanbeigeModel": "rlt_models.nanbeige",
+    "OuroModel": "rlt_models.ouro",
+    "load_tokenizer": "rlt_models.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

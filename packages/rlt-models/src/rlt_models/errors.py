@@ -1,4 +1,4 @@
-"""Errors raised while reading a model directory."""
+"""Errors raised while finding or reading a model directory."""
 
 from __future__ import annotations
 
@@ -13,3 +13,9 @@ class ModelConfigError(ConfigurationError):
 class CheckpointError(RltError, ValueError):
     """Weights are missing, unexpected, mis-shaped or unreadable; the message names the tensor
     and the file."""
+
+
+class ModelSourceError(ConfigurationError):
+    """A model given by Hugging Face Hub id cannot be had: not in the cache while
+    HF_HUB_OFFLINE is set, no such repository or revision, gated, or the Hub not reachable
+    (`model_source.py`); `options` names `model` and / or `revision`, the message is one line."""

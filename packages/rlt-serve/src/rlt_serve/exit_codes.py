@@ -9,7 +9,8 @@ EXIT_OK = 0  # done; for a server: stopped by SIGINT / SIGTERM after its drain
 # healthy, or `rlt bench serve` saw no request succeed
 EXIT_FAILURE = 1
 # refused before starting: a bad command line or configuration (argparse's own code), a port
-# outside 0..65535 or taken, an incomplete or unreadable model directory
+# outside 0..65535 or taken, an incomplete or unreadable model directory, a Hugging Face model
+# id that cannot be resolved (rlt_models.model_source)
 EXIT_USAGE = 2
 # + a signal's number: a second signal cut a server's drain short, or Ctrl-C interrupted a
 # benchmark (130 for SIGINT, 143 for SIGTERM)

@@ -38,7 +38,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig(device="cpu")  # no torch import to resolve "auto" just for --help
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--model", default=None, help="checkpoint directory (default: the bundled model)"
+        "--model",
+        default=None,
+        help="checkpoint directory, or a Hugging Face model id org/name, found in the Hugging "
+        "Face cache or downloaded into it (default: the bundled model)",
+    )
+    group.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hugging Face model id: the branch, tag or commit to load (default: main)",
+    )
+    group.add_argument(
+        "--download-dir",
+        default=None,
+        help="with a Hugging Face model id: the Hugging Face cache it is found or downloaded in "
+        "(default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+        "~/.cache/huggingface/hub)",
     )
     group.add_argument(
         "--hf-overrides",
@@ -488,7 +503,41 @@ def check_model_sources(args: argparse.Namespace) -> None:
     resolve_model_dir(args.model, tokenizer=not separate_tokenizer)
 
 
+def resolve_model_argument(args: argparse.Namespace) -> None:
+    """Before anything loads: a Hugging Face model id given as the model (or as --tokenizer)
+    becomes its snapshot directory in the Hugging Face cache, found there or downloaded now
+    with progress (rlt_models.model_source; --revision pinned to the snapshot's commit), so
+    that every process of the command reads that one directory; the servers still call the
+    model by its id (a snapshot's path names it). An id that cannot be resolved fails here in
+    one line, before torch is imported."""
+    from rlt_models.model_source import TOKENIZER_FILE_PATTERNS, is_hub_id, resolve_model_source
+
+    if args.model is None and args.revision is not None:
+        from rlt_contracts import ConfigurationError
+
+        raise ConfigurationError(
+            ("revision", "model"),
+            "a revision picks a snapshot of a Hugging Face model id; give the id",
+        )
+    if args.model is not None:
+        source = resolve_model_source(
+            args.model, revision=args.revision, download_dir=args.download_dir
+        )
+        args.model, args.revision = str(source.local_dir), None
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and not os.path.exists(os.path.expanduser(tokenizer)):
+        if is_hub_id(tokenizer):
+            source = resolve_model_source(
+                tokenizer,
+                download_dir=args.download_dir,
+                option="tokenizer",
+                file_patterns=TOKENIZER_FILE_PATTERNS,
+            )
+            args.tokenizer = str(source.local_dir)
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    resolve_model_argument(args)  # a Hub id: found or downloaded, before anything loads
     from rlt.llm import LLM
 
     check_model_sources(args)
@@ -556,7 +605,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--served-model-name",
         default=None,
-        help="model name in the API (default: the model directory's name)",
+        help="model name in the API (default: the Hugging Face model id as given, else the "
+        "model directory's name)",
     )
     group.add_argument(
         "--max-body-bytes",
@@ -650,12 +700,13 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
     from rlt_contracts import ConfigurationError
     from rlt_serve import LoopDefaults
 
-    from rlt.engine.assembly import resolve_model_dir
-    from rlt.serving.server_options import ServeOptions
-
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         raise ConfigurationError("model", "give the model directory once (MODEL_DIR or --model)")
     args.model = args.model_dir if args.model_dir is not None else args.model
+    resolve_model_argument(args)  # a Hub id: found or downloaded, before torch is imported
+    from rlt.engine.assembly import resolve_model_dir
+    from rlt.serving.server_options import ServeOptions
+
     if args.model is None:
         try:
             resolve_model_dir(None)

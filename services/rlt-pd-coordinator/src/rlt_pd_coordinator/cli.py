@@ -4,9 +4,11 @@
     rlt pd serve [MODEL] --prefill-url URL ... --decode-url URL ... [options]
     rlt pd serve [MODEL] --replicas N | --url URL ... [options]       (plain router baseline)
 
-MODEL (default: the engine's bundled model) comes right after `serve`, or as --model. Any flag
-this command does not know is an engine flag: it is passed verbatim to every local instance's
-`rlt serve` (see `rlt serve --help`: --dtype, --max-num-seqs, --block-size, ...).
+MODEL (default: the engine's bundled model) comes right after `serve`, or as --model: a
+checkpoint directory or a Hugging Face model id (found in the Hugging Face cache or downloaded
+into it by the coordinator, whose instances then load that snapshot). Any flag this command
+does not know is an engine flag: it is passed verbatim to every local instance's `rlt serve`
+(see `rlt serve --help`: --dtype, --max-num-seqs, --block-size, ...).
 
 Also runs as `python -m rlt_pd_coordinator serve ...` (a leading `pd` is accepted too).
 """
@@ -66,8 +68,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory (also the positional MODEL; default: the engine's bundled "
-        "model)",
+        help="checkpoint directory or Hugging Face model id org/name (also the positional "
+        "MODEL; default: the engine's bundled model)",
+    )
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="with a Hugging Face model id: the branch, tag or commit (default: main); the "
+        "instances load the snapshot the coordinator resolved",
+    )
+    parser.add_argument(
+        "--download-dir",
+        default=None,
+        help="with a Hugging Face model id: the Hugging Face cache it is found or downloaded in "
+        "(default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub)",
     )
     pd = parser.add_argument_group("prefill/decode instances")
     pd.add_argument("--num-prefill", type=int, default=0, help="local prefill instances to start")
@@ -288,6 +302,8 @@ def options_from_args(
         engine_args = [*engine_args, "--tokenizer", args.tokenizer]
     return CoordinatorOptions(
         model=model if model is not None else args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
         mode="router" if router else "pd",
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,

@@ -24,9 +24,9 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi.responses import JSONResponse
@@ -53,6 +53,9 @@ from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
 from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, Supervisor, SupervisorOptions
 
+if TYPE_CHECKING:
+    from rlt_models.model_source import ModelSource
+
 logger = logging.getLogger("rlt_pd_coordinator")
 
 HARD_STOP_MARGIN_S = 5.0
@@ -63,7 +66,10 @@ INSTANCES_PATH = "/v1/pd/instances"
 class CoordinatorOptions:
     """Everything `rlt pd serve` takes (see cli.py for the flags)."""
 
-    model: str | None = None  # checkpoint directory (tokenizer, config); None: the bundled one
+    # checkpoint directory or Hugging Face model id (tokenizer, config); None: the bundled one
+    model: str | None = None
+    revision: str | None = None  # with a model id: the branch, tag or commit (None: main)
+    download_dir: str | None = None  # with a model id: the Hugging Face cache to use
     mode: str = "pd"  # "pd" or "router"
     num_prefill: int = 0
     num_decode: int = 0
@@ -175,19 +181,41 @@ def bundled_model_dir() -> Path | None:
     return None
 
 
-def resolve_model_dir(model: str | None) -> Path:
+def resolve_model(
+    model: str | None, *, revision: str | None = None, download_dir: str | None = None
+) -> ModelSource:
+    """The model's files, before any instance starts: the bundled model (None), a checkpoint
+    directory, or a Hugging Face model id found in (or downloaded into) the Hugging Face cache
+    (`rlt_models.model_source`; an id that cannot be resolved is one `ModelSourceError` line),
+    checked for everything the directory lacks. Local instances get its directory: a cache
+    snapshot's path, which they too call by the id."""
+    from rlt_models.model_source import ModelSource, resolve_model_source
+
     if model is None:
+        if revision is not None:
+            raise ConfigurationError(
+                ("revision", "model"),
+                "a revision picks a snapshot of a Hugging Face model id; give the id",
+            )
         found = bundled_model_dir()
         if found is None:
             raise ConfigurationError(
                 "model", "no model directory given and the rlt engine's bundled model is not here"
             )
-        return found
-    path = Path(model).expanduser().resolve()
-    from rlt_models.model_dir import check_model_dir  # torch: only once a model is needed
+        return ModelSource(given=str(found), local_dir=found)
+    source = resolve_model_source(model, revision=revision, download_dir=download_dir)
+    from rlt_models.model_dir import check_model_dir  # (imports torch: after an id resolved)
 
-    check_model_dir(path)  # before any instance starts: everything the directory lacks
-    return path
+    local_dir = source.local_dir.resolve()
+    check_model_dir(local_dir)  # before any instance starts: everything the directory lacks
+    return replace(source, local_dir=local_dir)
+
+
+def resolve_model_dir(
+    model: str | None, *, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """`resolve_model`'s checkpoint directory."""
+    return resolve_model(model, revision=revision, download_dir=download_dir).local_dir
 
 
 def model_facts(
@@ -378,8 +406,12 @@ class Coordinator:
     async def start(self) -> None:
         options = self.options
         model_dir = None
+        model_name = options.served_model_name
         if self._model_info is None or self._tokenizer is None or self._has_children():
-            model_dir = resolve_model_dir(options.model)
+            source = resolve_model(
+                options.model, revision=options.revision, download_dir=options.download_dir
+            )
+            model_dir, model_name = source.local_dir, model_name or source.name
         if self._has_children():
             self.supervisor = Supervisor(
                 self.cluster,
@@ -408,9 +440,7 @@ class Coordinator:
         finally:
             if loading is not None and not loading.done():
                 loading.cancel()
-        info = self._model_info or build_model_info(
-            model_dir, options.served_model_name, self.cluster.instances
-        )
+        info = self._model_info or build_model_info(model_dir, model_name, self.cluster.instances)
         if self.supervisor is not None:
             self.supervisor.watch()
         self.cluster.start_polling()

@@ -236,6 +236,8 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         config.model,
         serve_options,
         options.submit_timeout_s,
+        config.revision,
+        None if config.download_dir is None else str(config.download_dir),
         drain_key,
     )
 

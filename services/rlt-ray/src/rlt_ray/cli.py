@@ -242,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
             nargs="?",
             default=None,
             metavar="MODEL",
-            help="checkpoint directory (default: the bundled model); every node must read it",
+            help="checkpoint directory (every node must read it) or Hugging Face model id "
+            "org/name (default: the bundled model)",
         )
         add_engine_arguments(sub)
         add_serve_arguments(sub)
@@ -412,7 +413,7 @@ def run_serve(args: argparse.Namespace, signals) -> int:
     from rlt_ray.runner import check_local_model, run_app
 
     config, serve_options, options, _ = options_from_args(args)
-    check_local_model(args.model, args.address)
+    config = check_local_model(config, args.address)
     line = f"{_replica_line(options)}, router {options.router}"
     return run_app(
         lambda key: build_app(config, serve_options, options, drain_key=key),
@@ -428,7 +429,7 @@ def run_pd_serve(args: argparse.Namespace, signals) -> int:
     from rlt_ray.runner import check_local_model, run_app
 
     config, serve_options, options, _ = pd_options_from_args(args)
-    check_local_model(args.model, args.address)
+    config = check_local_model(config, args.address)
     line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
     return run_app(
         lambda key: build_pd_app(config, serve_options, options, drain_key=key),

@@ -125,16 +125,25 @@ class PDIngress:
     """The HTTP front of `rlt ray pd serve`: rlt-pd-coordinator's coordinator over the
     instances that Ray runs (see the module docstring). `prefill` / `decode`: handles to the
     engine deployments (their routers report membership); `model`: the checkpoint directory
-    whose tokenizer and config this front reads (None: the bundled model);
-    `serve_options`: rlt's `ServeOptions`; `options`: `PDOptions`; `drain_key`: the command's
-    drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
+    whose tokenizer and config this front reads (None: the bundled model), or a Hugging Face
+    model id at `revision` in the Hugging Face cache `download_dir` (None: main,
+    huggingface_hub's cache); `serve_options`: rlt's `ServeOptions`; `options`: `PDOptions`;
+    `drain_key`: the command's drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
 
     async def __init__(
-        self, prefill, decode, model, serve_options, options: PDOptions, drain_key=None
+        self,
+        prefill,
+        decode,
+        model,
+        serve_options,
+        options: PDOptions,
+        drain_key=None,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
         from rlt_contracts.pd import PDRole
         from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient, Timeouts
-        from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model_dir
+        from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model
 
         self.options = options
         self.serve_options = serve_options
@@ -149,7 +158,8 @@ class PDIngress:
             ),
         )
         self.known: dict[str, Any] = {}  # Ray replica id -> the cluster's Instance
-        model_dir = resolve_model_dir(model)
+        source = resolve_model(model, revision=revision, download_dir=download_dir)
+        model_dir = source.local_dir
         loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_dir))
         # a first call to each deployment starts its handle's router (membership) and waits
         # for a first replica of each role
@@ -158,7 +168,8 @@ class PDIngress:
         await self._wait_admitted(options.startup_timeout_s)
         self.tokenizer = await loading
         self.cluster.start_polling()
-        info = build_model_info(model_dir, serve_options.served_model_name, self.cluster.instances)
+        model_name = serve_options.served_model_name or source.name
+        info = build_model_info(model_dir, model_name, self.cluster.instances)
         self.client = PDEngineClient(
             self.cluster,
             info,
@@ -321,4 +332,14 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
         max_ongoing_requests=max(options.max_ongoing_requests, 1024),
         **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
     )
-    return ingress.bind(prefill, decode, config.model, serve_options, options, drain_key)
+    download_dir = None if config.download_dir is None else str(config.download_dir)
+    return ingress.bind(
+        prefill,
+        decode,
+        config.model,
+        serve_options,
+        options,
+        drain_key,
+        config.revision,
+        download_dir,
+    )

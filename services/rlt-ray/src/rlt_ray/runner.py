@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlt_contracts import ConfigurationError, RltError
 from rlt_serve.shutdown import (
@@ -96,14 +96,24 @@ def set_ray_environment_defaults() -> None:
     os.environ.setdefault(THROUGHPUT_OPTIMIZED_ENV, "1")
 
 
-def check_local_model(model: str | None, address_flag: str | None) -> None:
-    """On a private cluster this node runs every replica and the ingress: the model directory
-    is checked before Ray starts (a `ConfigurationError` naming what it lacks: exit 2). A
-    joined cluster's nodes read it at their own path."""
-    if cluster_address(address_flag)[0] is None:
-        from rlt.engine.assembly import resolve_model_dir
+def check_local_model(config, address_flag: str | None):
+    """`config` (an EngineConfig) as the replicas and the ingress get it. On a private cluster
+    this node runs every replica and the ingress: the model is resolved before Ray starts (a
+    Hugging Face model id found in the cache or downloaded now; a `ConfigurationError` naming
+    what cannot be had or what the directory lacks: exit 2), and they all get its directory
+    (for an id, the cache snapshot's path, which they still call by the id). A joined
+    cluster's nodes resolve it themselves: a directory at their own path, an id in their own
+    Hugging Face cache."""
+    if cluster_address(address_flag)[0] is not None:
+        return config
+    from rlt.engine.assembly import resolve_model
 
-        resolve_model_dir(model, tokenizer=True)
+    source = resolve_model(
+        config.model, revision=config.revision, download_dir=config.download_dir, tokenizer=True
+    )
+    if config.model is None:
+        return config
+    return replace(config, model=str(source.local_dir), revision=None)
 
 
 def _say(text: str) -> None:

@@ -2,31 +2,27 @@
 counts prompt and reply lengths with, and what counts a streamed reply's tokens when the
 server reports no `usage`.
 
-`name` is a local directory (read with `rlt_models.load_tokenizer`, never the network) or a
-Hugging Face Hub id (`org/name`), which `transformers` resolves through the Hugging Face cache
-as vLLM's benchmark does (`HF_HUB_OFFLINE=1`: the cache only). A name that does not load is a
-`ConfigurationError` naming `--tokenizer`.
+`name` is a local directory or a Hugging Face Hub id (`org/name`), found in the Hugging Face
+cache or downloaded into it (its tokenizer files only) by `rlt_models.model_source`, as the
+engine commands resolve theirs (`HF_HUB_OFFLINE=1`: the cache only); either is read with
+`rlt_models.load_tokenizer`. An id that cannot be resolved, or a directory that holds no
+tokenizer, is one `ConfigurationError` line naming `--tokenizer`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from rlt_contracts import ConfigurationError
 
 
 def load_bench_tokenizer(name: str):
     """A `transformers` tokenizer for `name` (see the module docstring)."""
-    path = Path(name).expanduser()
+    from rlt_models import load_tokenizer
+    from rlt_models.model_source import TOKENIZER_FILE_PATTERNS, resolve_model_source
+
+    source = resolve_model_source(name, option="tokenizer", file_patterns=TOKENIZER_FILE_PATTERNS)
     try:
-        if path.is_dir():
-            from rlt_models import load_tokenizer
-
-            return load_tokenizer(path)
-        import transformers
-
-        return transformers.AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:  # no tokenizer files, an unknown id, offline miss
+        return load_tokenizer(source.local_dir)
+    except (OSError, ValueError) as exc:  # no tokenizer files, unreadable ones
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigurationError(
             "tokenizer", f"cannot load a tokenizer from {name!r}: {reason}"

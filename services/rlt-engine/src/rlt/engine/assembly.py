@@ -22,6 +22,7 @@ from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
 from rlt_models.model_dir import check_model_dir, check_tokenizer_dir
+from rlt_models.model_source import ModelSource, resolve_model_source
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
     FP8,
@@ -70,6 +71,7 @@ class EngineParts:
     kv_cache_dtype: str = ""
     kv_capacity_tokens: int = 0  # tokens the pool holds at full depth
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
+    model_name: str = ""  # what front ends call the model by default (ModelSource.name)
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
     tokenizer_dir: Path | None = None  # --tokenizer's directory (None: model_dir's tokenizer)
@@ -80,19 +82,40 @@ class EngineParts:
         return self.tokenizer_dir or self.model_dir
 
 
-def resolve_model_dir(model: str | Path | None, *, tokenizer: bool = False) -> Path:
-    """The checkpoint directory (None: the bundled model), checked for config.json and the
-    weights, and with `tokenizer` for a tokenizer's files (`rlt_models.model_dir`): token ids
-    need none, the servers and `rlt generate` do."""
+def resolve_model(
+    model: str | Path | None,
+    *,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    tokenizer: bool = False,
+) -> ModelSource:
+    """Where the model's files are: None: the bundled model; else a checkpoint directory or a
+    Hugging Face model id found in (or downloaded into) the Hugging Face cache at `revision`
+    (`rlt_models.model_source`). The directory is checked for config.json and the weights,
+    and with `tokenizer` for a tokenizer's files (`rlt_models.model_dir`): token ids need
+    none, the servers and `rlt generate` do."""
     if model is None:
         if not (DEFAULT_MODEL_DIR / "config.json").exists():
             raise ConfigurationError(
                 "model", "no model directory given and the bundled default model is missing"
             )
-        return DEFAULT_MODEL_DIR
-    path = Path(model).expanduser()
-    check_model_dir(path, tokenizer=tokenizer)
-    return path
+        return ModelSource(given=str(DEFAULT_MODEL_DIR), local_dir=DEFAULT_MODEL_DIR)
+    source = resolve_model_source(model, revision=revision, download_dir=download_dir)
+    check_model_dir(source.local_dir, tokenizer=tokenizer)
+    return source
+
+
+def resolve_model_dir(
+    model: str | Path | None,
+    *,
+    tokenizer: bool = False,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+) -> Path:
+    """`resolve_model`'s checkpoint directory."""
+    return resolve_model(
+        model, revision=revision, download_dir=download_dir, tokenizer=tokenizer
+    ).local_dir
 
 
 def resolve_tokenizer_dir(tokenizer: str | Path | None) -> Path | None:
@@ -118,7 +141,8 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     """The engine's parts. `model`: already loaded from `config.model` with its dtype on its
     device (benchmarks share one between engines); None loads it."""
     clock = StartupClock()
-    model_dir = resolve_model_dir(config.model)
+    source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    model_dir = source.local_dir
     tokenizer_dir = resolve_tokenizer_dir(config.tokenizer)
     tokenizer_source = tokenizer_dir or model_dir
     device = resolve_device(config.device)
@@ -309,6 +333,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         kv_cache_dtype=kv_dtype_name,
         kv_capacity_tokens=kv_tokens,
         pd=pd,
+        model_name=source.name,
         attention_warning=selection.warning,
         constraint_compiler=constraint_compiler,
         tokenizer_dir=tokenizer_dir,
@@ -429,7 +454,7 @@ def model_info(parts: EngineParts) -> ModelInfo:
     """What front ends show about the model an engine serves."""
     shape = parts.model.shape
     return ModelInfo(
-        name=parts.model_dir.name,
+        name=parts.model_name or parts.model_dir.name,
         path=str(parts.model_dir),
         max_model_len=parts.max_model_len,
         vocab_size=shape.vocab_size,

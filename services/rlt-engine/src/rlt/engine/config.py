@@ -32,7 +32,12 @@ INITIAL_STATES = ("random", "zero")
 class EngineConfig:
     """Options of one engine (Python keywords; the CLI spells them --kebab-case).
 
-    model: checkpoint directory (None = the bundled default model).
+    model: checkpoint directory, or a Hugging Face model id (`org/name`) found in the
+      Hugging Face cache or downloaded into it (rlt_models.model_source; a path that exists is
+      a directory); None = the bundled default model.
+    revision: with a model id, the branch, tag or commit to load (None: main).
+    download_dir: with a model id, the Hugging Face cache directory it is found or downloaded
+      in (None: huggingface_hub's, from $HF_HUB_CACHE / $HF_HOME).
     tokenizer: directory of the tokenizer to use instead of the checkpoint's (vLLM's
       --tokenizer; None: the checkpoint's own).
     dtype: "auto" (the checkpoint's torch_dtype), "float32", "bfloat16" or "float16".
@@ -137,6 +142,8 @@ class EngineConfig:
     """
 
     model: str | Path | None = None
+    revision: str | None = None
+    download_dir: str | Path | None = None
     tokenizer: str | Path | None = None
     dtype: str = "auto"
     quantization: str | None = None
@@ -259,6 +266,14 @@ class EngineConfig:
         if isinstance(draft_loops, bool) or not isinstance(draft_loops, int) or draft_loops < 1:
             raise ConfigurationError(
                 "speculative_draft_loops", f"must be a positive integer, got {draft_loops!r}"
+            )
+        if self.revision is not None and (
+            self.model is None or not isinstance(self.revision, str) or not self.revision
+        ):
+            raise ConfigurationError(
+                ("revision", "model"),
+                f"a revision (a non-empty branch, tag or commit) picks a snapshot of a Hugging "
+                f"Face model id; got revision {self.revision!r} for model {self.model!r}",
             )
         self._check_pd()
         if not isinstance(self.log_stats, bool):

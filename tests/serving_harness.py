@@ -22,7 +22,8 @@ import openai
 import uvicorn
 from rlt.engine import EngineConfig, LLMEngine
 from rlt.serving.async_engine import AsyncEngine
-from rlt.serving.server import ServeOptions, build_server, uvicorn_config
+from rlt.serving.front_end import uvicorn_config
+from rlt.serving.server import ServeOptions, build_server
 
 ENGINE_DEFAULTS = dict(
     dtype="float32",

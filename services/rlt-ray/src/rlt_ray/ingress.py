@@ -1,6 +1,6 @@
 """`OpenAIIngress`: the HTTP front of `rlt ray serve`, a Ray Serve ingress deployment.
 
-It serves rlt-serve's app exactly as `rlt serve` builds it (`rlt.serving.server.
+It serves rlt-serve's app exactly as `rlt serve` builds it (`rlt.serving.front_end.
 build_front_app`: the same routes, loop fields, exit depths, errors, API key, metrics) over a
 `RayEngineClient` instead of a local engine core: tokenization and the OpenAI shapes happen
 here, the engines (and detokenization) in the replicas. Its handle to the engine deployment
@@ -24,9 +24,7 @@ logger = logging.getLogger(__name__)
 
 class OpenAIIngress:
     """`engine`: a handle to the engine replicas; `model`: the checkpoint directory whose
-    tokenizer this front uses (None: the bundled model; it must be readable on this node), or
-    a Hugging Face model id at `revision` in the Hugging Face cache `download_dir` (None: main,
-    huggingface_hub's cache), found there or downloaded on this node;
+    tokenizer this front uses (None: the bundled model; it must be readable on this node);
     `serve_options`: rlt's `ServeOptions` (API key, names, limits, loop defaults);
     `drain_key`: the command's drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
 
@@ -37,17 +35,13 @@ class OpenAIIngress:
         serve_options,
         submit_timeout_s: float = 60.0,
         drain_key: str | None = None,
-        revision: str | None = None,
-        download_dir: str | None = None,
     ) -> None:
         from rlt.engine.assembly import resolve_model_dir
         from rlt_models import load_tokenizer
 
         info = await engine.model_info.remote()  # waits for a first replica
         self.client = RayEngineClient(engine, info, submit_timeout_s=submit_timeout_s)
-        self.tokenizer = load_tokenizer(
-            resolve_model_dir(model, revision=revision, download_dir=download_dir)
-        )
+        self.tokenizer = load_tokenizer(resolve_model_dir(model))
         self.serve_options = serve_options
         self.drainer: Drainer | None = None
         self._watching = (
@@ -55,7 +49,7 @@ class OpenAIIngress:
         )
 
     def __serve_build_asgi_app__(self):
-        from rlt.serving.server import build_front_app
+        from rlt.serving.front_end import build_front_app
 
         app = build_front_app(self.client, self.tokenizer, self.serve_options, None)
         self.drainer = Drainer(app, self.client.shutdown)

@@ -46,7 +46,8 @@ class PDInstanceReplica:
     async def __init__(self, config, role: str, api_key: str) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
         from rlt.engine.llm_engine import LLMEngine
-        from rlt.serving.server import build_server, uvicorn_config
+        from rlt.serving.front_end import uvicorn_config
+        from rlt.serving.server import build_server
         from rlt.serving.server_options import ServeOptions
 
         if config.pd_role != role:

@@ -43,7 +43,6 @@ from rlt_serve.shutdown import (
     FORWARDED_WINDOW_S,
     StopRequested,
     StopSignals,
-    exit_at_once,
     signal_name,
     stopping,
     unblock_stop_signals,
@@ -58,8 +57,8 @@ from rlt.serving.core_process_client import (
     CoreProcess,
     child_start_method,
 )
+from rlt.serving.front_end import front_end_tokenizer, run_front_end, tokenizer_source
 from rlt.serving.front_end_metrics import FrontEndMetrics
-from rlt.serving.server import front_end_tokenizer, tokenizer_source
 from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 logger = logging.getLogger(__name__)
@@ -90,8 +89,6 @@ def _run_front_end(
         end.close()
     configure_logging(options.log_level, f"fe{index}")
     try:
-        with signals.acting(exit_at_once(signals)):  # (spawned: it imports everything)
-            from rlt.serving.server import run_front_end
         code = run_front_end(
             endpoint,
             options,

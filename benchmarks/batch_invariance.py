@@ -20,7 +20,7 @@ Examples:
   uv run python benchmarks/batch_invariance.py                      # bundled model, CPU
   uv run python benchmarks/batch_invariance.py --dtype float32 --dtype bfloat16 \\
       --json-out benchmarks/results/batch_invariance_cpu.json
-  # H200 (benchmarks/h200_run.sh batch-invariance): Ouro-1.4B shape, random weights
+  # H200 (tools/h200_run.sh batch-invariance): Ouro-1.4B shape, random weights
   python3 benchmarks/batch_invariance.py --device cuda --shape ouro-1.4b --dtype bfloat16 \\
       --batch 1 --batch 8 --batch 32 --batch 128 --prompt-len 1024 --output-len 64 \\
       --max-num-seqs 128 --max-num-batched-tokens 4096 --prefill-chunk-size 1024

@@ -22,7 +22,7 @@ Decode reports the K/V read rate, prefill the attention TFLOP/s (causal: only vi
 `--device cpu` times the torch backend at both block sizes on tiny sizes (eager, wall clock): it
 checks this script, and says nothing about speed.
 
-flash-attn comes from benchmarks/build_flash_attn.sh (its site folder on PYTHONPATH); without it
+flash-attn comes from tools/build_flash_attn.sh (its site folder on PYTHONPATH); without it
 only Triton runs and the JSON says why.
 """
 

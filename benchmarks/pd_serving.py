@@ -27,7 +27,7 @@ CPU (the bundled tiny model; ~4 minutes on 2 cores):
 coordinator, two engine processes and the load generator share the cores: the comparison
 says more about CPU contention than about PD.
 
-GPU (machine kind `nvidia-h200-x2`; NIXL as slim wheels, see benchmarks/repack_nixl_wheel.py
+GPU (machine kind `nvidia-h200-x2`; NIXL as slim wheels, see tools/repack_nixl_wheel.py
 and benchmarks/pd_transfer.py for the carry and install steps; the checkpoint must be in the
 working tree or carried, e.g. Ouro-1.4B):
 

@@ -38,9 +38,10 @@ CPU (DRAM over UCX shared memory / CMA on one host; < 2 minutes on 2 cores):
 GPU, VRAM to VRAM between two GPUs of one host (machine kind `nvidia-h200-x2`), P on cuda:0 and
 D on cuda:1 (`--device cuda:0` puts both on one GPU):
 
-    uv run python benchmarks/repack_nixl_wheel.py .whl     # here, once: slim NIXL (UCX only)
+    uv run python tools/repack_nixl_wheel.py .whl     # here, once: slim NIXL (UCX only)
     # plus a cp312 msgspec wheel in .whl/ (the GPU machine's python3 is 3.12; so must the NIXL
-    # wheels be: see repack_nixl_wheel.py --wheel), then on the device machine, carry [".whl"]:
+    # wheels be: see tools/repack_nixl_wheel.py --wheel), then on the device machine, carry
+    # [".whl"]:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$(ls -d \\
         $PWD/packages/*/src $PWD/services/*/src | paste -sd:) NCCL_NVLS_ENABLE=0 && \\

@@ -1,7 +1,7 @@
 """Plot fp8 against bf16 decode throughput on the H200 (docs/assets/fp8-h200.png).
 
     uv run --with matplotlib python benchmarks/plot_fp8.py
-reads benchmarks/results/fp8_h200/fp8_c1.json and fp8_c128.json (benchmarks/h200_run.sh fp8 c).
+reads benchmarks/results/fp8_h200/fp8_c1.json and fp8_c128.json (tools/h200_run.sh fp8 c).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ to --log-dir.
 
     python3 benchmarks/ray_vs_serve.py /tmp/rlt-bench-checkpoints/ouro-1.4b --out r.json
 
-On the H200: `bash benchmarks/h200_run.sh ray-serve` (carry .whl and .whlray:
-benchmarks/fetch_device_wheels.sh ray). On a CPU (plumbing only):
+On the H200: `bash tools/h200_run.sh ray-serve` (carry .whl and .whlray:
+tools/fetch_device_wheels.sh ray). On a CPU (plumbing only):
 
     uv run python benchmarks/ray_vs_serve.py CKPT --out /tmp/r.json --device cpu \\
         --dtype float32 --input-len 32 --output-len 8 --points 2:4 --repeats 1 --warmup 2

@@ -187,7 +187,7 @@ def test_engine_reports_the_mode(llm_factory):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_cuda_batch_invariant_mode(llm_factory, dtype, cuda_graphs):
-    """The H200 check (benchmarks/h200_run.sh batch-invariance): never run yet."""
+    """The H200 check (tools/h200_run.sh batch-invariance): never run yet."""
     llm = llm_factory(
         device="cuda", dtype=dtype, batch_invariant=True, cuda_graphs=cuda_graphs, max_num_seqs=8
     )

@@ -4,7 +4,7 @@ implements flash-attn 2's documented semantics in torch (paged KV through block_
 mask aligned to the bottom right) and rejects what flash_api.cpp rejects, so the adapter's
 arguments are checked without the library.
 
-On the GPU: benchmarks/build_flash_attn.sh builds flash-attn from its sdist and runs this file.
+On the GPU: tools/build_flash_attn.sh builds flash-attn from its sdist and runs this file.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def compare(paged_case, backend, groups, *, dtype, device, window=None, **shape)
 needs_flash_attn = pytest.mark.skipif(
     flash_attn_unavailable_reason() is not None,
     reason=f"flash_attn backend unavailable: {flash_attn_unavailable_reason()} "
-    "(benchmarks/build_flash_attn.sh builds it on a GPU machine)",
+    "(tools/build_flash_attn.sh builds it on a GPU machine)",
 )
 
 

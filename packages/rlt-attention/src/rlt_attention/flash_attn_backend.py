@@ -3,7 +3,7 @@
 
 Checked against flash-attn 2.8.3.post2's sources (flash_attn_interface.py, csrc/flash_api.cpp);
 its CUDA comparison with the torch backend is packages/rlt-attention/tests/
-test_flash_attn_backend.py, run on a GPU through benchmarks/build_flash_attn.sh (flash-attn has
+test_flash_attn_backend.py, run on a GPU through tools/build_flash_attn.sh (flash-attn has
 no wheels: built from its sdist). Selection never picks it under "auto"; it is used only when
 asked for by name and when `import flash_attn` succeeds and both functions take a `block_table`
 (a capability probe, not a version check, R13).
@@ -31,7 +31,7 @@ How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`)
   window the argument is not passed, so those calls are exactly what they were.
 
 Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256 (a build may
-hold fewer head dims: rlt's benchmarks/build_flash_attn.sh compiles 128 only and then raises for
+hold fewer head dims: rlt's tools/build_flash_attn.sh compiles 128 only and then raises for
 the others) and a paged block size divisible by 256. The engine's default block size is 16, so
 asking for this backend by name also needs `block_size=256` (or another multiple); otherwise
 selection raises a `ConfigurationError` naming `attention_backend` + `block_size`. It declares no

@@ -36,10 +36,10 @@ Run (here; the input is a downloaded wheel):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --abi cp312 --platform manylinux2014_x86_64 -d /tmp/raywhl ray==2.60.0
-    uv run python benchmarks/repack_ray_wheel.py .whlray \\
+    uv run python tools/repack_ray_wheel.py .whlray \\
         --wheel /tmp/raywhl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 
-`bash benchmarks/fetch_device_wheels.sh ray` does both, and fetches the wheels of what Ray
+`bash tools/fetch_device_wheels.sh ray` does both, and fetches the wheels of what Ray
 Serve needs that the GPU image lacks. `--check PYTHON` installs the slim wheel with that
 interpreter's pip (as the device does: --no-index --no-deps --target) into a temporary folder
 and runs a smoke test: `ray.init(num_cpus=2, include_dashboard=False)`, a Serve deployment that
@@ -166,7 +166,7 @@ def repack(wheel: Path, out_dir: Path, strip: str | None, compression: int) -> d
             if info.filename.startswith(f"{dist_info}/licenses/"):
                 add(info, archive.read(info))
         note = {
-            "by": "benchmarks/repack_ray_wheel.py",
+            "by": "tools/repack_ray_wheel.py",
             "from": wheel.name,
             "dropped": list(DROPPED) + [f"*{s}" for s in DROPPED_SUFFIXES],
             "stripped": bool(strip),

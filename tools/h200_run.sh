@@ -4,35 +4,35 @@
 # starlette, opentelemetry-api, pydantic, pydantic-core, annotated-types, typing-inspection,
 # uvicorn, openai, httpx2, httpcore2, truststore, jiter, sniffio, anyio, typing-extensions,
 # xgrammar, apache-tvm-ffi, pyzmq, and transformers 5.24.0, whose HrmText / Dory classes the
-# image's 5.17 may lack; `bash benchmarks/fetch_device_wheels.sh` downloads them), and
-# .whlpd for `pd` (benchmarks/repack_nixl_wheel.py), .whlray for `ray-serve` (`bash
-# benchmarks/fetch_device_wheels.sh ray`: ray repacked slim and what Ray Serve needs). Results
+# image's 5.17 may lack; `bash tools/fetch_device_wheels.sh` downloads them), and
+# .whlpd for `pd` (tools/repack_nixl_wheel.py), .whlray for `ray-serve` (`bash
+# tools/fetch_device_wheels.sh ray`: ray repacked slim and what Ray Serve needs). Results
 # land in $OUT. One mode per call (each fits a 10-minute device command):
-#   bash benchmarks/h200_run.sh fp8-kv             split-KV kernel tests, the product-order sweep
+#   bash tools/h200_run.sh fp8-kv                  split-KV kernel tests, the product-order sweep
 #                                                  (fp8_kv_attention_sweep.py: keys by rows, vector),
 #                                                  then 128 requests bf16 / fp8 KV / both with
 #                                                  the sweep's best configurations exported
-#   bash benchmarks/h200_run.sh fp8-c1             the fp8 GEMV kernels' tests, the GEMV sweep at
+#   bash tools/h200_run.sh fp8-c1                  the fp8 GEMV kernels' tests, the GEMV sweep at
 #                                                  one row (fp8_gemv_sweep.py), then one request
 #                                                  bf16 / fp8 weights, fixed and the 2.5-loop mix
-#   bash benchmarks/h200_run.sh kv-pool            tokens of the memory-sized KV pool, bf16 vs fp8
-#   bash benchmarks/h200_run.sh tests              the engine's CUDA tests
-#   bash benchmarks/h200_run.sh tests-all          every CUDA-marked test of the repository, then
+#   bash tools/h200_run.sh kv-pool                 tokens of the memory-sized KV pool, bf16 vs fp8
+#   bash tools/h200_run.sh tests                   the engine's CUDA tests
+#   bash tools/h200_run.sh tests-all               every CUDA-marked test of the repository, then
 #                                                  the kernel suites that run on CUDA when present
-#   bash benchmarks/h200_run.sh cmd COMMAND...     COMMAND with the wheels and PYTHONPATH set up
-#   bash benchmarks/h200_run.sh table [ARGS...]    the offline-throughput acceptance table
+#   bash tools/h200_run.sh cmd COMMAND...          COMMAND with the wheels and PYTHONPATH set up
+#   bash tools/h200_run.sh table [ARGS...]         the offline-throughput acceptance table
 #                                                  (benchmarks/h200_table.py ARGS, under 8 min)
-#   bash benchmarks/h200_run.sh speculative [ARGS...]  speculation's CUDA tests (SPEC_TESTS=0 skips
+#   bash tools/h200_run.sh speculative [ARGS...]   speculation's CUDA tests (SPEC_TESTS=0 skips
 #                                                  them), then benchmarks/speculative_decoding.py
 #                                                  ARGS on the Ouro-1.4B shape in bf16
-#   bash benchmarks/h200_run.sh speculative-table a|b  issue 21's measurements in two calls: (a) the
+#   bash tools/h200_run.sh speculative-table a|b   issue 21's measurements in two calls: (a) the
 #                                                  CUDA tests of speculation, the split-KV
 #                                                  kernels, the small-batch GEMV and the engine,
 #                                                  then the c1 grid (K x D x alpha) and the
 #                                                  depth mix; (b) concurrencies 4/16/32 and the
 #                                                  default disable limit at 32, then the bundled
 #                                                  model's real acceptance
-#   bash benchmarks/h200_run.sh fp8 a|b           issue 22 in two calls: (a) every CUDA-marked test,
+#   bash tools/h200_run.sh fp8 a|b                 issue 22 in two calls: (a) every CUDA-marked test,
 #                                                  then the kernel suites that run on CUDA when it
 #                                                  is there (attention, models, tick and round
 #                                                  kernels), then fp8 weights at one request
@@ -45,7 +45,7 @@
 #                                                  GEMV sweep), c1 and c128 side by
 #                                                  side, then speculation at 32 requests with
 #                                                  the default disable limit
-#   bash benchmarks/h200_run.sh families [ARGS...]  issue 38: decode tok/s of each family's
+#   bash tools/h200_run.sh families [ARGS...]      issue 38: decode tok/s of each family's
 #                                                  release shape (random bf16 weights; Ouro-1.4B
 #                                                  and Nanbeige4.2-3B by default) at 1 / 32 / 128
 #                                                  requests, its bandwidth floor at 1 request
@@ -55,19 +55,19 @@
 #                                                  (--no-transformers: rlt alone)
 #                                                  (benchmarks/family_speed.py ARGS, ~6 min;
 #                                                  files in $OUT/families.tgz)
-#   bash benchmarks/h200_run.sh pdl-loop           one fused decode loop with and without
+#   bash tools/h200_run.sh pdl-loop                one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
-#   bash benchmarks/h200_run.sh prefill-host       host launch time against GPU time of one
+#   bash tools/h200_run.sh prefill-host            host launch time against GPU time of one
 #                                                  eager prefill step (benchmarks/prefill_host_cost.py)
-#   bash benchmarks/h200_run.sh batch-invariance   batch-invariant mode: its tests on CUDA, then
+#   bash tools/h200_run.sh batch-invariance        batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
-#   bash benchmarks/h200_run.sh served           issue 23: served against offline throughput at
+#   bash tools/h200_run.sh served                  issue 23: served against offline throughput at
 #                                                  C = 1/32/128, a 512-request burst, front-end and
 #                                                  core CPU seconds, --api-server-count 2, and the
 #                                                  start-up to healthy, cold and warm
 #                                                  (benchmarks/served_vs_offline.py ARGS)
-#   bash benchmarks/h200_run.sh served-ab          issue 23's scheduling A/B in one call (~7 min):
+#   bash tools/h200_run.sh served-ab               issue 23's scheduling A/B in one call (~7 min):
 #                                                  per arm the offline engine and its own `rlt
 #                                                  serve`, C = 32 (64 requests), C = 128 (256)
 #                                                  and a 384-request burst; ARMS (JSON) replaces
@@ -75,7 +75,7 @@
 #                                                  (--prefill-step-decode-ticks auto), delay
 #                                                  (--scheduler-delay-factor 0.5); extra ARGS go
 #                                                  to benchmarks/served_vs_offline.py
-#   bash benchmarks/h200_run.sh ray-serve [ARGS...]  issue 24: `rlt ray serve --replicas 1` (one GPU
+#   bash tools/h200_run.sh ray-serve [ARGS...]     issue 24: `rlt ray serve --replicas 1` (one GPU
 #                                                  replica) against `rlt serve`, the same `rlt
 #                                                  bench serve` runs: 1,024 in / 128 out, C = 32
 #                                                  (128 requests) and 128 (384), twice each,
@@ -84,25 +84,25 @@
 #                                                  --arms serve,ray,ray_process adds the
 #                                                  replica's engine core in its own process);
 #                                                  carry .whl and .whlray
-#   bash benchmarks/h200_run.sh scoring          issue 25: prompt-scoring throughput (full depth, exit
+#   bash tools/h200_run.sh scoring                 issue 25: prompt-scoring throughput (full depth, exit
 #                                                  depth) against plain prefill, Ouro-1.4B shape
 #                                                  (benchmarks/prompt_scoring.py ARGS)
-#   bash benchmarks/h200_run.sh serving-sweep      issue 10's request-rate sweep: `rlt serve` at
+#   bash tools/h200_run.sh serving-sweep           issue 10's request-rate sweep: `rlt serve` at
 #                                                  fixed depth 4 and with the trace exit policy's
 #                                                  2.5-loop mix (side by side on 2 GPUs, else one
 #                                                  after the other)
-#   bash benchmarks/h200_run.sh pd                 NIXL tests on CUDA, then VRAM-to-VRAM KV transfer
+#   bash tools/h200_run.sh pd                      NIXL tests on CUDA, then VRAM-to-VRAM KV transfer
 #                                                  and 1P1D against 2 replicas: P and D on two GPUs
 #                                                  (nvidia-h200-x2), else both on one at 0.45 each;
 #                                                  carry .whlpd (slim NIXL wheels) too
-#   bash benchmarks/h200_run.sh pd-transfer        rlt-pd's tests, then KV transfers on the GPU(s)
+#   bash tools/h200_run.sh pd-transfer             rlt-pd's tests, then KV transfers on the GPU(s)
 #                                                  at NIXL progress-thread delays $DELAYS (0,100)
 #                                                  side by side (pd_transfer.py --quick); carry
 #                                                  .whlpd
-#   bash benchmarks/h200_run.sh flash-attn [STEPS]  flash-attn 2 built from its sdist (head dim 128,
+#   bash tools/h200_run.sh flash-attn [STEPS]      flash-attn 2 built from its sdist (head dim 128,
 #                                                  forward only, sm_90; 9 files: 3.7 min on 2 cores),
 #                                                  its adapter tests on CUDA, then Triton vs
-#                                                  flash-attn (benchmarks/build_flash_attn.sh
+#                                                  flash-attn (tools/build_flash_attn.sh
 #                                                  STEPS, default build test bench); carry .fa
 #                                                  (the sdist, 8 MiB) too
 set -uo pipefail
@@ -342,7 +342,7 @@ case "$mode" in
     python3 benchmarks/pd_transfer.py --device $devices --quick --tables contiguous \
       --progress-delay-us "${DELAYS:-0,100}" --out "$OUT/pd_transfer_delay_h200.json" ;;
   flash-attn)
-    bash benchmarks/build_flash_attn.sh "$@" ;;
+    bash tools/build_flash_attn.sh "$@" ;;
   *)
     echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd|ray-serve|flash-attn [args]" >&2
     exit 2 ;;

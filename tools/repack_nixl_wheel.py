@@ -25,8 +25,8 @@ the unconditional `Requires-Dist` on the other CUDA flavour is removed from META
 
 Run (here; the input is the installed distributions of the interpreter that runs the script):
 
-    uv run python benchmarks/repack_nixl_wheel.py .whl            # slim wheels into .whl/
-    uv run python benchmarks/repack_nixl_wheel.py .whl --check    # + smoke-test them here
+    uv run python tools/repack_nixl_wheel.py .whl            # slim wheels into .whl/
+    uv run python tools/repack_nixl_wheel.py .whl --check    # + smoke-test them here
 
 `--check` unpacks the slim wheels into a temporary folder, puts it first on PYTHONPATH and, in
 a fresh interpreter, checks that NIXL lists only the UCX plugin, instantiates it, registers a
@@ -38,7 +38,7 @@ copy here is cp311 and its extensions do not load there):
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux_2_28_x86_64 -d /tmp/nixl \\
         nixl-cu13==1.5.1 nixl==1.5.1
-    uv run python benchmarks/repack_nixl_wheel.py .whl --wheel /tmp/nixl/nixl_cu13-*.whl \\
+    uv run python tools/repack_nixl_wheel.py .whl --wheel /tmp/nixl/nixl_cu13-*.whl \\
         --wheel /tmp/nixl/nixl-1.5.1-*.whl
 
 Carry to the GPU machine (see /work/.library/device/README.md): `.whl/` is git-ignored here,
@@ -261,7 +261,7 @@ def write_wheel(source: Source, keep: set[str], out_dir: Path, flavour: str | No
             "WHEEL": wheel_meta.encode(),
             "REPACKED": json.dumps(
                 {
-                    "by": "benchmarks/repack_nixl_wheel.py",
+                    "by": "tools/repack_nixl_wheel.py",
                     "from": source.origin,
                     "kept": "the UCX backend only (see the script's docstring)",
                 },

@@ -6,7 +6,7 @@
 #     --no-deps --no-binary=:all: --no-build-isolation -d .fa flash-attn==2.8.3.post2
 # (its metadata step imports torch, hence the venv's python; nothing is compiled there).
 #
-#   bash benchmarks/build_flash_attn.sh [build] [test] [bench]    (default: all three)
+#   bash tools/build_flash_attn.sh [build] [test] [bench]    (default: all three)
 #
 # build: unpack csrc/flash_attn, csrc/cutlass/include and the flash_attn Python package into
 #   $FA_BUILD/src, patch them (below) and compile the extension `flash_attn_2_cuda` with
@@ -26,7 +26,7 @@
 #   import); an unsupported head dim or dtype is a RuntimeError naming this build.
 # test: rlt-attention's flash-attn tests (CUDA + the CPU adapter tests), log in $OUT.
 # bench: benchmarks/flash_attn_bench.py (Triton vs flash-attn, Ouro-1.4B attention shape).
-# test and bench need rlt's dependencies importable (benchmarks/h200_run.sh flash-attn sets
+# test and bench need rlt's dependencies importable (tools/h200_run.sh flash-attn sets
 # them up from .whl). Environment: OUT (default /tmp/fa_out), FA_BUILD (build/flash-attn),
 # FA_SDIST (newest .fa/flash_attn-*.tar.gz), FA_DTYPES ("bf16 fp16"; "bf16" builds half the
 # kernels), FA_ARCH (9.0), MAX_JOBS (nproc), PYTHON (python3).
@@ -95,7 +95,7 @@ if old is None:
 patch("src/static_switch.h", old.group(0), r"""#define HEADDIM_SWITCH(HEADDIM, ...)                                     \
   [&] {                                                                  \
     TORCH_CHECK(HEADDIM > 96 && HEADDIM <= 128, "this flash-attn build "  \
-                "(rlt, benchmarks/build_flash_attn.sh) has head dim 128 only, got ", HEADDIM); \
+                "(rlt, tools/build_flash_attn.sh) has head dim 128 only, got ", HEADDIM); \
     constexpr static int kHeadDim = 128;                                 \
     return __VA_ARGS__();                                                \
   }()

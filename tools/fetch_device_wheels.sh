@@ -5,11 +5,11 @@
 # HrmText / Dory (benchmarks/transformers_generate.py); 5.24's own needs are in the image at
 # versions it accepts (huggingface_hub 1.33.0 >= 1.31, tokenizers 0.23.2 in [0.23.1, 0.24),
 # safetensors 0.8.0 >= 0.8.0, regex, typer, tqdm, pyyaml, numpy, packaging).
-# benchmarks/h200_run.sh installs them there; pass `.whl` in the device call's carry.
+# tools/h200_run.sh installs them there; pass `.whl` in the device call's carry.
 #
-# `bash benchmarks/fetch_device_wheels.sh ray` fills .whlray/ instead (carry `.whl` and
+# `bash tools/fetch_device_wheels.sh ray` fills .whlray/ instead (carry `.whl` and
 # `.whlray`; h200_run.sh's ray-serve mode): ray 2.60.0 repacked slim
-# (benchmarks/repack_ray_wheel.py; the 79 MB wheel is downloaded to $RAY_WHEEL_DIR, default
+# (tools/repack_ray_wheel.py; the 79 MB wheel is downloaded to $RAY_WHEEL_DIR, default
 # /tmp/raywhl) and what Ray Serve needs on one node that the image lacks, found by experiment
 # against the image's package list: jsonschema (+ referencing, rpds-py,
 # jsonschema-specifications) and grpcio-reflection, which `import ray.serve` needs; protobuf,
@@ -55,7 +55,7 @@ if [ $dest = .whlray ]; then
   raydir=${RAY_WHEEL_DIR:-/tmp/raywhl}
   download "$raydir" "$ray_pin"
   rm -f .whlray/*.whl
-  python3 benchmarks/repack_ray_wheel.py .whlray \
+  python3 tools/repack_ray_wheel.py .whlray \
     --wheel "$raydir/ray-${ray_pin#ray==}-cp312-cp312-manylinux2014_x86_64.whl"
 fi
 download $dest $pins

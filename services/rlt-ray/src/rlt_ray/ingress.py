@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 class OpenAIIngress:
     """`engine`: a handle to the engine replicas; `model`: the checkpoint directory whose
-    tokenizer this front uses (None: the bundled model; it must be readable on this node);
+    tokenizer this front uses (None: the bundled model; it must be readable on this node), or
+    a Hugging Face model id at `revision` in the Hugging Face cache `download_dir` (None: main,
+    huggingface_hub's cache), found there or downloaded on this node;
     `serve_options`: rlt's `ServeOptions` (API key, names, limits, loop defaults);
     `drain_key`: the command's drain signal (`rlt_ray.drain`; None: Serve's own shutdown)."""
 
@@ -35,13 +37,17 @@ class OpenAIIngress:
         serve_options,
         submit_timeout_s: float = 60.0,
         drain_key: str | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
         from rlt.engine.assembly import resolve_model_dir
         from rlt_models import load_tokenizer
 
         info = await engine.model_info.remote()  # waits for a first replica
         self.client = RayEngineClient(engine, info, submit_timeout_s=submit_timeout_s)
-        self.tokenizer = load_tokenizer(resolve_model_dir(model))
+        self.tokenizer = load_tokenizer(
+            resolve_model_dir(model, revision=revision, download_dir=download_dir)
+        )
         self.serve_options = serve_options
         self.drainer: Drainer | None = None
         self._watching = (

@@ -39,3 +39,21 @@ def test_the_cli_turns_on_serves_throughput_optimized_data_plane_unless_told(mon
     monkeypatch.setenv(cli.THROUGHPUT_OPTIMIZED_ENV, "0")
     cli.set_ray_environment_defaults()
     assert os.environ[cli.THROUGHPUT_OPTIMIZED_ENV] == "0"
+
+
+def test_app_builder_reads_a_config_files_args_as_the_command_line():
+    """`serve run` / `serve deploy` (`import_path: rlt_ray:app_builder`): flags by name and an
+    `argv` string reach the engine deployment as `rlt ray serve` would set them, and are
+    checked like the command line."""
+    from rlt_ray import app_builder
+
+    app = app_builder(
+        {"argv": "--device cpu --replicas 2", "enable_prefix_caching": True, "max_num_seqs": 8}
+    )
+    # the ingress deployment is bound to the engine deployment (Ray's bound arguments)
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    config = engine.init_args[0]
+    assert engine.name == "RltEngine" and engine.num_replicas == 2
+    assert (config.device, config.enable_prefix_caching, config.max_num_seqs) == ("cpu", True, 8)
+    with pytest.raises(ConfigurationError, match="Ray assigns each replica its GPU"):
+        app_builder({"device": "cuda:1"})

@@ -7,7 +7,8 @@ app, with a prefix-cache-affinity and load-aware request router (services/rlt-ra
 Importing this package does not import Ray or torch; building the app does.
 """
 
-from rlt_ray.app import RayOptions, app_builder, build_app
+from rlt_ray.app import RayOptions, build_app
+from rlt_ray.deploy_config import app_builder
 from rlt_ray.policy import POLICIES, ReplicaLoad, RoutingPolicy
 
 __all__ = [

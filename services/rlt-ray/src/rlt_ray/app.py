@@ -1,5 +1,5 @@
-"""Building the Ray Serve application of `rlt ray serve`: `build_app(...)` in Python,
-`app_builder(args)` for `serve run` / `serve deploy` config files.
+"""Building the Ray Serve application of `rlt ray serve`: `build_app(...)` in Python (for
+`serve run` / `serve deploy` config files: `rlt_ray.deploy_config.app_builder`).
 
     HTTP (Serve's proxy) -> OpenAIIngress (rlt-serve's app, tokenizer, the request router)
                               -> RltEngine replicas (one engine each, num_gpus=1 on CUDA)
@@ -12,7 +12,6 @@ replica, Ray's measure of queue length: queued at the replica plus running).
 from __future__ import annotations
 
 import dataclasses
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,32 +235,7 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         config.model,
         serve_options,
         options.submit_timeout_s,
+        drain_key,
         config.revision,
         None if config.download_dir is None else str(config.download_dir),
-        drain_key,
     )
-
-
-def app_builder(args: dict[str, Any]):
-    """`serve run` / `serve deploy` entry point (`import_path: rlt_ray:app_builder`): `args`
-    holds `rlt ray serve` flags by name (`replicas: 2`, `enable_prefix_caching: true`, `model:
-    /models/ouro-1.4b`, ...) or one `argv` string; they are parsed and checked exactly like
-    the command line."""
-    from rlt_ray.cli import build_parser, options_from_args
-
-    args = dict(args or {})
-    argv = shlex.split(args.pop("argv", ""))
-    for name, value in args.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    parsed = build_parser().parse_args(["serve", *argv])
-    config, serve_options, options, _ = options_from_args(parsed)
-    return build_app(config, serve_options, options)

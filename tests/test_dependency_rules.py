@@ -219,3 +219,70 @@ def test_no_module_outside_rlt_models_names_a_family():
     )
     found = family_name_breaches(source, Path("pkg/mod.py"))
     assert [b.split(": ", 1)[1] for b in found] == ["'OuroConfig'", "'nanbeige'", "'dory_loops'"]
+
+
+def test_no_import_circles_in_packages_or_services():
+    """Issue 40, item 7: no group of modules imports itself round (import_circles.py)."""
+    from import_circles import find_circles
+
+    circles = [str(c) for c in find_circles(REPO)]
+    assert circles == [], "import circles (move the shared part below both sides):\n" + "\n".join(
+        circles
+    )
+
+
+def write_modules(repo: Path, modules: dict[str, str]) -> None:
+    """Source files of one member, rlt-x: {"a.py": source, "sub/__init__.py": source}."""
+    src = repo / "packages/rlt-x/src/rlt_x"
+    for name, source in {"__init__.py": "", **modules}.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(textwrap.dedent(source))
+
+
+def test_circle_checker_names_each_circle_through_any_import(tmp_path):
+    from import_circles import find_circles
+
+    write_modules(
+        tmp_path,
+        {
+            # a -> b at module level, b -> a inside a function: one circle
+            "a.py": "from rlt_x.b import f\n",
+            "b.py": "def f():\n    from rlt_x import a\n    return a\n",
+            # c -> sub.d (relative), sub.d -> c (`import rlt_x.c.thing`: the module rlt_x.c)
+            "c.py": "from .sub import d\n",
+            "sub/__init__.py": "",
+            "sub/d.py": "import rlt_x.c.thing\n",
+            # e -> a only: reaches the circle, is not on it
+            "e.py": "import rlt_x.a\n",
+        },
+    )
+    found = find_circles(tmp_path)
+    assert [c.modules for c in found] == [("rlt_x.a", "rlt_x.b"), ("rlt_x.c", "rlt_x.sub.d")]
+    assert [str(c) for c in found] == [
+        "2 modules: rlt_x.a -> rlt_x.b -> rlt_x.a",
+        "2 modules: rlt_x.c -> rlt_x.sub.d -> rlt_x.c",
+    ]
+
+
+def test_circle_checker_ignores_type_checking_imports_and_package_reexports(tmp_path):
+    from import_circles import find_circles
+
+    write_modules(
+        tmp_path,
+        {
+            # the package re-exports b; b importing a sibling runs __init__, names no circle
+            "__init__.py": "from rlt_x.b import B\n",
+            "a.py": "A = 1\n",
+            "b.py": (
+                "from typing import TYPE_CHECKING\nimport typing\nfrom rlt_x.a import A\n"
+                "if TYPE_CHECKING:\n    from rlt_x.c import C\n"
+                "if typing.TYPE_CHECKING:\n    import rlt_x.c\nelse:\n    B = A\n"
+            ),
+            "c.py": "from rlt_x.b import B\nC = B\n",
+        },
+    )
+    assert find_circles(tmp_path) == []
+    # the `else` branch of a TYPE_CHECKING test does run
+    b = tmp_path / "packages/rlt-x/src/rlt_x/b.py"
+    b.write_text(b.read_text().replace("    B = A\n", "    from rlt_x import c\n    B = A\n"))
+    assert [c.modules for c in find_circles(tmp_path)] == [("rlt_x.b", "rlt_x.c")]

@@ -19,10 +19,12 @@ expected, not luck.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from rlt import LLM, SamplingParams
+from rlt_contracts import InvalidRequestError
 from rlt_models import write_random_checkpoint
 from safetensors.torch import load_file
 from test_family_huginn import CONFIG, ENGINE, INIT, MARGIN, _rms, _rope_pairs
@@ -82,19 +84,21 @@ class Reference:
         )
         return x, (k, v)
 
-    def run(self, ids, depths, rule):
-        """Logits of the last position and its exit step. `depths`: the exit steps of every
-        position but the last; the last one's is decided by `rule` (threshold, min_loops,
-        max_loops, delayed), or is `rule`'s max_loops when the threshold is None."""
-        threshold, min_loops, max_loops, delayed = rule
+    def run(self, ids, depths, rule, *, states=False):
+        """Logits of the last position and its exit step (`states`: every position's final
+        state instead). `depths`: the exit steps of every position but the last; the last
+        one's is decided by `rule` (threshold, min_loops, max_loops, delayed, measure), or is
+        `rule`'s max_loops when the threshold is None."""
+        threshold, min_loops, max_loops, delayed, measure = rule
+        if measure == "kl":  # the coda reads earlier positions' final states (its KV)
+            earlier = self.run(ids, depths, (None, 1, max_loops, False, "latent"), states=True)
         w, raw = self.w, self.raw
-        eps = raw["norm_eps"]
         e = w["transformer.wte.weight"][torch.tensor(ids)] * raw["init_values"]["embed_scale"]
         for i in range(raw["n_layers_in_prelude"]):
             e, _ = self.block(f"transformer.prelude.{i}", e)
         s = torch.zeros_like(e)
         stored = [None] * raw["n_layers_in_recurrent_block"]
-        last_exit, pending, changes = None, None, []
+        last_exit, pending, changes, previous = None, None, [], None
         for step in range(1, max_loops + 1):
             known = torch.tensor([step <= d for d in depths] + [last_exit is None])
             x = torch.cat([s, e], -1) @ w["transformer.adapter.weight"].T
@@ -102,7 +106,18 @@ class Reference:
                 x, kv = self.block(f"transformer.core_block.{i}", x, stored[i], ~known)
                 stored[i] = kv  # exited positions keep their exit step's (replaced above)
             if last_exit is None:
-                change = float((x[-1] - s[-1]).norm() / x[-1].norm())
+                if measure == "kl":  # the coda and head on the state after this step
+                    now = torch.cat([earlier[:-1], x[-1:]])
+                    logprobs = self.head(now)[-1].log_softmax(-1)
+                    previous = (
+                        torch.full_like(logprobs, -math.log(len(logprobs)))
+                        if previous is None
+                        else previous
+                    )
+                    change = float((previous.exp() * (previous - logprobs)).sum())
+                    previous = logprobs
+                else:
+                    change = float((x[-1] - s[-1]).norm() / x[-1].norm())
                 changes.append(change)
                 triggered = threshold is not None and step >= min_loops and change < threshold
                 if threshold is not None and step >= min_loops:
@@ -116,17 +131,32 @@ class Reference:
             s = torch.where(known[:, None], x, s)
             if not known.any():
                 break
+        return s if states else (self.head(s)[-1], last_exit)
+
+    def head(self, s):
+        """Logits of every position from the final states `s` (ln_f, the coda, ln_f, head)."""
+        w, eps = self.w, self.raw["norm_eps"]
         x = _rms(s, w["transformer.ln_f.weight"], eps)
-        for i in range(raw["n_layers_in_coda"]):
+        for i in range(self.raw["n_layers_in_coda"]):
             x, _ = self.block(f"transformer.coda.{i}", x)
         x = _rms(x, w["transformer.ln_f.weight"], eps)
-        return (x @ w.get("lm_head.weight", w["transformer.wte.weight"]).T)[-1], last_exit
+        return x @ w.get("lm_head.weight", w["transformer.wte.weight"]).T
 
-    def greedy(self, prompt, max_tokens, threshold, *, min_loops=1, max_loops=CAP, delayed=False):
+    def greedy(
+        self,
+        prompt,
+        max_tokens,
+        threshold,
+        *,
+        min_loops=1,
+        max_loops=CAP,
+        delayed=False,
+        measure="latent",
+    ):
         """(tokens, exit depths) of one request: the prompt at max_loops, then each token at
         its rule's exit step."""
         ids, depths, out, out_depths = list(prompt), [max_loops] * (len(prompt) - 1), [], []
-        rule = (None, min_loops, max_loops, delayed)
+        rule = (None, min_loops, max_loops, delayed, measure)
         for _ in range(max_tokens):
             logits, depth = self.run(ids, depths, rule)
             top = logits.topk(2).values
@@ -135,7 +165,7 @@ class Reference:
             out_depths.append(depth)
             depths.append(depth)
             ids.append(out[-1])
-            rule = (threshold, min_loops, max_loops, delayed)  # token 0 ran without exits
+            rule = (threshold, min_loops, max_loops, delayed, measure)  # token 0: no exits
         return out, out_depths
 
 
@@ -147,16 +177,16 @@ def reference(checkpoint):
     return Reference(checkpoint)
 
 
-def expected(reference, **rule):
+def expected(reference, threshold=THRESHOLD, **rule):
     runs = [
-        reference.greedy(p, n, THRESHOLD, **rule) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+        reference.greedy(p, n, threshold, **rule) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
     ]
     return [tokens for tokens, _ in runs], [depths for _, depths in runs]
 
 
-def served(llm, **loops):
+def served(llm, threshold=THRESHOLD, **loops):
     params = [
-        SamplingParams(max_tokens=n, ignore_eos=True, exit_threshold=THRESHOLD, **loops)
+        SamplingParams(max_tokens=n, ignore_eos=True, exit_threshold=threshold, **loops)
         for n in MAX_TOKENS
     ]
     outputs = llm.generate(PROMPTS, params)
@@ -201,3 +231,38 @@ def test_preemption_keeps_tokens_and_depths(checkpoint, reference):
         got = served(llm, max_loops=CAP)
         assert llm.get_stats().preemptions > 0
     assert got == expected(reference, max_loops=CAP)
+
+
+KL_THRESHOLD = 0.15  # KL exits spread over steps 2..7 in this model (both rules)
+
+
+@pytest.mark.parametrize("policy", ["kl", "kl_delayed"])
+def test_kl_exits_equal_the_reference_batched(checkpoint, reference, policy):
+    """The KL rules: the coda and head after every step (p_0 uniform), each row's previous
+    distribution kept on the device; tokens and exit depths equal the reference's."""
+    want = expected(
+        reference, KL_THRESHOLD, max_loops=CAP, measure="kl", delayed=policy == "kl_delayed"
+    )
+    assert len({d for depths in want[1] for d in depths[1:]}) >= 3
+    with LLM(checkpoint, exit_policy=policy, **ENGINE) as llm:
+        assert served(llm, KL_THRESHOLD, max_loops=CAP) == want
+        asked = SamplingParams(max_tokens=2, prompt_logprobs=1, score_at_exit_depth=True)
+        with pytest.raises(InvalidRequestError, match="score_at_exit_depth"):
+            llm.generate([PROMPTS[0]], asked)
+
+
+def test_kl_with_speculation_or_exit_depth_scoring_is_refused(tiny_checkpoint):
+    checkpoint = tiny_checkpoint()
+    """Any family may use the KL rules (they read the head); speculative rounds and
+    exit-depth scoring do not compute the distribution, so they are refused with the rule."""
+    from rlt_contracts import ConfigurationError
+
+    engine = dict(dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ConfigurationError, match="distribution"):
+        LLM(checkpoint, exit_policy="kl", num_speculative_tokens=2, **engine)
+    with LLM(checkpoint, exit_policy="kl", **engine) as llm:
+        asked = SamplingParams(max_tokens=2, prompt_logprobs=1, score_at_exit_depth=True)
+        with pytest.raises(InvalidRequestError, match="distribution"):
+            llm.generate([[5, 6, 7]], asked)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, exit_threshold=0.01))[0]
+        assert len(out.token_ids) == 4 and llm.engine.core.leak_report() == []

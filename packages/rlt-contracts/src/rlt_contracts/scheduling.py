@@ -61,6 +61,10 @@ class ExitRuleKind(enum.StrEnum):
     LATENT_DIFF     (0.3.3) exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops
                     and the loop's latent change (ExitSignal.LATENT_CHANGE, fp32) < threshold.
     DELAYED_LATENT_DIFF  the same test, a trigger at loop k making the token exit after loop k+1.
+    KL              (0.3.5) exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops
+                    and KL(p_{k-1} || p_k) < threshold, p_k the next-token distribution of the
+                    head after loop k (the coda run every loop), p_0 uniform over the vocabulary.
+    DELAYED_KL      the same test, a trigger at loop k making the token exit after loop k+1.
     """
 
     HAZARD = "hazard"
@@ -68,6 +72,8 @@ class ExitRuleKind(enum.StrEnum):
     TRACE = "trace"
     LATENT_DIFF = "latent_diff"
     DELAYED_LATENT_DIFF = "delayed_latent_diff"
+    KL = "kl"
+    DELAYED_KL = "delayed_kl"
 
 
 class ExitRule(msgspec.Struct, frozen=True):

@@ -37,6 +37,8 @@ logprobs. Token ids (< 2**53) and fp32 logprobs are exact in fp64. The last WARM
 
 from __future__ import annotations
 
+import math
+
 import torch
 from rlt_contracts import (
     AttentionBackend,
@@ -80,9 +82,12 @@ class DecodeProgram:
         max_context: int,
         fused_tick: bool | None = None,
         random_initial_state: bool = True,
+        distribution_exits: bool = False,
     ) -> None:
         """`random_initial_state`: a family declaring a random initial state draws it from
-        each token's (seed, position) stream (False: the zero state)."""
+        each token's (seed, position) stream (False: the zero state). `distribution_exits`:
+        the engine's exit rules read the next-token distribution after every loop (the KL
+        rules): every running row then runs the coda and head each tick."""
         self.model = model
         self.attention = attention
         self.sampler = sampler
@@ -110,13 +115,15 @@ class DecodeProgram:
             if random_initial_state and model.family.random_initial_state
             else None
         )
+        self.distribution_exits = distribution_exits
         if fused_tick is None:  # the fused bookkeeping runs no stage layers and the hazard
-            # and trace rules only (not the latent-change rules)
+            # and trace rules only (not the latent-change or KL rules)
             fused_tick = (
                 device.type == "cuda"
                 and tick_kernels.available()
                 and self.stage is None
                 and model.family.exit_signal is not ExitSignal.LATENT_CHANGE
+                and not distribution_exits
             )
         self.kernels = tick_kernels.TickKernels(self) if fused_tick else None
 
@@ -159,8 +166,9 @@ class DecodeProgram:
             max_context_len=context,
         )
         state = rows.hidden[:B]
+        starting = rows.loops[:B] == 0  # the looping token's first loop
         if self.stage is not None:  # a token's prelude runs in the tick of its first loop
-            first = run & (rows.loops[:B] == 0)
+            first = run & starting
             extra = {}
             if self.state_uniforms is not None:
                 width = self.model.shape.hidden_size
@@ -169,20 +177,30 @@ class DecodeProgram:
                 self.model.embed, rows.token[:B], position, first, context, **extra
             )
             state = torch.where(first[:, None], started, state)
-        hidden, gate_probability = self.model.recurrent_step(
+        hidden, signal = self.model.recurrent_step(
             state,
             position,
             self.attention.bind(self.kv.tensors, batch),
-            compute_gate=gate,
+            compute_gate=gate and not self.distribution_exits,
         )
-        decision = decide_exits(rows, B, loop_index, gate_probability)
+        logits = None
+        if self.distribution_exits:  # the coda (its KV rewritten each loop) and head first
+            finished = hidden
+            if self.stage is not None:
+                finished = self._run_stage(self.model.finish, hidden, position, run, context)
+            logits = self.model.coda(finished)
+            signal, logprobs = self._distribution_change(logits, starting, B)
+        decision = decide_exits(rows, B, loop_index, signal)
         exits = decision.exits & run
         if rows.loop_planes > 1:
             self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
-        finished = hidden
-        if self.stage is not None:  # the coda's layers, for the rows that exit
-            finished = self._run_stage(self.model.finish, hidden, position, exits, context)
-        sampled = self._sample(finished, slice(0, B), rows.outputs[:B], mode)
+        if logits is None:
+            finished = hidden
+            if self.stage is not None:  # the coda's layers, for the rows that exit
+                finished = self._run_stage(self.model.finish, hidden, position, exits, context)
+        else:
+            rows.exit_logprobs[:B] = torch.where(run[:, None], logprobs, rows.exit_logprobs[:B])
+        sampled = self._sample(finished, slice(0, B), rows.outputs[:B], mode, logits=logits)
         if mode.penalized:  # the counts the next token's penalties read
             rows.logits_state.output_counts[:B].scatter_add_(
                 1, sampled.token_ids[:, None], exits[:, None].to(torch.int32)
@@ -239,6 +257,14 @@ class DecodeProgram:
         self.tick_index += 1
         kernels.copy(B)
 
+    def _distribution_change(self, logits, starting, B) -> tuple[torch.Tensor, torch.Tensor]:
+        """KL(p_prev || p) of each row's next-token distribution p after this loop, p_prev the
+        previous loop's (uniform at a token's first loop); returns (KL [B] fp32, log p)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        uniform = -math.log(logprobs.shape[-1])
+        previous = torch.where(starting[:, None], uniform, self.rows.exit_logprobs[:B])
+        return (previous.exp() * (previous - logprobs)).sum(-1), logprobs
+
     def _run_stage(self, stage, inputs, position, writes, max_context, **extra) -> torch.Tensor:
         """A family's prelude (`embed`) or coda (`finish`) for rows [0, B) on the stage plane,
         storing KV only for the rows `writes`."""
@@ -264,7 +290,10 @@ class DecodeProgram:
             targets.append(torch.where(needed, target + offset, scratch))
         self.kv.copy_slots(torch.cat(sources), torch.cat(targets))
 
-    def _sample(self, hidden, index, counter, mode: SamplingMode, needed=None) -> SampledRows:
+    def _sample(
+        self, hidden, index, counter, mode: SamplingMode, needed=None, logits=None
+    ) -> SampledRows:
+        """Sample from the head's logits of `hidden` (or from `logits`, already computed)."""
         rows = self.rows
         optional = {}  # passed only when the mode reads them
         if mode.min_p:
@@ -272,7 +301,7 @@ class DecodeProgram:
         if mode.adjusts_logits:
             optional["adjustments"] = rows.adjustments(index)
         return self.sampler.sample_rows(
-            self.model.coda(hidden, needed=needed),
+            self.model.coda(hidden, needed=needed) if logits is None else logits,
             temperature=rows.temperature[index],
             top_k=rows.top_k[index],
             top_p=rows.top_p[index],

@@ -17,8 +17,10 @@ import torch
 
 from rlt_runner.row_state import (
     DELAYED_CODE,
+    DELAYED_KL_CODE,
     DELAYED_LATENT_CODE,
     HAZARD_CODE,
+    KL_CODE,
     LATENT_CODE,
     DecodeRows,
 )
@@ -93,11 +95,18 @@ def apply_exit_rules(
     engine, so one kind of signal per batch)."""
     at_max = loop_index >= rules.max_loops
     pending = pending_exit
-    latent = (rules.kind == LATENT_CODE) | (rules.kind == DELAYED_LATENT_CODE)
+    converging = (  # rules that exit when their signal falls below the threshold
+        (rules.kind == LATENT_CODE)
+        | (rules.kind == DELAYED_LATENT_CODE)
+        | (rules.kind == KL_CODE)
+        | (rules.kind == DELAYED_KL_CODE)
+    )
     if signal is not None:
         value = signal.to(torch.float64)
-        survival = torch.where(latent, survival, survival * (1.0 - value))
-        crossed = torch.where(latent, value < rules.threshold, 1.0 - survival >= rules.threshold)
+        survival = torch.where(converging, survival, survival * (1.0 - value))
+        crossed = torch.where(
+            converging, value < rules.threshold, 1.0 - survival >= rules.threshold
+        )
         triggered = (rules.threshold < 1.0) & (loop_index >= rules.min_loops) & crossed
         at_once = at_max | triggered
         delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
@@ -107,8 +116,12 @@ def apply_exit_rules(
         delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
     trace_index = output_index.clamp(max=rules.trace.shape[1] - 1)
     trace_depth = rules.trace.gather(1, trace_index[:, None]).squeeze(1).to(torch.int64)
-    immediate = (rules.kind == HAZARD_CODE) | (rules.kind == LATENT_CODE)
-    delayed = (rules.kind == DELAYED_CODE) | (rules.kind == DELAYED_LATENT_CODE)
+    immediate = (rules.kind == HAZARD_CODE) | (rules.kind == LATENT_CODE) | (rules.kind == KL_CODE)
+    delayed = (
+        (rules.kind == DELAYED_CODE)
+        | (rules.kind == DELAYED_LATENT_CODE)
+        | (rules.kind == DELAYED_KL_CODE)
+    )
     exits = torch.where(
         immediate, at_once, torch.where(delayed, delayed_exit, loop_index >= trace_depth)
     )

@@ -108,6 +108,7 @@ class ModelRunner:
         speculation: SpeculationSettings | None = None,
         kv_scales: KVScales | None = None,
         random_initial_state: bool = True,
+        distribution_exits: bool = False,
     ) -> None:
         """`kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it
         has `dtype`). `cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
@@ -116,7 +117,8 @@ class ModelRunner:
         (larger steps run eagerly). `speculation`: steps may run speculative rounds (the
         sampler must then be a `SpeculativeSampler`). `random_initial_state`: a family that
         declares a random initial state draws it per token from its request's seed and its
-        position (False: the zero state; the engine's `initial_state`)."""
+        position (False: the zero state; the engine's `initial_state`). `distribution_exits`:
+        the exit policy reads the next-token distribution every loop (the KL rules)."""
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -143,6 +145,7 @@ class ModelRunner:
             max_rows=max_num_seqs,
             num_planes=kv_layout.storage_planes(shape.num_loops) + stage_planes,
             stage_planes=stage_planes,
+            exit_distribution_width=shape.vocab_size if distribution_exits else 1,
             max_pages=max_pages,
             hidden_size=shape.state_width,
             dtype=dtype,
@@ -163,6 +166,7 @@ class ModelRunner:
             max_ticks=max_decode_ticks,
             max_context=max_pages * block_size,
             random_initial_state=random_initial_state,
+            distribution_exits=distribution_exits,
         )
         # prompt scoring at exit depth (torch bookkeeping: chunks are not bounded like rounds)
         self.position_loops = PositionLoops(

@@ -54,6 +54,7 @@ from rlt_runner.logits_state import LogitsState
 from rlt_runner.transfers import upload
 
 HAZARD_CODE, DELAYED_CODE, TRACE_CODE, LATENT_CODE, DELAYED_LATENT_CODE = 0, 1, 2, 3, 4
+KL_CODE, DELAYED_KL_CODE = 5, 6
 # Per-row int64 / fp32 parameters written at activation, in upload column order.
 INT_FIELDS = (
     "rule_kind",
@@ -79,6 +80,8 @@ RULE_CODES = {
     ExitRuleKind.TRACE: TRACE_CODE,
     ExitRuleKind.LATENT_DIFF: LATENT_CODE,
     ExitRuleKind.DELAYED_LATENT_DIFF: DELAYED_LATENT_CODE,
+    ExitRuleKind.KL: KL_CODE,
+    ExitRuleKind.DELAYED_KL: DELAYED_KL_CODE,
 }
 
 # Buffers that hold a row's progress (saved by snapshots; reset at admission).
@@ -89,6 +92,7 @@ PROGRESS_BUFFERS = (
     "loops",
     "survival",
     "pending_exit",
+    "exit_logprobs",
     "outputs",
     "active",
     "parked",
@@ -131,6 +135,7 @@ class DecodeRows:
         vocab_size: int = 1,
         eos_token_ids: tuple[int, ...] = (),
         stage_planes: int = 0,
+        exit_distribution_width: int = 1,
     ) -> None:
         """`num_planes` KV planes per page: the loop planes, then `stage_planes` (0 or 1) for
         the family's prelude and coda layers (stage_plane.py)."""
@@ -156,6 +161,9 @@ class DecodeRows:
         self.loops = zeros(S)
         self.survival = torch.ones(S, dtype=torch.float64, device=device)
         self.pending_exit = zeros(S)
+        # the KL rules' previous next-token log-distribution of each row's looping token
+        # ([S, V] fp32 when the engine's policy reads it, else [S, 1] unused)
+        self.exit_logprobs = zeros(S, exit_distribution_width, dtype=torch.float32)
         self.outputs = zeros(S)
         self.active = zeros(S, dtype=torch.bool)
         self.parked = zeros(S, dtype=torch.bool)

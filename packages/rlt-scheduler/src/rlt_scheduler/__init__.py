@@ -3,6 +3,7 @@
 from rlt_scheduler.config import SchedulerConfig, SchedulingMode, SchedulingPolicy
 from rlt_scheduler.decode_work import DecodeWork, max_rounds_per_step
 from rlt_scheduler.exit_policy import (
+    POLICY_ALIASES,
     POLICY_CHOICES,
     DelayedHazardExitPolicy,
     ExitPolicy,
@@ -25,6 +26,7 @@ __all__ = [
     "ExitPolicy",
     "ExitPolicyName",
     "FixedDepthExitPolicy",
+    "POLICY_ALIASES",
     "POLICY_CHOICES",
     "default_exit_policy",
     "TraceExitPolicy",

@@ -15,6 +15,11 @@ from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule
                   whose loops converge, e.g. Huginn's; a request without a threshold runs its
                   max_loops).
   latent_diff_delayed  the same test, a trigger at loop k making the token exit after k + 1.
+  kl              exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
+                  KL(p_{k-1} || p_k) < threshold, p_k the next-token distribution after loop k
+                  (p_0 uniform): the coda and head run every loop. Any family (it reads the
+                  head, not a signal of the family's), on the decode tick; `reads_distribution`.
+  kl_delayed      the same test, a trigger at loop k making the token exit after k + 1.
   trace           replays recorded per-token depths (token i exits at trace[i]); the gate is
                   never computed or read.
   fixed           every token runs its request's max_loops (families without an exit signal);
@@ -52,6 +57,8 @@ class ExitPolicyName(enum.StrEnum):
     FIXED = "fixed"
     LATENT_DIFF = "latent_diff"
     LATENT_DIFF_DELAYED = "latent_diff_delayed"
+    KL = "kl"
+    KL_DELAYED = "kl_delayed"
 
 
 # Earlier names of the hazard rules, accepted wherever a policy is named (CLI, EngineConfig).
@@ -88,6 +95,7 @@ class LoopBounds:
 class ExitPolicy(Protocol):
     name: str
     reads: ExitSignal | None  # the model output its rules read
+    reads_distribution: bool  # its rules read the head's distribution after every loop (KL)
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         """Raise InvalidRequestError if this policy cannot serve the request (at admission)."""
@@ -102,6 +110,7 @@ class HazardExitPolicy:
     name = ExitPolicyName.HAZARD.value
     kind = ExitRuleKind.HAZARD
     reads = ExitSignal.GATE
+    reads_distribution = False  # the rule needs the head's distribution after every loop
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         return None
@@ -130,6 +139,20 @@ class DelayedLatentDiffExitPolicy(LatentDiffExitPolicy):
     kind = ExitRuleKind.DELAYED_LATENT_DIFF
 
 
+class KLExitPolicy(HazardExitPolicy):
+    """Exit once a loop changes the next-token distribution by less than the threshold (KL)."""
+
+    name = ExitPolicyName.KL.value
+    kind = ExitRuleKind.KL
+    reads = None  # the head's distribution, which every family produces
+    reads_distribution = True
+
+
+class DelayedKLExitPolicy(KLExitPolicy):
+    name = ExitPolicyName.KL_DELAYED.value
+    kind = ExitRuleKind.DELAYED_KL
+
+
 class TraceExitPolicy:
     """Replays `depths[request_id][i]` for output token i (entry 0 is the prompt's depth: the
     request's max_loops, the model's depth unless the request asks fewer).
@@ -144,6 +167,7 @@ class TraceExitPolicy:
 
     name = ExitPolicyName.TRACE.value
     reads = None
+    reads_distribution = False
 
     def __init__(self, depths_by_request: Mapping[str, Sequence[int]], model_depth: int) -> None:
         self.depths = {key: tuple(value) for key, value in depths_by_request.items()}
@@ -206,6 +230,7 @@ class FixedDepthExitPolicy:
 
     name = ExitPolicyName.FIXED.value
     reads = None
+    reads_distribution = False
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         if bounds.adaptive:
@@ -244,4 +269,6 @@ def make_exit_policy(name: str, *, exit_trace: str | Path | None, model_depth: i
         ExitPolicyName.HAZARD_DELAYED: DelayedHazardExitPolicy,
         ExitPolicyName.LATENT_DIFF: LatentDiffExitPolicy,
         ExitPolicyName.LATENT_DIFF_DELAYED: DelayedLatentDiffExitPolicy,
+        ExitPolicyName.KL: KLExitPolicy,
+        ExitPolicyName.KL_DELAYED: DelayedKLExitPolicy,
     }[policy]()

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
-from rlt_scheduler import POLICY_CHOICES
+from rlt_scheduler import POLICY_ALIASES, POLICY_CHOICES
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_USAGE
 from rlt_serve.listening import check_can_listen, port_number
@@ -74,7 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--initial-state",
         default=d.initial_state,
         choices=["random", "zero"],
-        help="how a family whose loop state starts from a random draw (Huginn-0125) starts it: "
+        help="how a family whose loop state starts from a random draw starts it: "
         "drawn per token from the request's seed and position, or zero (default: %(default)s)",
     )
     group.add_argument(
@@ -265,8 +265,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.exit_policy,
         choices=POLICY_CHOICES,
         help="how each token's exit loop is chosen (default: the model family's own exit "
-        "signal: hazard for a gated family, fixed depth for one without a signal); ouro and "
-        "ouro_delayed are aliases of the hazard rules",
+        "signal: hazard for a gated family, latent_diff for a latent-change one, fixed depth "
+        "for one without a signal; kl reads the head's distribution every loop); the earlier "
+        f"names {', '.join(POLICY_ALIASES)} are aliases of the hazard rules",
     )
     group.add_argument(
         "--exit-trace",

@@ -237,6 +237,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
             speculation=speculation,
             kv_scales=kv_scales,
             random_initial_state=config.initial_state == "random",
+            distribution_exits=exit_policy.reads_distribution,
         )
 
     activation = None

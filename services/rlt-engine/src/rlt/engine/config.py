@@ -28,6 +28,7 @@ def _device_type(device: str) -> str:
 
 INITIAL_STATES = ("random", "zero")
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of one engine (Python keywords; the CLI spells them --kebab-case).
@@ -279,8 +280,12 @@ class EngineConfig:
         if not isinstance(self.log_stats, bool):
             raise ConfigurationError("log_stats", f"must be True or False, got {self.log_stats!r}")
         interval = self.stats_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, int | float) or not (
-            0 < interval < float("inf")  # also refuses NaN
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not (
+                0 < interval < float("inf")  # also refuses NaN
+            )
         ):
             raise ConfigurationError(
                 "stats_interval_s", f"must be a number of seconds > 0, got {interval!r}"

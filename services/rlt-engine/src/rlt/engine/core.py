@@ -138,7 +138,14 @@ class EngineCore:
         self.pd: PDLink | None = None  # set for a PD prefill or decode instance
         self._pd_deltas: list[RequestOutputDelta] = []
         self._prompt_scoring_refusal = prompt_scoring_refusal(runner.model.family)
-        self._exit_depth_scoring_refusal = runner.model.family.refusal(Feature.EXIT_DEPTH_SCORING)
+        self._exit_depth_scoring_refusal = runner.model.family.refusal(
+            Feature.EXIT_DEPTH_SCORING
+        ) or (
+            f"exit policy {scheduler.exit_policy.name!r} reads the next-token distribution, "
+            "which exit-depth scoring does not compute"
+            if scheduler.exit_policy.reads_distribution
+            else None
+        )
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(

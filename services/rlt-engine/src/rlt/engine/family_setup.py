@@ -56,6 +56,12 @@ def family_setup(
         exit_trace=config.exit_trace,
         model_depth=model_depth,
     )
+    if exit_policy.reads_distribution and config.num_speculative_tokens > 0:
+        raise ConfigurationError(
+            ("exit_policy", "num_speculative_tokens"),
+            f"{exit_policy.name!r} reads the next-token distribution after every loop, which "
+            "speculative rounds do not compute; use another exit policy or no speculation",
+        )
     if exit_policy.reads is not None and exit_policy.reads is not family.exit_signal:
         raise ConfigurationError(
             "exit_policy",

@@ -285,3 +285,23 @@ def test_scoring_at_exit_depth_is_refused_per_request(llm):
     assert refused.value.field == "score_at_exit_depth"
     tokens, _ = generate(llm, max_loops=2)
     assert llm.engine.core.leak_report() == []
+
+
+def test_prefill_decode_pair_equals_one_engine(hf_model_dir, expected):
+    """PD over the loopback port: the prompt's KV of every plane (the loop planes and the
+    stage plane with the prelude's and coda's KV) and its final state go to the decode side,
+    whose tokens are a single engine's (transformers')."""
+    from family_feature_checks import pd_outputs
+
+    def make(**options):
+        return LLM(hf_model_dir, **{**ENGINE, **options})
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, max_loops=2) for n in MAX_TOKENS]
+    outputs, pair, engines = pd_outputs(make, PROMPTS, params, nixl=False)
+    try:
+        assert [o.token_ids for o in outputs] == expected[2]
+        assert pair.written == {f"t{i}": len(p) for i, p in enumerate(PROMPTS)}
+        assert all(llm.engine.core.leak_report() == [] for llm in engines)
+    finally:
+        for llm in engines:
+            llm.shutdown()

@@ -490,3 +490,30 @@ def test_served_over_http(checkpoint):
         assert deep.status_code == 200, deep.text
         assert deep.json()["choices"][0]["exit_depths"] == [CAP] * 4
         server.wait_idle()
+
+
+@pytest.mark.parametrize("initial_state", ["zero", "random"])
+def test_prefill_decode_pair_equals_one_engine(checkpoint, expected, initial_state):
+    """PD over the loopback port: every plane's KV (steps and the stage plane) and the prompt's
+    final state go to the decode side; with the like-init state the decode side draws each
+    new token's state from the same (seed, position) stream, so its tokens are one engine's."""
+    from family_feature_checks import pd_outputs
+
+    options = {**ENGINE, "initial_state": initial_state}
+
+    def make(**extra):
+        return LLM(checkpoint, **{**options, **extra})
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, seed=5) for n in MAX_TOKENS]
+    if initial_state == "zero":
+        want = expected[DEFAULT]
+    else:
+        with make() as llm:
+            want = tokens(llm.generate(PROMPTS, params))
+    outputs, pair, engines = pd_outputs(make, PROMPTS, params, nixl=False)
+    try:
+        assert tokens(outputs) == want
+        assert all(llm.engine.core.leak_report() == [] for llm in engines)
+    finally:
+        for llm in engines:
+            llm.shutdown()

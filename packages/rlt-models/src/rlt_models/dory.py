@@ -88,7 +88,6 @@ _NEUTRAL = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 _UNSUPPORTED = (
     (Feature.SPECULATIVE_DECODING, "a draft's positions would need the prelude's and coda's KV"),
     (Feature.EXIT_DEPTH_SCORING, "it has no exit signal"),
-    (Feature.PD, "the stage plane's handover is not verified for this family yet"),
     (Feature.FP8_WEIGHTS, "its nGPT projections are not quantized by rlt yet"),
     (Feature.FP8_KV, "not verified for this family yet"),
 )

@@ -21,4 +21,7 @@ def test_engine_start_logs_each_phase_with_its_seconds(tiny_checkpoint, caplog):
     assert phases == ["weights", "fp8 KV scales", "runner", "engine ready"]
     (pool,) = [line for line in lines if line.startswith("start-up: KV pool:")]
     assert "float8_e4m3fn" in pool and "tokens" in pool and "max_model_len 64 fit" in pool
+    # K and V of every layer of every plane of one position, one byte each in fp8
+    per_token = 4 * 2 * 2 * 2 * 16  # l2_t4: 4 loop planes x 2 layers x (K, V) x 2 heads x 16
+    assert f"GiB, {per_token:,} bytes per token)" in pool
     assert lines[-1].startswith("start-up: engine ready in")

@@ -306,14 +306,15 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     full_requests = memory_plan.num_blocks // (pages_per_request * num_planes)
     logger.info(
         "start-up: KV pool: %s %d blocks of %d positions x %d plane(s) = %d tokens "
-        "(%.2f GiB); %d requests of max_model_len %d fit at once (max_num_seqs %d); weights: "
-        "projections %s, LM head %s",
+        "(%.2f GiB, %s bytes per token); %d requests of max_model_len %d fit at once "
+        "(max_num_seqs %d); weights: projections %s, LM head %s",
         kv_dtype_name,
         memory_plan.num_blocks,
         config.block_size,
         num_planes,
         kv_tokens,
         memory_plan.num_blocks * bytes_per_block / 2**30,
+        f"{bytes_per_block * num_planes // config.block_size:,}",
         full_requests,
         max_model_len,
         config.max_num_seqs,

@@ -277,7 +277,7 @@ class ArmResult:
 def shape_config(name: str):
     """The model config of a --shape name (any family)."""
     from rlt_models import HrmTextConfig, NanbeigeConfig, OuroConfig
-    from rlt_models.dory import DoryConfig
+    from rlt_models.dory_config import DoryConfig
     from rlt_models.huginn_config import HuginnConfig
 
     if name in DORY_SHAPES:

@@ -34,7 +34,7 @@ from rlt_models import (  # noqa: E402
     random_checkpoint_tensors,
 )
 from rlt_models.dense_attention import dense_causal_attention  # noqa: E402
-from rlt_models.dory import FULL, SLIDING, DoryConfig  # noqa: E402
+from rlt_models.dory_config import FULL, SLIDING, DoryConfig  # noqa: E402
 from rlt_models.layers import apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

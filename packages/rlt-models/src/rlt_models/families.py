@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from rlt_models import config as ouro_config
-from rlt_models import dory, hrm_text, huginn, huginn_config, nanbeige, weights
+from rlt_models import dory_config, hrm_text, huginn, huginn_config, nanbeige, weights
 from rlt_models.config_fields import read_raw_config
-from rlt_models.dory import DoryConfig, DoryModel
+from rlt_models.dory import DoryModel
+from rlt_models.dory_config import DoryConfig
 from rlt_models.errors import ModelConfigError
 from rlt_models.hrm_text import HrmTextConfig, HrmTextModel
 from rlt_models.huginn_config import HuginnConfig
@@ -73,14 +74,14 @@ FAMILIES: dict[str, Family] = {
             llama_kv_scales=False,
         ),
         Family(
-            dory.ARCHITECTURE,
-            dory.MODEL_TYPE,
+            dory_config.ARCHITECTURE,
+            dory_config.MODEL_TYPE,
             DoryConfig,
             DoryModel,
-            dory.checkpoint_tensor_shapes,
-            dory.parameter_sources,
+            dory_config.checkpoint_tensor_shapes,
+            dory_config.parameter_sources,
             llama_kv_scales=False,
-            canonical_name=dory.hub_tensor_name,
+            canonical_name=dory_config.hub_tensor_name,
         ),
         Family(
             huginn_config.ARCHITECTURE,

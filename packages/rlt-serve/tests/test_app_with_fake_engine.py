@@ -53,6 +53,7 @@ class FakeClient:
         self.refuse: dict[int, BaseException] = {}  # submit index -> error
         self.fail_stream: BaseException | None = None
         self.shut_down = False
+        self.logprobs = False  # the deltas carry the sampled tokens' log-probabilities
 
     def model_info(self) -> ModelInfo:
         return INFO
@@ -64,12 +65,16 @@ class FakeClient:
             raise error
 
     async def _deltas(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
+        def logprobs(n: int) -> dict:
+            return {"logprobs": (-0.5,) * n, "top_logprobs": ((),) * n} if self.logprobs else {}
+
         yield RequestOutputDelta(
             request_id=request_id,
             token_ids=(111, 107),
             exit_depths=(4, 2),
             text="ok",
             num_prompt_tokens=3,
+            **logprobs(2),
         )
         if self.fail_stream is not None:
             raise self.fail_stream
@@ -81,6 +86,7 @@ class FakeClient:
             finished=True,
             finish_reason=FinishReason.LENGTH,
             num_prompt_tokens=3,
+            **logprobs(1),
         )
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
@@ -220,6 +226,42 @@ def test_engine_failure_mid_stream_is_reported_in_band(http, fake):
     metrics = http.get("/metrics").text
     labels = 'endpoint="completions",model_name="m",outcome="unavailable"'
     assert f"rlt:http_requests_total{{{labels}}} 1.0" in metrics
+
+
+class _DecodeFailsOn(FakeTokenizer):
+    """A bug in the output path that hits one token: a choice's finishing delta."""
+
+    def __init__(self, token_id: int) -> None:
+        self.token_id = token_id
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        if self.token_id in token_ids:
+            raise RuntimeError("simulated bug building the last chunk")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+def test_a_choice_whose_finishing_chunk_fails_still_ends_with_abort(http, fake):
+    """The engine request finished, but building its last chunk raised: the client never saw
+    the finish_reason, so the choice still gets its "abort" end before the error event."""
+    fake.logprobs = True
+    http.app.state.rlt.tokenizer = _DecodeFailsOn(33)
+    body = {
+        "prompt": "abc",
+        "stream": True,
+        "logprobs": 1,
+        "stream_options": {"include_usage": True},
+    }
+    chunks = events(http.post("/v1/completions", json=body).text)
+    assert (
+        chunks[0]["choices"][0]["text"] == "ok" and chunks[0]["choices"][0]["finish_reason"] is None
+    )
+    assert (
+        chunks[1]["choices"][0]["finish_reason"] == "abort"
+        and chunks[1]["choices"][0]["text"] == ""
+    )
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 3
+    assert chunks[3]["error"]["type"] == "internal_error" and chunks[4:] == ["[DONE]"]
+    assert fake.cancelled == []  # the engine request had finished: nothing to cancel
 
 
 def test_health_follows_the_engine(http, fake):

@@ -307,16 +307,17 @@ class Generation:
                 )
         return None
 
-    async def abort_open_choices(self) -> list[tuple[Choice, RequestOutputDelta]]:
-        """End every choice that has not finished (its stream failed): its engine request is
-        cancelled (KV freed), and it gets finish_reason "abort" and an empty final delta to
-        build its last chunk from. Nothing is counted in the metrics: no engine result
-        arrived."""
+    async def abort_open_choices(self, ended: set[int]) -> list[tuple[Choice, RequestOutputDelta]]:
+        """End every choice whose last chunk did not go out (`ended`: the indexes of those whose
+        did): its engine request is cancelled if it runs (KV freed), and it gets finish_reason
+        "abort" and an empty final delta to build its last chunk from. A choice whose engine
+        request finished but whose final chunk failed to build is aborted too: its client never
+        received the end. Nothing is counted in the metrics: no engine result arrived."""
         await self._cancel_unfinished()
         ends = []
         empty_columns = dict.fromkeys(requested_columns(self.sampling), ())
         for choice in self.choices:
-            if choice.finished:
+            if choice.index in ended:
                 continue
             choice.finish_reason = str(FinishReason.ABORT)
             end = RequestOutputDelta(

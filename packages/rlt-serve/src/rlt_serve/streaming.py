@@ -79,12 +79,15 @@ def stream_generation(
     watching its client's disconnect)."""
 
     async def events() -> AsyncIterator[bytes]:
+        ended: set[int] = set()  # choices whose last chunk (finish_reason) went out
         try:
             for chunk in opening:
                 yield sse(chunk)
             async for choice, delta in generation.deltas():
                 for chunk in chunks(choice, delta):
                     yield sse(chunk)
+                if delta.finished:
+                    ended.add(choice.index)
             failure = generation.failure()
         except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
             failure = _api_error(exc)
@@ -93,7 +96,7 @@ def stream_generation(
             for chunk in closing():
                 yield sse(chunk)
         else:
-            ends = await generation.abort_open_choices()
+            ends = await generation.abort_open_choices(ended)
             for event in _failed_ending(ends, chunks, closing):
                 yield event
             yield sse_error_event(failure)

@@ -89,11 +89,11 @@ def test_an_admission_round_sums_the_running_growth_once_per_admission(monkeypat
     """The reserved growth of the running requests is O(running): a round computes it once,
     and again only after it admitted someone, not once per waiting request it examines (with
     64 running and 64 waiting under KV pressure that was most of a step's host time)."""
-    from rlt_scheduler import admitting
+    from rlt_scheduler import admitter
 
     calls = []
-    growth = admitting.running_growth
-    monkeypatch.setattr(admitting, "running_growth", lambda *a: calls.append(1) or growth(*a))
+    growth = admitter.running_growth
+    monkeypatch.setattr(admitter, "running_growth", lambda *a: calls.append(1) or growth(*a))
     # 40 blocks of 4 tokens x 4 planes: one request of 3 + 32 - 1 positions fits at a time
     scheduler = make_scheduler(num_blocks=40, max_num_seqs=8, max_waiting_requests=20)
     for i in range(10):

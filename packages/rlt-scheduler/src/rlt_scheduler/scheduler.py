@@ -23,8 +23,8 @@ prompts arriving close together start in one step (`admission_delay.py`).
 This module owns the queues (`queues.RequestQueues`) and the request table, decides the
 step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
 (waiting room, request state), `step_building.py` (`StepPlanner`: decode rows, prompt chunks,
-PD remote starts and KV growth), `admitting.py` (`Admitter`: priority preemption and the
-bounded-bypass admission loop, budgets from `admission.py`), `suspension.py` (preemption and
+PD remote starts and KV growth), `admitter.py` (`Admitter`: priority preemption and the
+bounded-bypass admission loop, budgets from `admission_budget.py`), `suspension.py` (preemption and
 resumption), `constrained.py` (structured-output masks), `prefix_waits.py` (a waiting request
 waits for leading pages a running request is computing, so they are computed once),
 `pd_stages.py` (PD handoff stages and held blocks), `in_flight.py` (steps not yet applied) and
@@ -63,7 +63,7 @@ from rlt_contracts.structured import ConstraintCompiler
 
 from rlt_scheduler import constrained, outputs, pd_stages
 from rlt_scheduler.admission_delay import AdmissionDelay
-from rlt_scheduler.admitting import Admitter
+from rlt_scheduler.admitter import Admitter
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
 from rlt_scheduler.exit_policy import ExitPolicy, HazardExitPolicy, LoopBounds
@@ -387,7 +387,7 @@ class Scheduler:
         return self._queues.handoffs.take_reserved()
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
-        """The block budget of admitting `request` now (see admission.plan_admission)."""
+        """The block budget of admitting `request` now (see admission_budget.plan_admission)."""
         return self._admitter.plan_admission(request, prefix)
 
     # -- results -------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rlt_contracts import NO_PREFIX, KVPort, PrefixMatch, RequestBlocks, RequestStage
 
-from rlt_scheduler.admission import plan_admission, running_growth
+from rlt_scheduler.admission_budget import plan_admission, running_growth
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
 from rlt_scheduler.decode_work import DecodeWork

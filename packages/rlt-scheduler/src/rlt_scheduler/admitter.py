@@ -13,14 +13,14 @@ Both skip a request that waits for leading pages a running request is computing
 (`prefix_waits.py`): it is neither examined nor passed over, so it never holds up the requests
 behind it, and it is admitted in its turn once those pages are read back.
 
-A request is admitted when its budget fits (`admission.plan_admission`): a preempted one
-resumes (`suspension.resume`), a new one gets its first blocks, joins the running list
-(`admission.start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
+A request is admitted when its budget fits (`admission_budget.plan_admission`): a preempted
+one resumes (`suspension.resume`), a new one gets its first blocks, joins the running list
+(`start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
 schedules its first prompt chunk in the same step (`StepPlanner.schedule_prefill_chunk`).
 
 The admitter keeps no state of its own (R02): the queues, configuration, KV port and counters
 belong to `Scheduler`; the deferred list, scan count and the running requests' reserved growth
-(`admission.running_growth`, computed once per call and again after each admission, not once
+(`admission_budget.running_growth`, computed once per call and again after each admission, not once
 per examined request) are local to one `admit` call (R03).
 """
 
@@ -28,16 +28,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlt_contracts import NO_PREFIX, AdmissionPlan, KVPort, PrefixMatch
+from rlt_contracts import (
+    NO_PREFIX,
+    AdmissionPlan,
+    BlockTableUpdate,
+    KVPort,
+    NewRequestData,
+    PrefixMatch,
+    RequestBlocks,
+    RequestStage,
+)
 
 from rlt_scheduler import prefix_waits, scored_prefix, suspension
-from rlt_scheduler.admission import (
+from rlt_scheduler.admission_budget import (
     RunningGrowth,
     headroom_blocks,
     initial_allocation_tokens,
     plan_admission,
     running_growth,
-    start_admitted,
 )
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.decode_work import DecodeWork
@@ -163,7 +171,7 @@ class Admitter:
         )
 
     def plan_admission(self, request: ScheduledRequest, prefix: PrefixMatch) -> AdmissionPlan:
-        """The block budget of admitting `request` now (see admission.plan_admission)."""
+        """The block budget of admitting `request` now (see admission_budget.plan_admission)."""
         growth = running_growth(self.config, self.kv, self.queues.running)
         return plan_admission(self.config, self.kv, request, prefix, growth)
 
@@ -207,3 +215,36 @@ class Admitter:
         else:
             self.planner.schedule_prefill_chunk(request, work, step)
         return True
+
+
+def start_admitted(
+    request: ScheduledRequest,
+    prefix: PrefixMatch,
+    updates: tuple[BlockTableUpdate, ...],
+    step: StepBuilder,
+    *,
+    scheduled_time: float,
+) -> None:
+    """A new request got its first blocks (`updates`, reusing `prefix`) and joined the running
+    list: it enters PREFILL with the reused prefix counted as scheduled and computed (a scored
+    prompt takes the reused pages' scores), and the step introduces it to the runner (request
+    data, then its block mapping). Selected into the
+    step, so it is never a preemption victim of its own step. `scheduled_time`: host monotonic
+    seconds of its first admission."""
+    request.stage = RequestStage.PREFILL
+    request.scheduled_time = scheduled_time
+    request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
+    scored_prefix.take_cached_scores(request, prefix)
+    request.known_to_runner = True
+    step.selected.add(request.identity)
+    step.new_requests.append(
+        NewRequestData(
+            request.identity,
+            request.sampling,
+            request.prompt_length,
+            request.rule,
+            prefill_only=request.prefill_only,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+    )
+    step.block_updates.append(RequestBlocks(request.identity, updates))

@@ -1,24 +1,16 @@
-"""Admission budgets: what admitting a request would cost, in blocks (R05, R24)."""
+"""Admission budgets: what admitting a request would cost, in blocks (R05, R24).
+
+Pure: nothing is allocated and no request changes; `admitter.py` acts on the answers."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from rlt_contracts import (
-    AdmissionPlan,
-    BlockTableUpdate,
-    KVPort,
-    NewRequestData,
-    PrefixMatch,
-    RequestBlocks,
-    RequestStage,
-)
+from rlt_contracts import AdmissionPlan, KVPort, PrefixMatch, RequestStage
 
-from rlt_scheduler import scored_prefix
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.request_state import ScheduledRequest
-from rlt_scheduler.step_builder import StepBuilder
 
 
 class RunningGrowth(NamedTuple):
@@ -91,36 +83,3 @@ def initial_allocation_tokens(
     if config.incremental_kv:
         return min(request.prompt_length, prefix.num_tokens + config.prefill_chunk_size)
     return request.lifetime_tokens
-
-
-def start_admitted(
-    request: ScheduledRequest,
-    prefix: PrefixMatch,
-    updates: tuple[BlockTableUpdate, ...],
-    step: StepBuilder,
-    *,
-    scheduled_time: float,
-) -> None:
-    """A new request got its first blocks (`updates`, reusing `prefix`) and joined the running
-    list: it enters PREFILL with the reused prefix counted as scheduled and computed (a scored
-    prompt takes the reused pages' scores), and the step introduces it to the runner (request
-    data, then its block mapping). Selected into the
-    step, so it is never a preemption victim of its own step. `scheduled_time`: host monotonic
-    seconds of its first admission."""
-    request.stage = RequestStage.PREFILL
-    request.scheduled_time = scheduled_time
-    request.scheduled_prompt_tokens = request.computed_prompt_tokens = prefix.num_tokens
-    scored_prefix.take_cached_scores(request, prefix)
-    request.known_to_runner = True
-    step.selected.add(request.identity)
-    step.new_requests.append(
-        NewRequestData(
-            request.identity,
-            request.sampling,
-            request.prompt_length,
-            request.rule,
-            prefill_only=request.prefill_only,
-            prompt_token_ids=request.prompt_token_ids,
-        )
-    )
-    step.block_updates.append(RequestBlocks(request.identity, updates))

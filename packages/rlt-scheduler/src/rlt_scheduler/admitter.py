@@ -53,7 +53,7 @@ from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
-from rlt_scheduler.step_building import StepPlanner
+from rlt_scheduler.step_planner import StepPlanner
 
 
 class Admitter:

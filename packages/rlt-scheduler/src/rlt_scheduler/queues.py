@@ -1,7 +1,7 @@
 """`RequestQueues`: the scheduler's waiting queue, running list and held PD handoffs.
 
 `Scheduler` creates the one instance and is its owner (R02); admission (`admitter.py`) and
-step building (`step_building.py`) receive it explicitly, so every piece moves requests
+step building (`step_planner.py`) receive it explicitly, so every piece moves requests
 between the same queues instead of keeping a copy.
 """
 

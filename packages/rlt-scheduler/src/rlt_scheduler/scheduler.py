@@ -22,7 +22,7 @@ prompts arriving close together start in one step (`admission_delay.py`).
 
 This module owns the queues (`queues.RequestQueues`) and the request table, decides the
 step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
-(waiting room, request state), `step_building.py` (`StepPlanner`: decode rows, prompt chunks,
+(waiting room, request state), `step_planner.py` (`StepPlanner`: decode rows, prompt chunks,
 PD remote starts and KV growth), `admitter.py` (`Admitter`: priority preemption and the
 bounded-bypass admission loop, budgets from `admission_budget.py`), `suspension.py` (preemption and
 resumption), `constrained.py` (structured-output masks), `prefix_waits.py` (a waiting request
@@ -73,7 +73,7 @@ from rlt_scheduler.queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
-from rlt_scheduler.step_building import StepPlanner
+from rlt_scheduler.step_planner import StepPlanner
 from rlt_scheduler.validation import ModelLimits, check_kv_transfer, validate_request
 
 

@@ -14,7 +14,7 @@ Both skip a request that waits for leading pages a running request is computing
 behind it, and it is admitted in its turn once those pages are read back.
 
 A request is admitted when its budget fits (`admission_budget.plan_admission`): a preempted
-one resumes (`suspension.resume`), a new one gets its first blocks, joins the running list
+one resumes (`preemption.resume`), a new one gets its first blocks, joins the running list
 (`start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
 schedules its first prompt chunk in the same step (`StepPlanner.schedule_prefill_chunk`).
 
@@ -39,7 +39,7 @@ from rlt_contracts import (
     RequestStage,
 )
 
-from rlt_scheduler import prefix_waits, scored_prefix, suspension
+from rlt_scheduler import preemption, prefix_waits, scored_prefix
 from rlt_scheduler.admission_budget import (
     RunningGrowth,
     headroom_blocks,
@@ -88,7 +88,7 @@ class Admitter:
         if head is None:
             return
         prefix = self._prefix_of(head)
-        suspension.preempt_for_head(
+        preemption.preempt_for_head(
             head,
             prefix,
             step,
@@ -192,7 +192,7 @@ class Admitter:
         if not plan.fits(self.kv.capacity().free_blocks):
             return False
         if request.preempted:
-            return suspension.resume(
+            return preemption.resume(
                 request,
                 work,
                 step,

@@ -1,16 +1,38 @@
-"""Preemption policy: which running request to suspend (a decision, not a mechanism, R04).
+"""Preemption, the scheduler's side (R04): choosing a victim, suspending it, resuming it.
 
-The scheduler suspends the chosen victim (queue transition, logical KV release); the runner
-saves and restores its device state. Nothing here touches queues or device state.
+`choose_victim` decides whom to suspend (policy: priority, then blocks held); `suspend` and
+`resume` carry out the queue transition and the logical KV release, and record what the runner
+must do in the step being built (`snapshots` first thing in the step, `restores` before the
+step's work). A suspended request waits to resume exactly where it was: same stage, loops and
+exit state; its grammar matcher is left as it is. Device state (the snapshot itself) is the
+runner's: it saves and restores it, and never chooses a victim or touches the queues.
+
+The scheduler's queues (`running`, `waiting`) and counters are passed in; these functions
+change them only through the transitions named here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 
-from rlt_contracts import ExecutionIdentity
+from rlt_contracts import (
+    NO_PREFIX,
+    ExecutionIdentity,
+    KVPort,
+    PrefixMatch,
+    RequestBlocks,
+    RequestStage,
+)
 
+from rlt_scheduler.admission_budget import plan_admission, running_growth
+from rlt_scheduler.config import SchedulerConfig
+from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
+from rlt_scheduler.decode_work import DecodeWork
+from rlt_scheduler.pd_stages import transfer_endpoints
 from rlt_scheduler.request_state import ScheduledRequest
+from rlt_scheduler.stats import SchedulerStats
+from rlt_scheduler.step_builder import StepBuilder
+from rlt_scheduler.waiting_queue import WaitingQueue
 
 
 def choose_victim(
@@ -39,3 +61,133 @@ def choose_victim(
     return max(
         candidates, key=lambda r: (r.sampling.priority, held_blocks(r.identity), r.arrival_index)
     )
+
+
+def suspend(
+    victim: ScheduledRequest,
+    step: StepBuilder,
+    *,
+    running: list[ScheduledRequest],
+    waiting: WaitingQueue,
+    kv: KVPort,
+    stats: SchedulerStats,
+) -> None:
+    """Suspend `victim`: the runner snapshots its device state first thing in this step; its
+    blocks are free for the rest of the step; it waits to be resumed exactly where it was."""
+    step.snapshots.append(victim.identity)
+    victim.snapshot_tokens = kv.allocated_tokens(victim.identity)
+    victim.resume_stage = victim.stage
+    kv.free(victim.identity)
+    running.remove(victim)
+    victim.stage = RequestStage.WAITING
+    waiting.add(victim)
+    stats.preemptions += 1
+
+
+def grow_or_preempt(
+    request: ScheduledRequest,
+    num_tokens: int,
+    step: StepBuilder,
+    *,
+    may_suspend: bool,
+    enable_preemption: bool,
+    running: list[ScheduledRequest],
+    waiting: WaitingQueue,
+    kv: KVPort,
+    stats: SchedulerStats,
+) -> bool:
+    """Make the request's blocks cover positions [0, num_tokens), preempting another request
+    once if that is allowed and needed. A decoding request that still cannot grow is
+    suspended itself (`may_suspend`), since the device would otherwise run it. False: the
+    request does not run in this step."""
+    updates = kv.grow(request.identity, num_tokens)
+    if updates is None and enable_preemption:
+        victim = choose_victim(
+            running,
+            excluded=step.selected | {request.identity} | transfer_endpoints(running),
+            held_blocks=kv.held_blocks,
+        )
+        if victim is not None:
+            suspend(victim, step, running=running, waiting=waiting, kv=kv, stats=stats)
+            updates = kv.grow(request.identity, num_tokens)
+    if updates is None:
+        if not may_suspend:
+            return False
+        if not enable_preemption:
+            raise RuntimeError(
+                f"{request.identity}: KV growth failed although admission reserved it"
+            )
+        suspend(request, step, running=running, waiting=waiting, kv=kv, stats=stats)
+        return False
+    if updates:
+        step.block_updates.append(RequestBlocks(request.identity, updates))
+    return True
+
+
+def preempt_for_head(
+    head: ScheduledRequest,
+    prefix: PrefixMatch,
+    step: StepBuilder,
+    *,
+    config: SchedulerConfig,
+    running: list[ScheduledRequest],
+    waiting: WaitingQueue,
+    kv: KVPort,
+    stats: SchedulerStats,
+) -> None:
+    """While the head of the queue cannot be admitted (no slot, or its `AdmissionPlan` with
+    `prefix` does not fit), suspend strictly lower-priority running requests, worst first;
+    stop when none is left to suspend."""
+    while len(running) >= config.max_num_seqs or not plan_admission(
+        config, kv, head, prefix, running_growth(config, kv, running)
+    ).fits(kv.capacity().free_blocks):
+        victim = choose_victim(
+            running,
+            excluded=step.selected | transfer_endpoints(running),
+            held_blocks=kv.held_blocks,
+            worse_than_priority=head.sampling.priority,
+        )
+        if victim is None:
+            return
+        suspend(victim, step, running=running, waiting=waiting, kv=kv, stats=stats)
+
+
+def resume(
+    request: ScheduledRequest,
+    work: DecodeWork,
+    step: StepBuilder,
+    *,
+    running: list[ScheduledRequest],
+    waiting: WaitingQueue,
+    kv: KVPort,
+    stats: SchedulerStats,
+) -> bool:
+    """Give a preempted request blocks covering its snapshot; the runner restores it
+    before this step's work. It continues from the same stage, loop and exit state: a
+    decoding request also gets the blocks of this step's decode and loops in it, a
+    prefilling one continues with its next chunk from the next step on. False: no blocks now,
+    or no room in a full speculative step (nothing changed)."""
+    tokens, bound = request.snapshot_tokens, 0
+    if request.resume_stage is RequestStage.DECODING:
+        if not step.can_start_decoding():
+            return False
+        bound = decode_output_bound(request, work)
+        outputs = request.num_outputs + request.unconfirmed_tokens + bound
+        tokens = max(tokens, request.kv_tokens_needed(outputs))
+    updates = kv.allocate(request.identity, tokens, NO_PREFIX)
+    if updates is None:
+        return False
+    waiting.remove(request)
+    running.append(request)
+    request.stage = request.resume_stage
+    request.snapshot_tokens = request.resume_stage = None
+    step.block_updates.append(RequestBlocks(request.identity, updates))
+    step.restores.append(request.identity)
+    stats.resumptions += 1
+    if request.stage is RequestStage.DECODING:
+        step.take_looping_row()
+        step.add_decode(request.identity, bound)
+        send_mask_if_due(request, step)  # after the restore (runner order)
+    else:
+        step.selected.add(request.identity)
+    return True

@@ -24,11 +24,11 @@ This module owns the queues (`queues.RequestQueues`) and the request table, deci
 step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
 (waiting room, request state), `step_planner.py` (`StepPlanner`: decode rows, prompt chunks,
 PD remote starts and KV growth), `admitter.py` (`Admitter`: priority preemption and the
-bounded-bypass admission loop, budgets from `admission_budget.py`), `suspension.py` (preemption and
-resumption), `constrained.py` (structured-output masks), `prefix_waits.py` (a waiting request
-waits for leading pages a running request is computing, so they are computed once),
-`pd_stages.py` (PD handoff stages and held blocks), `in_flight.py` (steps not yet applied) and
-`outputs.py` (applying prompt progress and tokens).
+bounded-bypass admission loop, budgets from `admission_budget.py`), `preemption.py` (victim
+choice, suspension and resumption), `constrained.py` (structured-output masks),
+`prefix_waits.py` (a waiting request waits for leading pages a running request is computing,
+so they are computed once), `pd_stages.py` (PD handoff stages and held blocks), `in_flight.py`
+(steps not yet applied) and `outputs.py` (applying prompt progress and tokens).
 
 Each request records when it was queued (add_request), first admitted (schedule) and when the
 results holding its first and latest tokens were applied (update_from_output), on the host's

@@ -3,7 +3,7 @@
 Per request: a decoding row's ticks or rounds (`schedule_decode`), the next prompt chunk
 (`schedule_prefill_chunk`), a PD decode request whose prompt KV landed (`schedule_remote_start`).
 Each first makes sure the request's blocks cover what the step can write (`ensure_kv`: KV growth,
-preempting a victim where allowed, `suspension.grow_or_preempt`); a request whose blocks cannot
+preempting a victim where allowed, `preemption.grow_or_preempt`); a request whose blocks cannot
 grow does not run in this step.
 
 The planner keeps no state of its own (R02): configuration, the KV port, counters and the queues
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from rlt_contracts import KVPort, PrefillChunk, RequestStage
 
-from rlt_scheduler import constrained, pd_stages, suspension
+from rlt_scheduler import constrained, pd_stages, preemption
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.queues import RequestQueues
@@ -129,8 +129,8 @@ class StepPlanner:
         self, request: ScheduledRequest, num_tokens: int, step: StepBuilder, *, may_suspend: bool
     ) -> bool:
         """Blocks for positions [0, num_tokens), preempting if needed and allowed
-        (`suspension.grow_or_preempt`). False: the request does not run in this step."""
-        return suspension.grow_or_preempt(
+        (`preemption.grow_or_preempt`). False: the request does not run in this step."""
+        return preemption.grow_or_preempt(
             request,
             num_tokens,
             step,

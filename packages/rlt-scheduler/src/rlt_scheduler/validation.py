@@ -1,4 +1,5 @@
-"""Admission-time checks of a new request (typed errors naming the field; nothing changes)."""
+"""Checks of a new request as it arrives (`Scheduler.add_requests`, before `intake.py`; typed
+errors naming the field; nothing changes). Admission (waiting -> running) is `admitter.py`."""
 
 from __future__ import annotations
 

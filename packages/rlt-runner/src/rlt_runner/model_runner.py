@@ -39,7 +39,6 @@ from rlt_contracts import (
 )
 from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 
-from rlt_runner.bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
 from rlt_runner.kv_storage import FP8, KVScales, KVStorage
@@ -52,6 +51,7 @@ from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.speculative_graphs import SpeculativeGraphs
 from rlt_runner.speculative_program import SpeculationSettings, SpeculativeProgram
+from rlt_runner.step_bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.transfers import upload
 
 logger = logging.getLogger(__name__)

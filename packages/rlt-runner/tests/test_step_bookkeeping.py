@@ -19,7 +19,7 @@ from rlt_contracts import (
     SchedulerOutput,
 )
 from rlt_runner import DecodeRows, KVStorage, SnapshotStore
-from rlt_runner.bookkeeping import StepBookkeeping
+from rlt_runner.step_bookkeeping import StepBookkeeping
 
 RULE = DecodeRule(ExitRule(ExitRuleKind.HAZARD, 2, 4, 1.0), max_tokens=7)
 A, V = ExecutionIdentity("a", 0), ExecutionIdentity("v", 1)

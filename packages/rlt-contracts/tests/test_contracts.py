@@ -18,6 +18,7 @@ from rlt_contracts import (
     GeneratedTokens,
     InvalidRequestError,
     KVLayout,
+    KVLayoutSpec,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
@@ -28,6 +29,7 @@ from rlt_contracts import (
     TokenLog,
     TokenLogColumns,
     columns_of,
+    parse_kv_layout,
     requested_columns,
 )
 
@@ -121,6 +123,29 @@ def test_kv_layout_planes():
     assert KVLayout.SHARED.storage_planes(4) == 1
     assert [KVLayout.LAST_EXITED.plane_of_loop(k) for k in (1, 4)] == [0, 3]
     assert KVLayout.SHARED.plane_of_loop(3) == 0
+
+
+def test_kv_layout_specs_parse_and_map_loops_to_planes():
+    ring = parse_kv_layout("ring:8")
+    assert ring == KVLayoutSpec(KVLayout.RING, 8) and ring.value == str(ring) == "ring:8"
+    assert parse_kv_layout("ring:08") == ring  # one canonical spelling
+    assert ring.storage_planes(32) == 8 and ring.storage_planes(4) == 4
+    assert [ring.plane_of_loop(k) for k in (1, 8, 9, 32)] == [0, 7, 0, 7]
+    assert ring.folds_loops(32) and not ring.folds_loops(8)
+    assert ring.fills_unreached_planes
+    for name, planes, loop_planes in (("last_exited", 4, [0, 3]), ("shared", 1, [0, 0])):
+        spec = parse_kv_layout(name)
+        assert spec.value == name and spec.storage_planes(4) == planes
+        assert spec == parse_kv_layout(KVLayout(name)) and not spec.folds_loops(4)
+        assert [spec.plane_of_loop(k) for k in (1, 4)] == loop_planes
+    assert not parse_kv_layout("shared").fills_unreached_planes
+    for bad in ("ring:0", "ring:", "ring:x", "ring:-2", "ring", "diagonal", "RING:4", 8):
+        with pytest.raises(ValueError, match="ring:K"):
+            parse_kv_layout(bad)
+    with pytest.raises(ValueError, match="ring_planes"):
+        KVLayoutSpec(KVLayout.SHARED, 2)
+    with pytest.raises(ValueError, match="KVLayoutSpec"):
+        KVLayout.RING.storage_planes(4)
 
 
 def test_admission_plan_budget():

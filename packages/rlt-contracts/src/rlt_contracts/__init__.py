@@ -61,9 +61,11 @@ from rlt_contracts.kv import (
     BlockTableUpdate,
     KVCapacity,
     KVLayout,
+    KVLayoutSpec,
     KVPort,
     PageScores,
     PrefixMatch,
+    parse_kv_layout,
 )
 from rlt_contracts.model import (
     LayerAttention,
@@ -174,6 +176,7 @@ __all__ = [
     "KVCacheTensors",
     "KVCapacity",
     "KVLayout",
+    "KVLayoutSpec",
     "KVPort",
     "KVHandoffPort",
     "KVTransferParams",
@@ -219,6 +222,7 @@ __all__ = [
     "TokenLog",
     "TokenLogColumns",
     "columns_of",
+    "parse_kv_layout",
     "requested_columns",
     "unmet_requirements",
 ]

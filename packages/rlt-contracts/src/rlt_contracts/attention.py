@@ -36,7 +36,8 @@ class AttentionCapabilities(msgspec.Struct, frozen=True):
     dtypes: tuple[str, ...]  # torch dtype names, e.g. ("float32", "bfloat16")
     max_head_dim: int
     block_size_multiple_of: int = 1
-    kv_layouts: tuple[KVLayout, ...] = (KVLayout.LAST_EXITED, KVLayout.SHARED)
+    # layouts the backend reads correctly: each is plain paged KV, one block table per plane
+    kv_layouts: tuple[KVLayout, ...] = (KVLayout.LAST_EXITED, KVLayout.SHARED, KVLayout.RING)
     supports_multi_token_queries: bool = True  # prefill chunks (several queries per sequence)
     supports_cuda_graphs: bool = False
     supports_batch_invariance: bool = False

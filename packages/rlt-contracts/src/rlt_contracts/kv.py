@@ -14,7 +14,7 @@ from rlt_contracts.requests import ExecutionIdentity
 
 
 class KVLayout(enum.StrEnum):
-    """How KV entries are kept across loop depths.
+    """How KV entries are kept across loop depths (the kind; `KVLayoutSpec` adds a ring's size).
 
     LAST_EXITED  one storage plane per loop depth. A token that exits at depth e gets its depth-e
                  KV copied into the deeper planes e+1..T-1, so a later query at loop d reads the
@@ -22,18 +22,122 @@ class KVLayout(enum.StrEnum):
                  Hugging Face reference.
     SHARED       one plane, overwritten by every loop; later tokens read each earlier token's final
                  version at every depth. Uses 1/T of the memory but changes model semantics.
+    RING         K planes (`KVLayoutSpec.ring_planes`, "ring:K"): loop i reads and writes plane
+                 (i - 1) mod K, so a plane holds the latest of its loops that ran (approximate when
+                 K < T: Huginn's KV sharing, the authors' `compress-s`). See `KVLayoutSpec`.
     """
 
     LAST_EXITED = "last_exited"
     SHARED = "shared"
+    RING = "ring"
 
     def storage_planes(self, model_depth: int) -> int:
-        """Number of physical KV planes one token position occupies."""
+        """Number of physical KV planes one token position occupies (RING: see KVLayoutSpec)."""
+        if self is KVLayout.RING:
+            raise ValueError("a ring's planes depend on its size: use KVLayoutSpec")
         return model_depth if self is KVLayout.LAST_EXITED else 1
 
     def plane_of_loop(self, loop_index: int) -> int:
         """Plane (0-based) that loop `loop_index` (1-based) reads and writes."""
+        if self is KVLayout.RING:
+            raise ValueError("a ring's planes depend on its size: use KVLayoutSpec")
         return loop_index - 1 if self is KVLayout.LAST_EXITED else 0
+
+
+class KVLayoutSpec(msgspec.Struct, frozen=True):
+    """A KV layout with its parameters: what `parse_kv_layout` returns and the runner keeps.
+
+    kind: the `KVLayout`; ring_planes: K for RING ("ring:K", K >= 1), 0 otherwise.
+
+    RING, in full: loop i (1-based) of a token reads and writes plane (i - 1) mod K of the
+    recurrent layers (a family's prelude / coda layers keep their one stage plane), so a query
+    at loop i reads, of every earlier position, the latest of that position's loops j with
+    j = i (mod K) that ran. Nothing is copied when a token exits at loop e >= K (every plane
+    then holds one of its loops); a token that stops at e < K has never written planes
+    e..K-1, and those get its loop-e KV (as LAST_EXITED's copy), so no query ever reads a
+    plane its position did not fill (a freed block's stale KV). Hence with K >= T (the loop
+    cap) RING is LAST_EXITED exactly. With K < T the result depends on which loops ran
+    (`folds_loops`): a prompt is computed as one block, loop by loop (each prompt position
+    at loop i reads the others' loop-i KV, then the ring keeps the latest), so prompts are not
+    chunked and prefix-cache hits would differ from misses (the engine refuses them).
+
+    Worked example, ring:2, T = 4: loops 1, 2, 3, 4 use planes 0, 1, 0, 1; after a token ran
+    4 loops its plane 0 holds loop 3's KV and plane 1 loop 4's; a later token at loop 1 reads
+    loop 3's, at loop 2 loop 4's. A token that exited at loop 1 has plane 1 filled with its
+    loop-1 KV.
+    """
+
+    kind: KVLayout
+    ring_planes: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.kind is KVLayout.RING) != (self.ring_planes > 0) or self.ring_planes < 0:
+            raise ValueError(
+                f"ring_planes must be >= 1 for a ring and 0 otherwise, got {self.kind.value} "
+                f"with {self.ring_planes}"
+            )
+
+    @property
+    def value(self) -> str:
+        """The layout's name as options spell it: "last_exited", "shared", "ring:8"."""
+        if self.kind is KVLayout.RING:
+            return f"{self.kind.value}:{self.ring_planes}"
+        return self.kind.value
+
+    def __str__(self) -> str:
+        return self.value
+
+    def storage_planes(self, model_depth: int) -> int:
+        """Physical KV planes of the recurrent layers per token position (a ring larger than
+        the depth keeps only the planes a loop can reach)."""
+        if self.kind is KVLayout.RING:
+            return min(self.ring_planes, model_depth)
+        return self.kind.storage_planes(model_depth)
+
+    def plane_of_loop(self, loop_index):
+        """Plane (0-based) that loop `loop_index` (1-based) reads and writes: an int, or an
+        int64 tensor of loop indices (elementwise)."""
+        if self.kind is KVLayout.RING:
+            return (loop_index - 1) % self.ring_planes
+        if self.kind is KVLayout.LAST_EXITED:
+            return loop_index - 1
+        return loop_index * 0
+
+    @property
+    def fills_unreached_planes(self) -> bool:
+        """A token that stops at loop e gets its loop-e KV copied into the planes it did not
+        reach (LAST_EXITED: e..T-1; RING: e..K-1 when e < K; SHARED: none)."""
+        return self.kind is not KVLayout.SHARED
+
+    def folds_loops(self, model_depth: int) -> bool:
+        """Several loops share a plane of the recurrent layers, so the KV a position leaves
+        depends on which loops it ran: RING with K below the depth (SHARED is handled apart:
+        its prompts run position by position)."""
+        return self.kind is KVLayout.RING and self.ring_planes < model_depth
+
+
+RING_PREFIX = "ring:"
+
+
+def parse_kv_layout(text: str | KVLayout | KVLayoutSpec) -> KVLayoutSpec:
+    """The one parser of a KV layout option: "last_exited", "shared" or "ring:K" (K >= 1, a
+    decimal integer); a `KVLayout` of another kind or a spec passes through. ValueError, with
+    the accepted forms, otherwise."""
+    if isinstance(text, KVLayoutSpec):
+        return text
+    if isinstance(text, KVLayout) and text is not KVLayout.RING:
+        return KVLayoutSpec(text)
+    accepted = "'last_exited', 'shared' or 'ring:K' (K >= 1 planes, e.g. 'ring:8')"
+    if not isinstance(text, str):
+        raise ValueError(f"must be {accepted}, got {text!r}")
+    if text.startswith(RING_PREFIX):
+        size = text[len(RING_PREFIX) :]
+        if not (size.isascii() and size.isdigit() and int(size) >= 1):
+            raise ValueError(f"a ring needs K >= 1 planes: must be {accepted}, got {text!r}")
+        return KVLayoutSpec(KVLayout.RING, int(size))
+    if text in (KVLayout.LAST_EXITED.value, KVLayout.SHARED.value):
+        return KVLayoutSpec(KVLayout(text))
+    raise ValueError(f"must be {accepted}, got {text!r}")
 
 
 class KVCapacity(msgspec.Struct, frozen=True):

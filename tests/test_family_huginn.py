@@ -275,6 +275,37 @@ def test_a_request_runs_its_max_loops_below_and_above_the_default(llm, expected,
     assert all(o.exit_depths == [steps] * len(o.token_ids) for o in outputs)
 
 
+def test_one_request_runs_the_prelude_coda_and_head_only_in_the_ticks_that_need_them(
+    llm, expected, monkeypatch
+):
+    """A decode tick tells the stages and the head (`needed`, a device flag) whether any row
+    runs them: at one request the prelude runs in a token's first step and the coda and head
+    in its last, so their weights are read once per token, not once per step (on CUDA the
+    small-batch kernels skip the read; here the flags are checked)."""
+    model = llm.engine.core.runner.model
+    flags = {"embed": [], "finish": [], "coda": []}
+
+    def recorded(name):
+        original = getattr(model, name)
+
+        def call(*args, needed=None, **kwargs):
+            if needed is not None:  # decode ticks (prefill and token 0 pass none)
+                flags[name].append(int(needed.item()))
+            return original(*args, needed=needed, **kwargs)
+
+        return call
+
+    for name in flags:
+        monkeypatch.setattr(model, name, recorded(name))
+    [output] = generate(llm, prompts=PROMPTS[:1], max_tokens=[5])
+    assert output.token_ids == expected[DEFAULT][0][:5]
+    steps = [1] + [0] * (DEFAULT - 1)
+    ticks = 4 * DEFAULT  # tokens 1-4, DEFAULT steps each; a step may queue idle ticks after
+    assert flags["embed"][:ticks] == steps * 4
+    assert flags["finish"][:ticks] == flags["coda"][:ticks] == steps[::-1] * 4
+    assert not any(flags["embed"][ticks:] + flags["finish"][ticks:] + flags["coda"][ticks:])
+
+
 def test_beyond_the_cap_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="max_loops"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, max_loops=CAP + 1))

@@ -82,9 +82,10 @@ class DoryModel(LoopedModelBase):
             self.full_rotary.cos_sin(positions, dtype, table=table),
         )
 
-    def _stage(self, layers, h, positions, attention, first_slot: int):
+    def _stage(self, layers, h, positions, attention, first_slot: int, needed=None):
         """A stage's layers on h at stage slots first_slot.. -> (their output, its unit on the
-        fused path, else None)."""
+        fused path, else None). `needed` (device int32 [1] or None): where 0 no row keeps the
+        result, and the fused path's small-batch projections read no weight."""
         if attention is None or positions is None:
             raise ValueError("Dory's prelude and coda attend: pass positions and attention")
         rope = self._rope(positions, h.dtype)
@@ -93,12 +94,14 @@ class DoryModel(LoopedModelBase):
             return run_eager_layers(layers, h, rope, attention, first_slot, self.ops), None
         linear = fused_linear(impl, self.batch_invariant)
         x = ngpt_ops.unit_norm(h, impl=impl)
-        return run_fused_layers(layers, x, rope, attention, first_slot, linear=linear, impl=impl)
+        return run_fused_layers(
+            layers, x, rope, attention, first_slot, linear=linear, impl=impl, needed=needed
+        )
 
-    def embed(self, token_ids, positions=None, attention=None) -> torch.Tensor:
+    def embed(self, token_ids, positions=None, attention=None, *, needed=None) -> torch.Tensor:
         """The prelude: [p, unit(p)] of the embedded tokens (stage slots 0..)."""
         p, unit_p = self._stage(
-            self.prelude_layers, super().embed(token_ids), positions, attention, 0
+            self.prelude_layers, super().embed(token_ids), positions, attention, 0, needed
         )
         return torch.cat([p, unit(p) if unit_p is None else unit_p], dim=-1)
 
@@ -126,10 +129,11 @@ class DoryModel(LoopedModelBase):
             )
         return torch.cat([h, inject], dim=-1), None
 
-    def finish(self, hidden, positions, attention) -> torch.Tensor:
+    def finish(self, hidden, positions, attention, *, needed=None) -> torch.Tensor:
         """The coda's layers on a token's final state (stage slots after the prelude's)."""
         h, inject = hidden.split(self.config.hidden_size, dim=-1)
-        h, _ = self._stage(self.coda_layers, h, positions, attention, self.config.n_input_layers)
+        first_slot = self.config.n_input_layers
+        h, _ = self._stage(self.coda_layers, h, positions, attention, first_slot, needed)
         return torch.cat([h, inject], dim=-1)
 
     def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:

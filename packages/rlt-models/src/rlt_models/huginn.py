@@ -24,6 +24,12 @@ in fp32 (`ExitSignal.LATENT_CHANGE`, the authors' `latent-diff`), read by the sc
 `latent_diff` rules; a request without a threshold runs its `max_loops` steps (by default
 `mean_recurrence`, at most the engine's cap, by default twice that).
 
+Projections: on CUDA with Triton every block's projections run the measured small-batch kernel
+(`attention_layer.fused_linear`: weight streaming at a few rows; cuBLAS where it measures
+faster), elsewhere `ops.linear`. A decode tick passes the prelude and the coda `needed` (does any
+row run the stage in this tick?), so at a few rows their weights are read in a token's first
+and last step only.
+
 Initial state: the release's `state_init` "like-init" draws s0 from a truncated normal (std
 sqrt(2 / (5 n_embd)), cut at +-3 std, times sqrt(n_embd)), as the authors' code does on every
 call. rlt draws it per token from the uniforms the runner passes (`embed(..., uniforms=...)`:
@@ -50,6 +56,7 @@ import torch
 from rlt_contracts import LayerAttention
 from torch import nn
 
+from rlt_models.attention_layer import fused_linear
 from rlt_models.fp8_linear import project
 from rlt_models.huginn_config import STAGES, HuginnConfig, rope_table
 from rlt_models.layers import ModelOps, RMSNorm, empty_parameter
@@ -99,19 +106,25 @@ class SandwichBlock(nn.Module):
         self.gate_up_proj = empty_parameter(2 * f, d)
         self.down_proj = empty_parameter(d, f)
 
-    def forward(self, x, cos, sin, attention: LayerAttention, slot: int, ops: ModelOps):
-        n = x.shape[0]
-        qkv = project(ops.linear, self.norm_1(x), self.qkv_proj).view(n, 3, self.heads, -1)
+    def forward(
+        self, x, cos, sin, attention: LayerAttention, slot: int, ops: ModelOps, needed=None
+    ):
+        """`ops`: `HuginnModel.block_ops`; `needed` (device int32 [1], or None): where 0 no row
+        keeps this block's result, and a small-batch Triton projection reads no weight (the
+        `coda(needed=...)` contract)."""
+        n, linear = x.shape[0], ops.linear
+        qkv = project(linear, self.norm_1(x), self.qkv_proj, needed).view(n, 3, self.heads, -1)
         q, k, v = qkv.unbind(1)
         if self.qk_bias is not None:  # before RoPE
             q, k = q + self.qk_bias[0, 0], k + self.qk_bias[1, 0]
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         out = attention(slot, q, k, v).reshape(n, -1)
-        x = self.norm_2(x + project(ops.linear, out, self.o_proj))
-        gate, up = project(ops.linear, self.norm_3(x), self.gate_up_proj).split(
+        x = self.norm_2(x + project(linear, out, self.o_proj, needed))
+        gate, up = project(linear, self.norm_3(x), self.gate_up_proj, needed).split(
             self.intermediate_size, dim=-1
         )
-        return self.norm_4(x + project(ops.linear, ops.silu(gate) * up, self.down_proj))
+        act = ops.silu(gate) * up
+        return self.norm_4(x + project(linear, act, self.down_proj, needed))
 
 
 class HuginnModel(LoopedModelBase):
@@ -134,19 +147,30 @@ class HuginnModel(LoopedModelBase):
         self.ln_f = RMSNorm(d, config.norm_eps)
         self.pair_rotary = PairRotary(config.head_dim, config.rope_base, config.block_size)
 
-    def _run(self, blocks, x, positions, attention, first_slot: int) -> torch.Tensor:
+    def block_ops(self, x: torch.Tensor) -> ModelOps:
+        """The ops of every block: `ops`, whose linear is, on CUDA with Triton, the measured
+        small-batch kernel (weight streaming at a few rows; `attention_layer.fused_linear`)."""
+        impl = self.fused_impl(x)
+        if impl is None:
+            return self.ops
+        return self.ops._replace(linear=fused_linear(impl, self.batch_invariant))
+
+    def _run(self, blocks, x, positions, attention, first_slot: int, needed=None) -> torch.Tensor:
         if attention is None or positions is None:
             raise ValueError("Huginn's prelude and coda attend: pass positions and attention")
         cos, sin = self.pair_rotary.cos_sin(positions)
+        ops = self.block_ops(x)
         for index, block in enumerate(blocks):
-            x = block(x, cos, sin, attention, first_slot + index, self.ops)
+            x = block(x, cos, sin, attention, first_slot + index, ops, needed)
         return x
 
-    def embed(self, token_ids, positions=None, attention=None, uniforms=None) -> torch.Tensor:
+    def embed(
+        self, token_ids, positions=None, attention=None, uniforms=None, *, needed=None
+    ) -> torch.Tensor:
         """The prelude (stage slots 0..): [s0, e] of the scaled embeddings; s0 drawn from
-        `uniforms` [N, n_embd] (module doc), zero without them."""
+        `uniforms` [N, n_embd] (module doc), zero without them. `needed`: see `forward`."""
         x = super().embed(token_ids) * self.config.scale
-        e = self._run(self.prelude, x, positions, attention, 0)
+        e = self._run(self.prelude, x, positions, attention, 0, needed)
         if uniforms is None or self.config.state_init == "zero":
             return torch.cat([torch.zeros_like(e), e], dim=-1)
         return torch.cat([truncated_normal_state(uniforms, self.config.n_embd).to(e.dtype), e], -1)
@@ -164,21 +188,23 @@ class HuginnModel(LoopedModelBase):
         (ExitSignal.LATENT_CHANGE; the authors' `latent-diff` criterion)."""
         d = self.config.n_embd
         e = hidden[:, d:]
-        x = project(self.ops.linear, hidden, self.adapter)
+        ops = self.block_ops(hidden)
+        x = project(ops.linear, hidden, self.adapter)
         cos, sin = self.pair_rotary.cos_sin(positions)
         for index, block in enumerate(self.core_block):
-            x = block(x, cos, sin, attention, index, self.ops)
+            x = block(x, cos, sin, attention, index, ops)
         change = None
         if compute_gate:
             now = x.float()
             change = (now - hidden[:, :d].float()).norm(dim=-1) / now.norm(dim=-1)
         return torch.cat([x, e], dim=-1), change
 
-    def finish(self, hidden, positions, attention) -> torch.Tensor:
+    def finish(self, hidden, positions, attention, *, needed=None) -> torch.Tensor:
         """The coda's blocks on ln_f(s) (stage slots after the prelude's)."""
         d = self.config.n_embd
         x = self.ln_f(hidden[:, :d])
-        x = self._run(self.coda_blocks, x, positions, attention, self.config.n_layers_in_prelude)
+        first_slot = self.config.n_layers_in_prelude
+        x = self._run(self.coda_blocks, x, positions, attention, first_slot, needed)
         return torch.cat([x, hidden[:, d:]], dim=-1)
 
     def coda(self, hidden: torch.Tensor, *, needed: torch.Tensor | None = None) -> torch.Tensor:

@@ -142,27 +142,38 @@ class NGPTLayer(nn.Module):
         return y + c.mlp_rate * (m - y)
 
     def forward_fused(
-        self, x, rope, attention: LayerAttention, slot: int, *, linear, impl: str, keep_h: bool
+        self,
+        x,
+        rope,
+        attention: LayerAttention,
+        slot: int,
+        *,
+        linear,
+        impl: str,
+        keep_h: bool,
+        needed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Fused: x = unit(h) [N, d] -> (h', unit(h')); h' is None unless `keep_h` (only a
         stack's last layer needs it). `linear`: the projection (`fused_linear`); `impl`: the
-        `ngpt_ops` impl. Kernels: 4 GEMMs, the attention's and 5 of `ngpt_ops`."""
+        `ngpt_ops` impl; `needed` (device int32 [1] or None): where 0 no row keeps the result
+        and a small-batch Triton projection reads no weight. Kernels: 4 GEMMs, the
+        attention's and 5 of `ngpt_ops`."""
         n, c = x.shape[0], self.constants()
         cos, sin = rope[self.full_rope]
-        qkvg = project(linear, x, self.qkvg_proj)
+        qkvg = project(linear, x, self.qkvg_proj, needed)
         q, k = ngpt_ops.qk_unit_rope_scale_(
             qkvg, cos, sin, self.heads, self.kv_heads, self.head_dim, c.q_scale, impl=impl
         )
         _, _, v, g = ngpt_ops.qk_heads(qkvg, self.heads, self.kv_heads, self.head_dim)
         out = attention(slot, q, k, v, window=self.window).reshape(n, -1)
         gated = ngpt_ops.gated_unit(out, g, c.gate_scale, impl=impl)
-        raw = project(linear, gated, self.o_proj)
+        raw = project(linear, gated, self.o_proj, needed)
         _, y = ngpt_ops.unit_interpolate(x, raw, c.attention_rate, keep_h=False, impl=impl)
-        gate_up = project(linear, y, self.gate_up_proj)
+        gate_up = project(linear, y, self.gate_up_proj, needed)
         act = ngpt_ops.scaled_silu_unit(
             gate_up, c.suv_gate, c.suv_up, self.intermediate_size, impl=impl
         )
-        raw = project(linear, act, self.down_proj)
+        raw = project(linear, act, self.down_proj, needed)
         return ngpt_ops.unit_interpolate(y, raw, c.mlp_rate, keep_h=keep_h, impl=impl)
 
 
@@ -173,13 +184,22 @@ def run_eager_layers(layers, h, rope, attention, first_slot: int, ops: ModelOps)
     return h
 
 
-def run_fused_layers(layers, x, rope, attention, first_slot: int, *, linear, impl: str):
+def run_fused_layers(
+    layers, x, rope, attention, first_slot: int, *, linear, impl: str, needed=None
+):
     """`layers` (at least one) on the fused path at KV slots first_slot..: x = unit(h) ->
-    (the last layer's h, its unit)."""
+    (the last layer's h, its unit). `needed`: `NGPTLayer.forward_fused`'s."""
     h = None
     for index, layer in enumerate(layers):
         keep_h = index + 1 == len(layers)
         h, x = layer.forward_fused(
-            x, rope, attention, first_slot + index, linear=linear, impl=impl, keep_h=keep_h
+            x,
+            rope,
+            attention,
+            first_slot + index,
+            linear=linear,
+            impl=impl,
+            keep_h=keep_h,
+            needed=needed,
         )
     return h, x

@@ -175,7 +175,7 @@ class DecodeProgram:
                 extra["uniforms"] = self.state_uniforms(rows.seed[:B], position, width)
             started = self._run_stage(
                 self.model.embed, rows.token[:B], position, first, context, **extra
-            )
+            )  # (reads no prelude weight in a tick where no row starts a token: `_run_stage`)
             state = torch.where(first[:, None], started, state)
         hidden, signal = self.model.recurrent_step(
             state,
@@ -194,13 +194,17 @@ class DecodeProgram:
         exits = decision.exits & run
         if rows.loop_planes > 1:
             self._finalize_kv(B, exits, loop_index, page, offset, own_slot)
+        exiting = None  # device int32 [1]: does some row exit (the head's `needed`)
         if logits is None:
             finished = hidden
             if self.stage is not None:  # the coda's layers, for the rows that exit
+                exiting = exits.any().to(torch.int32).reshape(1)
                 finished = self._run_stage(self.model.finish, hidden, position, exits, context)
         else:
             rows.exit_logprobs[:B] = torch.where(run[:, None], logprobs, rows.exit_logprobs[:B])
-        sampled = self._sample(finished, slice(0, B), rows.outputs[:B], mode, logits=logits)
+        sampled = self._sample(
+            finished, slice(0, B), rows.outputs[:B], mode, exiting, logits=logits
+        )
         if mode.penalized:  # the counts the next token's penalties read
             rows.logits_state.output_counts[:B].scatter_add_(
                 1, sampled.token_ids[:, None], exits[:, None].to(torch.int32)
@@ -267,9 +271,14 @@ class DecodeProgram:
 
     def _run_stage(self, stage, inputs, position, writes, max_context, **extra) -> torch.Tensor:
         """A family's prelude (`embed`) or coda (`finish`) for rows [0, B) on the stage plane,
-        storing KV only for the rows `writes`."""
+        storing KV only for the rows `writes`. The stage is told (`needed`, device int32 [1])
+        whether any row runs it, so at a few rows a tick where none does reads none of its
+        weights: at one request a token's prelude and coda weights are read once, not in each
+        of its loops."""
         batch = self.stage.tick_batch(position.shape[0], position, writes, max_context)
-        return stage(inputs, position, self.attention.bind(self.kv.tensors, batch), **extra)
+        needed = writes.any().to(torch.int32).reshape(1)
+        attention = self.attention.bind(self.kv.tensors, batch)
+        return stage(inputs, position, attention, needed=needed, **extra)
 
     def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
         if self.layout is KVLayout.LAST_EXITED:

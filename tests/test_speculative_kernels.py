@@ -13,7 +13,7 @@ import pytest
 import torch
 from rlt import LLM, SamplingParams
 from rlt_runner import speculative_kernels
-from rlt_runner.speculative_bookkeeping import TorchBookkeeping
+from rlt_runner.loop_bookkeeping import TorchBookkeeping
 
 pytestmark = pytest.mark.skipif(
     not speculative_kernels.available(), reason="triton is not installed"

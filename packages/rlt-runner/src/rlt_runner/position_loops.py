@@ -4,7 +4,7 @@ Two passes need the same thing: a speculative round's draft and verify
 (speculative_program.py), and prompt scoring at each position's exit depth
 (exit_depth_scoring.py). Each token carries a `TokenState` (loops run, hazard survival,
 delayed exit, exited flag and depth, its position's KV slot in every plane); around every model
-call a bookkeeping object (`speculative_bookkeeping.TorchBookkeeping`, or the fused
+call a bookkeeping object (`loop_bookkeeping.TorchBookkeeping`, or the fused
 `speculative_kernels.SpeculativeKernels`) says which tokens run the loop and where they write,
 then applies their exit rules (`exit_rules.apply_exit_rules`), copies the KV of tokens that exit
 at e < T into planes e..T-1 (LAST_EXITED) and advances the rest.
@@ -29,8 +29,8 @@ from rlt_contracts import AttentionBackend, LoopedLanguageModel, PagedAttentionB
 
 from rlt_runner.exit_rules import ExitRules
 from rlt_runner.kv_storage import KVStorage
+from rlt_runner.loop_bookkeeping import TorchBookkeeping
 from rlt_runner.row_state import DecodeRows
-from rlt_runner.speculative_bookkeeping import TorchBookkeeping
 from rlt_runner.speculative_state import TokenState
 
 

@@ -187,7 +187,7 @@ def _check_dense(state) -> None:
 
 class SpeculativeKernels:
     """Launchers with outputs sized for every token of a round (slots x (K + 1)); the same
-    interface as `speculative_bookkeeping.TorchBookkeeping`, updating the state in place."""
+    interface as `loop_bookkeeping.TorchBookkeeping`, updating the state in place."""
 
     in_place = True
 

@@ -58,10 +58,10 @@ from rlt_runner import speculative_kernels
 from rlt_runner.decode_program import RING_COLUMNS
 from rlt_runner.graph_capture import WARMUP_RUNS
 from rlt_runner.kv_storage import KVStorage
+from rlt_runner.loop_bookkeeping import kv_slots_of
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.speculative_accept import accept_round
-from rlt_runner.speculative_bookkeeping import kv_slots_of
 from rlt_runner.speculative_state import Slots, TokenState
 from rlt_runner.transfers import upload
 
@@ -96,7 +96,7 @@ class SpeculativeProgram:
         fused_bookkeeping: bool | None = None,
     ) -> None:
         """fused_bookkeeping: the per-loop bookkeeping in Triton kernels
-        (speculative_kernels.py) instead of torch ops (speculative_bookkeeping.py); None = on
+        (speculative_kernels.py) instead of torch ops (loop_bookkeeping.py); None = on
         CUDA when Triton is there."""
         depth = model.shape.num_loops
         if not 1 <= draft_loops < depth:

@@ -1,16 +1,20 @@
-"""The per-loop bookkeeping of a speculative round in whole-batch torch ops: the reference
-(CPU, and what `speculative_kernels.SpeculativeKernels` is tested against).
+"""The per-loop bookkeeping of `PositionLoops` in whole-batch torch ops: the reference (CPU,
+prompt scoring at exit depth, and what `speculative_kernels.SpeculativeKernels`, the fused
+version a speculative round installs, is tested against).
 
-Around each model call of a draft or verify loop a bookkeeping object:
+Around each model call of a loop a bookkeeping object:
 
   prepare_verify(state, on, loop) -> write slots            every position at loop `loop`
+                                                            (depth-major passes)
   prepare_draft(state, on, cap, tables) -> (context lengths, block-table rows, write slots)
                                                             each position at its next loop
+                                                            (one-position passes)
   decide(state, rules, hidden, gate)    the exit rule, LAST_EXITED copies, the state advanced
-  position_slots(tables, position)      each position's KV slot in every plane (a draft loop)
+  position_slots(tables, position)      each position's KV slot in every plane (a one-position
+                                        pass)
 
 `in_place` says whether `decide` writes the `TokenState` tensors in place (the kernels) or
-rebinds them (this class: the program then stores them back).
+rebinds them (this class: a speculative round then stores them back).
 """
 
 from __future__ import annotations

@@ -306,6 +306,14 @@ def test_one_request_runs_the_prelude_coda_and_head_only_in_the_ticks_that_need_
     assert not any(flags["embed"][ticks:] + flags["finish"][ticks:] + flags["coda"][ticks:])
 
 
+def test_the_fused_path_equals_the_eager_one(llm, expected, monkeypatch):
+    """The fused block (small-batch projections, one-kernel norms and SwiGLU product: on by
+    default on CUDA) with its "torch" impl: the eager numerics exactly, so the same tokens."""
+    monkeypatch.setattr(llm.engine.core.runner.model, "fused_path", "torch")
+    outputs = generate(llm, max_loops=3)
+    assert tokens(outputs) == expected[3]
+
+
 def test_beyond_the_cap_is_refused(llm):
     with pytest.raises(InvalidRequestError, match="max_loops"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, max_loops=CAP + 1))

@@ -24,11 +24,12 @@ in fp32 (`ExitSignal.LATENT_CHANGE`, the authors' `latent-diff`), read by the sc
 `latent_diff` rules; a request without a threshold runs its `max_loops` steps (by default
 `mean_recurrence`, at most the engine's cap, by default twice that).
 
-Projections: on CUDA with Triton every block's projections run the measured small-batch kernel
-(`attention_layer.fused_linear`: weight streaming at a few rows; cuBLAS where it measures
-faster), elsewhere `ops.linear`. A decode tick passes the prelude and the coda `needed` (does any
-row run the stage in this tick?), so at a few rows their weights are read in a token's first
-and last step only.
+Fused path (`fused_path`, on by default on CUDA with Triton): every block's projections run the
+measured small-batch kernel (`attention_layer.fused_linear`: weight streaming at a few rows;
+cuBLAS where it measures faster) and its norms and SwiGLU product the `fused_ops` kernels (one
+kernel each, the eager numerics; the "torch" impl is bit-identical to eager). A decode tick
+passes the prelude and the coda `needed` (does any row run the stage in this tick?), so at a few
+rows their weights are read in a token's first and last step only.
 
 Initial state: the release's `state_init` "like-init" draws s0 from a truncated normal (std
 sqrt(2 / (5 n_embd)), cut at +-3 std, times sqrt(n_embd)), as the authors' code does on every
@@ -56,6 +57,7 @@ import torch
 from rlt_contracts import LayerAttention
 from torch import nn
 
+from rlt_models import fused_ops
 from rlt_models.attention_layer import fused_linear
 from rlt_models.fp8_linear import project
 from rlt_models.huginn_config import STAGES, HuginnConfig, rope_table
@@ -107,24 +109,38 @@ class SandwichBlock(nn.Module):
         self.down_proj = empty_parameter(d, f)
 
     def forward(
-        self, x, cos, sin, attention: LayerAttention, slot: int, ops: ModelOps, needed=None
+        self, x, cos, sin, attention: LayerAttention, slot: int, ops: ModelOps, impl, needed=None
     ):
-        """`ops`: `HuginnModel.block_ops`; `needed` (device int32 [1], or None): where 0 no row
-        keeps this block's result, and a small-batch Triton projection reads no weight (the
-        `coda(needed=...)` contract)."""
+        """`ops`: `HuginnModel.block_ops`; `impl`: None (eager) or the `fused_ops` impl of the
+        norms and the SwiGLU product (the same numerics in one kernel each); `needed` (device
+        int32 [1], or None): where 0 no row keeps this block's result, and a small-batch Triton
+        projection reads no weight (the `coda(needed=...)` contract)."""
         n, linear = x.shape[0], ops.linear
-        qkv = project(linear, self.norm_1(x), self.qkv_proj, needed).view(n, 3, self.heads, -1)
-        q, k, v = qkv.unbind(1)
+        qkv = project(linear, _norm(self.norm_1, x, impl), self.qkv_proj, needed)
+        q, k, v = qkv.view(n, 3, self.heads, -1).unbind(1)
         if self.qk_bias is not None:  # before RoPE
             q, k = q + self.qk_bias[0, 0], k + self.qk_bias[1, 0]
         q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         out = attention(slot, q, k, v).reshape(n, -1)
-        x = self.norm_2(x + project(linear, out, self.o_proj, needed))
-        gate, up = project(linear, self.norm_3(x), self.gate_up_proj, needed).split(
-            self.intermediate_size, dim=-1
-        )
-        act = ops.silu(gate) * up
-        return self.norm_4(x + project(linear, act, self.down_proj, needed))
+        x = _add_norm(self.norm_2, x, project(linear, out, self.o_proj, needed), impl)
+        gate_up = project(linear, _norm(self.norm_3, x, impl), self.gate_up_proj, needed)
+        if impl is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = ops.silu(gate) * up
+        else:
+            act = fused_ops.silu_mul(gate_up, self.intermediate_size, impl=impl)
+        return _add_norm(self.norm_4, x, project(linear, act, self.down_proj, needed), impl)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor, impl: str | None) -> torch.Tensor:
+    return norm(x) if impl is None else fused_ops.rms_norm(x, norm.weight, norm.eps, impl=impl)
+
+
+def _add_norm(norm: RMSNorm, x: torch.Tensor, delta: torch.Tensor, impl: str | None):
+    """norm(x + delta): the sandwich's residual, normed."""
+    if impl is None:
+        return norm(x + delta)
+    return fused_ops.add_rms_norm(x, delta, None, norm.weight, norm.eps, impl=impl)[1]
 
 
 class HuginnModel(LoopedModelBase):
@@ -147,21 +163,22 @@ class HuginnModel(LoopedModelBase):
         self.ln_f = RMSNorm(d, config.norm_eps)
         self.pair_rotary = PairRotary(config.head_dim, config.rope_base, config.block_size)
 
-    def block_ops(self, x: torch.Tensor) -> ModelOps:
-        """The ops of every block: `ops`, whose linear is, on CUDA with Triton, the measured
-        small-batch kernel (weight streaming at a few rows; `attention_layer.fused_linear`)."""
+    def block_ops(self, x: torch.Tensor) -> tuple[ModelOps, str | None]:
+        """The ops of every block and the fused path's impl (None: eager). On the fused path
+        the linear is `attention_layer.fused_linear`'s: on CUDA with Triton the measured
+        small-batch kernel (weight streaming at a few rows)."""
         impl = self.fused_impl(x)
         if impl is None:
-            return self.ops
-        return self.ops._replace(linear=fused_linear(impl, self.batch_invariant))
+            return self.ops, None
+        return self.ops._replace(linear=fused_linear(impl, self.batch_invariant)), impl
 
     def _run(self, blocks, x, positions, attention, first_slot: int, needed=None) -> torch.Tensor:
         if attention is None or positions is None:
             raise ValueError("Huginn's prelude and coda attend: pass positions and attention")
         cos, sin = self.pair_rotary.cos_sin(positions)
-        ops = self.block_ops(x)
+        ops, impl = self.block_ops(x)
         for index, block in enumerate(blocks):
-            x = block(x, cos, sin, attention, first_slot + index, ops, needed)
+            x = block(x, cos, sin, attention, first_slot + index, ops, impl, needed)
         return x
 
     def embed(
@@ -188,11 +205,11 @@ class HuginnModel(LoopedModelBase):
         (ExitSignal.LATENT_CHANGE; the authors' `latent-diff` criterion)."""
         d = self.config.n_embd
         e = hidden[:, d:]
-        ops = self.block_ops(hidden)
+        ops, impl = self.block_ops(hidden)
         x = project(ops.linear, hidden, self.adapter)
         cos, sin = self.pair_rotary.cos_sin(positions)
         for index, block in enumerate(self.core_block):
-            x = block(x, cos, sin, attention, index, ops)
+            x = block(x, cos, sin, attention, index, ops, impl)
         change = None
         if compute_gate:
             now = x.float()

@@ -38,7 +38,7 @@ from rlt_runner.exit_rules import ExitRules
 from rlt_runner.loop_bookkeeping import kv_slots_of
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill import PrefillGroups
-from rlt_runner.speculative_state import TokenState
+from rlt_runner.token_state import TokenState
 from rlt_runner.transfers import upload
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from rlt_runner.exit_rules import ExitRules, apply_exit_rules
-from rlt_runner.speculative_state import TokenState
+from rlt_runner.token_state import TokenState
 
 
 def kv_slots_of(tables: torch.Tensor, position: torch.Tensor, block_size: int) -> torch.Tensor:

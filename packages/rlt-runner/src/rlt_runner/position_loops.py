@@ -31,7 +31,7 @@ from rlt_runner.exit_rules import ExitRules
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.loop_bookkeeping import TorchBookkeeping
 from rlt_runner.row_state import DecodeRows
-from rlt_runner.speculative_state import TokenState
+from rlt_runner.token_state import TokenState
 
 
 class PositionLoops:

@@ -62,7 +62,14 @@ from rlt_runner.loop_bookkeeping import kv_slots_of
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.speculative_accept import accept_round
-from rlt_runner.speculative_state import Slots, TokenState
+from rlt_runner.speculative_state import (
+    Slots,
+    load_column,
+    load_every_position,
+    store_column,
+    store_every_position,
+)
+from rlt_runner.token_state import TokenState
 from rlt_runner.transfers import upload
 
 
@@ -260,7 +267,7 @@ class SpeculativeProgram:
             state.kv_slots = self.bookkeeping.position_slots(slots.tables, state.position)
             self._advance(slots, state, on, self.draft_loops, self.draft_loops, gate, max_context)
             self.token[:n, s] = token
-            state.store(self, n, s)
+            store_column(state, self, n, s)
             if s == self.num_drafts:
                 break
             proposal = self.sampler.propose_rows(
@@ -281,7 +288,7 @@ class SpeculativeProgram:
         group of K + 1 queries per slot reading plane loop - 1 (the split-KV kernels load each
         key once for all of them)."""
         n, width = slots.count, self.width
-        state = TokenState.load(self, n)
+        state = load_every_position(self, n)
         on = slots.position_valid.reshape(-1)
         tables = slots.tables.repeat_interleave(width, dim=0)  # [n * width, planes, pages]
         state.kv_slots = kv_slots_of(tables, state.position, self.kv.block_size)
@@ -298,14 +305,14 @@ class SpeculativeProgram:
             max_context=max_context or tables.shape[-1] * self.kv.block_size,
         )
         if not self.bookkeeping.in_place:
-            state.store_all(self, n)
+            store_every_position(state, self, n)
 
     def _verify_position_by_position(self, slots: Slots, gate: bool, max_context) -> None:
         """SHARED: position s runs all its loops before position s + 1 starts."""
         n = slots.count
         for s in range(self.width):
             if s == 0:  # the current token: its draft loops saw every earlier position final
-                state = TokenState.load_column(self, n, 0)
+                state = load_column(self, n, 0)
                 loops = self.depth - self.draft_loops
             else:  # a draft: restarts from its embedding
                 state = TokenState.fresh(
@@ -315,7 +322,7 @@ class SpeculativeProgram:
             state.kv_slots = self.bookkeeping.position_slots(slots.tables, state.position)
             on = slots.position_valid[:, s]
             self._advance(slots, state, on, self.depth, loops, gate, max_context)
-            state.store(self, n, s)
+            store_column(state, self, n, s)
 
     def _advance(
         self,

@@ -1,9 +1,10 @@
 """The per-round views a speculative round works with (speculative_program.py).
 
 `Slots`: what a round reads of its rows once, at its start (gathered copies, so the round's
-own writes to the rows happen only at its end). `TokenState`: the loop progress and exit state
-of one position per slot (the draft, SHARED's verify) or of every position (LAST_EXITED's
-verify), advanced loop by loop with masked updates.
+own writes to the rows happen only at its end). The `TokenState` (token_state.py) of one
+position per slot (the draft, SHARED's verify) or of every position (LAST_EXITED's verify) is
+stored into and loaded from the program's position buffers [L, K + 1, ...] by the functions
+below.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlt_runner.exit_rules import ExitDecision, ExitRules
+from rlt_runner.exit_rules import ExitRules
 from rlt_runner.row_state import DecodeRows
+from rlt_runner.token_state import TokenState
 
 if TYPE_CHECKING:
     from rlt_runner.speculative_program import SpeculativeProgram
@@ -62,96 +64,44 @@ class Slots:
         )
 
 
-@dataclass
-class TokenState:
-    """Per token: hidden [N, d] (the next loop's input, or the exit state), loops run, hazard
-    survival (fp64), delayed-exit loop, exited flag and exit depth, position and the output
-    index it produces; kv_slots [N, planes]: its position's KV slot in every plane (set by
-    the program, which knows the tables)."""
+# -- token states in the program's position buffers [L, K + 1, ...] ---------------------------
+def store_column(state: TokenState, program: SpeculativeProgram, count: int, column: int) -> None:
+    """Write a one-position-per-slot `state` into column `column` of slots [0, count)."""
+    for name in _BUFFERS:
+        getattr(program, _BUFFERS[name])[:count, column] = getattr(state, name)
 
-    hidden: torch.Tensor
-    loops: torch.Tensor
-    survival: torch.Tensor
-    pending: torch.Tensor
-    position: torch.Tensor
-    output_index: torch.Tensor
-    exited: torch.Tensor | None = None
-    depth: torch.Tensor | None = None
-    kv_slots: torch.Tensor | None = None
 
-    def __post_init__(self) -> None:
-        if self.exited is None:
-            self.exited = torch.zeros_like(self.loops, dtype=torch.bool)
-        if self.depth is None:
-            self.depth = torch.zeros_like(self.loops)
+def store_every_position(state: TokenState, program: SpeculativeProgram, count: int) -> None:
+    """Write an every-position `state` ([count * (K + 1)], row-major) back."""
+    width = program.width
+    for name in _BUFFERS:
+        value = getattr(state, name)
+        target = getattr(program, _BUFFERS[name])[:count]
+        target.copy_(value.view(count, width, *value.shape[1:]))
 
-    @classmethod
-    def fresh(
-        cls, embedded: torch.Tensor, position: torch.Tensor, output_index: torch.Tensor
-    ) -> TokenState:
-        """A token that has not looped yet (its embedding as the first loop's input)."""
-        return cls(
-            hidden=embedded,
-            loops=torch.zeros_like(position),
-            survival=torch.ones_like(position, dtype=torch.float64),
-            pending=torch.zeros_like(position),
-            position=position,
-            output_index=output_index,
-        )
 
-    def advance(
-        self,
-        runs: torch.Tensor,
-        exits: torch.Tensor,
-        loop_index: torch.Tensor,
-        hidden: torch.Tensor,
-        decision: ExitDecision,
-    ) -> None:
-        """The tokens that ran (`runs`) take the loop's state; those that exit are done."""
-        self.hidden = torch.where(runs[:, None], hidden, self.hidden)
-        self.survival = torch.where(runs, decision.survival, self.survival)
-        self.pending = torch.where(runs, decision.pending_exit, self.pending)
-        self.loops = torch.where(runs, loop_index, self.loops)
-        self.depth = torch.where(exits, loop_index, self.depth)
-        self.exited = self.exited | exits
+def load_column(program: SpeculativeProgram, count: int, column: int) -> TokenState:
+    """Column `column` of slots [0, count), copied (the fused kernels update in place)."""
+    return _load(program, lambda buffer: buffer[:count, column].clone(), column, count)
 
-    # -- the program's position buffers [L, K + 1, ...] ----------------------------------------
-    def store(self, program: SpeculativeProgram, count: int, column: int) -> None:
-        """Write this one-position-per-slot state into column `column` of slots [0, count)."""
-        for name in _BUFFERS:
-            getattr(program, _BUFFERS[name])[:count, column] = getattr(self, name)
 
-    def store_all(self, program: SpeculativeProgram, count: int) -> None:
-        """Write this every-position state ([count * (K + 1)], row-major) back."""
-        width = program.width
-        for name in _BUFFERS:
-            value = getattr(self, name)
-            target = getattr(program, _BUFFERS[name])[:count]
-            target.copy_(value.view(count, width, *value.shape[1:]))
+def load_every_position(program: SpeculativeProgram, count: int) -> TokenState:
+    """Every position of slots [0, count), row-major."""
+    return _load(program, lambda buffer: buffer[:count].flatten(0, 1), None, count)
 
-    @classmethod
-    def load_column(cls, program: SpeculativeProgram, count: int, column: int) -> TokenState:
-        """Column `column` of slots [0, count), copied (the fused kernels update in place)."""
-        return cls._from(program, lambda buffer: buffer[:count, column].clone(), column, count)
 
-    @classmethod
-    def load(cls, program: SpeculativeProgram, count: int) -> TokenState:
-        """Every position of slots [0, count), row-major."""
-        return cls._from(program, lambda buffer: buffer[:count].flatten(0, 1), None, count)
-
-    @classmethod
-    def _from(cls, program, take, column: int | None, count: int) -> TokenState:
-        rows = program.rows
-        index = program.slot_row[:count]
-        base_position = rows.position[index][:, None] + program.offsets
-        base_output = rows.outputs[index][:, None] + program.offsets
-        if column is None:
-            position, output = base_position.reshape(-1), base_output.reshape(-1)
-        else:
-            position = base_position[:, column].contiguous()
-            output = base_output[:, column].contiguous()
-        values = {name: take(getattr(program, buffer)) for name, buffer in _BUFFERS.items()}
-        return cls(position=position, output_index=output, **values)
+def _load(program: SpeculativeProgram, take, column: int | None, count: int) -> TokenState:
+    rows = program.rows
+    index = program.slot_row[:count]
+    base_position = rows.position[index][:, None] + program.offsets
+    base_output = rows.outputs[index][:, None] + program.offsets
+    if column is None:
+        position, output = base_position.reshape(-1), base_output.reshape(-1)
+    else:
+        position = base_position[:, column].contiguous()
+        output = base_output[:, column].contiguous()
+    values = {name: take(getattr(program, buffer)) for name, buffer in _BUFFERS.items()}
+    return TokenState(position=position, output_index=output, **values)
 
 
 # TokenState field -> SpeculativeProgram buffer

@@ -12,7 +12,10 @@ import re
 from pathlib import Path
 
 FAMILY_NAME = re.compile(r"(?i)(ouro|nanbeige|dory|hrm[_-]?text|huginn|raven)")
-EXCEPTIONS = {("rlt_scheduler/exit_policy.py", "POLICY_ALIASES")}
+EXCEPTIONS = {
+    ("rlt_scheduler/exit_policy.py", "POLICY_ALIASES"),
+    ("rlt_contracts/scheduler_config.py", "POLICY_ALIASES"),
+}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -28,6 +28,13 @@ from rlt_contracts.engine_core import (
     WireError,
     raise_wire_error,
 )
+from rlt_contracts.engine_options import (
+    EngineOptions,
+    ModelConfig,
+    PDConfig,
+    RunnerConfig,
+    SpeculationConfig,
+)
 from rlt_contracts.errors import (
     CapacityError,
     ConfigurationError,
@@ -79,6 +86,13 @@ from rlt_contracts.model import (
     TokenSampler,
     VerifiedRows,
 )
+from rlt_contracts.options import (
+    Option,
+    OptionField,
+    build_options,
+    option_fields,
+    replace_options,
+)
 from rlt_contracts.outputs import (
     EngineRequest,
     EngineStats,
@@ -97,6 +111,15 @@ from rlt_contracts.pd import (
 from rlt_contracts.pd_wire import InstanceInfo, InstanceLoad, PDControl, PDIncompatibleError
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
+from rlt_contracts.scheduler_config import (
+    BATCH_DEFAULTS,
+    POLICY_ALIASES,
+    POLICY_CHOICES,
+    ExitPolicyName,
+    SchedulerConfig,
+    SchedulingMode,
+    SchedulingPolicy,
+)
 from rlt_contracts.scheduling import (
     DecodeRule,
     ExitRule,
@@ -225,4 +248,21 @@ __all__ = [
     "parse_kv_layout",
     "requested_columns",
     "unmet_requirements",
+    "BATCH_DEFAULTS",
+    "EngineOptions",
+    "ExitPolicyName",
+    "ModelConfig",
+    "Option",
+    "OptionField",
+    "PDConfig",
+    "POLICY_ALIASES",
+    "POLICY_CHOICES",
+    "RunnerConfig",
+    "SchedulerConfig",
+    "SchedulingMode",
+    "SchedulingPolicy",
+    "SpeculationConfig",
+    "build_options",
+    "option_fields",
+    "replace_options",
 ]

@@ -10,7 +10,8 @@ from rlt_runner.memory import (
 )
 from rlt_runner.model_runner import ModelRunner
 from rlt_runner.readback import PendingStep
-from rlt_runner.row_state import DecodeRows, RowRecord
+from rlt_runner.row_record import RowRecord
+from rlt_runner.row_state import DecodeRows
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.speculative_program import SpeculationSettings
 

@@ -32,15 +32,11 @@ Rows of requests that do not use a feature keep stale values there; their neutra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from rlt_contracts.sampling import MAX_LOGIT_BIAS
 
+from rlt_runner.row_record import RowRecord
 from rlt_runner.transfers import download, upload
-
-if TYPE_CHECKING:  # row_state composes this module; the record is only a parameter type here
-    from rlt_runner.row_state import RowRecord
 
 
 class LogitsState:

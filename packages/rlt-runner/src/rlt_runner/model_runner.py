@@ -46,7 +46,8 @@ from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.prompt_chunks import run_prompt_chunks, token0_depths
 from rlt_runner.readback import PendingStep, finish_readback, mark_step_start, start_readback
-from rlt_runner.row_state import DecodeRows, RowRecord
+from rlt_runner.row_record import RowRecord
+from rlt_runner.row_state import DecodeRows
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.speculative_graphs import SpeculativeGraphs

@@ -18,7 +18,8 @@ from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill import run_prefill
 from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.prompt_scoring import score_chunk
-from rlt_runner.row_state import DecodeRows, RowRecord
+from rlt_runner.row_record import RowRecord
+from rlt_runner.row_state import DecodeRows
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.transfers import upload
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from rlt_contracts import ExecutionIdentity, LoopedLanguageModel, PromptLogprobs
 
-from rlt_runner.row_state import RowRecord
+from rlt_runner.row_record import RowRecord
 from rlt_runner.transfers import download, upload
 
 # positions scored per LM-head call: their fp32 log-probabilities ([rows, V], 25 MB per 128 rows

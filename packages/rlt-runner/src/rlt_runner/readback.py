@@ -34,7 +34,7 @@ from rlt_contracts import (
 
 from rlt_runner.decode_program import record_columns
 from rlt_runner.prompt_scoring import unpack
-from rlt_runner.row_state import RowRecord
+from rlt_runner.row_record import RowRecord
 from rlt_runner.transfers import download
 
 

@@ -38,19 +38,17 @@ token bitmask); `assign` activates it for the new rows.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 import torch
 from rlt_contracts import (
     BlockTableUpdate,
-    DecodeRule,
     ExecutionIdentity,
     ExitRuleKind,
     LogitsAdjustments,
-    SamplingParams,
 )
 
 from rlt_runner.logits_state import LogitsState
+from rlt_runner.row_record import RowRecord
 from rlt_runner.transfers import upload
 
 HAZARD_CODE, DELAYED_CODE, TRACE_CODE, LATENT_CODE, DELAYED_LATENT_CODE = 0, 1, 2, 3, 4
@@ -98,25 +96,6 @@ PROGRESS_BUFFERS = (
     "parked",
     "held",
 )
-
-
-@dataclass(eq=False)
-class RowRecord:
-    """Host view of one request's row. `decoding`: its prompt is done, so the row may be active
-    on the device; `reported`: outputs already parsed from read-backs (the next one's index);
-    `prefill_only` (PD prefill): the completed prompt's state stays in the row for transfer;
-    `prompt_token_ids`: the whole prompt (read for repetition penalties only)."""
-
-    identity: ExecutionIdentity
-    row: int
-    sampling: SamplingParams
-    rule: DecodeRule
-    prompt_length: int
-    host_tables: list[list[int]] = field(default_factory=list)
-    decoding: bool = False
-    reported: int = 0
-    prefill_only: bool = False
-    prompt_token_ids: tuple[int, ...] = ()
 
 
 class DecodeRows:

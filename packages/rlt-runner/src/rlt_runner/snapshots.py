@@ -24,7 +24,8 @@ import torch
 from rlt_contracts import ExecutionIdentity
 
 from rlt_runner.kv_storage import KVStorage
-from rlt_runner.row_state import PROGRESS_BUFFERS, DecodeRows, RowRecord
+from rlt_runner.row_record import RowRecord
+from rlt_runner.row_state import PROGRESS_BUFFERS, DecodeRows
 from rlt_runner.transfers import download, upload
 
 

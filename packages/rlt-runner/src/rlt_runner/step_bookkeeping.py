@@ -33,7 +33,8 @@ from rlt_contracts import (
 )
 
 from rlt_runner.kv_storage import KVStorage
-from rlt_runner.row_state import DecodeRows, RowRecord
+from rlt_runner.row_record import RowRecord
+from rlt_runner.row_state import DecodeRows
 from rlt_runner.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)

@@ -108,6 +108,13 @@ from rlt_contracts.pd import (
     PDCompatibility,
     PDRole,
 )
+from rlt_contracts.pd_memory import (
+    HiddenRowsMemory,
+    KVPoolMemory,
+    MemoryRegion,
+    PDMemory,
+    PDMemorySource,
+)
 from rlt_contracts.pd_wire import InstanceInfo, InstanceLoad, PDControl, PDIncompatibleError
 from rlt_contracts.requests import ExecutionIdentity, FinishReason, RequestStage
 from rlt_contracts.sampling import SamplingParams, SamplingRow
@@ -212,7 +219,12 @@ __all__ = [
     "NewRequestData",
     "OverloadedError",
     "PDCompatibility",
+    "PDMemory",
+    "PDMemorySource",
     "PDRole",
+    "HiddenRowsMemory",
+    "KVPoolMemory",
+    "MemoryRegion",
     "InstanceInfo",
     "InstanceLoad",
     "PDControl",

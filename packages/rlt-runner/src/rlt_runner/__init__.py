@@ -9,6 +9,7 @@ from rlt_runner.memory import (
     profile_blocks,
 )
 from rlt_runner.model_runner import ModelRunner
+from rlt_runner.pd_regions import PDRegions
 from rlt_runner.readback import PendingStep
 from rlt_runner.row_record import RowRecord
 from rlt_runner.row_state import DecodeRows
@@ -23,6 +24,7 @@ __all__ = [
     "KVScales",
     "KVStorage",
     "ModelRunner",
+    "PDRegions",
     "PendingStep",
     "RowRecord",
     "SnapshotStore",

@@ -42,6 +42,7 @@ from rlt_contracts.sampling import MAX_TOP_LOGPROBS
 from rlt_runner.decode_graphs import DecodeGraphs
 from rlt_runner.decode_program import DecodeProgram
 from rlt_runner.kv_storage import FP8, KVScales, KVStorage
+from rlt_runner.pd_regions import PDRegions
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill_graphs import PrefillGraphs
 from rlt_runner.prompt_chunks import run_prompt_chunks, token0_depths
@@ -156,6 +157,7 @@ class ModelRunner:
             vocab_size=shape.vocab_size,
             eos_token_ids=shape.eos_token_ids,
         )
+        self.pd_regions: PDRegions | None = PDRegions(self.kv, self.rows)  # what PD may register
         self.program = DecodeProgram(
             model,
             attention,
@@ -280,6 +282,7 @@ class ModelRunner:
         self.program = None
         self.rows = None
         self.kv = None
+        self.pd_regions = None
         self.model = None
         self.snapshots = SnapshotStore()
 

@@ -13,19 +13,14 @@ accepted counts), then the round's effects:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from rlt_contracts import SamplingMode
 
 from rlt_runner.decode_program import record_columns
-from rlt_runner.speculative_state import Slots
-
-if TYPE_CHECKING:
-    from rlt_runner.speculative_program import SpeculativeProgram
+from rlt_runner.speculative_state import RoundState, Slots
 
 
-def accept_round(program: SpeculativeProgram, slots: Slots, mode: SamplingMode) -> None:
+def accept_round(program: RoundState, slots: Slots, mode: SamplingMode) -> None:
     """Coda of every position at its exit depth, the sampler's verification, the round's
     records and counts, and the rows' new state."""
     rows, n, width = program.rows, slots.count, program.width
@@ -67,7 +62,7 @@ def accept_round(program: SpeculativeProgram, slots: Slots, mode: SamplingMode) 
     _commit(program, slots, final, count, stopped)
 
 
-def _commit(program: SpeculativeProgram, slots: Slots, final, count, stopped) -> None:
+def _commit(program: RoundState, slots: Slots, final, count, stopped) -> None:
     """Write the rows' new state (only live rows change; the others get their own values
     back): the last emitted token is the next input (embedded), or the row stops."""
     rows, index, live = program.rows, slots.index, slots.live
@@ -90,7 +85,7 @@ def _commit(program: SpeculativeProgram, slots: Slots, final, count, stopped) ->
     put(rows.held, rows.hold_after_output[index], carry_on)
 
 
-def _record(program: SpeculativeProgram, n: int, kept, tokens, result, mode) -> None:
+def _record(program: RoundState, n: int, kept, tokens, result, mode) -> None:
     columns = [
         torch.where(kept, tokens, -1).to(torch.float64)[..., None],
         torch.where(kept, program.depths[:n], 0).to(torch.float64)[..., None],

@@ -1,25 +1,59 @@
 """The per-round views a speculative round works with (speculative_program.py).
 
-`Slots`: what a round reads of its rows once, at its start (gathered copies, so the round's
-own writes to the rows happen only at its end). The `TokenState` (token_state.py) of one
-position per slot (the draft, SHARED's verify) or of every position (LAST_EXITED's verify) is
-stored into and loaded from the program's position buffers [L, K + 1, ...] by the functions
-below.
+`RoundState`: what the round's phases outside the program (the views here, acceptance in
+speculative_accept.py) read and write of the program that runs the round. `SpeculativeProgram`
+is its one implementation; the protocol sits here, below both, so neither module imports the
+program that imports them. `Slots`: what a round reads of its rows once, at its start (gathered
+copies, so the round's own writes to the rows happen only at its end). The `TokenState`
+(token_state.py) of one position per slot (the draft, SHARED's verify) or of every position
+(LAST_EXITED's verify) is stored into and loaded from the position buffers [L, K + 1, ...] by
+the functions below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from rlt_contracts import LoopedLanguageModel, SamplingMode, SpeculativeSampler
 
 from rlt_runner.exit_rules import ExitRules
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.token_state import TokenState
 
-if TYPE_CHECKING:
-    from rlt_runner.speculative_program import SpeculativeProgram
+
+class RoundState(Protocol):
+    """A speculative round's device state, owned by `SpeculativeProgram` (its module doc and
+    the runner's README say who writes what). L slots, K drafts, R rounds per step."""
+
+    rows: DecodeRows
+    model: LoopedLanguageModel
+    sampler: SpeculativeSampler
+    num_drafts: int  # K
+    width: int  # K + 1 positions per slot
+    cohort: bool  # rows that carry on park until their cohort drains
+    forcing: bool  # benchmarks: accepted counts drawn on the host (`forced_accepted`)
+    slot_row: torch.Tensor  # [L] int64: each slot's row
+    slot_valid: torch.Tensor  # [L] bool
+    offsets: torch.Tensor  # [K + 1] int64: 0 .. K
+    # position buffers [L, K + 1, ...]
+    hidden: torch.Tensor
+    token: torch.Tensor
+    loops: torch.Tensor
+    survival: torch.Tensor  # fp64
+    pending: torch.Tensor
+    exited: torch.Tensor
+    depths: torch.Tensor
+    # records of the step's rounds, read back once
+    ring: torch.Tensor  # [(R + 2) (K + 1), L, columns] fp64
+    counts: torch.Tensor  # [R + 2, L, 2] fp64: (accepted, drafted)
+    round_index: torch.Tensor  # [1] int64
+    forced_accepted: torch.Tensor  # [R + 2, L] int64
+
+    def sampling_of(self, index: torch.Tensor, mode: SamplingMode) -> dict: ...
+
+    def draft_probabilities_buffer(self) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +78,7 @@ class Slots:
         return int(self.index.shape[0])
 
     @classmethod
-    def gather(cls, rows: DecodeRows, program: SpeculativeProgram, count: int) -> Slots:
+    def gather(cls, rows: DecodeRows, program: RoundState, count: int) -> Slots:
         index = program.slot_row[:count]
         live = program.slot_valid[:count] & rows.active[index] & ~rows.held[index]
         outputs = rows.outputs[index]
@@ -65,13 +99,13 @@ class Slots:
 
 
 # -- token states in the program's position buffers [L, K + 1, ...] ---------------------------
-def store_column(state: TokenState, program: SpeculativeProgram, count: int, column: int) -> None:
+def store_column(state: TokenState, program: RoundState, count: int, column: int) -> None:
     """Write a one-position-per-slot `state` into column `column` of slots [0, count)."""
     for name in _BUFFERS:
         getattr(program, _BUFFERS[name])[:count, column] = getattr(state, name)
 
 
-def store_every_position(state: TokenState, program: SpeculativeProgram, count: int) -> None:
+def store_every_position(state: TokenState, program: RoundState, count: int) -> None:
     """Write an every-position `state` ([count * (K + 1)], row-major) back."""
     width = program.width
     for name in _BUFFERS:
@@ -80,17 +114,17 @@ def store_every_position(state: TokenState, program: SpeculativeProgram, count: 
         target.copy_(value.view(count, width, *value.shape[1:]))
 
 
-def load_column(program: SpeculativeProgram, count: int, column: int) -> TokenState:
+def load_column(program: RoundState, count: int, column: int) -> TokenState:
     """Column `column` of slots [0, count), copied (the fused kernels update in place)."""
     return _load(program, lambda buffer: buffer[:count, column].clone(), column, count)
 
 
-def load_every_position(program: SpeculativeProgram, count: int) -> TokenState:
+def load_every_position(program: RoundState, count: int) -> TokenState:
     """Every position of slots [0, count), row-major."""
     return _load(program, lambda buffer: buffer[:count].flatten(0, 1), None, count)
 
 
-def _load(program: SpeculativeProgram, take, column: int | None, count: int) -> TokenState:
+def _load(program: RoundState, take, column: int | None, count: int) -> TokenState:
     rows = program.rows
     index = program.slot_row[:count]
     base_position = rows.position[index][:, None] + program.offsets
@@ -104,7 +138,7 @@ def _load(program: SpeculativeProgram, take, column: int | None, count: int) -> 
     return TokenState(position=position, output_index=output, **values)
 
 
-# TokenState field -> SpeculativeProgram buffer
+# TokenState field -> RoundState position buffer
 _BUFFERS = {
     "hidden": "hidden",
     "loops": "loops",

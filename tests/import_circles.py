@@ -7,7 +7,9 @@ neither side can be read, tested or changed alone. The graph is built from the s
   (a deferred import only hides the circle from the interpreter, not from the reader);
 - `from a.b import c` points at module `a.b.c` where that is a module, else at `a.b`;
   relative imports are resolved against the importing module;
-- imports under `if TYPE_CHECKING:` do not count (they run only under a type checker);
+- imports under `if TYPE_CHECKING:` count too: a module that needs another's types to be read
+  still cannot be read alone, and hiding the import from the interpreter hides no dependency
+  (move the shared type below both sides: a small types module or a Protocol);
 - a package's `__init__` counts only where it is named (`from rlt_runner import X`), not for
   being executed on the way to a submodule: re-exporting from `__init__` is not a circle.
 
@@ -47,29 +49,9 @@ def source_modules(repo: Path) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, except those in the body of an `if TYPE_CHECKING:`."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-            return
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+    """Every import statement, wherever it sits (functions, `if TYPE_CHECKING:` included)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:

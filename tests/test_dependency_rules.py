@@ -264,7 +264,7 @@ def test_circle_checker_names_each_circle_through_any_import(tmp_path):
     ]
 
 
-def test_circle_checker_ignores_type_checking_imports_and_package_reexports(tmp_path):
+def test_circle_checker_ignores_package_reexports(tmp_path):
     from import_circles import find_circles
 
     write_modules(
@@ -273,16 +273,31 @@ def test_circle_checker_ignores_type_checking_imports_and_package_reexports(tmp_
             # the package re-exports b; b importing a sibling runs __init__, names no circle
             "__init__.py": "from rlt_x.b import B\n",
             "a.py": "A = 1\n",
-            "b.py": (
-                "from typing import TYPE_CHECKING\nimport typing\nfrom rlt_x.a import A\n"
-                "if TYPE_CHECKING:\n    from rlt_x.c import C\n"
-                "if typing.TYPE_CHECKING:\n    import rlt_x.c\nelse:\n    B = A\n"
-            ),
+            "b.py": "from rlt_x.a import A\nB = A\n",
             "c.py": "from rlt_x.b import B\nC = B\n",
         },
     )
     assert find_circles(tmp_path) == []
-    # the `else` branch of a TYPE_CHECKING test does run
-    b = tmp_path / "packages/rlt-x/src/rlt_x/b.py"
-    b.write_text(b.read_text().replace("    B = A\n", "    from rlt_x import c\n    B = A\n"))
+
+
+@pytest.mark.parametrize(
+    "type_import",
+    [
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlt_x.c import C\n",
+        "import typing\nif typing.TYPE_CHECKING:\n    import rlt_x.c\n",
+    ],
+)
+def test_circle_checker_counts_type_checking_imports(tmp_path, type_import):
+    """A module that needs another's types to be read cannot be read alone either: an import
+    under `if TYPE_CHECKING:` closes a circle like any other (issue 40: the runner had two such
+    circles, cut by a small types module and a Protocol below both sides)."""
+    from import_circles import find_circles
+
+    write_modules(
+        tmp_path,
+        {
+            "b.py": type_import + "B = 1\n",
+            "c.py": "from rlt_x.b import B\nC = B\n",
+        },
+    )
     assert [c.modules for c in find_circles(tmp_path)] == [("rlt_x.b", "rlt_x.c")]

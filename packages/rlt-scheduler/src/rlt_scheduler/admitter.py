@@ -49,7 +49,7 @@ from rlt_scheduler.admission_budget import (
 )
 from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.decode_work import DecodeWork
-from rlt_scheduler.queues import RequestQueues
+from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder

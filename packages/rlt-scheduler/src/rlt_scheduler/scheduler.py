@@ -20,7 +20,7 @@ held up); otherwise (requests that wait for KV blocks included) several ticks (u
 run per host round trip. With `scheduler_delay_factor` > 0 admission may wait a little so that
 prompts arriving close together start in one step (`admission_delay.py`).
 
-This module owns the queues (`queues.RequestQueues`) and the request table, decides the
+This module owns the queues (`request_queues.RequestQueues`) and the request table, decides the
 step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
 (waiting room, request state), `step_planner.py` (`StepPlanner`: decode rows, prompt chunks,
 PD remote starts and KV growth), `admitter.py` (`Admitter`: priority preemption and the
@@ -69,7 +69,7 @@ from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
 from rlt_scheduler.exit_policy import ExitPolicy, HazardExitPolicy, LoopBounds
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
 from rlt_scheduler.intake import build_scheduled_request, check_waiting_room
-from rlt_scheduler.queues import RequestQueues
+from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder

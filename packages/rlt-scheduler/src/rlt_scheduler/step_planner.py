@@ -18,7 +18,7 @@ from rlt_contracts import KVPort, PrefillChunk, RequestStage
 from rlt_scheduler import constrained, pd_stages, preemption
 from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork
-from rlt_scheduler.queues import RequestQueues
+from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder

@@ -2,7 +2,7 @@
 
 Two passes need the same thing: a speculative round's draft and verify
 (speculative_program.py), and prompt scoring at each position's exit depth
-(exit_depth_scoring.py). Each token carries a `TokenState` (loops run, hazard survival,
+(exit_depth_prefill.py). Each token carries a `TokenState` (loops run, hazard survival,
 delayed exit, exited flag and depth, its position's KV slot in every plane); around every model
 call a bookkeeping object (`loop_bookkeeping.TorchBookkeeping`, or the fused
 `speculative_kernels.SpeculativeKernels`) says which tokens run the loop and where they write,

@@ -1,5 +1,5 @@
 """A step's prompt chunks: at full depth (prefill.py), or for prompts scored at each position's
-exit depth (`score_at_exit_depth`) as decoding would run them (exit_depth_scoring.py); then every
+exit depth (`score_at_exit_depth`) as decoding would run them (exit_depth_prefill.py); then every
 scored chunk's states through the LM head (prompt_scoring.py). The two kinds belong to different
 requests, each writing only its own blocks and reading only pages completed in earlier steps (a
 prefix-cache hit of an exit-depth prompt is a page published under its exit rule's salt), so
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PrefillChunk
 
-from rlt_runner.exit_depth_scoring import run_at_exit_depth
+from rlt_runner.exit_depth_prefill import run_at_exit_depth
 from rlt_runner.kv_storage import KVStorage
 from rlt_runner.position_loops import PositionLoops
 from rlt_runner.prefill import run_prefill

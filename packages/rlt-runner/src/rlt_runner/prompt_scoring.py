@@ -1,7 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`) from a chunk's per-position states.
 
 A scored chunk runs eagerly: at full depth prefill.py keeps its positions' final states; at each
-position's exit depth (`score_at_exit_depth`) exit_depth_scoring.py gives their exit states and
+position's exit depth (`score_at_exit_depth`) exit_depth_prefill.py gives their exit states and
 depths. Here those states go through the LM head, and position p, whose state has seen tokens
 0..p, scores prompt token p + 1 (the last prompt position scores nothing: it samples token 0).
 Per chunk the device computes log_softmax in fp32, gathers the next tokens' log-probabilities

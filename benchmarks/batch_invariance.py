@@ -30,57 +30,41 @@ Numbers hold for the machine, revision and thread count they were measured with 
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
+from harness import parser, record, sync, write_json
+from workload import SHAPE_NAMES, ensure_checkpoint, random_prompts
+
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: bundled model)")
-    parser.add_argument("--shape", default=None, help="random checkpoint: tiny or ouro-1.4b")
-    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", action="append", default=None)
-    parser.add_argument("--batch", action="append", type=int, default=None)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--exit-threshold", type=float, default=0.7)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument(
+    p = parser(__doc__, device="cpu", out=False)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: bundled model)")
+    p.add_argument("--shape", default=None, choices=SHAPE_NAMES, help="or a random checkpoint")
+    p.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    p.add_argument("--dtype", action="append", default=None, help="repeatable (bfloat16)")
+    p.add_argument("--batch", action="append", type=int, default=None, help="repeatable (1,4,8)")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--exit-threshold", type=float, default=0.7)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
         help="CUDA: the cap for both engines together; each gets half (0.9)",
     )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=128)
-    parser.add_argument("--prefill-chunk-size", type=int, default=128)
-    parser.add_argument("--json-out", default=None)
-    args = parser.parse_args(argv)
+    p.add_argument("--max-num-batched-tokens", type=int, default=128)
+    p.add_argument("--prefill-chunk-size", type=int, default=128)
+    p.add_argument("--json-out", type=Path, default=None, help="write the JSON record here")
+    args = p.parse_args(argv)
     args.dtype = args.dtype or ["bfloat16"]
     args.batch = args.batch or [1, 4, 8]
     return args
-
-
-def checkpoint(args) -> str | None:
-    if args.model or not args.shape:
-        return args.model
-    sys.path.insert(0, str(Path(__file__).parent))
-    from offline_throughput import ensure_checkpoint  # the same random checkpoints
-
-    args.model = None
-    return str(ensure_checkpoint(args))
-
-
-def workload(batch: int, prompt_len: int, vocab: int):
-    rng = random.Random(1234)
-    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
 def params(seed: int, max_tokens: int, threshold: float):
@@ -98,13 +82,10 @@ def params(seed: int, max_tokens: int, threshold: float):
 
 
 def timed(llm, prompts, max_tokens: int, threshold: float):
-    import torch
-
     sampling = [params(1000 + i, max_tokens, threshold) for i in range(len(prompts))]
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
-    if llm.engine.parts.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(llm.engine.parts.device.type)
     return time.perf_counter() - start, outputs
 
 
@@ -135,7 +116,7 @@ def cells(args, model, dtype: str, batch: int) -> tuple[dict, dict]:
     engines[False] = build(args, model, dtype, False, cap)
     try:
         vocab = engines[True].engine.parts.model.shape.vocab_size
-        prompts = workload(batch, args.prompt_len, vocab)
+        prompts = random_prompts(1234, batch, args.prompt_len, vocab)
         out_len, thr = args.output_len, args.exit_threshold
         decode = {True: [], False: []}
         prefill = {True: [], False: []}
@@ -200,7 +181,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    model = checkpoint(args)
+    model = args.model
+    if args.shape and not model:
+        model = str(ensure_checkpoint(args.shape, args.checkpoint_dir, args.device))
     results = []
     for dtype in args.dtype:
         for batch in args.batch:
@@ -222,21 +205,14 @@ def main(argv=None) -> int:
                     f"{off['max_abs_logprob_difference']:.3g} nats)"
                 )
             print(line, flush=True)
-    report = {
-        "benchmark": "batch_invariance",
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "model": model or "bundled default model",
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "repeats": args.repeats,
-        "results": results,
-    }
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+    report = record(
+        "batch_invariance",
+        args,
+        threads=torch.get_num_threads(),
+        model=model or "bundled default model",
+        results=results,
+    )
+    write_json(args.json_out, report)
     return 0 if all(r["invariant"] for r in results if r["batch_invariant"]) else 1
 
 

@@ -16,12 +16,13 @@ Steps, in one process per measurement (a clean CUDA context each):
    at each --concurrency C: requests / max-num-seqs / max-num-batched-tokens = 4 / 1 / 1100 for
    C = 1, 2C / C / 64C (at least 2048, at most 4096) otherwise (h200_table.py's rows).
 3. With --transformers (the default), per shape whose family the installed transformers has
-   (HRM-Text, Dory; family_speed_transformers.py): transformers' own `generate` on the same
+   (HRM-Text, Dory): transformers' own `generate` on the same
    checkpoint (transformers_generate.py: sdpa, greedy, exactly --output-len new tokens,
    HRM-Text's prompts prefix-LM as rlt runs them), one batch of C requests per
-   --transformers-concurrency C (1,32), its decode tok/s (the prefill excluded, as rlt's) and
-   rlt's decode tok/s over it at the same C (--transformers-writer transformers: on a checkpoint
-   of transformers' own init instead, written with its `save_pretrained`).
+   --transformers-concurrency C (1,32) in one child per shape (generate has no continuous
+   batching: C requests at once are one batch of C), its decode tok/s (the prefill excluded,
+   as rlt's) and rlt's decode tok/s over it at the same C (--transformers-writer transformers:
+   on a checkpoint of transformers' own init instead, written with its `save_pretrained`).
 4. Per shape: the bandwidth floor of one request's decode at the family's default depth (the
    runs' requests omit max_loops), bytes per output token = loops x (core weights + core KV
    read per loop at the mean decode context) + prelude and coda weights and KV (once per
@@ -38,7 +39,7 @@ for HRM-Text, whose loop runs its L stack three times and its H stack once; 1 ot
 loop and context token is layers x 2 (K, V) x KV heads x head_dim x 2 bytes. The mean decode
 context is prompt + output / 2 tokens.
 
-Writes into --out: <shape>-c<C>.json / .log per run (offline_throughput's JSON and output),
+Writes into --out: <shape>-c<C>.json / .log per run (offline_throughput's record and output),
 <shape>-transformers.json / .log (the transformers arm), bandwidth.json, families.json
 (everything above, the commands, versions (transformers' too) and times) and families.md (the
 table, also printed at the end).
@@ -50,48 +51,23 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import family_speed_transformers as tf_arm
+from harness import ROOT, ints, markdown_table, parser, record, run_logged, version, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks" / "offline_throughput.py"
 BLOCK_SIZE = 16  # the engine's default KV block size
 BYTES = 2  # bf16
 COPY_GIB = 4
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    paths = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-    paths += [str(p) for p in sorted((ROOT / "services").glob("*/src"))]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+TF_KEYS = ("decode_output_tokens_per_s", "output_tokens_per_s", "prefill_s", "decode_s")
+TF_KEYS += ("total_s", "prefix_lm")
 
 
 def run(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
-    start = time.perf_counter()
-    with log.open("w") as out:
-        try:
-            rc = subprocess.run(
-                cmd,
-                cwd=ROOT,
-                env=child_env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-                check=False,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-            out.write(f"\nTIMEOUT after {timeout_s} s\n")
-    return rc, round(time.perf_counter() - start, 1)
+    """-> (0 or 1, seconds): the child's outcome (its log says why it failed)."""
+    status, seconds = run_logged(cmd, log, timeout_s)
+    return (0 if status == "ok" else 1), seconds
 
 
 # -- 1. bandwidth ----------------------------------------------------------------------------------
@@ -141,9 +117,8 @@ def measure_bandwidth(out: Path) -> dict | None:
 # -- 4. floors -------------------------------------------------------------------------------------
 def shape_bytes(shape: str, args) -> dict:
     """Bytes one request's decode reads per output token, from the family's tensor list."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from offline_throughput import shape_config
     from rlt_models.families import family_of
+    from workload import shape_config
 
     config = shape_config(shape)
     shapes = family_of(config).tensor_shapes(config)
@@ -207,18 +182,10 @@ def row_flags(concurrency: int, quick: bool) -> list[str]:
     ]
 
 
-def bench_command(shape: str, args) -> list[str]:
-    """offline_throughput.py on `shape`'s checkpoint (written once under --checkpoint-dir)."""
-    return [
-        sys.executable,
-        str(BENCH),
-        "--shape",
-        shape,
-        "--checkpoint-dir",
-        args.checkpoint_dir,
-        "--device",
-        args.device,
-    ]
+def bench_command(shape: str, args, program: str = "offline_throughput.py") -> list[str]:
+    """A benchmark program on `shape`'s checkpoint (written once under --checkpoint-dir)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / program), "--shape", shape]
+    return cmd + ["--checkpoint-dir", args.checkpoint_dir, "--device", args.device]
 
 
 def measure(shape: str, concurrency: int, args, out: Path) -> dict:
@@ -250,7 +217,7 @@ def measure(shape: str, concurrency: int, args, out: Path) -> dict:
     path = out / f"{name}.json"
     if path.exists():
         data = json.loads(path.read_text())
-        record["setup"] = data["setup"]
+        record["setup"] = data["args"]
         record["errors"] = data["errors"]
         if data["results"]:
             r = data["results"][0]
@@ -301,32 +268,89 @@ def summarize(shape: str, runs: list[dict], bw: dict | None, args) -> dict:
     return summary
 
 
-def table(
-    summaries: list[dict], concurrencies: list[int], bw: dict | None, tf_concurrencies: list[int]
-) -> str:
-    """tf_concurrencies: the transformers arm's columns ([] for none)."""
-    head = [
-        "shape",
-        "layer passes per token",
-        *[f"decode tok/s c{c}" for c in concurrencies],
-        "floor c1 tok/s",
-        "c1 / floor",
-        f"layer passes/s c{max(concurrencies)}",
-        "requests the KV pool holds",
-        *(tf_arm.table_head(tf_concurrencies) if tf_concurrencies else []),
+# -- 3. transformers' own generate ----------------------------------------------------------------
+def shapes_transformers_has(shapes: list[str]) -> list[str]:
+    """The shapes whose family (config.json's model_type) the installed transformers has."""
+    from transformers_generate import shape_model_type, transformers_has
+
+    return [shape for shape in shapes if transformers_has(shape_model_type(shape))]
+
+
+def measure_transformers(shape: str, concurrencies: list[int], args, out: Path) -> list[dict]:
+    """One record per concurrency (engine "transformers") from one child that loads the model
+    once and times each concurrency as one batch; a concurrency it did not time (out of
+    memory, a crash) has no tok/s. Files <shape>-transformers.json / .log."""
+    path = out / f"{shape}-transformers.json"
+    cmd = bench_command(shape, args, "transformers_generate.py")
+    cmd += ["--writer", args.transformers_writer, "--dtype", args.dtype, "--prompt-len"]
+    cmd += [str(args.prompt_len), "--output-len", str(args.output_len), "--batch-sizes"]
+    cmd += [",".join(map(str, concurrencies)), "--json-out", str(path)]
+    rc, elapsed = run(cmd, out / f"{shape}-transformers.log", args.run_timeout_s)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    by_batch = {r["batch_size"]: r for r in data.get("results", [])}
+    errors = {e["batch_size"]: e["error"] for e in data.get("errors", [])}
+    records = []
+    for c in concurrencies:
+        record = {"engine": "transformers", "shape": shape, "concurrency": c, "command": cmd[1:]}
+        record |= {"rc": rc, "elapsed_s": elapsed}
+        record |= {k: data.get(k) for k in ("transformers", "architecture", "model_dir")}
+        if c in by_batch:
+            record.update({k: by_batch[c][k] for k in TF_KEYS})
+        elif c in errors:
+            record["error"] = errors[c]
+        records.append(record)
+        print(
+            f"{shape}-c{c} transformers: rc {rc}, decode "
+            f"{record.get('decode_output_tokens_per_s')} tok/s, e2e "
+            f"{record.get('output_tokens_per_s')}",
+            flush=True,
+        )
+    return records
+
+
+def add_to_summary(summary: dict, records: list[dict]) -> None:
+    """transformers' decode tok/s per concurrency and rlt's over it, where both ran."""
+    tf = {
+        r["concurrency"]: r["decode_output_tokens_per_s"]
+        for r in records
+        if "decode_output_tokens_per_s" in r
+    }
+    summary["transformers_decode_tok_s"] = dict(sorted(tf.items()))
+    rlt = summary.get("decode_tok_s", {})
+    summary["rlt_over_transformers_decode"] = {
+        c: round(rlt[c] / tok_s, 2) for c, tok_s in sorted(tf.items()) if c in rlt
+    }
+
+
+def table_cells(summary: dict, concurrencies: list[int]) -> list[str]:
+    """The transformers columns of one shape's row."""
+    if "transformers_decode_tok_s" not in summary:
+        return ["n/a", "n/a"]
+    tf, ratio = summary["transformers_decode_tok_s"], summary["rlt_over_transformers_decode"]
+    return [
+        " / ".join(str(tf.get(c, "failed")) for c in concurrencies),
+        " / ".join(f"{ratio[c]}x" if c in ratio else "n/a" for c in concurrencies),
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+
+def table(summaries: list[dict], concurrencies: list[int], bw: dict | None, tf_cs: list[int]):
+    """tf_cs: the transformers arm's concurrencies ([] for no such columns)."""
+    head = ["shape", "layer passes per token", *(f"decode tok/s c{c}" for c in concurrencies)]
+    head += ["floor c1 tok/s", "c1 / floor", f"layer passes/s c{max(concurrencies)}"]
+    head += ["requests the KV pool holds"]
+    if tf_cs:
+        cs = " / ".join(f"c{c}" for c in tf_cs)
+        head += [f"transformers decode tok/s {cs}", f"rlt / transformers {cs}"]
+    rows = []
     for s in summaries:
-        cells = [s["shape"], str(s["layer_passes_per_token"])]
-        cells += [f"{s['decode_tok_s'].get(c, 'failed')}" for c in concurrencies]
-        cells += [
-            str(s.get("floor_tok_s_c1", "n/a")),
-            str(s.get("c1_of_floor", "n/a")),
-            f"{s.get('layer_passes_per_s', 'n/a'):,}" if "layer_passes_per_s" in s else "n/a",
-            str(s.get("requests_kv_pool_holds", "n/a")),
-        ]
-        cells += tf_arm.table_cells(s, tf_concurrencies) if tf_concurrencies else []
-        lines.append("| " + " | ".join(cells) + " |")
+        cells = [s["shape"], s["layer_passes_per_token"]]
+        cells += [s["decode_tok_s"].get(c, "failed") for c in concurrencies]
+        passes = s.get("layer_passes_per_s")
+        cells += [s.get("floor_tok_s_c1", "n/a"), s.get("c1_of_floor", "n/a")]
+        cells += [f"{passes:,}" if passes is not None else "n/a"]
+        cells += [s.get("requests_kv_pool_holds", "n/a")]
+        rows.append(cells + (table_cells(s, tf_cs) if tf_cs else []))
+    lines = [markdown_table(head, rows)]
     if len(summaries) > 1 and all("layer_passes_per_s" in s for s in summaries):
         base = summaries[0]
         for s in summaries[1:]:
@@ -341,56 +365,33 @@ def table(
     return "\n".join(lines)
 
 
-def versions() -> dict:
-    out = {"python": sys.version.split()[0]}
-    for name in ("torch", "triton", "transformers"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
-    return out
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--shapes", default="ouro-1.4b,nanbeige4.2-3b")
-    parser.add_argument("--concurrency", default="1,32,128")
-    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="one wave per concurrency; with a tiny shape, 64 in / 16 out",
-    )
-    parser.add_argument("--run-timeout-s", type=float, default=240)
-    parser.add_argument(
+    p = parser(__doc__, device="cuda", dtype="bfloat16", out=False)
+    p.add_argument("--out", required=True, help="the folder of every file")
+    p.add_argument("--shapes", default="ouro-1.4b,nanbeige4.2-3b")
+    p.add_argument("--concurrency", default="1,32,128")
+    p.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--quick", action="store_true", help="one wave; tiny shapes: 64 in / 16 out")
+    p.add_argument("--run-timeout-s", type=float, default=240)
+    p.add_argument(
         "--transformers",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="transformers' own generate beside rlt, on the shapes whose family it has",
     )
-    parser.add_argument("--transformers-concurrency", default="1,32")
-    parser.add_argument("--transformers-writer", default="rlt", choices=("rlt", "transformers"))
-    parser.add_argument(
-        "--commit",
-        default=os.environ.get("RLT_COMMIT", ""),
-        help="the code's commit, recorded in families.json",
-    )
-    args = parser.parse_args(argv)
+    p.add_argument("--transformers-concurrency", default="1,32")
+    p.add_argument("--transformers-writer", default="rlt", choices=("rlt", "transformers"))
+    p.add_argument("--commit", default="", help="the code's commit (default: $RLT_COMMIT, git)")
+    args = p.parse_args(argv)
     if args.quick and args.device == "cpu":
         args.prompt_len, args.output_len = 64, 16
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = args.shapes.split(",")
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    tf_concurrencies = [int(c) for c in args.transformers_concurrency.split(",")]
-    tf_shapes = tf_arm.shapes_transformers_has(shapes) if args.transformers else []
+    concurrencies, tf_concurrencies = ints(args.concurrency), ints(args.transformers_concurrency)
+    tf_shapes = shapes_transformers_has(shapes) if args.transformers else []
     expected_runs = len(shapes) * len(concurrencies) + len(tf_shapes) * len(tf_concurrencies)
     t0 = time.perf_counter()
     bw = measure_bandwidth(out) if args.device.startswith("cuda") else None
@@ -407,23 +408,17 @@ def main(argv=None) -> int:
         shape_runs = [measure(shape, c, args, out) for c in concurrencies] if rc == 0 else []
         summaries.append(summarize(shape, shape_runs, bw, args))
         if shape in tf_shapes:
-            tf_runs = tf_arm.measure(shape, tf_concurrencies, args, out, run)
-            tf_arm.add_to_summary(summaries[-1], tf_runs)
+            tf_runs = measure_transformers(shape, tf_concurrencies, args, out)
+            add_to_summary(summaries[-1], tf_runs)
             shape_runs += tf_runs
         runs += shape_runs
     text = table(summaries, concurrencies, bw, tf_concurrencies if tf_shapes else [])
-    payload = {
-        "setup": {
-            **vars(args),
-            **versions(),
-            "transformers_shapes": tf_shapes,
-            "total_s": round(time.perf_counter() - t0, 1),
-        },
-        "bandwidth": bw,
-        "summaries": summaries,
-        "runs": runs,
-    }
-    (out / "families.json").write_text(json.dumps(payload, indent=2))
+    if args.commit:
+        os.environ["RLT_COMMIT"] = args.commit
+    payload = record("family_speed", args, transformers=version("transformers"))
+    payload |= {"transformers_shapes": tf_shapes, "total_s": round(time.perf_counter() - t0, 1)}
+    payload |= {"bandwidth": bw, "summaries": summaries, "runs": runs}
+    write_json(out / "families.json", payload)
     (out / "families.md").write_text(text + "\n")
     print(text)
     return 0 if all(r["rc"] == 0 for r in runs) and len(runs) == expected_runs else 1

@@ -28,54 +28,42 @@ only Triton runs and the JSON says why.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from kernel_bench import PagedSetup, Timer  # noqa: E402
+from harness import Timer, ints, markdown_table, parser, record, version, write_json
+from kernel_bench import PagedSetup
 
 OURO_ATTENTION = dict(num_heads=16, num_kv_heads=16, head_dim=128)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--batch-sizes", default="1,32,128", help="decode rows")
-    parser.add_argument("--context", type=int, default=1088, help="decode context of every row")
-    parser.add_argument("--prefill-len", type=int, default=1024, help="queries per prefill group")
-    parser.add_argument("--prefill-context", type=int, default=None, help="default: prefill-len")
-    parser.add_argument("--prefill-batches", default="1,4", help="prefill groups")
-    parser.add_argument("--layers", type=int, default=8, help="KV layers cycled through")
-    parser.add_argument("--triton-block-size", type=int, default=16)
-    parser.add_argument("--flash-block-size", type=int, default=256)
-    parser.add_argument("--flash-num-splits", type=int, default=0, help="0: flash-attn's choice")
-    parser.add_argument("--replays", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--no-graphs", action="store_true", help="eager timings only")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+def parse_args(argv=None):
+    p = parser(__doc__, dtype="bfloat16")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--batch-sizes", default="1,32,128", help="decode rows")
+    p.add_argument("--context", type=int, default=1088, help="decode context of every row")
+    p.add_argument("--prefill-len", type=int, default=1024, help="queries per prefill group")
+    p.add_argument("--prefill-context", type=int, default=None, help="default: prefill-len")
+    p.add_argument("--prefill-batches", default="1,4", help="prefill groups")
+    p.add_argument("--layers", type=int, default=8, help="KV layers cycled through")
+    p.add_argument("--triton-block-size", type=int, default=16)
+    p.add_argument("--flash-block-size", type=int, default=256)
+    p.add_argument("--flash-num-splits", type=int, default=0, help="0: flash-attn's choice")
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-graphs", action="store_true", help="eager timings only")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
     if args.device == "cpu":  # smoke sizes
         args.batch_sizes, args.context, args.prefill_len = "1,2", 300, 40
         args.prefill_batches, args.layers, args.replays, args.warmup = "1,2", 2, 3, 1
         args.no_graphs = True
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    args.prefill_batches = [int(b) for b in args.prefill_batches.split(",") if b]
-    if args.prefill_context is None:
-        args.prefill_context = args.prefill_len
+    args.batch_sizes, args.prefill_batches = ints(args.batch_sizes), ints(args.prefill_batches)
+    args.prefill_context = args.prefill_context or args.prefill_len
     if args.prefill_context < args.prefill_len:
-        parser.error("--prefill-context must be >= --prefill-len")
+        p.error("--prefill-context must be >= --prefill-len")
     return args
 
 
@@ -233,36 +221,23 @@ def main(argv=None) -> int:
         else:
             flops = causal_flops(rows, q_len, context, heads, head_dim)
             entry["tflop_per_s"] = flops / (best * 1e-6) / 1e12
-    out = {
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "flash_attn": _version("flash_attn"),
-        "flash_attn_unavailable": flash_reason,
-        "dtype": args.dtype,
-        "attention": OURO_ATTENTION,
-        "layers": args.layers,
-        "replays": args.replays,
-        "flash_num_splits": args.flash_num_splits,
-        "results": results,
-        "wall_s": time.perf_counter() - started,
-    }
+    out = record(
+        "flash_attn_bench",
+        args,
+        flash_attn=version("flash_attn"),
+        flash_attn_unavailable=flash_reason,
+        attention=OURO_ATTENTION,
+        results=results,
+        wall_s=time.perf_counter() - started,
+    )
     print_table(out)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"\nwrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 
 def print_table(out: dict) -> None:
-    print(
-        f"\n== {out['device_name']}, {out['dtype']}, attention {out['attention']}, "
-        f"us per layer call (median of {out['replays']})"
-    )
     if out["flash_attn_unavailable"]:
         print(f"flash_attn not measured: {out['flash_attn_unavailable']}")
-    header = ["phase", "batch", "backend", "block", "eager us", "graph us", "rate"]
     rows = []
     for e in out["results"]:
         rate = ""
@@ -271,30 +246,14 @@ def print_table(out: dict) -> None:
         elif "tflop_per_s" in e:
             rate = f"{e['tflop_per_s']:.1f} TFLOP/s"
         graph = e.get("graph_us")
-        rows.append(
-            [
-                e["phase"],
-                str(e["batch"]),
-                e["backend"],
-                str(e["block_size"]),
-                f"{e['eager_us']:.1f}" if "eager_us" in e else e.get("error", "")[:40],
-                f"{graph:.1f}" if graph else ("capture failed" if "graph_error" in e else "-"),
-                rate,
-            ]
-        )
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
+        eager = f"{e['eager_us']:.1f}" if "eager_us" in e else e.get("error", "")[:40]
+        graph = f"{graph:.1f}" if graph else ("capture failed" if "graph_error" in e else "-")
+        rows.append([e["phase"], e["batch"], e["backend"], e["block_size"], eager, graph, rate])
+    header = ["phase", "batch", "backend", "block", "eager us", "graph us", "rate"]
+    print(markdown_table(header, rows))
     for e in out["results"]:
         if "graph_error" in e:
             print(f"  {e['phase']} {e['batch']} {e['backend']}: graph capture: {e['graph_error']}")
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001 -- absent or broken: no version
-        return None
 
 
 if __name__ == "__main__":

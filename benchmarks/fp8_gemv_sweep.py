@@ -8,8 +8,7 @@ GEMVs of `fp8_gemv`, W8A8, the dequantize reference), each checked against the d
 product first; the fp8 selector's choice; and the bandwidth each reaches (weight bytes / time).
 Times are per call: a graph's time over its number of copies (fp8 weights are half the bytes,
 so they get twice the copies). Per shape the JSON gives every candidate's time and GB/s, the
-best per kind and the best overall. Needs only torch and triton (the package's __init__, which
-imports the tokenizer and checkpoint code, is not run). Run on a GPU:
+best per kind and the best overall. Run on a GPU:
 
     python3 benchmarks/fp8_gemv_sweep.py --rows 1,4,16 --out fp8_gemv_sweep.json
     python3 benchmarks/fp8_gemv_sweep.py --rows 1 --out fp8_gemv_rows1.json
@@ -17,32 +16,19 @@ imports the tokenizer and checkpoint code, is not run). Run on a GPU:
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import types
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "packages" / "rlt-models" / "src"
-sys.path.insert(0, str(SRC))
-if "rlt_models" not in sys.modules:  # the kernel modules only, without the package's imports
-    package = types.ModuleType("rlt_models")
-    package.__path__ = [str(SRC / "rlt_models")]
-    sys.modules["rlt_models"] = package
-
-from rlt_models import fp8_linear as fl  # noqa: E402
-from rlt_models import small_batch_linear as sbl  # noqa: E402
-from rlt_models.fp8 import Fp8Projection, quantize_per_channel  # noqa: E402
+from harness import ints, parser, record, write_json
 
 # (name, N, K) of Ouro-1.4B: hidden 2048, 16 heads of 128, intermediate 5632
 SHAPES = (("qkv", 6144, 2048), ("o", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632))
 
 
 def sweep(rows: int, name: str, n: int, k: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from rlt_models import fp8_linear as fl
+    from rlt_models import small_batch_linear as sbl
+    from rlt_models.fp8 import Fp8Projection, quantize_per_channel
+
     bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     data, scale = quantize_per_channel(bf16)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -101,13 +87,12 @@ def sweep(rows: int, name: str, n: int, k: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", default="1,4,16")
-    parser.add_argument("--out")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--rows", default="1,4,16")
+    args = p.parse_args(argv)
     results = []
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in ints(args.rows):
         for name, n, k in SHAPES:
             r = sweep(rows, name, n, k)
             results.append(r)
@@ -120,16 +105,14 @@ def main() -> None:
             )
             for kind, best in r["fp8_best_by_kind"].items():
                 print(
-                    f"    {kind:24s} {best['ms']:.4f} ms {best['gbps']:5.0f} GB/s  {best['choice']}"
+                    f"    {kind:24s} {best['ms']:.4f} ms {best['gbps']:5.0f} GB/s {best['choice']}"
                 )
             for label, why in r["fp8_failed"].items():
                 print(f"    failed {label}: {why}")
-            if args.out:  # after every shape: a run cut short keeps what it measured
-                Path(args.out).write_text(
-                    json.dumps(
-                        {"device": torch.cuda.get_device_name(), "results": results}, indent=1
-                    )
-                )
+            # after every shape: a run cut short keeps what it measured
+            write_json(
+                args.out, record("fp8_gemv_sweep", vars(args) | {"device": "cuda"}, results=results)
+            )
 
 
 if __name__ == "__main__":

@@ -15,55 +15,33 @@ microseconds per loop and KV bytes per second, the best configurations and their
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import statistics
-import sys
 from dataclasses import asdict, replace
-from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "packages" / "rlt-attention" / "src"))
-
-from rlt_attention import split_config  # noqa: E402
-from rlt_attention import split_decode_kernel as sdk  # noqa: E402
-from rlt_attention.kv_store import quantize  # noqa: E402
+import harness
+from harness import Timer, parser, write_json
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 24, 16, 128, 16
+PRODUCTS = ("rows_by_keys", "keys_by_rows", "vector")  # rlt_attention.split_config.PRODUCTS
 
 
-def time_graph(calls, replays: int = 10) -> float:
-    calls()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    times = []
-    for i in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        if i >= 2:
-            times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) * 1000  # us
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--context", type=int, default=1100)
+    p.add_argument("--products", default=",".join(PRODUCTS), help="comma-separated, of these")
+    args = p.parse_args(argv)
+    import torch
+    from rlt_attention import split_config
+    from rlt_attention import split_decode_kernel as sdk
+    from rlt_attention.kv_store import quantize
 
+    timer = Timer("cuda", replays=10, warmup=2)
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--context", type=int, default=1100)
-    parser.add_argument("--out")
-    parser.add_argument(
-        "--products",
-        default=",".join(split_config.PRODUCTS),
-        help="comma-separated products to sweep (of split_config.PRODUCTS)",
-    )
-    args = parser.parse_args()
+    def time_graph(calls) -> float:  # us per replay of one graph of the calls
+        replay, _ = timer.capture(calls)
+        return timer.median_ms(replay) * 1000
+
     rows, context = args.rows, args.context
     pages = -(-context // BLOCK)
     blocks = rows * pages
@@ -178,7 +156,6 @@ def main() -> None:
     summary = dict(
         rows=rows,
         context=context,
-        device=torch.cuda.get_device_name(),
         bf16_us_per_loop=bf16,
         bf16_best=best_bf16,
         fp8_heuristic_us_per_loop=fp8_results[0]["us_per_loop"],
@@ -189,9 +166,10 @@ def main() -> None:
         # the model-dtype override only where it beats the heuristic by more than 2%
         bf16_env=env(best_bf16) if best_bf16["us_per_loop"] < 0.98 * bf16 else "",
     )
-    print(json.dumps(summary), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(summary=summary, results=results), indent=1))
+    print(summary, flush=True)
+    write_json(
+        args.out, harness.record("fp8_kv_attention_sweep", args, summary=summary, results=results)
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The whole offline-throughput acceptance table in one command (one H200, under 8 minutes).
 
-    python3 benchmarks/h200_table.py --out DIR            # on the GPU machine, repo root
+    bash tools/h200_run.sh table [ARGS]                   # on the device machine
     python3 benchmarks/h200_table.py --out DIR --quick    # reduced run
     uv run --with matplotlib python benchmarks/h200_table.py --out /tmp/t \\
         --shape tiny --device cpu --quick                  # CPU smoke test of the plumbing
@@ -27,35 +27,28 @@ budget allows (skipped, and said so, when the predicted time would overrun --bud
 SHARED prompts of 128 tokens. --shape tiny (the CPU smoke test) keeps the rows but defaults to
 64-token prompts, 32 output tokens (quick 16) and 3 profile steps.
 
-Writes into --out: <row>.json (offline_throughput's JSON) and <row>.log per row, table.json
+Writes into --out: <row>.json (offline_throughput's record) and <row>.log per row, table.json
 (every arm's fields plus the ratios, targets and ceilings, and each run's command, status and
-time), table.md (printed at the end) and throughput.png (if matplotlib is importable). Needs
-torch; the packages' src folders are put on the children's PYTHONPATH, and if msgspec is not
-importable, a msgspec wheel under .whl/ (matching this Python) is unpacked into a temp folder.
+time), table.md (printed at the end) and throughput.png (if matplotlib is importable).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, pyplot, record, run_logged, write_json
+
 BENCH = ROOT / "benchmarks" / "offline_throughput.py"
 MIX = "trace:0.55,0.40,0.05"
 ARM_LABELS = {"fixed": "fixed", MIX: "mix 2.5", "gate": "gate"}
 BLOCK_SIZE = 16  # the engine's default KV block size
 LOOPS = 4
+ROWS = {"c1": (4, 1, 1100), "c32": (64, 32, 2048), "c128": (256, 128, 4096)}
 
 # Fixed 4 loops, LAST_EXITED, the issue's workload: (decode, end to end) tok/s.
 CEILINGS = {"c1": (250, 250), "c32": (3000, 2200), "c128": (4100, 2700)}
@@ -90,151 +83,57 @@ class Row:
 
 
 def plan(args) -> list[Row]:
-    quick = args.quick
-    out_len, plen = args.output_len, args.prompt_len
-    seq_len = plen + out_len
+    scale = 0.6 if args.quick else 1.0
+    plen, out_len = args.prompt_len, args.output_len
     common = {"--prompt-len": plen, "--output-len": out_len, "--prefill-chunk-size": 1024}
-    spec = {"c1": (4, 1, 1100), "c32": (64, 32, 2048), "c128": (256, 128, 4096)}
-    prof = ["fixed", MIX, "gate@noprofile"]
-    estimates = {"c1": 45, "c32": 55, "c128": 100}
     rows = []
-    for conc, (n, seqs, tokens) in spec.items():
-        if quick:
-            n = 2 if seqs == 1 else seqs
-        rows.append(
-            Row(
-                conc,
-                conc,
-                "last_exited",
-                {
-                    **common,
-                    "--num-requests": n,
-                    "--max-num-seqs": seqs,
-                    "--max-num-batched-tokens": tokens,
-                    "--profile-steps": args.profile_steps,
-                },
-                prof,
-                optional=False,
-                estimate_s=estimates[conc] * (0.6 if quick else 1.0),
-            )
-        )
-    n, seqs, tokens = spec["c128"]
-    if quick:
-        n = seqs
-    fit = 64
-    blocks = fit * math.ceil(seq_len / BLOCK_SIZE) * LOOPS
+    for conc, (n, seqs, tokens) in ROWS.items():
+        flags = {"--num-requests": (2 if seqs == 1 else seqs) if args.quick else n}
+        flags |= {"--max-num-seqs": seqs, "--max-num-batched-tokens": tokens}
+        flags["--profile-steps"] = args.profile_steps
+        estimate = {"c1": 45, "c32": 55, "c128": 100}[conc] * scale
+        arms = ["fixed", MIX, "gate@noprofile"]
+        rows.append(Row(conc, conc, "last_exited", common | flags, arms, False, estimate))
+    n, seqs, tokens = ROWS["c128"]
+    pages = math.ceil((plen + out_len) / BLOCK_SIZE)
+    blocks = 64 * pages * LOOPS
+    flags = {"--num-requests": seqs if args.quick else n, "--max-num-seqs": seqs}
+    flags |= {"--max-num-batched-tokens": tokens, "--num-kv-blocks": blocks}
+    note = f"KV pressure: {blocks} blocks = 64 requests x {pages} pages x {LOOPS} planes"
     rows.append(
         Row(
             "c128-kv64",
             "c128",
             "last_exited",
-            {
-                **common,
-                "--num-requests": n,
-                "--max-num-seqs": seqs,
-                "--max-num-batched-tokens": tokens,
-                "--num-kv-blocks": blocks,
-            },
+            common | flags,
             ["fixed", MIX],
-            optional=True,
-            estimate_s=70 * (0.6 if quick else 1.0),
-            note=f"KV pressure: {blocks} blocks = {fit} requests x "
-            f"{math.ceil(seq_len / BLOCK_SIZE)} pages x {LOOPS} planes",
+            True,
+            70 * scale,
+            note,
         )
     )
-    splen = min(128 if quick else 256, plen)
-    for conc, (_, seqs, tokens) in spec.items():
-        n = 2 if seqs == 1 else seqs
-        batched = max(tokens, seqs * splen)
+    splen = min(128 if args.quick else 256, plen)
+    for conc, (_, seqs, tokens) in ROWS.items():
+        n, batched = 2 if seqs == 1 else seqs, max(tokens, seqs * splen)
+        flags = {"--prompt-len": splen, "--output-len": out_len, "--prefill-chunk-size": 1024}
+        flags |= {"--num-requests": n, "--max-num-seqs": seqs, "--max-num-batched-tokens": batched}
+        flags["--kv-layout"] = "shared"
+        estimate = {"c1": 30, "c32": 47, "c128": 35}[conc] * scale
+        note = f"SHARED: {splen}-token prompts, {n} requests (one wave), "
+        note += f"max-num-batched-tokens {batched}"
         rows.append(
-            Row(
-                f"shared-{conc}",
-                conc,
-                "shared",
-                {
-                    "--prompt-len": splen,
-                    "--output-len": out_len,
-                    "--prefill-chunk-size": 1024,
-                    "--num-requests": n,
-                    "--max-num-seqs": seqs,
-                    "--max-num-batched-tokens": batched,
-                    "--kv-layout": "shared",
-                },
-                ["fixed", MIX],
-                optional=True,
-                estimate_s={"c1": 30, "c32": 47, "c128": 35}[conc] * (0.6 if quick else 1.0),
-                note=f"SHARED: {splen}-token prompts, {n} requests (one wave), "
-                f"max-num-batched-tokens {batched}",
-            )
+            Row(f"shared-{conc}", conc, "shared", flags, ["fixed", MIX], True, estimate, note)
         )
-    if args.rows:
-        wanted = set(args.rows.split(","))
-        rows = [r for r in rows if r.name in wanted]
-    return rows
-
-
-# -- environment -----------------------------------------------------------------------------------
-def child_env() -> dict:
-    env = dict(os.environ)
-    paths = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-    paths += [str(p) for p in sorted((ROOT / "services").glob("*/src"))]
-    if importlib.util.find_spec("msgspec") is None:
-        tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-        wheels = sorted((ROOT / ".whl").glob(f"msgspec-*-{tag}-*.whl"))
-        if not wheels:
-            raise SystemExit(
-                f"msgspec is not importable and no .whl/msgspec-*-{tag}-*.whl to unpack"
-            )
-        site = Path(tempfile.gettempdir()) / f"rlt-site-{tag}"
-        if not (site / "msgspec").is_dir():
-            with zipfile.ZipFile(wheels[-1]) as wheel:
-                wheel.extractall(site)
-        print(f"msgspec: unpacked {wheels[-1].name} into {site}", flush=True)
-        paths.insert(0, str(site))
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    wanted = set(args.rows.split(",")) if args.rows else None
+    return [r for r in rows if wanted is None or r.name in wanted]
 
 
 def base_command(args) -> list[str]:
     cmd = [sys.executable, str(BENCH), "--shape", args.shape, "--device", args.device]
     cmd += ["--dtype", args.dtype, "--checkpoint-dir", args.checkpoint_dir, "--seed", "0"]
-    if not args.device.startswith("cuda"):
-        cmd += ["--cpu-threads", "1"]
-    return cmd
+    return cmd + ([] if args.device.startswith("cuda") else ["--cpu-threads", "1"])
 
 
-def run_child(cmd: list[str], env: dict, log_path: Path, prefix: str, timeout_s: float) -> str:
-    """Run `cmd`, echo its output with `prefix` and save it; -> "ok", "failed" or "timeout"."""
-    with open(log_path, "w") as log:
-        log.write(" ".join(cmd) + "\n")
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-        def pump():
-            for line in proc.stdout:
-                log.write(line)
-                if "USDT:" in line or "DeviceProperties.cpp" in line:
-                    continue  # profiler chatter
-                print(f"  [{prefix}] {line.rstrip()}", flush=True)
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=max(timeout_s, 1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            reader.join(5)
-            return "timeout"
-        reader.join(5)
-    return "ok" if rc == 0 else f"failed (exit {rc})"
-
-
-# -- table -----------------------------------------------------------------------------------------
 def collect(rows: list[Row], out: Path, acceptance: bool) -> list[dict]:
     table = []
     for row in rows:
@@ -243,27 +142,15 @@ def collect(rows: list[Row], out: Path, acceptance: bool) -> list[dict]:
             continue
         data = json.loads(path.read_text())
         row.errors = data.get("errors", [])
-        results = data["results"]
-        by_label = {}
-        for r in results:
-            label = ARM_LABELS.get(r["arm"].split("@")[0], r["arm"])
-            by_label[label] = r
+        by_label = {ARM_LABELS.get(r["arm"].split("@")[0], r["arm"]): r for r in data["results"]}
         fixed = by_label.get("fixed")
         for label, r in by_label.items():
-            entry = {
-                **{k: r[k] for k in r if k != "profile"},
-                "row": row.name,
-                "concurrency": row.concurrency,
-                "layout": row.layout,
-                "arm": label,
-                "arm_spec": r["arm"],
-                "e2e_tok_s": r["output_tokens_per_s"],
-                "decode_tok_s": r["decode_output_tokens_per_s"],
-                "e2e_vs_fixed": None,
-                "decode_vs_fixed": None,
-                "note": row.note,
-                "profile": r.get("profile"),
-            }
+            entry = {k: r[k] for k in r if k != "profile"}
+            entry |= {"row": row.name, "concurrency": row.concurrency, "layout": row.layout}
+            entry |= {"arm": label, "arm_spec": r["arm"], "note": row.note}
+            entry |= {"e2e_tok_s": r["output_tokens_per_s"], "profile": r.get("profile")}
+            entry |= {"decode_tok_s": r["decode_output_tokens_per_s"]}
+            entry["e2e_vs_fixed"] = entry["decode_vs_fixed"] = None
             if fixed is not None and label != "fixed":
                 entry["e2e_vs_fixed"] = _ratio(
                     r["output_tokens_per_s"], fixed["output_tokens_per_s"]
@@ -271,8 +158,7 @@ def collect(rows: list[Row], out: Path, acceptance: bool) -> list[dict]:
                 entry["decode_vs_fixed"] = _ratio(
                     r["decode_output_tokens_per_s"], fixed["decode_output_tokens_per_s"]
                 )
-            entry.update(_targets(row, label, entry, acceptance))
-            table.append(entry)
+            table.append(entry | _targets(row, label, entry, acceptance))
     return table
 
 
@@ -288,8 +174,7 @@ def _targets(row: Row, label: str, e: dict, acceptance: bool) -> dict:
     met = None
     if label == "fixed" and standard:
         (dc, ec), (dt, et) = CEILINGS[conc], TARGETS[conc]
-        ceiling = f"dec {dc:,} / e2e {ec:,}"
-        target = f"dec >= {dt:,}, e2e >= {et:,}"
+        ceiling, target = f"dec {dc:,} / e2e {ec:,}", f"dec >= {dt:,}, e2e >= {et:,}"
         if acceptance:
             met = (e["decode_tok_s"] or 0) >= dt and e["e2e_tok_s"] >= et
     elif label == "mix 2.5":
@@ -306,67 +191,57 @@ def _targets(row: Row, label: str, e: dict, acceptance: bool) -> dict:
     return {"ceiling": ceiling, "target": target, "target_met": met, "old_e2e_tok_s": history}
 
 
+COLUMNS = (  # (header, entry key or profile key, digits)
+    ("e2e tok/s", "e2e_tok_s", 1),
+    ("decode tok/s", "decode_tok_s", 1),
+    ("e2e / fixed", "e2e_vs_fixed", 2),
+    ("decode / fixed", "decode_vs_fixed", 2),
+    ("mean loops", "mean_loops_per_decoded_token", 2),
+    ("steps", "steps", 0),
+    ("host ms/step", "host_ms_per_step", 2),
+    ("wait ms/step", "readback_wait_ms_per_step", 2),
+    ("kv blocks", "kv_blocks", 0),
+    ("max run", "max_running", 0),
+    ("GPU busy", "gpu_busy_fraction", None),
+    ("kernels/loop", "kernels_per_loop", 1),
+    ("GPU ms/loop", "gpu_ms_per_loop", 3),
+    ("GEMM ms/loop", "gemm_ms_per_loop", 3),
+)
+
+
 def markdown(table: list[dict], rows: list[Row], setup: dict) -> str:
-    def f(v, digits=1):
+    def cell(e: dict, key: str, digits) -> str:
+        p = e.get("profile") or {}
+        v = e[key] if key in e else p.get(key)
+        if digits is None:  # the busy fraction, or why there is none
+            if v is not None:
+                return f"{v:.1%}"
+            return "profile error" if "error" in p else ("no kernels" if p else "")
         if v is None:
             return ""
-        if isinstance(v, float):
-            return f"{v:,.{digits}f}"
-        return f"{v:,}" if isinstance(v, int) else str(v)
+        return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
 
+    header = ["conc", "layout", "arm", *(c[0] for c in COLUMNS)]
+    header += ["ceiling", "target", "met", "old e2e"]
     lines = [
         f"Offline throughput, {setup['shape']} ({setup['dtype']}) on {setup['device_name']}, "
         f"torch {setup.get('torch_version', '?')}; {setup['elapsed_s']:.0f} s"
         + (" (quick)" if setup["quick"] else ""),
         "",
-        "| conc | layout | arm | e2e tok/s | decode tok/s | e2e / fixed | decode / fixed "
-        "| mean loops | steps | host ms/step | wait ms/step | kv blocks | max run "
-        "| GPU busy | kernels/loop | GPU ms/loop | GEMM ms/loop | ceiling | target | met "
-        "| old e2e |",
-        "|" + " --- |" * 20,
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
     ]
     for e in table:
-        p = e.get("profile") or {}
+        cells = [e["row"], e["layout"], e["arm"], *(cell(e, k, d) for _, k, d in COLUMNS)]
         met = {True: "yes", False: "NO", None: ""}[e["target_met"]]
-        busy = p.get("gpu_busy_fraction")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    e["row"],
-                    e["layout"],
-                    e["arm"],
-                    f(e["e2e_tok_s"]),
-                    f(e["decode_tok_s"]),
-                    f(e["e2e_vs_fixed"], 2),
-                    f(e["decode_vs_fixed"], 2),
-                    f(e["mean_loops_per_decoded_token"], 2),
-                    f(e["steps"]),
-                    f(e["host_ms_per_step"], 2),
-                    f(e["readback_wait_ms_per_step"], 2),
-                    f(e["kv_blocks"]),
-                    f(e["max_running"]),
-                    f"{busy:.1%}"
-                    if busy is not None
-                    else ("profile error" if "error" in p else ("no kernels" if p else "")),
-                    f(p.get("kernels_per_loop")),
-                    f(p.get("gpu_ms_per_loop"), 3),
-                    f(p.get("gemm_ms_per_loop"), 3),
-                    e["ceiling"],
-                    e["target"],
-                    met,
-                    f(e["old_e2e_tok_s"]),
-                ]
-            )
-            + " |"
-        )
-    lines.append("")
+        cells += [e["ceiling"], e["target"], met, cell(e, "old_e2e_tok_s", 1)]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append(
-        "e2e: output tokens / wall time from the first add_request to the last finish; decode: "
-        "tokens / wall time of steps without prefill (step_log). GPU columns: --profile-steps "
-        "window of pure decode at full concurrency (busy = union of kernel intervals / kernel "
-        "span). Ceilings and targets are for fixed 4 loops on the issue's workload; `met` is "
-        "only judged on that workload (full mode, ouro-1.4b, CUDA)."
+        "\ne2e: output tokens / wall time from the first add_request to the last finish; "
+        "decode: tokens / wall time of steps without prefill (step_log). GPU columns: "
+        "--profile-steps window of pure decode at full concurrency (busy = union of kernel "
+        "intervals / kernel span). Ceilings and targets are for fixed 4 loops on the issue's "
+        "workload; `met` is only judged on that workload (full mode, ouro-1.4b, CUDA)."
     )
     for row in rows:
         if row.status != "ok":
@@ -379,12 +254,8 @@ def markdown(table: list[dict], rows: list[Row], setup: dict) -> str:
 
 
 def plot(table: list[dict], out: Path) -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not importable: no plot"
     groups = [
         g
@@ -392,18 +263,18 @@ def plot(table: list[dict], out: Path) -> str:
         if any(e["row"] in (g, f"shared-{g}") for e in table)
     ]
     series = [
-        ("fixed", "last_exited", "#1f77b4", ""),
-        ("mix 2.5", "last_exited", "#ff7f0e", ""),
-        ("gate", "last_exited", "#2ca02c", ""),
-        ("fixed", "shared", "#1f77b4", "//"),
-        ("mix 2.5", "shared", "#ff7f0e", "//"),
+        (arm, layout, color, hatch)
+        for layout, hatch in (("last_exited", ""), ("shared", "//"))
+        for arm, color in (("fixed", "#1f77b4"), ("mix 2.5", "#ff7f0e"), ("gate", "#2ca02c"))
+        if any(e["arm"] == arm and e["layout"] == layout for e in table)
     ]
-    series = [s for s in series if any(e["arm"] == s[0] and e["layout"] == s[1] for e in table)]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / max(len(series), 1)
-    for ax, key, title, ceil_index, target_index in (
-        (axes[0], "e2e_tok_s", "end to end", 1, 1),
-        (axes[1], "decode_tok_s", "decode phase", 0, 0),
+    centre = (len(series) - 1) / 2
+    last_exited = [i for i, s in enumerate(series) if s[1] == "last_exited"]
+    for ax, key, title, index in (
+        (axes[0], "e2e_tok_s", "end to end", 1),
+        (axes[1], "decode_tok_s", "decode phase", 0),
     ):
         for s_index, (arm, layout, color, hatch) in enumerate(series):
             xs, ys = [], []
@@ -411,34 +282,29 @@ def plot(table: list[dict], out: Path) -> str:
                 row = group if layout == "last_exited" else f"shared-{group}"
                 match = [e for e in table if e["row"] == row and e["arm"] == arm]
                 if match and match[0][key]:
-                    xs.append(g_index + (s_index - (len(series) - 1) / 2) * width)
+                    xs.append(g_index + (s_index - centre) * width)
                     ys.append(match[0][key])
             label = arm + (" (SHARED)" if layout == "shared" else "")
             bars = ax.bar(xs, ys, width, color=color, hatch=hatch, label=label, alpha=0.9)
             ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=6, rotation=90)
         # ceilings and targets are for the LAST_EXITED workload: lines span only its bars
-        last_exited = [i for i, s in enumerate(series) if s[1] == "last_exited"]
-        centre = (len(series) - 1) / 2
         for g_index, group in enumerate(groups):
             if group in CEILINGS and last_exited:
                 left = g_index + (last_exited[0] - centre - 0.5) * width
                 right = g_index + (last_exited[-1] - centre + 0.5) * width
-                ax.hlines(
-                    CEILINGS[group][ceil_index],
-                    left,
-                    right,
-                    colors="black",
-                    linestyles="--",
-                    label="ceiling (fixed, LAST_EXITED)" if g_index == 0 else None,
-                )
-                ax.hlines(
-                    TARGETS[group][target_index],
-                    left,
-                    right,
-                    colors="red",
-                    linestyles=":",
-                    label="target (fixed, LAST_EXITED)" if g_index == 0 else None,
-                )
+                for values, color, style, name in (
+                    (CEILINGS, "black", "--", "ceiling"),
+                    (TARGETS, "red", ":", "target"),
+                ):
+                    label = f"{name} (fixed, LAST_EXITED)" if g_index == 0 else None
+                    ax.hlines(
+                        values[group][index],
+                        left,
+                        right,
+                        colors=color,
+                        linestyles=style,
+                        label=label,
+                    )
         ax.set_xticks(range(len(groups)), groups)
         ax.set_yscale("log")
         ax.set_ylabel("output tokens/s")
@@ -446,37 +312,29 @@ def plot(table: list[dict], out: Path) -> str:
     axes[0].legend(fontsize=7, loc="upper left")
     fig.suptitle("rlt offline throughput: fixed 4 loops vs mix 2.5 vs gate (SHARED hatched)")
     fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=110)
-    return f"plot: {path}"
+    fig.savefig(out / "throughput.png", dpi=110)
+    return f"plot: {out / 'throughput.png'}"
 
 
-def run_rows(args, rows: list[Row], out: Path, env: dict, elapsed) -> None:
+def run_rows(args, rows: list[Row], out: Path, elapsed) -> None:
     """Run the rows in order within the budget; optional ones are skipped when their
     predicted time (estimate x the actual/estimated ratio of the rows run so far) would
     overrun it."""
     estimated_done = actual_done = 0.0
     for row in rows:
-        scale = actual_done / estimated_done if estimated_done else 1.0
-        predicted = row.estimate_s * scale
+        predicted = row.estimate_s * (actual_done / estimated_done if estimated_done else 1.0)
         remaining = args.budget_s - elapsed()
         if row.optional and predicted > remaining:
             row.status = "skipped"
-            row.reason = (
-                f"predicted {predicted:.0f} s > {remaining:.0f} s left of the "
-                f"{args.budget_s:.0f} s budget"
-            )
-            print(f"[{elapsed():6.1f}s] skip {row.name}: {row.reason}", flush=True)
-            continue
-        if args.hard_limit_s - elapsed() <= 5:
+            row.reason = f"predicted {predicted:.0f} s > {remaining:.0f} s left of the "
+            row.reason += f"{args.budget_s:.0f} s budget"
+        elif args.hard_limit_s - elapsed() <= 5:
             row.status, row.reason = "skipped", "hard time limit reached"
+        if row.status == "skipped":
             print(f"[{elapsed():6.1f}s] skip {row.name}: {row.reason}", flush=True)
             continue
-        row.command = [*base_command(args)]
-        for flag, value in row.flags.items():
-            row.command += [flag, str(value)]
-        for arm in row.arms:
-            row.command += ["--arm", arm]
+        row.command = base_command(args) + [str(x) for kv in row.flags.items() for x in kv]
+        row.command += [x for arm in row.arms for x in ("--arm", arm)]
         row.command += ["--json-out", str(out / f"{row.name}.json")]
         (out / f"{row.name}.json").unlink(missing_ok=True)  # never report a stale run
         print(
@@ -484,10 +342,10 @@ def run_rows(args, rows: list[Row], out: Path, env: dict, elapsed) -> None:
             f"predicted {predicted:.0f} s)",
             flush=True,
         )
-        t0 = time.perf_counter()
         limit = args.hard_limit_s - elapsed()
-        row.status = run_child(row.command, env, out / f"{row.name}.log", row.name, limit)
-        row.elapsed_s = round(time.perf_counter() - t0, 1)
+        row.status, row.elapsed_s = run_logged(
+            row.command, out / f"{row.name}.log", limit, row.name
+        )
         if row.status == "timeout":
             row.reason = (
                 f"killed after {row.elapsed_s:.0f} s at the {args.hard_limit_s:.0f} s limit"
@@ -498,46 +356,35 @@ def run_rows(args, rows: list[Row], out: Path, env: dict, elapsed) -> None:
             actual_done += row.elapsed_s
 
 
-# -- main ------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser():
+    from harness import parser
+
+    p = parser(__doc__, device="cuda", dtype=None, out=False)
+    p.add_argument("--out", required=True, help="folder for the JSON, markdown and plot")
+    p.add_argument("--quick", action="store_true", help="reduced run (see above)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="optional rows must fit it")
+    p.add_argument(
+        "--hard-limit-s", type=float, default=470.0, help="a row still running then is killed"
     )
-    parser.add_argument("--out", required=True, help="folder for the JSON, markdown and plot")
-    parser.add_argument("--quick", action="store_true", help="reduced run (see above)")
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=450.0,
-        help="time budget: optional rows are skipped when they are predicted to overrun it",
-    )
-    parser.add_argument(
-        "--hard-limit-s",
-        type=float,
-        default=470.0,
-        help="any row still running at this total time is killed (and reported as such)",
-    )
-    parser.add_argument("--shape", default="ouro-1.4b", choices=("ouro-1.4b", "tiny"))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument(
-        "--prompt-len", type=int, default=None, help="default 1024 (tiny shape: 64)"
-    )
-    parser.add_argument(
+    p.add_argument("--shape", default="ouro-1.4b", choices=("ouro-1.4b", "tiny"))
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 1024 (tiny shape: 64)")
+    p.add_argument(
         "--output-len", type=int, default=None, help="default 128, quick 64 (tiny: 32 / 16)"
     )
-    parser.add_argument(
-        "--profile-steps", type=int, default=None, help="default 20, quick 10 (tiny: 3)"
-    )
-    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
-    parser.add_argument("--rows", help="comma-separated subset of rows, e.g. c1,shared-c1")
-    parser.add_argument(
+    p.add_argument("--profile-steps", type=int, default=None, help="default 20, quick 10 (tiny: 3)")
+    p.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    p.add_argument("--rows", help="comma-separated subset of rows, e.g. c1,shared-c1")
+    p.add_argument(
         "--table-only",
         action="store_true",
-        help="run nothing: rebuild table.json/md and the plot from the <row>.json in --out "
-        "(e.g. after rows were run in separate calls with --rows)",
+        help="run nothing: rebuild table.json/md and the plot from the <row>.json in --out",
     )
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     tiny = args.shape == "tiny"  # CPU smoke scale: same rows, short sequences
     if args.prompt_len is None:
@@ -549,14 +396,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {} if args.table_only else child_env()
-    acceptance = (
-        not args.quick
-        and args.shape == "ouro-1.4b"
-        and args.device.startswith("cuda")
-        and args.prompt_len == 1024
-        and args.output_len == 128
-    )
+    acceptance = not args.quick and args.shape == "ouro-1.4b" and args.device.startswith("cuda")
+    acceptance = acceptance and (args.prompt_len, args.output_len) == (1024, 128)
     rows = plan(args)
 
     def elapsed():
@@ -566,36 +407,33 @@ def main(argv=None) -> int:
     if args.table_only:
         for row in rows:
             found = (out / f"{row.name}.json").exists()
-            row.status = "ok" if found else "not run"
-            row.reason = "" if found else f"no {row.name}.json in {out}"
+            row.status, row.reason = (
+                ("ok", "") if found else ("not run", f"no {row.name}.json in {out}")
+            )
     else:
         print(f"[{elapsed():6.1f}s] checkpoint ({args.shape}) in {args.checkpoint_dir}", flush=True)
-        status = run_child(
-            [*base_command(args), "--write-checkpoint-only"],
-            env,
-            out / "checkpoint.log",
-            "checkpoint",
-            args.hard_limit_s,
-        )
+        command = [*base_command(args), "--write-checkpoint-only"]
+        status, _ = run_logged(command, out / "checkpoint.log", args.hard_limit_s, "checkpoint")
         if status != "ok":
             print(f"checkpoint: {status}; see {out / 'checkpoint.log'}", flush=True)
             return 1
         checkpoint_s = elapsed()
-        run_rows(args, rows, out, env, elapsed)
+        run_rows(args, rows, out, elapsed)
     table = collect(rows, out, acceptance)
     first = next(
         (
-            json.loads((out / f"{r.name}.json").read_text())["setup"]
+            json.loads((out / f"{r.name}.json").read_text())
             for r in rows
             if (out / f"{r.name}.json").exists()
         ),
         {},
     )
+    device = first.get("device", {})
     setup = {
         "shape": args.shape,
         "device": args.device,
-        "device_name": first.get("device_name", args.device),
-        "torch_version": first.get("torch_version"),
+        "device_name": device.get("device_name", args.device),
+        "torch_version": device.get("torch"),
         "dtype": args.dtype,
         "quick": args.quick,
         "acceptance_workload": acceptance,
@@ -605,41 +443,33 @@ def main(argv=None) -> int:
         "elapsed_s": round(elapsed(), 1),
         "checkpoint_dir": args.checkpoint_dir,
     }
-    (out / "table.json").write_text(
-        json.dumps(
-            {
-                "setup": setup,
-                "runs": [
-                    {
-                        "row": r.name,
-                        "layout": r.layout,
-                        "optional": r.optional,
-                        "status": r.status,
-                        "reason": r.reason,
-                        "elapsed_s": r.elapsed_s,
-                        "note": r.note,
-                        "errors": r.errors,
-                        "command": " ".join(r.command),
-                    }
-                    for r in rows
-                ],
-                "ceilings_fixed": {k: {"decode": d, "e2e": e} for k, (d, e) in CEILINGS.items()},
-                "targets_fixed": {k: {"decode": d, "e2e": e} for k, (d, e) in TARGETS.items()},
-                "targets_adaptive": {
-                    "mix_decode_vs_fixed": MIX_DECODE_TARGET,
-                    "mix_e2e_vs_fixed": 1.0,
-                    "gate_within": GATE_TOLERANCE,
-                },
-                "rows": table,
-            },
-            indent=2,
-        )
-    )
+    runs = [
+        {
+            "row": r.name,
+            "layout": r.layout,
+            "optional": r.optional,
+            "status": r.status,
+            "reason": r.reason,
+            "elapsed_s": r.elapsed_s,
+            "note": r.note,
+            "errors": r.errors,
+            "command": " ".join(r.command),
+        }
+        for r in rows
+    ]
+    payload = record("h200_table", args, setup=setup, runs=runs)
+    payload["ceilings_fixed"] = {k: {"decode": d, "e2e": e} for k, (d, e) in CEILINGS.items()}
+    payload["targets_fixed"] = {k: {"decode": d, "e2e": e} for k, (d, e) in TARGETS.items()}
+    payload["targets_adaptive"] = {
+        "mix_decode_vs_fixed": MIX_DECODE_TARGET,
+        "mix_e2e_vs_fixed": 1.0,
+        "gate_within": GATE_TOLERANCE,
+    }
+    write_json(out / "table.json", payload | {"rows": table})
     md = markdown(table, rows, setup)
     (out / "table.md").write_text(md)
     print(plot(table, out), flush=True)
-    print(f"\n[{elapsed():6.1f}s] wrote {out}/table.json, table.md\n", flush=True)
-    print(md, flush=True)
+    print(f"\n[{elapsed():6.1f}s] wrote {out}/table.json, table.md\n\n{md}", flush=True)
     return 0 if all(r.status in ("ok", "skipped", "not run") for r in rows) else 1
 
 

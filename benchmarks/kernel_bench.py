@@ -1,37 +1,43 @@
-"""GPU microbenchmark of one Ouro decode loop: fused vs unfused layer ops, split-KV attention.
+"""GPU microbenchmark of one Ouro decode loop: fused vs unfused layer ops, split-KV attention,
+programmatic dependent launch (PDL).
 
 Builds an Ouro-shaped model with random weights in memory (no checkpoint) and a paged KV cache
 (block size 16, one plane) in which every row is a decode query at the same context, then for
-each batch size reports:
+each batch size, per --sections:
 
-  (a) attention: one paged-attention layer call (store + read), split-KV decode kernels vs the
-      tiled kernel, in us per call and GB/s of K/V read (a CUDA graph of one call per layer,
-      so consecutive calls read different layers' KV, as in a loop);
-  (b) loop: one recurrent step (all layers + end-of-loop norm + exit gate) captured in a CUDA
-      graph, GPU ms per loop from graph replays: fused + split ("fused"), eager layer +
-      split ("unfused") and eager layer + tiled kernel ("baseline": the code before both,
-      except that both Triton variants share the one-launch KV store kernel);
-  (c) gemm_only: the 4 weight GEMMs of every layer alone, in a CUDA graph (the floor of (b));
-  (d) kernels: GPU kernels (and memcpy/memset) of one eager loop of each path, from
-      torch.profiler.
+  attention  one paged-attention layer call (store + read), split-KV decode kernels vs the
+             tiled kernel, in us per call and GB/s of K/V read (a CUDA graph of one call per
+             layer, so consecutive calls read different layers' KV, as in a loop);
+  loop       one recurrent step (all layers + end-of-loop norm + exit gate) captured in a CUDA
+             graph, GPU ms per loop from graph replays: fused + split ("fused"), eager layer +
+             split ("unfused") and eager layer + tiled kernel ("baseline");
+  gemm       the 4 weight GEMMs of every layer alone, in a CUDA graph (the floor of the loop);
+  kernels    GPU kernels (and memcpy/memset) of one eager loop of each path (torch.profiler);
+  pdl        (CUDA, not by default) the fused loop's graph with the Triton kernels launched
+             with PDL and without, and with PDL plus the KV store inside the split kernel
+             ("pdl+store_in_split") or store and merge inside it ("pdl+fused_decode"); the
+             graphs replay in alternation (--rounds rounds of --pdl-replays each, order
+             reversed every round) and the median of each is reported, with whether each
+             arm's output is bit-identical to PDL off, and whether the one-row GEMV's PTX holds
+             the griddepcontrol instructions.
 
 Times are the median of --replays graph replays, each timed with CUDA events after warm-up.
 `--device cpu --tiny` is a smoke mode (a tiny model, torch attention and the torch paths,
 wall-clock timing, profiler op counts instead of kernels); it says nothing about speed.
 
   python benchmarks/kernel_bench.py --out kernel_bench.json          # H200, about a minute
+  python benchmarks/kernel_bench.py --sections pdl --batch-sizes 1,2,4,8,16,32,128 --out pdl.json
   uv run python benchmarks/kernel_bench.py --device cpu --tiny        # smoke test, seconds
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from harness import Timer, ints, markdown_table, parser, record, write_json
 
 TINY_SHAPE = dict(
     vocab_size=512,
@@ -44,46 +50,37 @@ TINY_SHAPE = dict(
     total_ut_steps=4,
     max_position_embeddings=4096,
 )
+PDL_ARMS = {  # arm: (PDL, TritonPagedAttention options)
+    "off": (False, {}),
+    "pdl": (True, {}),
+    "pdl+store_in_split": (True, {"store_in_split": True}),
+    "pdl+fused_decode": (True, {"fused_decode": True}),
+}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny model instead of Ouro-1.4B")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument(
-        "--batch-sizes",
-        default=None,
-        help="comma-separated decode rows (default 1,32,128; with --tiny 1,4)",
-    )
-    parser.add_argument(
-        "--context", type=int, default=None, help="context of every row (default 1088; tiny 64)"
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--replays", type=int, default=100, help="timed replays (>= 50 advised)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = parser.parse_args(argv)
-    if args.batch_sizes is None:
-        args.batch_sizes = "1,4" if args.tiny else "1,32,128"
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    if args.context is None:
-        args.context = 64 if args.tiny else 1088
+def parse_args(argv=None):
+    p = parser(__doc__, dtype="bfloat16")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny model instead of Ouro-1.4B")
+    p.add_argument("--sections", default="attention,loop,gemm,kernels", help="see above")
+    p.add_argument("--batch-sizes", default=None, help="decode rows (default 1,32,128; tiny 1,4)")
+    p.add_argument("--context", type=int, default=None, help="of every row (default 1088; tiny 64)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--replays", type=int, default=100, help="timed replays (>= 50 advised)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=10, help="pdl: alternating rounds")
+    p.add_argument("--pdl-replays", type=int, default=10, help="pdl: graph replays per round")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.batch_sizes = ints(args.batch_sizes or ("1,4" if args.tiny else "1,32,128"))
+    args.context = args.context or (64 if args.tiny else 1088)
+    args.sections = args.sections.split(",")
     if args.device == "cpu" and args.replays > 20:
-        args.replays = 5 if args.tiny else 20
-        args.warmup = min(args.warmup, 2)
+        args.replays, args.warmup = (5 if args.tiny else 20), min(args.warmup, 2)
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# setup
-
-
+# -- setup ---------------------------------------------------------------------------------------
 def build_random_model(config, dtype, device, seed):
     """OuroModel with random weights written in place (norm weights near 1, projections 0.02)."""
     import torch
@@ -108,26 +105,6 @@ def build_random_model(config, dtype, device, seed):
     return model.eval()
 
 
-def ouro_1_4b_on_cuda(max_batch: int, context: int):
-    """(model, PagedSetup): a random Ouro-1.4B-shaped bf16 model on CUDA and a KV cache of
-    block size 16 for `max_batch` rows at `context` (the small-batch decode benchmarks')."""
-    import torch
-    from rlt_models import OuroConfig
-
-    config = OuroConfig.ouro_1_4b()
-    model = build_random_model(config, torch.bfloat16, "cuda", 0)
-    paged = PagedSetup(
-        config,
-        max_batch=max_batch,
-        context=context,
-        block_size=16,
-        dtype=torch.bfloat16,
-        device="cuda",
-        seed=0,
-    )
-    return model, paged
-
-
 class PagedSetup:
     """A KV cache for the largest batch and, per batch size, the decode metadata of B rows at
     context `context` (full-width tables, as the runner's decode graphs bind them)."""
@@ -136,17 +113,11 @@ class PagedSetup:
         import torch
         from rlt_contracts import KVCacheTensors
 
-        self.context = context
-        self.block_size = block_size
+        self.context, self.block_size, self.device = context, block_size, device
         self.pages = math.ceil(context / block_size)
         num_blocks = max_batch * self.pages
-        shape = (
-            config.num_hidden_layers,
-            num_blocks,
-            block_size,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
+        layers, heads = config.num_hidden_layers, config.num_key_value_heads
+        shape = (layers, num_blocks, block_size, heads, config.head_dim)
         generator = torch.Generator(device=device).manual_seed(seed + 1)
         key = torch.empty(shape, dtype=dtype, device=device).normal_(generator=generator)
         value = torch.empty(shape, dtype=dtype, device=device).normal_(generator=generator)
@@ -154,7 +125,6 @@ class PagedSetup:
         # fragmented, non-monotonic block order
         cpu_gen = torch.Generator().manual_seed(seed + 2)
         self.order = torch.randperm(num_blocks, generator=cpu_gen).to(torch.int32)
-        self.device = device
 
     def batch(self, rows: int):
         import torch
@@ -175,66 +145,7 @@ class PagedSetup:
 
     def kv_bytes_read(self, rows: int) -> int:
         key = self.kv.key_cache
-        _, _, _, kv_heads, head_dim = key.shape
-        return 2 * rows * self.context * kv_heads * head_dim * key.element_size()
-
-
-# ---------------------------------------------------------------------------------------------
-# timing
-
-
-class Timer:
-    """Median time (ms) of a callable: CUDA graph replays timed with events on CUDA, wall-clock
-    time of eager calls on CPU."""
-
-    def __init__(self, device: str, replays: int, warmup: int) -> None:
-        self.cuda = device == "cuda"
-        self.replays = replays
-        self.warmup = warmup
-
-    def capture(self, fn):
-        """CUDA: (graph.replay, outputs of the captured call). CPU: (fn, None)."""
-        if not self.cuda:
-            return fn, None
-        import torch
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile kernels, settle the allocator
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        graph._keep_alive = out  # the outputs live in the graph pool
-        return graph.replay, out
-
-    def median_ms(self, run) -> float:
-        if not self.cuda:
-            for _ in range(self.warmup):
-                run()
-            times = []
-            for _ in range(self.replays):
-                start = time.perf_counter()
-                run()
-                times.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(times)
-        import torch
-
-        for _ in range(self.warmup):
-            run()
-        torch.cuda.synchronize()
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(self.replays)
-        ]
-        for start, end in events:
-            start.record()
-            run()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+        return 2 * rows * self.context * key.shape[3] * key.shape[4] * key.element_size()
 
 
 def count_kernels(fn, device: str) -> dict:
@@ -243,56 +154,40 @@ def count_kernels(fn, device: str) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    if device == "cuda":
+    cuda = device == "cuda"
+    if cuda:
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names: dict[str, dict] = {}
-        copies = 0
-        for event in prof.events():
-            if event.device_type != DeviceType.CUDA:
-                continue
-            if event.name.startswith(("Memcpy", "Memset")):
-                copies += 1
-                continue
-            entry = names.setdefault(event.name, {"count": 0, "us": 0.0})
-            entry["count"] += 1
-            entry["us"] += event.time_range.elapsed_us()
-        return {
-            "kernels": sum(e["count"] for e in names.values()),
-            "memcpy_memset": copies,
-            "kernel_us": sum(e["us"] for e in names.values()),
-            "by_name": dict(sorted(names.items(), key=lambda item: -item[1]["us"])),
-        }
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
-    names = {}
+        if cuda:
+            torch.cuda.synchronize()
+    names: dict[str, dict] = {}
+    copies = 0
     for event in prof.events():
-        if event.name.startswith("aten::") and event.cpu_parent is None:
-            entry = names.setdefault(event.name, {"count": 0, "us": 0.0})
-            entry["count"] += 1
-            entry["us"] += event.time_range.elapsed_us()
+        if cuda and event.device_type != DeviceType.CUDA:
+            continue
+        if not cuda and (not event.name.startswith("aten::") or event.cpu_parent is not None):
+            continue
+        if event.name.startswith(("Memcpy", "Memset")):
+            copies += 1
+            continue
+        entry = names.setdefault(event.name, {"count": 0, "us": 0.0})
+        entry["count"] += 1
+        entry["us"] += event.time_range.elapsed_us()
     return {
         "kernels": sum(e["count"] for e in names.values()),
-        "memcpy_memset": 0,
+        "memcpy_memset": copies,
         "kernel_us": sum(e["us"] for e in names.values()),
         "by_name": dict(sorted(names.items(), key=lambda item: -item[1]["us"])),
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# the measurements
-
-
+# -- the measurements ----------------------------------------------------------------------------
 def attention_backends(device: str) -> dict:
     from rlt_attention import TorchPagedAttention, TritonPagedAttention
 
     if device == "cuda":
-        return {
-            "split": TritonPagedAttention(),
-            "tiled": TritonPagedAttention(split_kv=False),
-        }
+        return {"split": TritonPagedAttention(), "tiled": TritonPagedAttention(split_kv=False)}
     return {"torch": TorchPagedAttention()}
 
 
@@ -313,57 +208,45 @@ def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[
 
     config = model.config
     gen = torch.Generator(device=device).manual_seed(rows)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device).to(dtype)
-
-    query = randn(rows, config.num_attention_heads, config.head_dim)
-    key = randn(rows, config.num_key_value_heads, config.head_dim)
-    value = randn(rows, config.num_key_value_heads, config.head_dim)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    query = torch.randn((rows, heads, dim), generator=gen, device=device).to(dtype)
+    key = torch.randn((rows, kv_heads, dim), generator=gen, device=device).to(dtype)
+    value = torch.randn((rows, kv_heads, dim), generator=gen, device=device).to(dtype)
     layers = config.num_hidden_layers
     results = []
     for name, backend in backends.items():
         bound = backend.bind(paged.kv, paged.batch(rows))
-
-        def one_per_layer(bound=bound):
-            return [bound(layer, query, key, value) for layer in range(layers)]
-
-        run, _ = timer.capture(one_per_layer)
+        run, _ = timer.capture(lambda b=bound: [b(i, query, key, value) for i in range(layers)])
         us = timer.median_ms(run) * 1e3 / layers
-        entry = {
-            "batch": rows,
-            "kernel": name,
-            "us_per_call": us,
-            "kv_gb_per_s": paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9,
-        }
+        entry = {"batch": rows, "kernel": name, "us_per_call": us}
+        entry["kv_gb_per_s"] = paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9
         if name == "split":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
             entry["num_splits"] = split_config.choose_splits(
                 num_groups=rows,
-                num_kv_heads=config.num_key_value_heads,
+                num_kv_heads=kv_heads,
                 max_context_len=paged.pages * paged.block_size,
-                queries_per_kv=config.num_attention_heads // config.num_key_value_heads,
-                head_dim=config.head_dim,
-                sm_count=(
-                    torch.cuda.get_device_properties(device).multi_processor_count
-                    if device == "cuda"
-                    else split_config.DEFAULT_SM_COUNT
-                ),
+                queries_per_kv=heads // kv_heads,
+                head_dim=dim,
+                sm_count=sms,
             ).num_splits
         results.append(entry)
     return results
 
 
+def decode_inputs(model, paged, rows: int, device: str):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(100 + rows)
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=gen, device=device)
+    positions = torch.full((rows,), paged.context - 1, dtype=torch.long, device=device)
+    return model.embed(tokens), positions, paged.batch(rows)
+
+
 def bench_loops(model, paged, backends, rows, timer, device) -> tuple[list[dict], list]:
     """Loop timings, and (batch, path, fused_path, loop) to count kernels of once timing is done
     (a profiler session slows what runs after it on some machines)."""
-    import torch
-
-    config = model.config
-    gen = torch.Generator(device=device).manual_seed(100 + rows)
-    token_ids = torch.randint(0, config.vocab_size, (rows,), generator=gen, device=device)
-    hidden = model.embed(token_ids)
-    positions = torch.full((rows,), paged.context - 1, dtype=torch.long, device=device)
-    batch = paged.batch(rows)
+    hidden, positions, batch = decode_inputs(model, paged, rows, device)
     timings, to_count = [], []
     for name, (fused_path, backend_name) in loop_paths(device).items():
         model.fused_path = fused_path
@@ -392,24 +275,73 @@ def bench_gemms(model, rows, timer, dtype, device) -> dict:
     x = randn(rows, config.hidden_size)
     attn = randn(rows, config.num_attention_heads * config.head_dim)
     act = randn(rows, config.intermediate_size)
+    weights = [
+        (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for layer in model.layers
+    ]
+    inputs = (x, attn, x, act)
 
     def gemms():
-        outs = []
-        for layer in model.layers:
-            outs.append(F.linear(x, layer.qkv_proj))
-            outs.append(F.linear(attn, layer.o_proj))
-            outs.append(F.linear(x, layer.mlp.gate_up_proj))
-            outs.append(F.linear(act, layer.mlp.down_proj))
-        return outs[-1]
+        return [F.linear(a, w) for ws in weights for a, w in zip(inputs, ws, strict=True)][-1]
 
     run, _ = timer.capture(gemms)
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for layer in model.layers
-        for p in (layer.qkv_proj, layer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    )
+    weight_bytes = sum(w.numel() * w.element_size() for ws in weights for w in ws)
     ms = timer.median_ms(run)
     return {"batch": rows, "ms": ms, "weight_gb_per_s": weight_bytes / (ms * 1e-3) / 1e9}
+
+
+def ptx_has_griddepcontrol() -> bool:
+    """Whether a PDL launch of the one-row GEMV compiled the griddepcontrol instructions."""
+    import torch
+    from rlt_models import small_batch_linear as sbl
+
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device="cuda")
+    weight = torch.randn(64, 256, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(1, 64, dtype=torch.bfloat16, device="cuda")
+    compiled = sbl._single_row_linear_kernel[(32,)](
+        x, weight, out, 64, 256, 256, out, BLOCK_N=2, BLOCK_K=256, USE_PDL=True,
+        PREDICATED=False, launch_pdl=True,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    ok = torch.allclose(out.float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)
+    ptx = compiled.asm["ptx"]
+    return ok and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+def bench_pdl(model, paged, rows: int, args) -> dict:
+    """The fused loop per PDL arm, replayed in alternation (module docstring)."""
+    import torch
+    from rlt_attention import TritonPagedAttention
+    from rlt_contracts import dependent_launch
+
+    hidden, positions, batch = decode_inputs(model, paged, rows, "cuda")
+    timer = Timer("cuda", args.pdl_replays, 0)
+    replays, outputs = {}, {}
+    model.fused_path = "triton"
+    for arm, (pdl, options) in PDL_ARMS.items():
+        dependent_launch.set_enabled(pdl)  # the one switch of both kernel packages
+        bound = TritonPagedAttention(**options).bind(paged.kv, batch)
+        step = lambda b=bound: model.recurrent_step(hidden, positions, b)  # noqa: E731
+        replays[arm], outputs[arm] = timer.capture(step)
+    dependent_launch.set_enabled(None)
+    model.fused_path = "auto"
+    times = {arm: [] for arm in PDL_ARMS}
+    for index in range(args.rounds + 1):  # round 0 uploads the graphs and warms the clocks
+        for arm in list(PDL_ARMS)[:: 1 if index % 2 == 0 else -1]:
+            ms = timer.median_ms(replays[arm])
+            if index:
+                times[arm].append(ms)
+    torch.cuda.synchronize()
+    median = {arm: statistics.median(values) for arm, values in times.items()}
+    return {
+        "rows": rows,
+        "ms_per_loop": {arm: round(value, 4) for arm, value in median.items()},
+        "pdl_vs_off": round(median["pdl"] / median["off"], 4),
+        "identical_to_off": {
+            arm: all(torch.equal(a, b) for a, b in zip(outputs[arm], outputs["off"], strict=True))
+            for arm in PDL_ARMS
+        },
+    }
 
 
 def print_table(results: dict) -> None:
@@ -417,36 +349,25 @@ def print_table(results: dict) -> None:
     loops = {(r["batch"], r["path"]): r["ms_per_loop"] for r in results["loop"]}
     kernels = {(r["batch"], r["path"]): r["kernels"] for r in results["kernels_per_loop"]}
     gemm = {r["batch"]: r["ms"] for r in results["gemm_only"]}
-    att_names = sorted({k for _, k in attention}, key=["split", "tiled", "torch"].index)
-    paths = list(dict.fromkeys(p for _, p in loops))
-    unit = "ms wall (CPU, eager)" if results["device"] == "cpu" else "GPU ms (graph replay)"
-    print()
-    print(f"== {results['model']}, context {results['context']}, {results['dtype']}, {unit}")
-    header = ["batch"]
-    header += [f"attn {n} us (GB/s)" for n in att_names]
-    header += [f"loop {p} ms" for p in paths] + ["gemm-only ms"]
-    header += [f"kernels {p}" for p in paths]
+    names = list(dict.fromkeys(k for _, k in attention))
+    paths = list(dict.fromkeys(p for _, p in [*loops, *kernels]))
+    header = ["batch", *(f"attn {n} us (GB/s)" for n in names)]
+    header += [f"loop {p} ms" for p in paths] + ["gemm-only ms"] + [f"kernels {p}" for p in paths]
     rows = []
-    for batch in results["batch_sizes"]:
-        row = [str(batch)]
-        for n in att_names:
-            a = attention[(batch, n)]
+    for batch in results["args"]["batch_sizes"]:
+        row = [batch]
+        for n in names:
+            a = attention.get((batch, n), {})
             splits = f" s={a['num_splits']}" if "num_splits" in a else ""
-            row.append(f"{a['us_per_call']:.1f} ({a['kv_gb_per_s']:.0f}){splits}")
-        row += [f"{loops[(batch, p)]:.3f}" for p in paths]
-        row.append(f"{gemm[batch]:.3f}")
-        row += [str(kernels[(batch, p)]) for p in paths]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)))
-    print("\nkernel time of one eager fused loop (profiler; launch gaps excluded), top entries:")
-    for entry in results["kernels_per_loop"]:
-        if entry["path"] != "fused":
-            continue
-        top = list(entry["by_name"].items())[:6]
-        shown = ", ".join(f"{name[:28]} {v['us']:.0f}us/{v['count']}" for name, v in top)
-        print(f"  batch {entry['batch']}: total {entry['kernel_us']:.0f} us: {shown}")
+            row.append(f"{a['us_per_call']:.1f} ({a['kv_gb_per_s']:.0f}){splits}" if a else "")
+        row += [f"{loops[(batch, p)]:.3f}" if (batch, p) in loops else "" for p in paths]
+        row += [f"{gemm[batch]:.3f}" if batch in gemm else ""]
+        rows.append(row + [kernels.get((batch, p), "") for p in paths])
+    print(f"{results['model']}, context {results['args']['context']}, {results['args']['dtype']}")
+    print(markdown_table(header, rows))
+    for entry in results["pdl"]:
+        same = entry["identical_to_off"]
+        print(f"pdl rows {entry['rows']}: {entry['ms_per_loop']}, same output {same}")
 
 
 def main(argv=None) -> int:
@@ -457,12 +378,14 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no CUDA device is available (use --device cpu --tiny)")
         return 2
+    if "pdl" in args.sections and args.device != "cuda":
+        print("--sections pdl needs CUDA")
+        return 2
     started = time.perf_counter()
     if args.device == "cpu":
         torch.set_num_threads(1)  # a smoke test: small CPU thread pools time erratically
     torch.manual_seed(args.seed)
-    dtype = getattr(torch, args.dtype)
-    device = args.device
+    dtype, device = getattr(torch, args.dtype), args.device
     config = OuroConfig(**TINY_SHAPE) if args.tiny else OuroConfig.ouro_1_4b()
     model = build_random_model(config, dtype, device, args.seed)
     paged = PagedSetup(
@@ -476,33 +399,26 @@ def main(argv=None) -> int:
     )
     timer = Timer(device, args.replays, args.warmup)
     backends = attention_backends(device)
-    results = {
-        "model": "tiny" if args.tiny else "ouro-1.4b",
-        "config": {k: v for k, v in vars(config).items() if not isinstance(v, tuple)},
-        "device": device,
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": _triton_version(),
-        "dtype": args.dtype,
-        "context": args.context,
-        "block_size": args.block_size,
-        "batch_sizes": args.batch_sizes,
-        "replays": args.replays,
-        "attention": [],
-        "loop": [],
-        "gemm_only": [],
-        "kernels_per_loop": [],
-    }
+    sections = {k: [] for k in ("attention", "loop", "gemm_only", "kernels_per_loop", "pdl")}
+    results = record("kernel_bench", args, model="tiny" if args.tiny else "ouro-1.4b", **sections)
+    results["config"] = {k: v for k, v in vars(config).items() if not isinstance(v, tuple)}
+    if "pdl" in args.sections:
+        results["ptx_has_griddepcontrol"] = ptx_has_griddepcontrol()
     to_count = []
     with torch.inference_mode():
         for rows in args.batch_sizes:
-            results["attention"] += bench_attention(
-                model, paged, backends, rows, timer, dtype, device
-            )
-            timings, loops = bench_loops(model, paged, backends, rows, timer, device)
-            results["loop"] += timings
-            to_count += loops
-            results["gemm_only"].append(bench_gemms(model, rows, timer, dtype, device))
+            if "attention" in args.sections:
+                results["attention"] += bench_attention(
+                    model, paged, backends, rows, timer, dtype, device
+                )
+            if "loop" in args.sections or "kernels" in args.sections:
+                timings, loops = bench_loops(model, paged, backends, rows, timer, device)
+                results["loop"] += timings if "loop" in args.sections else []
+                to_count += loops if "kernels" in args.sections else []
+            if "gemm" in args.sections:
+                results["gemm_only"].append(bench_gemms(model, rows, timer, dtype, device))
+            if "pdl" in args.sections:
+                results["pdl"].append(bench_pdl(model, paged, rows, args))
             print(f"batch {rows} timed at {time.perf_counter() - started:.1f} s", flush=True)
         for rows, name, fused_path, loop in to_count:
             model.fused_path = fused_path
@@ -512,19 +428,8 @@ def main(argv=None) -> int:
         model.fused_path = "auto"
     results["wall_s"] = time.perf_counter() - started
     print_table(results)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {args.out}")
+    write_json(args.out, results)
     return 0
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -20,16 +20,11 @@ ratio to `prefill`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from offline_throughput import ensure_checkpoint  # noqa: E402  (the benchmarks' checkpoints)
+from harness import parser, record, sync, write_json
+from workload import SHAPE_NAMES, ensure_checkpoint
 
 
 def workload(args, vocab: int, seed: int) -> list[list[int]]:
@@ -42,40 +37,34 @@ def workload(args, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def run_arm(engine, prompts, params) -> float:
-    import torch
-
+def run_arm(engine, prompts, params, device: str) -> float:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}-{time.monotonic_ns()}", prompt, params)
     while engine.has_unfinished_requests():
         engine.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="tiny")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--choices", type=int, default=4)
-    parser.add_argument("--context-len", type=int, default=1000)
-    parser.add_argument("--choice-len", type=int, default=24)
-    parser.add_argument("--threshold", type=float, default=0.5)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    p = parser(__doc__, device="cpu", dtype="float32")
+    p.add_argument("--shape", default="tiny", choices=SHAPE_NAMES)
+    p.add_argument("--model", default=None)
+    p.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--choices", type=int, default=4)
+    p.add_argument("--context-len", type=int, default=1000)
+    p.add_argument("--choice-len", type=int, default=24)
+    p.add_argument("--threshold", type=float, default=0.5)
+    args = p.parse_args(argv)
 
     from rlt.engine import EngineConfig, LLMEngine
     from rlt_contracts import SamplingParams
 
     engine = LLMEngine(
         EngineConfig(
-            model=ensure_checkpoint(args),
+            model=ensure_checkpoint(args.shape, args.checkpoint_dir, args.device, args.model),
             device=args.device,
             dtype=args.dtype,
             enable_prefix_caching=True,
@@ -92,25 +81,26 @@ def main() -> None:
             exit_threshold=args.threshold,
         ),
     }
-    results: dict = {"setup": vars(args), "arms": {}}
+    results = record("prompt_scoring", args, arms={})
     for name, params in arms.items():
-        run_arm(engine, workload(args, vocab, seed=10_000)[: args.choices], params)  # warm-up
+        warm = workload(args, vocab, seed=10_000)[: args.choices]
+        run_arm(engine, warm, params, args.device)  # warm-up
         prompts = workload(args, vocab, seed=1)  # the same prompts for every arm
-        wall = run_arm(engine, prompts, params)
+        wall = run_arm(engine, prompts, params, args.device)
         tokens = sum(len(p) for p in prompts)
         results["arms"][name] = {
             "prompt_tokens": tokens,
             "wall_s": wall,
             "tokens_per_s": tokens / wall,
         }
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(args.out, results)
     base = results["arms"]["prefill"]["tokens_per_s"]
     for name, arm in results["arms"].items():
         arm["ratio_to_prefill"] = arm["tokens_per_s"] / base
         print(
             f"{name:>11}: {arm['tokens_per_s']:,.0f} prompt tok/s ({arm['ratio_to_prefill']:.3f})"
         )
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

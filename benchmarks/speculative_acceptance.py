@@ -16,32 +16,26 @@ per decoded token, and whether every request's tokens and exit depths equal the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import ROOT, floats, ints, parser, record, write_json
+from speculative_decoding import acceptance_between
+from workload import decode_phase
 
-from offline_throughput import decode_phase  # noqa: E402
-from speculative_decoding import acceptance_between  # noqa: E402
-
-PASSAGES = Path(__file__).resolve().parent / "data" / "heldout_passages.json"
+PASSAGES = ROOT / "benchmarks" / "data" / "heldout_passages.json"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-tokens", type=int, default=48)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--num-prompts", type=int, default=24)
-    parser.add_argument("--thresholds", default="0.5,1.0")
-    parser.add_argument("--drafts", default="2,4,8")
-    parser.add_argument("--draft-loops", default="1,2,3")
-    parser.add_argument("--out", default=None)
-    return parser.parse_args(argv)
+def parse_args(argv=None):
+    p = parser(__doc__, device="cpu", dtype="float32")
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--thresholds", default="0.5,1.0")
+    p.add_argument("--drafts", default="2,4,8")
+    p.add_argument("--draft-loops", default="1,2,3")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -55,11 +49,11 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(plain.parts.model_dir)
     passages = json.loads(PASSAGES.read_text())["passages"][: args.num_prompts]
     prompts = [tokenizer.encode(p)[: args.prompt_tokens] for p in passages]
-    results = {"args": vars(args), "arms": []}
-    for threshold in [float(t) for t in args.thresholds.split(",")]:
+    results = record("speculative_acceptance", args, arms=[])
+    for threshold in floats(args.thresholds):
         engines = [("plain", {}, plain)]
-        for d in [int(x) for x in args.draft_loops.split(",")]:
-            for k in [int(x) for x in args.drafts.split(",")]:
+        for d in ints(args.draft_loops):
+            for k in ints(args.drafts):
                 options = dict(num_speculative_tokens=k, speculative_draft_loops=d)
                 engines.append((f"{k},{d}", options, None))
         reference = base = None
@@ -72,8 +66,7 @@ def main(argv=None) -> int:
             arm["speedup"] = round(arm["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
             results["arms"].append(arm)
             print(json.dumps(arm), flush=True)
-            if args.out:
-                Path(args.out).write_text(json.dumps(results, indent=1))
+            write_json(args.out, results)
             if engine is not plain:
                 engine.shutdown()
     plain.shutdown()

@@ -37,7 +37,6 @@ Example (one H200, Ouro-1.4B shape):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import random
@@ -46,129 +45,80 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import floats, free_memory, ints, parser, record, sync, write_json
+from offline_throughput import gemv_choices
+from workload import MIX, SHAPE_NAMES, decode_phase, ensure_checkpoint, random_prompts
 
-from offline_throughput import (  # noqa: E402
-    SHAPES,
-    decode_phase,
-    ensure_checkpoint,
-    gemv_choices,
-)
-
-MIX = (0.55, 0.40, 0.05)  # depths 2 / 3 / 4: mean 2.5 loops
 WARMUP_TOKENS = 8
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="tiny", choices=[*SHAPES, "ouro-1.4b"])
-    parser.add_argument("--model", default=None, help="checkpoint (default: a random --shape)")
-    parser.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--concurrency", default="1", help="comma-separated request counts")
-    parser.add_argument("--drafts", default="2,4,8", help="K values, comma-separated")
-    parser.add_argument("--draft-loops", default="1,2", help="D values, comma-separated")
-    parser.add_argument("--alphas", default="0.6,0.8,0.9", help="forced acceptance rates")
-    parser.add_argument("--no-real", action="store_true", help="skip the unforced K,D arms")
-    parser.add_argument("--mix", action="store_true", help="also the 2.5-loop depth mix")
-    parser.add_argument(
+def parse_args(argv=None):
+    p = parser(__doc__, device="cpu", dtype="float32")
+    p.add_argument("--shape", default="tiny", choices=SHAPE_NAMES)
+    p.add_argument("--model", default=None, help="checkpoint (default: a random --shape)")
+    p.add_argument("--checkpoint-dir", default="/tmp/rlt-bench-checkpoints")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", default="1", help="comma-separated request counts")
+    p.add_argument("--drafts", default="2,4,8", help="K values, comma-separated")
+    p.add_argument("--draft-loops", default="1,2", help="D values, comma-separated")
+    p.add_argument("--alphas", default="0.6,0.8,0.9", help="forced acceptance rates")
+    p.add_argument("--no-real", action="store_true", help="skip the unforced K,D arms")
+    p.add_argument("--mix", action="store_true", help="also the 2.5-loop depth mix")
+    p.add_argument(
         "--disable-batch-size",
         default="none",
         help="speculative_disable_batch_size of the speculative engines ('none': never pause; "
         "'default': the engine's default)",
     )
-    parser.add_argument("--phase-timing", action="store_true")
-    parser.add_argument(
+    p.add_argument("--phase-timing", action="store_true")
+    p.add_argument(
         "--phase-kernels",
         type=int,
         default=0,
-        help="with --phase-timing: the N costliest kernels of the tick and verify graphs "
-        "(torch.profiler over 10 replays)",
+        help="with --phase-timing: the N costliest kernels of the tick and verify graphs",
     )
-    parser.add_argument(
-        "--step-log", action="store_true", help="per arm: [prompt tokens, tokens, device ms]"
-    )
-    parser.add_argument(
-        "--decode-ticks-per-step",
-        type=int,
-        default=None,
-        help="EngineConfig.decode_ticks_per_step of every arm (default: the engine's)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="measure every arm this many times, arms alternating; report the median",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="JSON results")
-    return parser.parse_args(argv)
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    p.add_argument("--step-log", action="store_true", help="per arm: [prompt tokens, tokens, ms]")
+    p.add_argument("--decode-ticks-per-step", type=int, default=None, help="default: engine's")
+    p.add_argument("--repeats", type=int, default=1, help="alternating runs; the median")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
     from rlt_models import load_model
 
-    path = ensure_checkpoint(argparse.Namespace(**vars(args), write_checkpoint_only=False))
+    path = ensure_checkpoint(args.shape, args.checkpoint_dir, args.device, args.model)
     model = load_model(path, dtype=args.dtype, device=args.device)
-    rng = random.Random(args.seed)
     vocab = model.shape.vocab_size
     concurrencies = ints(args.concurrency)
-    prompts = [
-        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(max(concurrencies))
-    ]
+    prompts = random_prompts(args.seed, max(concurrencies), args.prompt_len, vocab)
     trace = Path(args.checkpoint_dir) / f"mix-trace-{args.seed}.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     depths = random.Random(args.seed + 1).choices([2, 3, 4], weights=MIX, k=args.output_len)
     trace.write_text(json.dumps({"*": [model.shape.num_loops, *depths[1:]]}))
     configs = [(k, d) for d in ints(args.draft_loops) for k in ints(args.drafts)]
-    alphas = [float(a) for a in args.alphas.split(",") if a]
-    results = {
-        "args": dict(vars(args)),
-        "device": device_name(args.device),
-        "arms": [],
-        "phases": [],
-    }
-    workloads = ["fixed", "mix"] if args.mix else ["fixed"]
+    alphas = floats(args.alphas)
+    results = record("speculative_decoding", args, arms=[], phases=[])
     started = time.perf_counter()
-    for workload in workloads:
+    for workload in ["fixed", "mix"] if args.mix else ["fixed"]:
         for concurrency in concurrencies:
             run_workload(
                 args, model, path, prompts, trace, workload, concurrency, configs, alphas, results
             )
-            flush(args, results)
+            write_json(args.out, results)
     if args.phase_timing and args.device.startswith("cuda"):
         for k, d in configs:
             results["phases"].append(phase_timing(args, model, path, k, d))
             print(json.dumps(results["phases"][-1]), flush=True)
-            flush(args, results)
+            write_json(args.out, results)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     results["gemv_choices"] = gemv_choices()
-    flush(args, results)
+    write_json(args.out, results)
     del model
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_memory(args.device)
     return 0
-
-
-def flush(args, results) -> None:
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
 def engine_config(args, path: Path, concurrency: int, trace: Path | None, **options):
@@ -444,13 +394,6 @@ def top_kernels(graph, count: int, replays: int = 10) -> list:
             entry[1] += event.device_time
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
     return [[name, calls / replays, round(us / replays, 1)] for name, (calls, us) in ranked]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ one bidirectional block; transformers does the same given `token_type_ids` of on
 prompt (its first forward then builds a block mask; decode is causal in both), so they are
 passed. Other models get no token_type_ids.
 
-Checkpoints (--shape: offline_throughput.py's shapes, e.g. hrm-text-1b, dory-4b; --writer):
-  rlt           (the default) offline_throughput.py's random checkpoint of the shape (rlt's
+Checkpoints (--shape: workload.py's shapes, e.g. hrm-text-1b, dory-4b; --writer):
+  rlt           (the default) workload.py's random checkpoint of the shape (rlt's
                 `write_random_checkpoint`, the Hub layout transformers loads) under
                 --checkpoint-dir/<shape>: the same directory the rlt runs read, so one
                 checkpoint serves both engines
@@ -49,17 +49,15 @@ Hub download, e.g.). --write-checkpoint-only writes and exits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_throughput import SHAPE_NAMES, ensure_checkpoint, make_workload, shape_config  # noqa: E402
+from harness import ints, parser, record, write_json
+from workload import SHAPE_NAMES, ensure_checkpoint, random_prompts, shape_config
 
 WARMUP_TOKENS = 4
 WRITERS = ("rlt", "transformers")
@@ -83,7 +81,7 @@ class GenerateTiming:
 
 
 def shape_config_json(shape: str) -> dict:
-    """The config.json contents of a --shape's checkpoint (offline_throughput.py's shapes)."""
+    """The config.json contents of a --shape's checkpoint (workload.py's shapes)."""
     if shape not in SHAPE_NAMES:
         raise BenchmarkInputError(f"unknown shape {shape!r}; known: {sorted(SHAPE_NAMES)}")
     return shape_config(shape).to_dict()
@@ -146,10 +144,7 @@ def ensure_shape_checkpoint(shape: str, args) -> Path:
     shape_config_json(shape)
     checkpoint_path(shape, args.checkpoint_dir, args.writer)
     if args.writer == "rlt":  # the directory and writer offline_throughput.py's runs use
-        rlt_args = SimpleNamespace(
-            model=None, checkpoint_dir=args.checkpoint_dir, shape=shape, device=args.device
-        )
-        return ensure_checkpoint(rlt_args)
+        return ensure_checkpoint(shape, args.checkpoint_dir, args.device)
     return ensure_transformers_checkpoint(
         shape, args.checkpoint_dir, device=args.device, dtype=args.dtype, seed=args.seed
     )
@@ -277,8 +272,8 @@ def measure(model_dir: Path, batch_sizes: list[int], args) -> dict:
     prefix_lm = uses_prefix_lm(model)
     results, errors = [], []
     for batch in batch_sizes:
-        workload = SimpleNamespace(seed=args.seed, prompt_len=args.prompt_len, num_requests=batch)
-        prompts = torch.tensor(make_workload(workload, vocab), device=args.device)
+        prompts = random_prompts(args.seed, batch, args.prompt_len, vocab)
+        prompts = torch.tensor(prompts, device=args.device)
         try:
             timing = time_generate(model, prompts, args.output_len, prefix_lm=prefix_lm)
         except torch.OutOfMemoryError as exc:
@@ -295,50 +290,41 @@ def measure(model_dir: Path, batch_sizes: list[int], args) -> dict:
         "model_dir": str(model_dir),
         "architecture": type(model).__name__,
         "transformers": transformers.__version__,
-        "torch": torch.__version__,
         "attn_implementation": model.config._attn_implementation,
         "load_s": load_s,
-        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "results": results,
         "errors": errors,
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
+def build_parser():
+    p = parser(__doc__, device="cpu", dtype="bfloat16", out=False)
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a checkpoint directory transformers loads")
-    source.add_argument("--shape", help="one of offline_throughput.py's shapes")
-    parser.add_argument("--checkpoint-dir", default=".runs/bench-checkpoints")
-    parser.add_argument("--writer", default="rlt", choices=WRITERS)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--write-checkpoint-only", action="store_true")
-    parser.add_argument("--json-out")
-    return parser
+    source.add_argument("--shape", help="one of workload.py's shapes")
+    p.add_argument("--checkpoint-dir", default=".runs/bench-checkpoints")
+    p.add_argument("--writer", default="rlt", choices=WRITERS)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-checkpoint-only", action="store_true")
+    p.add_argument("--json-out", type=Path, help="write the JSON record here")
+    return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     try:
         model_dir = Path(args.model) if args.model else ensure_shape_checkpoint(args.shape, args)
         if args.write_checkpoint_only:
             print(f"checkpoint ready: {model_dir}", flush=True)
             return 0
-        body = measure(model_dir, batch_sizes, args)
+        body = measure(model_dir, ints(args.batch_sizes), args)
     except BenchmarkInputError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
-    if args.json_out:
-        setup = {k: v for k, v in vars(args).items() if k != "json_out"}
-        Path(args.json_out).write_text(json.dumps({"setup": setup, **body}, indent=2))
+    write_json(args.json_out, record("transformers_generate", args, **body))
     return 1 if body["errors"] else 0
 
 

@@ -23,9 +23,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import family_speed_transformers as tf_arm  # noqa: E402
+import family_speed  # noqa: E402
 import transformers_generate as tg  # noqa: E402
-from offline_throughput import make_workload  # noqa: E402
+from workload import random_prompts  # noqa: E402
 
 MARGIN = 1e-4
 LOGPROB_TOL = 1e-5
@@ -58,8 +58,7 @@ def test_hrm_text_reads_rlts_checkpoint_and_decodes_as_rlt_does(tmp_path):
     model = tg.load_model(path, device="cpu", dtype="float32")
     assert type(model).__name__ == "HrmTextForCausalLM" and tg.uses_prefix_lm(model)
     assert model.config._attn_implementation == "sdpa"
-    workload = SimpleNamespace(seed=0, prompt_len=PROMPT_LEN, num_requests=BATCH)
-    prompts = torch.tensor(make_workload(workload, model.config.vocab_size))
+    prompts = torch.tensor(random_prompts(0, BATCH, PROMPT_LEN, model.config.vocab_size))
 
     timing = tg.time_generate(model, prompts, NEW_TOKENS, prefix_lm=True, warmup_tokens=2)
     assert (timing.batch_size, timing.prompt_len, timing.output_len) == (2, 12, 5)
@@ -116,7 +115,7 @@ def test_dory_of_either_writer_is_timed(tmp_path, writer):
 
 def test_which_shapes_and_writers(tmp_path):
     shapes = ["tiny", "tiny-nanbeige", "tiny-hrm-text", "tiny-dory"]
-    assert tf_arm.shapes_transformers_has(shapes) == ["tiny-hrm-text", "tiny-dory"]
+    assert family_speed.shapes_transformers_has(shapes) == ["tiny-hrm-text", "tiny-dory"]
     with pytest.raises(tg.BenchmarkInputError, match="unknown shape 'no-such-shape'"):
         tg.shape_model_type("no-such-shape")
     with pytest.raises(tg.BenchmarkInputError, match="writer must be one of"):
@@ -136,8 +135,8 @@ def test_family_speed_summary_and_table_read_the_records():
         {"concurrency": 32, "rc": 1, "error": "OutOfMemoryError: ..."},  # not timed
     ]
     summary = {"shape": "hrm-text-1b", "decode_tok_s": {1: 160.5, 32: 1869.0, 128: 3000.0}}
-    tf_arm.add_to_summary(summary, records)
+    family_speed.add_to_summary(summary, records)
     assert summary["transformers_decode_tok_s"] == {1: 10.0}
     assert summary["rlt_over_transformers_decode"] == {1: 16.05}
-    assert tf_arm.table_cells(summary, [1, 32]) == ["10.0 / failed", "16.05x / n/a"]
-    assert tf_arm.table_cells({"shape": "tiny"}, [1, 32]) == ["n/a", "n/a"]
+    assert family_speed.table_cells(summary, [1, 32]) == ["10.0 / failed", "16.05x / n/a"]
+    assert family_speed.table_cells({"shape": "tiny"}, [1, 32]) == ["n/a", "n/a"]

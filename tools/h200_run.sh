@@ -55,11 +55,10 @@
 #                                                  (--no-transformers: rlt alone)
 #                                                  (benchmarks/family_speed.py ARGS, ~6 min;
 #                                                  files in $OUT/families.tgz)
-#   bash tools/h200_run.sh pdl-loop                one fused decode loop with and without
+#   bash tools/h200_run.sh pdl-loop [ARGS...]      one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
-#                                                  (benchmarks/dependent_launch_loop.py, ~1 min)
-#   bash tools/h200_run.sh prefill-host            host launch time against GPU time of one
-#                                                  eager prefill step (benchmarks/prefill_host_cost.py)
+#                                                  (benchmarks/kernel_bench.py --sections pdl
+#                                                  ARGS, ~1 min)
 #   bash tools/h200_run.sh batch-invariance        batch-invariant mode: its tests on CUDA, then
 #                                                  its invariance and cost (Ouro-1.4B shape)
 #   bash tools/h200_run.sh served                  issue 23: served against offline throughput at
@@ -236,9 +235,8 @@ case "$mode" in
     tar czf "$OUT/families.tgz" -C "$OUT" families && rm -rf "$OUT/families"
     exit $rc ;;
   pdl-loop)
-    python3 benchmarks/dependent_launch_loop.py --out "$OUT/dependent_launch_loop.json" "$@" ;;
-  prefill-host)
-    python3 benchmarks/prefill_host_cost.py --out "$OUT/prefill_host_cost.json" "$@" ;;
+    python3 benchmarks/kernel_bench.py --sections pdl --batch-sizes 1,2,4,8,16,32,128 \
+      --out "$OUT/dependent_launch_loop.json" "$@" ;;
   batch-invariance)  # BI_TESTS=0: the benchmark only
     [ "${BI_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/test_batch_invariance.py \
       packages/rlt-models/tests/test_batch_invariant_ops.py \
@@ -316,7 +314,7 @@ case "$mode" in
       [[ $arms == *mix* ]] && arm mix 0 8101 "${mix[@]}"
     fi
     [ "$arms" = fixed,mix ] || { tar czf "$OUT/sweeps.tgz" -C /tmp sweep-$arms; exit; }
-    python3 benchmarks/plot_serving_sweeps.py --sweep "fixed depth (4 loops)" /tmp/sweep-fixed \
+    python3 benchmarks/plots.py serving-sweeps --sweep "fixed depth (4 loops)" /tmp/sweep-fixed \
       --sweep "trace mix (2.5 loops)" /tmp/sweep-mix --out "$OUT/h200-serving-sweep.png" \
       --title "rlt serve on H200: random Ouro-1.4B shape, 512 in / 128 out"
     tar czf "$OUT/sweeps.tgz" -C /tmp sweep-fixed sweep-mix

@@ -86,7 +86,7 @@ def choose_splits(
     heuristic (tests; `block_n` a power of two >= 16).
 
     Heuristic (head_dim <= 128, from H200 sweeps over all 24 layers' KV of Ouro-1.4B at a ~1.1K
-    context, `benchmarks/small_batch_sweep.py`):
+    context, `benchmarks/small_batch_sweep.py` at 9d2bf4f):
     - up to SMALL_GRID unsplit programs (groups x kv heads: 1-4 decode rows of 16 kv heads):
       about 6 programs per SM in short splits (16 keys per step and 2 warps up to 32
       programs, else 32 keys and 4 warps), 2 pipeline stages; the nearest swept configurations were

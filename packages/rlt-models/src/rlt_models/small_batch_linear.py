@@ -12,11 +12,11 @@ shape where cuBLAS wins keeps cuBLAS. Each candidate is timed as a decode loop r
 graph of one call per weight over enough random copies of the weight that together they exceed
 twice the L2 cache (a loop's other layers evict each weight before its next use), median of
 graph replays. Timed that way, the choices held in a whole loop (on an H200, Ouro-1.4B, batch 1:
-the four projections 4-18% faster, the loop 9%; `benchmarks/small_batch_sweep.py`); an earlier
-single-call timing with a flushed L2 did not, and needed a 15% margin. Inside the engine the
-copies are limited to a quarter of the memory left after the KV pool, so the timing can run
-warmer, and near-ties have gone either way between runs (docs/results.md). The first call
-must not run inside CUDA-graph capture (the engine's warm-up runs every decode shape eagerly
+the four projections 4-18% faster, the loop 9%; `benchmarks/small_batch_sweep.py` at 9d2bf4f);
+an earlier single-call timing with a flushed L2 did not, and needed a 15% margin. Inside the
+engine the copies are limited to a quarter of the memory left after the KV pool, so the timing
+can run warmer, and near-ties have gone either way between runs (docs/results.md). The first
+call must not run inside CUDA-graph capture (the engine's warm-up runs every decode shape eagerly
 first). Only bf16/fp16 weights are considered (fp32 keeps cuBLAS, whose tests are exact against
 fp64). Output equals cuBLAS up to the order of the fp32 accumulation (then one rounding to act
 dtype).

@@ -2,8 +2,8 @@
 
 Eagerly, a prefill step launches every kernel of every layer of every loop from the host: at
 Ouro-1.4B, two 1,024-token chunks take ~50 ms of host launch time for ~40 ms of GPU time (H200,
-`benchmarks/prefill_host_cost.py`), so prefill steps were bound by the host. Here a step is one
-graph replay.
+`benchmarks/prefill_host_cost.py` at 9d2bf4f), so prefill steps were bound by the host. Here a
+step is one graph replay.
 
 Graphs are keyed by (token bucket, group bucket): the step's packed prompt tokens padded to a
 power of two (at least MIN_TOKENS, at most `max_tokens`), its chunks padded to a power of two
@@ -144,7 +144,8 @@ class PrefillGraphs:
         """Capture every token bucket for one chunk now (engine start). A first capture at a
         new query-length class compiles Triton specializations: ~0.7 s each on an H200, a
         stall of every running request if it happened while serving; later captures of
-        another chunk count reuse them (~0.1-0.17 s each, `benchmarks/prefill_capture_cost.py`)."""
+        another chunk count reuse them (~0.1-0.17 s each, `benchmarks/prefill_capture_cost.py` at
+        9d2bf4f)."""
         width = MIN_TOKENS
         while self._graph(min(width, self.max_tokens), 1) is not None:
             logger.info("CUDA graphs: prefill step of %d tokens", min(width, self.max_tokens))

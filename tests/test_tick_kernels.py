@@ -1,6 +1,7 @@
 """The Triton tick kernels (prepare / commit / copy) equal the torch tick they replace: whole
 generations through the engine with either implementation give identical tokens, depths and
-logprobs, for every exit rule kind, both layouts, cohort decoding, stops and logprobs. Without
+logprobs, for every exit rule kind, every layout (ring:3 of 4 loops: plane (loop - 1) mod 3, the
+fill of planes an early exit never wrote), cohort decoding, stops and logprobs. Without
 CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by the root conftest).
 Engine-level (it drives `rlt.LLM`), so it lives with the workspace tests, not in rlt-runner's."""
 
@@ -47,10 +48,11 @@ def generate(path, fused: bool, params, **options):
     [
         {},
         {"kv_layout": "shared"},
+        {"kv_layout": "ring:3"},
         {"scheduling_mode": "no_refill"},
         {"exit_policy": "ouro_delayed"},
     ],
-    ids=["last_exited", "shared", "no_refill", "delayed"],
+    ids=["last_exited", "shared", "ring", "no_refill", "delayed"],
 )
 def test_fused_tick_equals_torch_tick(tiny_checkpoint, options):
     path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)

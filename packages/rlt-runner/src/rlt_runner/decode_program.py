@@ -2,10 +2,12 @@
 
 A tick, for every active row at once (rows at different loop depths mix):
 
-    loop      one recurrent step at the row's plane (LAST_EXITED: plane = loop - 1) and position;
-              the key/value of the loop is stored at the row's slot of that plane
+    loop      one recurrent step at the row's plane (LAST_EXITED: plane = loop - 1; RING of K:
+              (loop - 1) mod K) and position; the loop's key/value is stored at the row's slot
+              of that plane
     exit      the row's exit rule on the new state (exit_rules.decide_exits)
-    finalize  LAST_EXITED: an exit at loop e copies the position's KV into planes e..T-1
+    finalize  LAST_EXITED: an exit at loop e copies the position's KV into planes e..T-1 (RING:
+              into planes e..K-1 when e < K, the planes it never wrote)
     coda      LM head + sampler for every row (rows that did not exit are discarded: a fixed
               shape keeps the tick capturable as one CUDA graph). With the Triton tick kernels
               the exit decision comes first and the head is told (`coda(needed=...)`) whether
@@ -43,7 +45,7 @@ import torch
 from rlt_contracts import (
     AttentionBackend,
     ExitSignal,
-    KVLayout,
+    KVLayoutSpec,
     LoopedLanguageModel,
     PagedAttentionBatch,
     SampledRows,
@@ -76,7 +78,7 @@ class DecodeProgram:
         kv: KVStorage,
         rows: DecodeRows,
         *,
-        layout: KVLayout,
+        layout: KVLayoutSpec,
         cohort: bool,
         max_ticks: int,
         max_context: int,
@@ -281,13 +283,13 @@ class DecodeProgram:
         return stage(inputs, position, attention, needed=needed, **extra)
 
     def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
-        if self.layout is KVLayout.LAST_EXITED:
-            return loop_index - 1
-        return torch.zeros_like(loop_index)
+        return self.layout.plane_of_loop(loop_index)
 
     def _finalize_kv(self, B, exits, loop_index, page, offset, own_slot) -> None:
         """LAST_EXITED: a token that exits at loop e < T gets its plane e-1 KV copied into
-        planes e..T-1, so later queries at any deeper loop read its last version."""
+        planes e..T-1, so later queries at any deeper loop read its last version. RING of K
+        planes (`loop_planes` = K): the same copy into planes e..K-1, needed only when e < K
+        (its planes e..K-1 were never written; at e >= K `loop_index <= plane` holds for none)."""
         scratch = self.kv.scratch_slot
         copies = exits & (loop_index < self.depth)
         sources, targets = [], []

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rlt_contracts import KVLayout
+from rlt_contracts import KVLayout, KVLayoutSpec
 
 from rlt_runner.exit_rules import ExitRules
 from rlt_runner.loop_bookkeeping import kv_slots_of
@@ -53,7 +53,7 @@ class ExitDepthStates:
 
 def run_at_exit_depth(
     loops: PositionLoops,
-    layout: KVLayout,
+    layout: KVLayoutSpec,
     chunks: list[tuple[int, int, tuple[int, ...], bool]],
     *,
     gate: bool,
@@ -61,7 +61,9 @@ def run_at_exit_depth(
     """Run chunks (row, start_position, token_ids, completes_prompt) under their rows' exit
     rules (`gate`: some rule reads the exit gate). A chunk that completes its prompt leaves its
     last position's exit state in the row's `hidden` (token 0 is sampled from it)."""
-    if layout is KVLayout.LAST_EXITED:
+    if layout.kind is KVLayout.RING:  # the engine refuses such requests at admission
+        raise ValueError(f"exit-depth scoring reads last_exited or shared KV, not {layout}")
+    if layout.kind is KVLayout.LAST_EXITED:
         results = _depth_major(loops, chunks, gate)
     else:
         results = _position_by_position(loops, chunks, gate)

@@ -28,6 +28,7 @@ from rlt_contracts import (
     ExecutionIdentity,
     FailedOperation,
     KVLayout,
+    KVLayoutSpec,
     LoopedLanguageModel,
     ModelRunnerOutput,
     PrefillChunk,
@@ -94,7 +95,7 @@ class ModelRunner:
         attention: AttentionBackend,
         sampler: TokenSampler,
         *,
-        kv_layout: KVLayout,
+        kv_layout: KVLayoutSpec,
         num_kv_blocks: int,
         block_size: int,
         max_num_seqs: int,
@@ -232,7 +233,7 @@ class ModelRunner:
         kv_plan = self.model.family.kv
         if tokens <= 0 or kv_plan.stage_layers or not kv_plan.per_loop:
             return  # prompts of stage families and of one-plane KV plans run eagerly
-        if self.layout is KVLayout.SHARED:
+        if self.layout.kind is KVLayout.SHARED:
             self.shared_waves = SharedPrefillGraphs(
                 self.model,
                 self.attention,
@@ -265,7 +266,7 @@ class ModelRunner:
             tensors += vars(self.speculation).values()
         own = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         tokens = self._prefill_graph_limits[0]
-        if tokens <= 0 or self.layout is KVLayout.SHARED:
+        if tokens <= 0 or self.layout.kind is KVLayout.SHARED:
             return own
         hidden = self.rows.hidden
         rows, width = hidden.shape

@@ -15,6 +15,11 @@ every plane (no per-loop uploads, no host reads):
 - A family whose KV is one plane that every loop overwrites (`KVPlan.per_loop` False) runs
   depth-major on that plane: loop k of the prompt sees the past's final keys and the prompt's
   own loop-k keys (its prompts come whole).
+- RING ("ring:K"), depth-major the same way: loop t runs at plane (t - 1) mod K, so every
+  chunk position at loop t reads the chunk's loop-t keys and the earlier chunks' latest loop of
+  that plane; a prompt run at e < K loops gets its plane e - 1 KV copied into planes e..K-1
+  (planes it never wrote). With K below the loop cap the engine sends prompts whole (the KV
+  depends on the chunking otherwise; `KVLayoutSpec.folds_loops`).
 - SHARED, position by position: each request advances one prompt position at a time through all
   loops (batched across requests), so every prompt token sees earlier prompt tokens at their
   final depth whatever the chunk boundaries are (slow: the layout's semantics require it). With
@@ -33,6 +38,7 @@ import torch
 from rlt_contracts import (
     AttentionBackend,
     KVLayout,
+    KVLayoutSpec,
     LoopedLanguageModel,
     PagedAttentionBatch,
     PromptMask,
@@ -99,7 +105,7 @@ def run_prefill(
     attention: AttentionBackend,
     kv: KVStorage,
     rows: DecodeRows,
-    layout: KVLayout,
+    layout: KVLayoutSpec,
     chunks: list[tuple[int, int, tuple[int, ...], bool]],
     *,
     graphs: PrefillGraphs | None = None,
@@ -122,7 +128,7 @@ def run_prefill(
     if keep_states or loops is not None:
         graphs = shared_waves = None
     loops = loops or [depth] * len(chunks)
-    position_major = layout is KVLayout.SHARED and model.family.kv.per_loop
+    position_major = layout.kind is KVLayout.SHARED and model.family.kv.per_loop
     if position_major and shared_waves is not None:
         shared_waves.run(chunks)
     elif position_major:
@@ -172,8 +178,8 @@ def _depth_major(
         bound = attention.bind(kv.tensors, batch)
         computed, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
         hidden = computed if query_loops is None else torch.where(done[:, None], hidden, computed)
-    if query_loops is not None and layout is KVLayout.LAST_EXITED:
-        _copy_into_deeper_planes(kv, groups, query_loops, depth)
+    if query_loops is not None and layout.fills_unreached_planes and rows.loop_planes > 1:
+        _copy_into_deeper_planes(kv, groups, query_loops, rows.loop_planes)
     if stage is not None:  # every position's coda KV; the states the head reads
         hidden = model.finish(hidden, groups.positions, stage_attention)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
@@ -183,13 +189,16 @@ def _depth_major(
     return {i: hidden[starts[i] : starts[i + 1]] for i in keep_states}
 
 
-def _copy_into_deeper_planes(kv, groups: PrefillGroups, query_loops, depth: int) -> None:
-    """LAST_EXITED: a prompt run at e < depth loops gets its plane e - 1 KV copied into planes
-    e..depth-1, as an exited token's (later queries at a deeper loop read its last version)."""
-    slots = torch.stack([groups.batch(plane).write_slots for plane in range(depth)])  # [T, N]
-    last = slots.gather(0, (query_loops - 1)[None, :]).squeeze(0)
+def _copy_into_deeper_planes(kv, groups: PrefillGroups, query_loops, planes: int) -> None:
+    """LAST_EXITED (`planes` = T) and RING (`planes` = K): a prompt run at e < planes loops gets
+    its plane e - 1 KV copied into planes e..planes-1, as an exited token's (later queries at a
+    deeper loop read its last version, never a plane it did not write). A prompt run at
+    e >= planes loops (a ring's) wrote every plane: nothing is copied."""
+    slots = torch.stack([groups.batch(plane).write_slots for plane in range(planes)])  # [P, N]
+    last_plane = torch.clamp(query_loops - 1, max=planes - 1)
+    last = slots.gather(0, last_plane[None, :]).squeeze(0)
     sources, targets = [], []
-    for plane in range(1, depth):
+    for plane in range(1, planes):
         deeper = query_loops <= plane
         sources.append(torch.where(deeper, last, kv.scratch_slot))
         targets.append(torch.where(deeper, slots[plane], kv.scratch_slot))

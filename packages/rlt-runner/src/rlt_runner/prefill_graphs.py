@@ -31,7 +31,7 @@ import logging
 import time
 
 import torch
-from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PagedAttentionBatch
+from rlt_contracts import AttentionBackend, KVLayoutSpec, LoopedLanguageModel, PagedAttentionBatch
 
 from rlt_runner.graph_capture import capture
 from rlt_runner.kv_storage import KVStorage
@@ -58,7 +58,7 @@ class PrefillGraphs:
         attention: AttentionBackend,
         kv: KVStorage,
         rows: DecodeRows,
-        layout: KVLayout,
+        layout: KVLayoutSpec,
         *,
         max_tokens: int,
         max_groups: int,

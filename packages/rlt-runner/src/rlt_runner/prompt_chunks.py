@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from rlt_contracts import AttentionBackend, KVLayout, LoopedLanguageModel, PrefillChunk
+from rlt_contracts import AttentionBackend, KVLayoutSpec, LoopedLanguageModel, PrefillChunk
 
 from rlt_runner.exit_depth_prefill import run_at_exit_depth
 from rlt_runner.kv_storage import KVStorage
@@ -39,7 +39,7 @@ def run_prompt_chunks(
     attention: AttentionBackend,
     kv: KVStorage,
     rows: DecodeRows,
-    layout: KVLayout,
+    layout: KVLayoutSpec,
     position_loops: PositionLoops,
     chunks: list[PrefillChunk],
     *,

@@ -49,6 +49,7 @@ import torch
 from rlt_contracts import (
     AttentionBackend,
     KVLayout,
+    KVLayoutSpec,
     LoopedLanguageModel,
     SamplingMode,
     SpeculativeSampler,
@@ -93,7 +94,7 @@ class SpeculativeProgram:
         kv: KVStorage,
         rows: DecodeRows,
         *,
-        layout: KVLayout,
+        layout: KVLayoutSpec,
         cohort: bool,
         num_drafts: int,
         draft_loops: int,
@@ -110,12 +111,14 @@ class SpeculativeProgram:
             raise ValueError(f"draft_loops must be in [1, {depth - 1}], got {draft_loops}")
         if num_drafts < 1:
             raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+        if layout.kind is KVLayout.RING:  # the engine refuses the pair at start-up
+            raise ValueError(f"speculative rounds read last_exited or shared KV, not {layout}")
         self.model = model
         self.attention = attention
         self.sampler = sampler
         self.kv = kv
         self.rows = rows
-        self.layout = layout
+        self.layout = layout.kind
         self.cohort = cohort
         self.num_drafts = num_drafts
         self.width = width = num_drafts + 1

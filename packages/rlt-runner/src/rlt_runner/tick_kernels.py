@@ -17,6 +17,9 @@ kernels do the same work:
             (the embedded new token, the loop's output, or unchanged)
   copy      one program per (row, target plane, layer): the LAST_EXITED finalization copies
 
+A RING layout of K planes (`KVLayoutSpec`) takes plane (loop - 1) mod K in prepare; its copies
+(into the planes a token that stops at loop e < K never wrote) are LAST_EXITED's over K planes.
+
 Bool row buffers are passed as uint8 views (same memory).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 
 import torch
+from rlt_contracts import KVLayout
 
 try:
     import triton
@@ -63,6 +67,7 @@ if triton is not None:
         MAX_PAGES: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         LAST_EXITED: tl.constexpr,
+        RING: tl.constexpr,
         COHORT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -78,7 +83,9 @@ if triton is not None:
             tl.store(parked_ptr + rows, parked.to(tl.uint8), mask=valid)
         run = active & (~parked) & (~held)
         loop_index = tl.load(loops_ptr + rows, mask=valid, other=0) + 1
-        if LAST_EXITED:
+        if RING:
+            plane = (loop_index - 1) % NUM_PLANES
+        elif LAST_EXITED:
             plane = tl.minimum(loop_index - 1, NUM_PLANES - 1)
         else:
             plane = loop_index * 0
@@ -400,6 +407,7 @@ class TickKernels:
             MAX_PAGES=rows.max_pages,
             PAGE_SIZE=program.block_size,
             LAST_EXITED=rows.num_planes > 1,
+            RING=program.layout.kind is KVLayout.RING and rows.num_planes > 1,
             COHORT=program.cohort,
             BLOCK=max(triton.next_power_of_2(num_rows), 16),
         )

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
+from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams, parse_kv_layout
 from rlt_scheduler import POLICY_ALIASES, POLICY_CHOICES
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_USAGE
@@ -106,8 +106,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-layout",
         default=d.kv_layout,
-        choices=["last_exited", "shared"],
-        help="last_exited: a KV plane per loop depth; shared: one plane (1/depth the memory)",
+        type=kv_layout_flag,
+        metavar="{last_exited,shared,ring:K}",
+        help="last_exited: a KV plane per loop depth; shared: one plane (1/depth the memory); "
+        "ring:K: K planes, loop i at plane (i - 1) mod K (approximate below the loop cap)",
     )
     group.add_argument(
         "--scheduling-mode",
@@ -347,6 +349,15 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def kv_layout_flag(text: str) -> str:
+    """--kv-layout's value in its canonical spelling, checked by the one parser of layouts
+    (`rlt_contracts.parse_kv_layout`, which EngineConfig also calls)."""
+    try:
+        return parse_kv_layout(text).value
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _ticks_or_auto(text: str) -> int | str:

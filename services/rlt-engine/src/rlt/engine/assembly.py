@@ -44,6 +44,7 @@ from rlt_scheduler import (
 from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
 from rlt.engine.family_setup import family_setup
+from rlt.engine.kv_capacity import KVPoolCapacity, kv_pool_capacity
 from rlt.engine.startup import StartupClock, keep_kernel_choices, restore_kernel_choices
 from rlt.engine.structured_output import XGrammarCompiler
 
@@ -69,12 +70,17 @@ class EngineParts:
     max_model_len: int
     weight_dtype: str = ""  # the stack's projections (ModelInfo)
     kv_cache_dtype: str = ""
-    kv_capacity_tokens: int = 0  # tokens the pool holds at full depth
+    kv_capacity: KVPoolCapacity | None = None  # what the pool holds (layout, cap)
     pd: PDParts | None = None  # a prefill or decode instance's transport and port
     model_name: str = ""  # what front ends call the model by default (ModelSource.name)
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
     tokenizer_dir: Path | None = None  # --tokenizer's directory (None: model_dir's tokenizer)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the pool holds at full depth (0 when unknown)."""
+        return self.kv_capacity.tokens if self.kv_capacity is not None else 0
 
     @property
     def tokenizer_source(self) -> Path:
@@ -187,7 +193,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
         block_size=config.block_size,
-        kv_layout=layout,
+        kv_layout=layout.kind,
         cuda_graphs=config.cuda_graphs and device.type == "cuda",
         batch_invariant=model.batch_invariant,
         kv_cache_dtype=config.kv_cache_dtype,
@@ -198,7 +204,8 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     logger.info("attention backend %s: %s", selection.name, selection.reason)
     if selection.warning:
         logger.warning("attention backend %s: %s", selection.name, selection.warning)
-    num_planes = layout.storage_planes(shape.num_loops) + model.family.kv.stage_planes
+    loop_planes = layout.storage_planes(shape.num_loops)
+    num_planes = loop_planes + model.family.kv.stage_planes
     pages_per_request = -(-max_model_len // config.block_size)
     kv_scales = None
     if config.kv_cache_dtype == "fp8":
@@ -302,22 +309,33 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     weight_dtype = weight_dtype_name(model)
     model_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype_name = str(kv_dtype).removeprefix("torch.")
-    kv_tokens = memory_plan.num_blocks // num_planes * config.block_size
-    full_requests = memory_plan.num_blocks // (pages_per_request * num_planes)
+    capacity = kv_pool_capacity(
+        layout=layout.value,
+        loop_planes=loop_planes,
+        stage_planes=model.family.kv.stage_planes,
+        num_blocks=memory_plan.num_blocks,
+        block_size=config.block_size,
+        bytes_per_block=bytes_per_block,
+        max_model_len=max_model_len,
+    )
     logger.info(
         "start-up: KV pool: %s %d blocks of %d positions x %d plane(s) = %d tokens "
         "(%.2f GiB, %s bytes per token); %d requests of max_model_len %d fit at once "
-        "(max_num_seqs %d); weights: projections %s, LM head %s",
+        "(max_num_seqs %d; kv_layout %s, %d loop plane(s) at a cap of %d loops); "
+        "weights: projections %s, LM head %s",
         kv_dtype_name,
         memory_plan.num_blocks,
         config.block_size,
         num_planes,
-        kv_tokens,
+        capacity.tokens,
         memory_plan.num_blocks * bytes_per_block / 2**30,
-        f"{bytes_per_block * num_planes // config.block_size:,}",
-        full_requests,
+        f"{capacity.bytes_per_token:,}",
+        capacity.full_length_requests,
         max_model_len,
         config.max_num_seqs,
+        capacity.layout,
+        capacity.loop_planes,
+        shape.num_loops,
         weight_dtype,
         "float8_e4m3fn" if model.quantized_lm_head else model_dtype,
     )
@@ -333,7 +351,7 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
         max_model_len=max_model_len,
         weight_dtype=weight_dtype,
         kv_cache_dtype=kv_dtype_name,
-        kv_capacity_tokens=kv_tokens,
+        kv_capacity=capacity,
         pd=pd,
         model_name=source.name,
         attention_warning=selection.warning,
@@ -421,7 +439,7 @@ def _profile_activations(config, model, make_runner, max_model_len: int, num_pla
     them on a throw-away runner with a tiny pool (see rlt_runner.memory)."""
     shape = model.shape
     prefill_tokens = min(config.max_num_batched_tokens, max_model_len - 1)
-    if config.layout is KVLayout.SHARED:
+    if config.layout.kind is KVLayout.SHARED:
         # SHARED prefill runs one position per wave: its peak is a wave's, whatever the chunk
         # length, and profiling a full chunk eagerly position by position took ~50 s on an
         # H200 (1,100 positions of Ouro-1.4B) for nothing.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlt_contracts import ConfigurationError, KVLayout, PDRole
+from rlt_contracts import ConfigurationError, KVLayoutSpec, PDRole, parse_kv_layout
 from rlt_scheduler import SchedulerConfig, SchedulingMode
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -49,7 +49,9 @@ class EngineConfig:
       key and one value scale per layer (the checkpoint's k_scale/v_scale, else calibrated at
       load: rlt_models.kv_scales), about twice the tokens in the same memory.
     device: "auto" (cuda when available, else cpu), "cpu", "cuda" or "cuda:N".
-    kv_layout: "last_exited" (per-depth planes) or "shared" (one overwritten plane).
+    kv_layout: "last_exited" (per-depth planes), "shared" (one overwritten plane) or "ring:K"
+      (K step planes, loop i at plane (i - 1) mod K; approximate below the loop cap), parsed
+      by `rlt_contracts.parse_kv_layout` (`layout` is the parsed `KVLayoutSpec`).
     scheduling_mode: "refill" or "no_refill".
     num_kv_blocks: KV pool size in blocks (None = sized from free memory on CUDA, or enough
       for max_num_seqs full-length requests, capped at cpu_kv_cache_bytes, on the CPU).
@@ -233,11 +235,9 @@ class EngineConfig:
             )
         self._fill_batch_defaults()
         try:
-            KVLayout(self.kv_layout)
-        except ValueError:
-            raise ConfigurationError(
-                "kv_layout", f"must be one of {[m.value for m in KVLayout]}, got {self.kv_layout!r}"
-            ) from None
+            parse_kv_layout(self.kv_layout)
+        except ValueError as exc:
+            raise ConfigurationError("kv_layout", str(exc)) from None
         if self.initial_state not in INITIAL_STATES:
             raise ConfigurationError(
                 "initial_state", f"must be one of {INITIAL_STATES}, got {self.initial_state!r}"
@@ -357,8 +357,8 @@ class EngineConfig:
         return PDRole(self.pd_role)
 
     @property
-    def layout(self) -> KVLayout:
-        return KVLayout(self.kv_layout)
+    def layout(self) -> KVLayoutSpec:
+        return parse_kv_layout(self.kv_layout)
 
     def scheduler_config(self, *, whole_prompts: bool = False) -> SchedulerConfig:
         """`whole_prompts`: the model's prompts are computed in one step (prefix-LM families;

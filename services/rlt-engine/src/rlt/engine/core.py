@@ -33,6 +33,7 @@ from rlt_contracts import (
     Feature,
     FinishReason,
     InvalidRequestError,
+    KVLayout,
     KVTransferParams,
     ModelRunnerOutput,
     PromptMask,
@@ -144,6 +145,11 @@ class EngineCore:
             f"exit policy {scheduler.exit_policy.name!r} reads the next-token distribution, "
             "which exit-depth scoring does not compute"
             if scheduler.exit_policy.reads_distribution
+            else None
+        ) or (
+            f"kv_layout {runner.layout}: exit-depth scoring runs prompts as decoding does over "
+            "last_exited or shared KV only"
+            if runner.layout.kind is KVLayout.RING
             else None
         )
 

@@ -89,7 +89,7 @@ def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDPart
         model_identity=model_identity(model_dir),
         num_layers=num_layers,
         num_loops=core.scheduler.model_depth,
-        kv_layout=config.kv_layout,
+        kv_layout=config.layout.value,  # canonical ("ring:8", never "ring:08")
         dtype=str(keys.dtype).removeprefix("torch."),
         block_size=block_size,
         num_kv_heads=heads,

@@ -2,7 +2,9 @@
 tokens and exit depths equal a dense float64 reference written here, which keeps its KV in K
 explicit step planes per core layer (no code shared with rlt-models or rlt-runner), with the
 zero initial state; batched equals serial; a ring as large as the depth equals last_exited; no
-KV leak after any run; the pool holds more full-length requests than last_exited's.
+KV leak after any run; the pool holds more full-length requests than last_exited's. With an fp8
+KV cache (`kv_cache_dtype="fp8"`), in last_exited and ring:2, the tokens equal the same reference
+storing every K/V rounded to e4m3 with the cache's per-slot scales.
 
 Ring semantics the reference encodes (`rlt_contracts.KVLayoutSpec`, docs/models.md):
 - recurrent step i (1-based) of a position writes its core layers' K/V into plane
@@ -315,3 +317,29 @@ def test_the_start_up_log_counts_full_length_requests_per_layout(checkpoint, cap
         assert f"kv_layout {layout}, {planes} loop plane(s) at a cap of {CAP} loops" in line
         counts[layout] = capacity.full_length_requests
     assert counts == {"last_exited": 7, "ring:2": 21}
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "ring:2"])
+def test_fp8_kv_equals_the_reference_with_the_caches_rounding(checkpoint, layout):
+    """fp8 KV is a property of the storage, not of Huginn's math: with the cache's per-slot
+    scales (calibrated at load, powers of two; the prelude / coda slots share the core slot's),
+    rlt's tokens equal the float64 reference whose every stored K/V is rounded to e4m3 the same
+    way, in both layouts; batched equals serial; and the rounding reached the outputs (they
+    differ from the fp32 cache's)."""
+    ring = CAP if layout == "last_exited" else 2
+    with LLM(checkpoint, **engine(layout, kv_cache_dtype="fp8")) as llm:
+        key_scale = llm.engine.core.runner.kv.tensors.key_scale.tolist()
+        value_scale = llm.engine.core.runner.kv.tensors.value_scale.tolist()
+        got = served(llm)
+        serial = [
+            llm.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+            for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+        ]
+        assert [(o.token_ids, o.exit_depths) for o in serial] == got
+    want = [
+        ring_greedy(checkpoint, ring, p, n, max_loops=DEFAULT, kv_scales=(key_scale, value_scale))
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
+    assert got == want
+    with LLM(checkpoint, **engine(layout)) as llm:
+        assert served(llm) != got

@@ -94,7 +94,6 @@ _UNSUPPORTED = (
     (Feature.SPECULATIVE_DECODING, "a draft's positions would need the prelude's and coda's KV"),
     (Feature.EXIT_DEPTH_SCORING, "prompt scoring at exit depth is not built for stage families"),
     (Feature.FP8_WEIGHTS, "not verified for this family yet"),
-    (Feature.FP8_KV, "not verified for this family yet"),
 )  # fmt: skip
 
 

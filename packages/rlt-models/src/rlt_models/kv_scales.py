@@ -9,7 +9,11 @@ LAST_EXITED finalization, prefix caching and PD transfers copy planes as raw byt
   compressed-tensors fp8 KV checkpoints carry them) are used as given, for every layer or none.
 - **Calibrated** otherwise: the model runs `token_ids` (the engine passes the bundled sample
   text through the checkpoint's tokenizer) at full depth through a dense attention that records
-  max |k| and max |v| per layer over every loop; s_l = the power of two at or above
+  max |k| and max |v| per layer over every loop; a family with stage layers
+  (`KVPlan.stage_layers`: Huginn, Dory) also runs its prelude (`embed`) and coda (`finish`)
+  through it, and since its stage plane's slot l shares scale l with the loop planes' slot l (one
+  scale per slot, so every plane copies as raw bytes), s_l covers both; s_l = the power of two at
+  or above
   HEADROOM * max / 448. A power of two makes dequantization exact and the result independent of
   last-bit differences between devices (a PD pair calibrates to the same scales, and the
   handshake compares them); HEADROOM = 2 leaves room for values the calibration text did not
@@ -76,10 +80,10 @@ class _RecordingAttention(DenseCausalAttention):
         super().__init__(cache)
         self.key_max, self.value_max = key_max, value_max
 
-    def __call__(self, layer_index, query, key, value):
+    def __call__(self, layer_index, query, key, value, **options):
         self.key_max[layer_index] = torch.maximum(self.key_max[layer_index], key.abs().max())
         self.value_max[layer_index] = torch.maximum(self.value_max[layer_index], value.abs().max())
-        return super().__call__(layer_index, query, key, value)
+        return super().__call__(layer_index, query, key, value, **options)
 
 
 def power_of_two_scale(largest: float) -> float:
@@ -99,11 +103,19 @@ def calibrate_kv_scales(model, token_ids: list[int]) -> KVScaleTuple:
     device = model.device
     key_max = torch.zeros(shape.num_layers, device=device)
     value_max = torch.zeros(shape.num_layers, device=device)
-    hidden = model.embed(torch.tensor(ids, device=device))
+    tokens = torch.tensor(ids, device=device)
     positions = torch.arange(len(ids), device=device)
+    stage = None  # the prelude's and coda's KV (their slots of the stage plane)
+    if model.family.kv.stage_layers:
+        stage = _RecordingAttention(DenseKVCache(shape.num_layers), key_max, value_max)
+        hidden = model.embed(tokens, positions, stage)
+    else:
+        hidden = model.embed(tokens)
     for _ in range(shape.num_loops):  # one dense cache per loop depth, as Hugging Face's
         attention = _RecordingAttention(DenseKVCache(shape.num_layers), key_max, value_max)
         hidden, _ = model.recurrent_step(hidden, positions, attention, compute_gate=False)
+    if stage is not None:
+        model.finish(hidden, positions, stage)
     keys = tuple(power_of_two_scale(v) for v in key_max.tolist())
     values = tuple(power_of_two_scale(v) for v in value_max.tolist())
     return keys, values

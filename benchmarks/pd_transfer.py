@@ -181,6 +181,7 @@ class Side:
     ) -> None:
         import torch
         from rlt_pd.transport import KVTransport
+        from rlt_runner.pd_regions import pd_memory
 
         self.torch = torch
         self.geometry = geometry
@@ -201,12 +202,14 @@ class Side:
                 tensor.view(torch.int16).random_(generator=generator)
         self.synchronize()
         self.fill_s = time.monotonic() - started
+        memory = pd_memory(
+            self.key, self.value, self.hidden, scratch_blocks=1, num_planes=geometry.planes
+        )
         self.transport = KVTransport(
             name,
-            self.key,
-            self.value,
-            self.hidden,
+            memory,
             geometry.compatibility(),
+            owner=self,
             backend_params=ucx_params or None,
             progress_delay_us=delay_us,
         )

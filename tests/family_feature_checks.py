@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pd_loopback import LoopbackPair
 from rlt import LLM, SamplingParams
-from test_pd_engine import connect, connect_nixl, run_pd
+from test_pd_engine import connect_nixl, loopback, run_pd
 
 
 def tokens_and_depths(outputs) -> list[tuple[list[int], list[int]]]:
@@ -52,8 +52,8 @@ def pd_outputs(
         decode = make(pd_role="decode", **options)
         agent, pair = connect_nixl(prefill, decode), None
     else:
-        prefill, decode = make(**options), make(**options)
-        agent, pair = "P", connect(prefill, decode)
+        prefill, decode, pair = loopback(make, **options)
+        agent = "P"
     finals = run_pd(prefill, decode, prompts, params, prefill_agent=agent)
     outputs = [finals[f"r{i}"] for i in range(len(prompts))]
     return outputs, pair, (prefill, decode)

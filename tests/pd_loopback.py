@@ -1,18 +1,21 @@
-"""A KV handoff port pair for two engines in one process: P's sends are tensor copies into D.
+"""A KV handoff port pair for two engines in one process: P's sends are byte copies between the
+memory each runner declares (`rlt_contracts.PDMemory`), at the addresses its layout gives.
 
-It implements `rlt_contracts.KVHandoffPort` with the same evidence rules as the NIXL port
-(writes of a chunk land before its notification; the commit comes with the final hidden state;
-cancel -> drained -> released), so the engines' PD logic is tested without a transport. The
-copies are exact: token ranges of every plane and layer, nothing else in D's pool is touched.
+Both engines are built with the pair's port factory (`LLM(..., pd_role=ROLE,
+handoff_port=pair.port)`). It implements `rlt_contracts.KVHandoffPort` with the same evidence
+rules as the NIXL port (writes of a chunk land before its notification; the commit comes with
+the final hidden state; cancel -> drained -> released), so the engines' PD logic is tested
+without a transport, and the runners' declarations with it: the copies are exact token ranges
+of every plane and layer (one range per page), nothing else in D's memory is touched, and a
+range outside a declared allocation fails. CPU memory only.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
-import torch
-from rlt_contracts import HandoffEvents, HandoffTarget
-from rlt_runner import ModelRunner
+from rlt_contracts import HandoffEvents, HandoffTarget, MemoryRegion, PDMemory, PDRole
 
 
 @dataclass
@@ -30,17 +33,28 @@ class _Side:
         return events
 
 
-class LoopbackPair:
-    """`prefill_port` for P's engine, `decode_port` for D's; `written` counts copied positions."""
+def copy_bytes(
+    target: MemoryRegion, target_offset: int, source: MemoryRegion, source_offset: int, size: int
+) -> None:
+    for region, offset in ((target, target_offset), (source, source_offset)):
+        assert region.device == "cpu" and 0 <= offset and offset + size <= region.size_bytes
+    ctypes.memmove(target.address + target_offset, source.address + source_offset, size)
 
-    def __init__(self, prefill: ModelRunner, decode: ModelRunner) -> None:
-        self.prefill_runner, self.decode_runner = prefill, decode
+
+class LoopbackPair:
+    """`port` is the handoff port factory of both engines; `written` counts copied positions
+    per transfer."""
+
+    def __init__(self) -> None:
+        self.memory: dict[PDRole, PDMemory] = {}
         self._p, self._d = _Side(), _Side()
         self.expected: dict[str, HandoffTarget] = {}
         self.cancelled: set[str] = set()
         self.written: dict[str, int] = {}
-        self.prefill_port = _Port(self, self._p)
-        self.decode_port = _Port(self, self._d)
+
+    def port(self, role: PDRole, memory: PDMemory) -> _Port:
+        self.memory[role] = memory
+        return _Port(self, self._p if role is PDRole.PREFILL else self._d)
 
     def write(self, target, source_tables, start, end, final_hidden_row) -> None:
         tid = target.transfer_id
@@ -48,21 +62,32 @@ class LoopbackPair:
             self._p.failed.append((tid, "the decode side does not expect this transfer"))
             self._p.released.append(tid)
             return
-        source, dest = self.prefill_runner, self.decode_runner
-        block = source.block_size
-        for plane, (src_table, dst_table) in enumerate(
-            zip(source_tables, target.block_tables, strict=True)
-        ):
-            for position in range(start, end):
-                page, offset = divmod(position, block)
-                for name in ("key_cache", "value_cache"):
-                    src = getattr(source.kv.tensors, name)
-                    dst = getattr(dest.kv.tensors, name)
-                    dst[:, dst_table[page], offset] = src[:, src_table[page], offset]
-            del plane
+        source, dest = self.memory[PDRole.PREFILL], self.memory[PDRole.DECODE]
+        src, dst, block = source.kv, dest.kv, source.kv.block_size
+        assert len(source_tables) == src.num_planes == dst.num_planes
+        for src_table, dst_table in zip(source_tables, target.block_tables, strict=True):
+            for page in range(start // block, -(-end // block)):  # one range per page
+                low, high = max(start, page * block), min(end, (page + 1) * block)
+                offset, count = low - page * block, high - low
+                for layer in range(src.num_layers):
+                    for s, d in ((src.key, dst.key), (src.value, dst.value)):
+                        copy_bytes(
+                            d,
+                            dst.offset_bytes(layer, dst_table[page], offset),
+                            s,
+                            src.offset_bytes(layer, src_table[page], offset),
+                            count * src.token_bytes,
+                        )
         self.written[tid] = self.written.get(tid, 0) + (end - start)
         if final_hidden_row is not None:
-            dest.rows.landing[target.hidden_row] = source.rows.hidden[final_hidden_row]
+            hidden, landing = source.hidden, dest.hidden
+            copy_bytes(
+                landing.region,
+                landing.row_address(target.hidden_row) - landing.region.address,
+                hidden.region,
+                hidden.row_address(final_hidden_row) - hidden.region.address,
+                hidden.row_bytes,
+            )
             self._p.sent.append(tid)
             self._d.landed.append(tid)
 
@@ -81,8 +106,7 @@ class _Port:
         self.pair, self.side = pair, side
 
     def send_chunk(self, target, source_tables, start, end, final_hidden_row) -> None:
-        with torch.inference_mode():
-            self.pair.write(target, source_tables, start, end, final_hidden_row)
+        self.pair.write(target, source_tables, start, end, final_hidden_row)
 
     def expect(self, target: HandoffTarget, prefill_agent: str) -> None:
         self.pair.expected[target.transfer_id] = target

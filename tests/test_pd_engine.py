@@ -1,5 +1,6 @@
 """PD disaggregation at the engine level, two engines in one process joined by a loopback KV
-port (exact tensor copies, the same evidence rules as the NIXL port): the decode engine's
+port (exact byte copies at the memory the runners declare, the same evidence rules as the NIXL
+port): the decode engine's
 output equals a single engine's, tokens and exit depths, greedy and seeded, both layouts, both
 scheduling modes, an fp8 KV cache (its bytes move as they are), chunked prefill, prompts
 ending mid-block, prefix-cache hits on D; aborts on either side leave both engines with no
@@ -10,7 +11,6 @@ from __future__ import annotations
 import pytest
 from pd_loopback import LoopbackPair
 from rlt import SamplingParams
-from rlt.engine.pd_link import PDLink
 from rlt_contracts import KVTransferParams, PDRole
 
 PROMPTS = [
@@ -31,15 +31,14 @@ def params(i: int) -> SamplingParams:
     )
 
 
-def connect(prefill, decode) -> LoopbackPair:
-    pair = LoopbackPair(prefill.engine.core.runner, decode.engine.core.runner)
-    for llm, role, port, name in (
-        (prefill, PDRole.PREFILL, pair.prefill_port, "P"),
-        (decode, PDRole.DECODE, pair.decode_port, "D"),
-    ):
-        core = llm.engine.core
-        core.pd = PDLink(role, port, core.scheduler, core.runner, core.kv, agent_name=name)
-    return pair
+def loopback(make, decode_options: dict | None = None, **options) -> tuple:
+    """(P, D, their LoopbackPair): a prefill and a decode engine made by `make` with `options`
+    (D with `decode_options` instead, when given), built with the pair's port."""
+    pair = LoopbackPair()
+    prefill = make(pd_role="prefill", handoff_port=pair.port, **options)
+    decode_options = options if decode_options is None else decode_options
+    decode = make(pd_role="decode", handoff_port=pair.port, **decode_options)
+    return prefill, decode, pair
 
 
 def connect_nixl(prefill, decode) -> str:
@@ -103,8 +102,7 @@ def reference(llm_factory, prompts, all_params, **options) -> list:
 def test_pd_output_equals_a_single_engine(llm_factory, options):
     all_params = [params(i) for i in range(len(PROMPTS))]
     expected = reference(llm_factory, PROMPTS, all_params, **options)
-    prefill, decode = llm_factory(**options), llm_factory(**options)
-    pair = connect(prefill, decode)
+    prefill, decode, pair = loopback(llm_factory, **options)
     finals = run_pd(prefill, decode, PROMPTS, all_params)
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected
@@ -117,9 +115,7 @@ def test_prefix_hits_on_the_decode_side_are_not_sent_again(llm_factory):
     all_params = [params(1)] * 2
     prompts = PROMPTS[:2]
     expected = reference(llm_factory, prompts, all_params)
-    prefill = llm_factory()
-    decode = llm_factory(enable_prefix_caching=True)
-    pair = connect(prefill, decode)
+    prefill, decode, pair = loopback(llm_factory, dict(enable_prefix_caching=True))
     first = run_pd(prefill, decode, prompts[:1], all_params[:1])
     assert (first["r0"].token_ids, first["r0"].exit_depths) == expected[0]
     assert pair.written == {"t0": 13}
@@ -158,8 +154,7 @@ def test_abort_during_transfer_frees_both_sides(llm_factory, side, layout):
     all_params = [params(0), params(1)]
     prompts = [list(range(1, 40)), PROMPTS[1]]
     expected = reference(llm_factory, prompts, all_params, kv_layout=layout)
-    prefill, decode = llm_factory(kv_layout=layout), llm_factory(kv_layout=layout)
-    connect(prefill, decode)
+    prefill, decode, _ = loopback(llm_factory, kv_layout=layout)
     finals = run_pd(prefill, decode, prompts, all_params, abort=(side, "r0", 2))
     assert finals["r0"].finish_reason == "abort"
     assert (finals["r1"].token_ids, finals["r1"].exit_depths) == expected[1]
@@ -219,8 +214,7 @@ def test_a_failed_admission_step_on_the_decode_side_aborts_and_frees_it(llm_fact
     row (llm_factory's leak check), and the next request runs as on a single engine."""
     all_params = [params(0), params(1)]
     expected = reference(llm_factory, PROMPTS[1:2], all_params[1:])
-    prefill, decode = llm_factory(), llm_factory()
-    connect(prefill, decode)
+    prefill, decode, _ = loopback(llm_factory)
     rows = decode.engine.core.runner.rows
     original = rows.apply_block_updates
 
@@ -242,8 +236,7 @@ def test_a_failed_step_on_the_prefill_side_leaks_nothing(llm_factory):
     """P's block-table upload fails in the step that admits r0: P aborts it (R04) and, as for
     an abort, its PD link releases what the request held (no transfer had started); D's
     request is then cancelled (the coordinator's part) and frees its blocks too."""
-    prefill, decode = llm_factory(), llm_factory()
-    connect(prefill, decode)
+    prefill, decode, _ = loopback(llm_factory)
     rows = prefill.engine.core.runner.rows
     original = rows.apply_block_updates
 
@@ -313,8 +306,7 @@ def test_decode_instance_speculates_after_the_handoff(llm_factory, layout):
     ]
     expected = reference(llm_factory, PROMPTS, all_params, kv_layout=layout)
     speculative = dict(kv_layout=layout, num_speculative_tokens=3, speculative_draft_loops=2)
-    prefill, decode = llm_factory(kv_layout=layout), llm_factory(**speculative)
-    connect(prefill, decode)
+    prefill, decode, _ = loopback(llm_factory, speculative, kv_layout=layout)
     finals = run_pd(prefill, decode, PROMPTS, all_params)
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected

@@ -24,7 +24,7 @@ from oracle.generation import GenerationOracle, OracleRequest
 from rlt import LLM, SamplingParams
 from rlt_contracts import InvalidRequestError
 from rlt_runner import tick_kernels
-from test_pd_engine import connect, run_pd
+from test_pd_engine import loopback, run_pd
 
 PROMPTS = [
     [5, 17, 200, 3, 99, 42, 7],
@@ -261,8 +261,7 @@ def test_pd_decode_side_applies_the_whole_prompt_and_counts(llm_factory):
         SamplingParams(max_tokens=10, presence_penalty=1.5, exit_threshold=0.7, ignore_eos=True),
     ]
     expected = [(o.token_ids, o.exit_depths) for o in llm_factory().generate(PROMPTS, params)]
-    prefill, decode = llm_factory(), llm_factory()
-    connect(prefill, decode)
+    prefill, decode, _ = loopback(llm_factory)
     finals = run_pd(prefill, decode, PROMPTS, params)
     got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(len(PROMPTS))]
     assert got == expected

@@ -53,6 +53,33 @@ def tensors(seed: int | None, block_size: int = BLOCK):
     )
 
 
+def memory_of(key, value, hidden, scratch_blocks: int = 1):
+    """The `PDMemory` a runner declares for these contiguous tensors (rlt-runner's
+    `pd_regions.pd_memory`, which this package's tests may not import)."""
+    from rlt_contracts import HiddenRowsMemory, KVPoolMemory, MemoryRegion, PDMemory
+
+    def region(tensor):
+        assert tensor.is_contiguous()
+        size = tensor.numel() * tensor.element_size()
+        return MemoryRegion(tensor.data_ptr(), size, tensor.device.type, tensor.device.index or 0)
+
+    layers, allocated, block, heads, head_dim = key.shape
+    dtype = str(key.dtype).removeprefix("torch.")
+    kv = KVPoolMemory(
+        region(key), region(value), layers, allocated, scratch_blocks, block, heads, head_dim,
+        dtype, key.element_size(), num_planes=2,
+    )  # fmt: skip
+    row_bytes = hidden.shape[1] * hidden.element_size()
+    return PDMemory(kv, HiddenRowsMemory(region(hidden), hidden.shape[0], row_bytes, dtype))
+
+
+def transport(name: str, tensors, compat):
+    """A `KVTransport` over `tensors` (K, V, hidden), which it keeps alive while registered."""
+    from rlt_pd.transport import KVTransport
+
+    return KVTransport(name, memory_of(*tensors), compat, owner=tensors)
+
+
 class _Peer:
     def __init__(self) -> None:
         self.transport = None
@@ -60,10 +87,8 @@ class _Peer:
         self.tensors = None
 
     def init(self, name: str, seed: int | None, compat: dict):
-        from rlt_pd.transport import KVTransport
-
         self.tensors = tensors(seed, compat.get("block_size", BLOCK))
-        self.transport = KVTransport(name, *self.tensors, compatibility(**compat))
+        self.transport = transport(name, self.tensors, compatibility(**compat))
         return self.transport.metadata()
 
     def metadata(self):

@@ -12,9 +12,8 @@ pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from nixl import _api  # noqa: E402
-from nixl_peer import compatibility, tensors  # noqa: E402
+from nixl_peer import compatibility, tensors, transport  # noqa: E402
 from rlt_pd.nixl_agent import make_agent  # noqa: E402
-from rlt_pd.transport import KVTransport  # noqa: E402
 
 # A thread that polls without pause takes ~1 CPU-second per second; the waiting one took 0.03
 # on the 2-core development machine. The bound leaves room for a loaded CI machine's noise and
@@ -29,11 +28,11 @@ def idle_cpu_per_s(seconds: float = 1.0) -> float:
 
 
 def test_an_idle_transport_leaves_the_cpu_alone():
-    transport = KVTransport("idle", *tensors(seed=None), compatibility())
+    idle = transport("idle", tensors(seed=None), compatibility())
     try:
         assert idle_cpu_per_s() < IDLE_CPU_BOUND
     finally:
-        transport.close()
+        idle.close()
 
 
 def test_the_binding_config_class_is_restored_and_agents_work():

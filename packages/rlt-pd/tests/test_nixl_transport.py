@@ -1,4 +1,4 @@
-"""KVTransport over the real `nixl` package (UCX backend) on CPU tensors.
+"""KVTransport over the real `nixl` package (UCX backend) on CPU tensors' memory.
 
 Local checks in this process; the handshake and transfers between this process (P) and a
 spawned one (D, tests/nixl_peer.py) over UCX: compatibility refusals naming the fields, WRITEs of
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 import nixl_peer  # noqa: E402
-from nixl_peer import BLOCK, compatibility, tensors  # noqa: E402
+from nixl_peer import BLOCK, compatibility, tensors, transport  # noqa: E402
 from rlt_contracts import ExecutionIdentity  # noqa: E402
 from rlt_contracts.pd import HandoffTarget  # noqa: E402
 from rlt_pd import (  # noqa: E402
@@ -33,7 +33,6 @@ from rlt_pd import (  # noqa: E402
     SendOutcome,
     plan_handoff,
 )
-from rlt_pd.transport import KVTransport  # noqa: E402
 
 
 class Peer:
@@ -79,7 +78,7 @@ def link():
     """(P transport, P tensors, D peer process, D's initial tensors), connected both ways."""
     peer = Peer()  # starts importing torch and nixl while this process builds P
     p_tensors = tensors(seed=1)
-    p = KVTransport("P", *p_tensors, compatibility())
+    p = transport("P", p_tensors, compatibility())
     d_meta = peer.call("init", name="D", seed=2, compat={})
     assert p.connect(d_meta) == "D"
     assert peer.call("connect", metadata=p.metadata()) == "P"
@@ -121,54 +120,29 @@ def assert_same(actual, expected):
 # -- local -------------------------------------------------------------------------------------
 
 
-def test_nixl_itself_returns_none_for_non_contiguous_tensors():
-    """The pitfall our refusal guards against: no exception, just None (and a log line)."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    agent = nixl_agent("probe", nixl_agent_config(backends=[]))
-    assert agent.get_xfer_descs(torch.zeros(4, 4)[:, ::2]) is None
-    assert agent.get_reg_descs(torch.zeros(4, 4).t()) is None
-
-
-@pytest.mark.parametrize("which", ["key_cache", "value_cache", "hidden"])
-def test_non_contiguous_tensors_are_refused_with_a_clear_error(which):
-    k, v, h = tensors(seed=None)
-    # same shapes as the good tensors, but views with permuted strides
-    blocks_inner = k.new_zeros(k.shape[0], k.shape[2], k.shape[1], *k.shape[3:]).transpose(1, 2)
-    bad = {
-        "key_cache": blocks_inner,
-        "value_cache": blocks_inner,
-        "hidden": h.new_zeros(h.shape[1], h.shape[0]).t(),
-    }[which]
-    assert bad.shape == {"key_cache": k, "value_cache": v, "hidden": h}[which].shape
-    args = {"key_cache": k, "value_cache": v, "hidden": h} | {which: bad}
-    with pytest.raises(ValueError, match=f"{which} is not contiguous"):
-        KVTransport("x", args["key_cache"], args["value_cache"], args["hidden"], compatibility())
-
-
-def test_compatibility_must_describe_the_tensors():
-    with pytest.raises(ValueError, match="block_size: 32 declared, 16 in the tensors"):
-        KVTransport("x", *tensors(seed=None), compatibility(block_size=32))
+def test_compatibility_must_describe_the_memory():
+    with pytest.raises(ValueError, match="block_size: 32 declared, 16 in the memory"):
+        transport("x", tensors(seed=None), compatibility(block_size=32))
     with pytest.raises(ValueError, match="hidden_bytes: 4 declared, 16"):
-        KVTransport("x", *tensors(seed=None), compatibility(hidden_bytes=4))
+        transport("x", tensors(seed=None), compatibility(hidden_bytes=4))
 
 
 def test_close_deregisters_and_is_idempotent():
-    transport = KVTransport("closing", *tensors(seed=None), compatibility())
-    assert isinstance(transport.metadata(), bytes)
-    transport.close()
-    transport.close()
-    assert transport.closed and transport.peers == ()
+    closing = transport("closing", tensors(seed=None), compatibility())
+    assert isinstance(closing.metadata(), bytes)
+    closing.close()
+    closing.close()
+    assert closing.closed and closing.peers == ()
     with pytest.raises(PDTransportError, match="closed"):
-        transport.metadata()
+        closing.metadata()
     with pytest.raises(PDTransportError, match="closed"):
-        transport.send("D", Cancel("t"))
+        closing.send("D", Cancel("t"))
 
 
 def test_prepared_indices_for_whole_blocks_and_explicit_for_partial_pages():
     """The README example's partitions: full pages by index, the partial last page explicit."""
-    a = KVTransport("A", *tensors(seed=None), compatibility())
-    b = KVTransport("B", *tensors(seed=None), compatibility())
+    a = transport("A", tensors(seed=None), compatibility())
+    b = transport("B", tensors(seed=None), compatibility())
     try:
         a.connect(b.metadata())
         ident = ExecutionIdentity("t", 0)
@@ -196,8 +170,8 @@ def test_prepared_indices_for_whole_blocks_and_explicit_for_partial_pages():
 
 def test_nixl_exceptions_become_failed_writes():
     """NIXL raises (not ERR) for a peer removed under a prepared list: write() reports it."""
-    a = KVTransport("A2", *tensors(seed=None), compatibility())
-    b = KVTransport("B2", *tensors(seed=None), compatibility())
+    a = transport("A2", tensors(seed=None), compatibility())
+    b = transport("B2", tensors(seed=None), compatibility())
     try:
         a.connect(b.metadata())
         a._agent.remove_remote_agent("B2")  # behind the transport's back: stale lists
@@ -225,7 +199,7 @@ def test_nixl_exceptions_become_failed_writes():
 def test_handshake_refuses_a_mismatch_naming_every_field(link):
     p, _, peer, _ = link
     theirs = dict(block_size=8, model_identity="other-model", dtype="bfloat16")
-    other = KVTransport("P-bad", *tensors(seed=None, block_size=8), compatibility(**theirs))
+    other = transport("P-bad", tensors(seed=None, block_size=8), compatibility(**theirs))
     try:
         with pytest.raises(PDCompatibilityError) as caught:
             other.connect(peer.call("metadata"))

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation (M9): KV handoff planning, control messages, the NIXL transport
 and the prefill-/decode-side connectors. See README.md.
 
-Everything importable from here is torch-free except `KVTransport` (rlt_pd.transport, torch and
-nixl), which is imported lazily on first access.
+Nothing here imports torch; `KVTransport` (rlt_pd.transport, which needs nixl) is imported lazily
+on first access.
 """
 
 from __future__ import annotations

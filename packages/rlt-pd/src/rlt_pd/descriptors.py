@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from rlt_contracts.pd import PDCompatibility
+from rlt_contracts.pd_memory import PDMemory
 
 from rlt_pd.handoff import TransferPartition
 from rlt_pd.messages import TransportMetadata
@@ -28,7 +28,7 @@ from rlt_pd.region import KVTensor
 
 @dataclass(frozen=True)
 class MemoryExtent:
-    """One side's registered memory: K and V tensors [L, A, B, Hkv, D] and hidden rows [S, d].
+    """One side's registered memory: K and V [L, A, B, Hkv, D] and hidden rows [S, d].
 
     layer_blocks: L * A, the (layer, block) pairs of one K or V tensor.
     block_bytes: bytes of one block of one layer of one tensor (B * Hkv * D * element).
@@ -49,19 +49,17 @@ class MemoryExtent:
         return self.layer_blocks * self.block_bytes
 
     @classmethod
-    def of_tensors(
-        cls, key: torch.Tensor, value: torch.Tensor, hidden: torch.Tensor
-    ) -> MemoryExtent:
-        num_layers, allocated, block_size, heads, head_dim = key.shape
+    def of_memory(cls, memory: PDMemory) -> MemoryExtent:
+        kv = memory.kv
         return cls(
-            key_address=key.data_ptr(),
-            value_address=value.data_ptr(),
-            hidden_address=hidden.data_ptr(),
-            layer_blocks=num_layers * allocated,
-            block_bytes=block_size * heads * head_dim * key.element_size(),
-            hidden_rows=hidden.shape[0],
-            hidden_row_bytes=hidden.shape[1] * hidden.element_size(),
-            device_id=key.get_device() if key.is_cuda else 0,
+            key_address=kv.key.address,
+            value_address=kv.value.address,
+            hidden_address=memory.hidden.region.address,
+            layer_blocks=kv.num_layers * kv.allocated_blocks,
+            block_bytes=kv.block_bytes,
+            hidden_rows=memory.hidden.num_rows,
+            hidden_row_bytes=memory.hidden.row_bytes,
+            device_id=kv.key.device_index,
         )
 
     @classmethod
@@ -78,55 +76,24 @@ class MemoryExtent:
         )
 
 
-def check_tensors(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    compat: PDCompatibility,
-    scratch_blocks: int,
-) -> None:
-    """Raise TypeError / ValueError unless the tensors can be registered and `compat`
-    describes them."""
-    for label, tensor in (("key_cache", key), ("value_cache", value), ("hidden", hidden)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{label} must be a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{label} is not contiguous (shape {tuple(tensor.shape)}, strides "
-                f"{tensor.stride()}): NIXL would describe it as None and transfers would "
-                "address the wrong bytes; register the runner's own contiguous tensors"
-            )
-        if tensor.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{label} is on {tensor.device}; only cpu and cuda register")
-    if key.dim() != 5 or key.shape != value.shape or key.dtype != value.dtype:
-        raise ValueError(
-            "key_cache and value_cache must be [L, A, B, Hkv, D] of one shape and dtype, got "
-            f"{tuple(key.shape)} {key.dtype} and {tuple(value.shape)} {value.dtype}"
-        )
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be [S, d], got shape {tuple(hidden.shape)}")
-    if not key.device == value.device == hidden.device:
-        raise ValueError(
-            f"tensors on different devices: {key.device}, {value.device}, {hidden.device}"
-        )
-    if not 0 <= scratch_blocks < key.shape[1]:
-        raise ValueError(f"scratch_blocks {scratch_blocks} not in [0, {key.shape[1]})")
-    num_layers, _, block_size, heads, head_dim = key.shape
+def check_memory(memory: PDMemory, compat: PDCompatibility) -> None:
+    """ValueError unless `compat` describes the memory (the fields a peer checks)."""
+    kv = memory.kv
     actual = {
-        "num_layers": num_layers,
-        "block_size": block_size,
-        "num_kv_heads": heads,
-        "head_dim": head_dim,
-        "block_bytes": 2 * block_size * heads * head_dim * key.element_size(),
-        "hidden_bytes": hidden.shape[1] * hidden.element_size(),
+        "num_layers": kv.num_layers,
+        "block_size": kv.block_size,
+        "num_kv_heads": kv.num_kv_heads,
+        "head_dim": kv.head_dim,
+        "block_bytes": 2 * kv.block_bytes,
+        "hidden_bytes": memory.hidden.row_bytes,
     }
     wrong = [
-        f"{field}: {getattr(compat, field)} declared, {got} in the tensors"
+        f"{field}: {getattr(compat, field)} declared, {got} in the memory"
         for field, got in actual.items()
         if getattr(compat, field) != got
     ]
     if wrong:
-        raise ValueError("PDCompatibility does not describe the tensors: " + "; ".join(wrong))
+        raise ValueError("PDCompatibility does not describe the memory: " + "; ".join(wrong))
 
 
 def prepared_table(extent: MemoryExtent) -> np.ndarray:

@@ -1,11 +1,11 @@
-"""`KVTransport`: one NIXL agent (UCX backend) per engine, over the runner's KV and hidden-state
-tensors. Implements `rlt_pd.transport_api.Transport` for the connectors.
+"""`KVTransport`: one NIXL agent (UCX backend) per engine, over the runner's KV pool and
+hidden-state rows. Implements `rlt_pd.transport_api.Transport` for the connectors.
 
-Registered memory: the whole key_cache and value_cache tensors [L, A, B, Hkv, D] (A = allocated
-blocks, every plane's blocks live in them, the last `scratch_blocks` are never targeted) and the
-rows' hidden-state tensor [S, d]; CPU tensors register as DRAM, CUDA tensors as VRAM. The
-transport keeps references to them until `close()` deregistered them (a registered pointer must
-not dangle), and refuses non-contiguous tensors (NIXL would return None and only log).
+Registered memory: what the runner declares (`rlt_contracts.PDMemory`): its whole key and value
+allocations [L, A, B, Hkv, D] (A = allocated blocks, every plane's blocks live in them, the
+scratch blocks are never targeted) and one role's hidden-state rows [S, d]; CPU memory registers
+as DRAM, CUDA memory as VRAM. The transport keeps a reference to the memory's owner until
+`close()` deregistered it (a registered address must not dangle).
 
 How a partition is posted (one NIXL transfer, so its notification covers all of its bytes):
 - Prepared lists, reused across requests (layout in descriptors.py): prepared once locally
@@ -32,8 +32,8 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import torch
 from rlt_contracts.pd import PDCompatibility
+from rlt_contracts.pd_memory import PDMemory
 
 from rlt_pd import descriptors
 from rlt_pd.descriptors import MemoryExtent
@@ -76,11 +76,10 @@ class KVTransport:
     """NIXL endpoint of one engine (P or D). Not thread-safe: call it from one thread.
 
     name: this agent's name (unique among the engines that connect to each other).
-    key_cache / value_cache: the runner's [L, A, B, Hkv, D] tensors (contiguous, same shape,
-        dtype and device); the last `scratch_blocks` blocks are never a transfer target.
-    hidden: the rows' hidden-state tensor [S, d] on the same device.
-    compatibility: what the peer must match; its geometry fields are checked against the
-        tensors here (ValueError on a mismatch).
+    memory: the runner's declared KV pool and hidden rows (one device).
+    compatibility: what the peer must match; its geometry fields are checked against `memory`
+        here (ValueError on a mismatch).
+    owner: the object that keeps `memory` allocated, referenced until `close()`.
     backend_params: UCX backend parameters overriding NIXL's defaults (e.g. num_workers).
     progress_delay_us: the longest wait of the agent's progress thread between passes when
         nothing progresses (`rlt_pd.nixl_agent`; 0 = NIXL's own, which polls without pause).
@@ -89,31 +88,29 @@ class KVTransport:
     def __init__(
         self,
         name: str,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        hidden: torch.Tensor,
+        memory: PDMemory,
         compatibility: PDCompatibility,
         *,
-        scratch_blocks: int = 1,
+        owner: object = None,
         backend_params: dict[str, str] | None = None,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
-        descriptors.check_tensors(key_cache, value_cache, hidden, compatibility, scratch_blocks)
-        num_layers, allocated, block_size, heads, head_dim = key_cache.shape
+        descriptors.check_memory(memory, compatibility)
+        kv = memory.kv
         self._name = name
         self._compatibility = compatibility
-        self._tensors = (key_cache, value_cache, hidden)  # kept alive while registered
-        self._extent = MemoryExtent.of_tensors(key_cache, value_cache, hidden)
-        self._memory = "VRAM" if key_cache.is_cuda else "DRAM"
-        self._allocated = allocated
+        self._owner = owner  # kept alive while registered
+        self._extent = MemoryExtent.of_memory(memory)
+        self._memory = "VRAM" if kv.key.device == "cuda" else "DRAM"
+        self._allocated = kv.allocated_blocks
         self._region = KVRegion.contiguous(
-            num_layers=num_layers,
-            num_blocks=allocated - scratch_blocks,
-            block_size=block_size,
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            dtype_bytes=key_cache.element_size(),
-            allocated_blocks=allocated,
+            num_layers=kv.num_layers,
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            num_kv_heads=kv.num_kv_heads,
+            head_dim=kv.head_dim,
+            dtype_bytes=kv.element_bytes,
+            allocated_blocks=kv.allocated_blocks,
         )
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[int, _Write] = {}
@@ -140,9 +137,13 @@ class KVTransport:
         self._registration = None
         self._local_dlist = None
         try:
-            registration = agent.register_memory([key_cache, value_cache, hidden])
+            regions = (("key", kv.key), ("value", kv.value), ("hidden", memory.hidden.region))
+            registration = agent.register_memory(
+                [(r.address, r.size_bytes, r.device_index, label) for label, r in regions],
+                self._memory,
+            )
             if registration is None:  # NIXL only logs; never silently continue
-                raise PDTransportError("NIXL refused to describe the tensors for registration")
+                raise PDTransportError("NIXL refused to describe the memory for registration")
             self._registration = registration
             self._local_dlist = agent.prep_xfer_dlist(
                 "", descriptors.prepared_table(self._extent), self._memory
@@ -200,7 +201,7 @@ class KVTransport:
 
     def metadata(self) -> bytes:
         """msgpack `TransportMetadata`: NIXL agent metadata, compatibility and the registered
-        tensors' addresses and geometry. Give it to the peer's `connect`."""
+        memory's addresses and geometry. Give it to the peer's `connect`."""
         return self._describe().encode()
 
     def _describe(self) -> TransportMetadata:
@@ -306,7 +307,7 @@ class KVTransport:
             self._registration = None
         self._closed = True
         self._agent = None
-        self._tensors = ()
+        self._owner = None
 
     def __enter__(self) -> KVTransport:
         return self

@@ -24,11 +24,15 @@ class LLM:
 
     Options are `EngineConfig` fields (e.g. dtype, device, kv_layout, scheduling_mode,
     max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks); unknown ones raise
-    ConfigurationError.
+    ConfigurationError. `handoff_port`: with `pd_role`, the KV handoff port factory to use
+    instead of NIXL's (`rlt.engine.pd_link.HandoffPortFactory`).
     """
 
-    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
+    def __init__(
+        self, model: str | Path | None = None, *, handoff_port=None, **options: Any
+    ) -> None:
+        config = EngineConfig.from_options(model=model, **options)
+        self.engine = LLMEngine(config, handoff_port=handoff_port)
         self._ids = itertools.count()
 
     def __enter__(self) -> LLM:

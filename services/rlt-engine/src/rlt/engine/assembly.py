@@ -45,6 +45,7 @@ from rlt.engine.config import EngineConfig
 from rlt.engine.core import EngineCore
 from rlt.engine.family_setup import family_setup
 from rlt.engine.kv_capacity import KVPoolCapacity, kv_pool_capacity
+from rlt.engine.pd_link import HandoffPortFactory
 from rlt.engine.startup import StartupClock, keep_kernel_choices, restore_kernel_choices
 from rlt.engine.structured_output import XGrammarCompiler
 
@@ -71,7 +72,7 @@ class EngineParts:
     weight_dtype: str = ""  # the stack's projections (ModelInfo)
     kv_cache_dtype: str = ""
     kv_capacity: KVPoolCapacity | None = None  # what the pool holds (layout, cap)
-    pd: PDParts | None = None  # a prefill or decode instance's transport and port
+    pd: PDParts | None = None  # a prefill or decode instance's NIXL transport and port
     model_name: str = ""  # what front ends call the model by default (ModelSource.name)
     attention_warning: str | None = None  # CUDA graphs requested, backend cannot be captured
     constraint_compiler: XGrammarCompiler | None = None  # structured output's grammars
@@ -143,9 +144,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) -> EngineParts:
+def build_engine(
+    config: EngineConfig,
+    *,
+    model: LoopedModelBase | None = None,
+    handoff_port: HandoffPortFactory | None = None,
+) -> EngineParts:
     """The engine's parts. `model`: already loaded from `config.model` with its dtype on its
-    device (benchmarks share one between engines); None loads it."""
+    device (benchmarks share one between engines); None loads it. `handoff_port`: a PD
+    instance's KV handoff port instead of NIXL's (tests join two engines in one process)."""
     clock = StartupClock()
     source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
     model_dir = source.local_dir
@@ -295,17 +302,19 @@ def build_engine(config: EngineConfig, *, model: LoopedModelBase | None = None) 
     if runner.graphs is None and device.type == "cuda":
         log = logger.warning if config.cuda_graphs else logger.info
         log("decode runs eagerly: %s", runner.graphs_disabled_reason)
-    core = EngineCore(scheduler, runner, kv, async_scheduling=config.async_scheduling)
-    pd = None
+    pd_link = pd = None
     if config.role is not PDRole.NONE:
-        from rlt.engine.pd_assembly import attach_pd  # imports NIXL: only PD instances need it
+        from rlt.engine.pd_assembly import build_pd  # imports NIXL: only PD instances need it
 
         try:
-            pd = attach_pd(core, config, model_dir)
+            pd_link, pd = build_pd(
+                config, model_dir, scheduler, kv, runner.pd_regions, handoff_port=handoff_port
+            )
         except BaseException:
             runner.close()
             raise
-        logger.info("PD %s instance, transport agent %s", config.role, pd.agent)
+        logger.info("PD %s instance, transport agent %s", config.role, pd_link.agent_name)
+    core = EngineCore(scheduler, runner, kv, pd=pd_link, async_scheduling=config.async_scheduling)
     weight_dtype = weight_dtype_name(model)
     model_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype_name = str(kv_dtype).removeprefix("torch.")

@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from rlt_contracts import (
     EngineRequest,
     EngineStats,
-    ExecutionIdentity,
     FamilyDeclaration,
     Feature,
     FinishReason,
     InvalidRequestError,
     KVLayout,
     KVTransferParams,
-    ModelRunnerOutput,
     PromptMask,
     RequestOutputDelta,
     SamplingParams,
@@ -45,10 +43,7 @@ from rlt_kv import KVCacheManager
 from rlt_runner import ModelRunner, PendingStep
 from rlt_scheduler import ScheduledRequest, Scheduler
 
-from rlt.engine.pd_link import PDLink
-
-# How long a PD instance's step waits when it has no model work, only transfers to watch.
-PD_IDLE_POLL_S = 0.0005
+from rlt.engine.pd_link import NoPD, PDLink
 
 
 def prompt_scoring_refusal(family: FamilyDeclaration) -> str | None:
@@ -117,7 +112,8 @@ class StepRecord:
 
 
 class EngineCore:
-    """Not thread-safe; frontends serialize access (one engine thread)."""
+    """Not thread-safe; frontends serialize access (one engine thread). `pd`: the PD part of
+    a prefill or decode instance (`PDLink`); `NoPD` for a whole engine."""
 
     def __init__(
         self,
@@ -125,18 +121,19 @@ class EngineCore:
         runner: ModelRunner,
         kv: KVCacheManager,
         *,
+        pd: PDLink | NoPD | None = None,
         async_scheduling: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
+        self.pd = pd if pd is not None else NoPD()
         self.async_scheduling = async_scheduling
         self.timings = StepTimings()
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
         # each submitted step with the host clock when its scheduling began and its submit ended
         self._inflight: deque[tuple[SchedulerOutput, PendingStep, float, float]] = deque()
         self._last_event = None  # the latest collected step's end-of-work event (CUDA)
-        self.pd: PDLink | None = None  # set for a PD prefill or decode instance
         self._pd_deltas: list[RequestOutputDelta] = []
         self._prompt_scoring_refusal = prompt_scoring_refusal(runner.model.family)
         self._exit_depth_scoring_refusal = runner.model.family.refusal(
@@ -181,17 +178,16 @@ class EngineCore:
             raise InvalidRequestError(
                 "prompt_logprobs", "prompt scoring is not available through a prefill/decode pair"
             )
-        if kv_transfer is not None and (self.pd is None or kv_transfer.role is not self.pd.role):
-            role = self.pd.role.value if self.pd is not None else "none"
+        if kv_transfer is not None and kv_transfer.role is not self.pd.role:
             raise InvalidRequestError(
                 "kv_transfer_params.role",
-                f"this instance's PD role is {role}, not {kv_transfer.role.value}",
+                f"this instance's PD role is {self.pd.role}, not {kv_transfer.role.value}",
             )
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.get_request(request_id)
         aborted = self.scheduler.abort_request(request_id)
-        if aborted and self.pd is not None:
+        if aborted:
             self.pd.aborted(request.identity)
         self._drain_if_idle()
         return aborted
@@ -215,14 +211,12 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         timings = self.timings
         t0 = time.perf_counter()
-        if self.pd is not None:
-            self.pd.poll()
+        self.pd.poll()
         scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
         pending = self.runner.submit(scheduled)
         self._inflight.append((scheduled, pending, t0, time.perf_counter()))
-        if self.pd is not None:
-            self._pd_deltas.extend(self.pd.after_submit())
+        self._pd_deltas.extend(self.pd.after_submit())
         t2 = time.perf_counter()
         timings.steps += 1
         timings.schedule_s += t1 - t0
@@ -231,8 +225,8 @@ class EngineCore:
         while len(self._inflight) > keep:
             self._apply_oldest()
         self._drain_if_idle()
-        if self.pd is not None and not scheduled.has_work and not self._pd_deltas:
-            time.sleep(PD_IDLE_POLL_S)  # only KV transfers are pending: poll, do not spin
+        if not scheduled.has_work and not self._pd_deltas:
+            self.pd.idle()
         return self._outputs()
 
     def _drain_if_idle(self) -> None:
@@ -248,13 +242,9 @@ class EngineCore:
         wait_before = self.runner.readback_wait_s
         result = self.runner.collect(pending)
         t1 = time.perf_counter()
-        failed = self._live_failed(result)
+        failed = self.pd.live_failures(result)
         self.scheduler.update_from_output(result)
-        if self.pd is not None:
-            for identity in failed:  # like abort_request: stop or release its transfer
-                self.pd.aborted(identity)
-            if not result.step_failed:
-                self.pd.after_collect(scheduled)  # skips requests a failure aborted
+        self.pd.after_collect(scheduled, result.step_failed, failed)
         t2 = time.perf_counter()
         timings = self.timings
         timings.collect_s += t1 - t0
@@ -285,18 +275,6 @@ class EngineCore:
                 )
             )
 
-    def _live_failed(self, result: ModelRunnerOutput) -> list[ExecutionIdentity]:
-        """Requests a result's failures will abort (named and still live); PD only."""
-        if self.pd is None:
-            return []
-        named = [i for failure in result.failures for i in failure.identities]
-        requests = [self.scheduler.get_request(i.request_id) for i in named]
-        return [
-            i
-            for i, request in zip(named, requests, strict=True)
-            if request is not None and request.identity == i and not request.finished
-        ]
-
     def close(self) -> None:
         """Abort every request, collect the steps in flight and drop the runner's device
         state (KV pool, rows, graphs)."""
@@ -307,8 +285,7 @@ class EngineCore:
         while self._inflight:
             self._apply_oldest()
         self.scheduler.take_outputs()
-        if self.pd is not None:
-            self.pd.port.close()  # deregisters the memory before the runner drops it
+        self.pd.close()  # deregisters the memory before the runner drops it
         self.runner.close()
 
     # -- inspection ----------------------------------------------------------------------------

@@ -40,11 +40,11 @@ class LLMEngine:
     them cached for reuse, and the next engine's KV sizing counts cached memory as free).
     """
 
-    def __init__(self, config: EngineConfig, *, model=None) -> None:
-        """`model`: a model (`rlt_models.LoopedModelBase`) already loaded from `config.model`
-        (see `build_engine`)."""
+    def __init__(self, config: EngineConfig, *, model=None, handoff_port=None) -> None:
+        """`model`: a model (`rlt_models.LoopedModelBase`) already loaded from `config.model`;
+        `handoff_port`: a PD instance's port factory instead of NIXL's (see `build_engine`)."""
         self.config = config
-        self.parts: EngineParts = build_engine(config, model=model)
+        self.parts: EngineParts = build_engine(config, model=model, handoff_port=handoff_port)
         self.core = self.parts.core
         self._processor = OutputProcessor(
             self.tokenizer_or_none, self.parts.model.shape.eos_token_ids

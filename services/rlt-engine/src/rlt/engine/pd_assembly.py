@@ -1,11 +1,10 @@
-"""PD wiring of one engine (M9): its NIXL transport over the runner's tensors, the handoff port
-of its role, and the `PDLink` that joins them to the engine core.
+"""PD wiring of one engine (M9): its NIXL transport over the memory the runner declares, the
+handoff port of its role, and the `PDLink` the engine core is built with.
 
-Registered memory: the runner's whole key and value caches (every plane's blocks live in them;
-the scratch block is never a target) and one [S, d] hidden-state tensor: on a prefill
-instance the rows' `hidden` (the final prompt state is read from P's row), on a decode
-instance the rows' `landing` buffer (decode ticks rewrite `hidden`; the engine copies the
-landed state into it when the request starts).
+Registered memory: what the runner's `PDMemorySource` declares for the role
+(`rlt_contracts.PDMemory`): the whole KV pool (every plane's blocks, the stage plane's too; the
+scratch blocks are never a target) and the role's hidden rows (P: the rows' state, read for the
+final prompt state; D: the landing buffer). Nothing here reads the runner's tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlt_contracts import PDCompatibility, PDRole, PDStaticInfo
+from rlt_contracts import PDCompatibility, PDMemory, PDMemorySource, PDRole, PDStaticInfo
+from rlt_kv import KVCacheManager
 from rlt_pd import (
     DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_TRANSFER_CHUNK_BYTES,
@@ -27,10 +27,10 @@ from rlt_pd import (
     SenderConfig,
     TransportHandoffPort,
 )
+from rlt_scheduler import Scheduler
 
 from rlt.engine.config import EngineConfig
-from rlt.engine.core import EngineCore
-from rlt.engine.pd_link import PDLink
+from rlt.engine.pd_link import HandoffPortFactory, PDLink
 
 
 @dataclass(frozen=True)
@@ -77,36 +77,60 @@ def default_max_inflight_bytes(max_num_batched_tokens: int, kv_bytes_per_token: 
     return max(DEFAULT_MAX_INFLIGHT_BYTES, 2 * max_num_batched_tokens * kv_bytes_per_token)
 
 
-def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDParts:
-    """Register the runner's memory with a new NIXL agent and give the core its PD link."""
+def build_pd(
+    config: EngineConfig,
+    model_dir: Path,
+    scheduler: Scheduler,
+    kv: KVCacheManager,
+    rows: PDMemorySource,
+    *,
+    handoff_port: HandoffPortFactory | None = None,
+) -> tuple[PDLink, PDParts | None]:
+    """The PD part of a prefill or decode instance: a new NIXL agent registers the memory the
+    runner declares (`rows`) and the link drives its port (PDParts: transport and port); with
+    `handoff_port`, the port it makes over that memory (no PDParts)."""
     role = config.role
-    runner = core.runner
-    keys, values = runner.kv.tensors.key_cache, runner.kv.tensors.value_cache
-    hidden = runner.rows.hidden if role is PDRole.PREFILL else runner.rows.landing
-    num_layers, _, block_size, heads, head_dim = keys.shape
-    element = keys.element_size()
+    memory = rows.memory(role)
+    agent = agent_name(role)
+    parts = None
+    if handoff_port is not None:
+        port = handoff_port(role, memory)
+    else:
+        parts = nixl_parts(config, model_dir, memory, agent, scheduler.model_depth, owner=rows)
+        port = parts.port
+    return PDLink(role, port, scheduler, rows, kv, agent_name=agent), parts
+
+
+def nixl_parts(
+    config: EngineConfig,
+    model_dir: Path,
+    memory: PDMemory,
+    agent: str,
+    model_depth: int,
+    *,
+    owner: object,
+) -> PDParts:
+    """Register `memory` (kept allocated by `owner`) with NIXL agent `agent`; its port."""
+    role, pool = config.role, memory.kv
     compatibility = PDCompatibility(
         model_identity=model_identity(model_dir),
-        num_layers=num_layers,
-        num_loops=core.scheduler.model_depth,
+        num_layers=pool.num_layers,
+        num_loops=model_depth,
         kv_layout=config.layout.value,  # canonical ("ring:8", never "ring:08")
-        dtype=str(keys.dtype).removeprefix("torch."),
-        block_size=block_size,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        block_bytes=2 * block_size * heads * head_dim * element,
-        hidden_bytes=hidden.shape[1] * hidden.element_size(),
-        kv_cache_dtype=str(keys.dtype).removeprefix("torch."),
-        kv_scales=runner.kv.scales_tuple(),
+        dtype=pool.dtype,
+        block_size=pool.block_size,
+        num_kv_heads=pool.num_kv_heads,
+        head_dim=pool.head_dim,
+        block_bytes=2 * pool.block_bytes,
+        hidden_bytes=memory.hidden.row_bytes,
+        kv_cache_dtype=pool.dtype,
+        kv_scales=pool.scales,
     )
-    agent = agent_name(role)
-    transport = KVTransport(agent, keys, values, hidden, compatibility)
+    transport = KVTransport(agent, memory, compatibility, owner=owner)
     max_inflight = config.pd_max_inflight_bytes
     if max_inflight is None:
-        kv_bytes_per_token = compatibility.block_bytes // block_size * num_layers
-        max_inflight = default_max_inflight_bytes(
-            config.max_num_batched_tokens, kv_bytes_per_token * core.kv.num_planes
-        )
+        kv_bytes_per_token = 2 * pool.token_bytes * pool.num_layers * pool.num_planes
+        max_inflight = default_max_inflight_bytes(config.max_num_batched_tokens, kv_bytes_per_token)
     chunk_bytes = min(DEFAULT_TRANSFER_CHUNK_BYTES, max_inflight)
     port = TransportHandoffPort(
         role,
@@ -120,5 +144,4 @@ def attach_pd(core: EngineCore, config: EngineConfig, model_dir: Path) -> PDPart
             wait_timeout_s=config.pd_kv_timeout_s, lease_s=config.pd_kv_lease_s
         ),
     )
-    core.pd = PDLink(role, port, core.scheduler, runner, core.kv, agent_name=agent)
     return PDParts(role, agent, transport, port, compatibility, transport.metadata())

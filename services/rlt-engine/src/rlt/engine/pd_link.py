@@ -14,22 +14,52 @@ and reports evidence; the link translates between them on the engine thread, onc
                  failed -> aborted, blocks held; aborted while sending -> port.cancel.
     both         released (the port says nothing is in flight any more) -> release_held.
 A port reports `failed` and `released` separately: failure ends the request at once, release
-(possibly later) frees what a write might still touch.
+(possibly later) frees what a write might still touch. The link reads the runner only through
+its `PDMemorySource` (which row holds a request's state); an engine without a PD role gets
+`NoPD`, whose hooks do nothing, so the core's loop calls them unconditionally.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from rlt_contracts import (
     ExecutionIdentity,
     HandoffTarget,
     KVHandoffPort,
+    ModelRunnerOutput,
+    PDMemory,
+    PDMemorySource,
     PDRole,
     RequestOutputDelta,
     SchedulerOutput,
 )
 from rlt_kv import KVCacheManager
-from rlt_runner import ModelRunner
 from rlt_scheduler import Scheduler
+
+# How long a PD instance's step waits when it has no model work, only transfers to watch.
+PD_IDLE_POLL_S = 0.0005
+
+# Makes a role's handoff port over the memory the runner declares (NIXL's unless given).
+HandoffPortFactory = Callable[[PDRole, PDMemory], KVHandoffPort]
+
+
+def _nothing(*_args) -> None:
+    """A hook an engine without a PD role has nothing to do in."""
+
+
+class NoPD:
+    """The PD part of an engine that is neither a prefill nor a decode instance."""
+
+    role = PDRole.NONE
+    poll = after_collect = aborted = idle = close = _nothing  # PDLink's hooks, doing nothing
+
+    def after_submit(self) -> list[RequestOutputDelta]:
+        return []
+
+    def live_failures(self, result: ModelRunnerOutput) -> list[ExecutionIdentity]:
+        return []
 
 
 class PDLink:
@@ -38,7 +68,7 @@ class PDLink:
         role: PDRole,
         port: KVHandoffPort,
         scheduler: Scheduler,
-        runner: ModelRunner,
+        rows: PDMemorySource,
         kv: KVCacheManager,
         *,
         agent_name: str,
@@ -47,7 +77,7 @@ class PDLink:
         self.port = port
         self.agent_name = agent_name
         self._scheduler = scheduler
-        self._runner = runner
+        self._rows = rows
         self._kv = kv
         self._by_transfer: dict[str, ExecutionIdentity] = {}
         self._transfer_of: dict[ExecutionIdentity, str] = {}
@@ -79,7 +109,8 @@ class PDLink:
         assigned now), registered with the port and returned as first deltas."""
         deltas = []
         for request in self._scheduler.newly_reserved():
-            if request.identity not in self._runner.rows:
+            row = self._rows.hidden_row(request.identity)
+            if row is None:
                 # The step that admitted it failed and the runner dropped its row (R04): no
                 # prefill instance ever learns this target, so nothing can write its blocks.
                 message = "the step that admitted the request failed (see the engine log)"
@@ -92,7 +123,7 @@ class PDLink:
                 decode_agent=self.agent_name,
                 block_tables=self._kv.block_tables(request.identity),
                 first_token=request.computed_prompt_tokens,
-                hidden_row=self._runner.rows.record(request.identity).row,
+                hidden_row=row,
                 prompt_length=request.prompt_length,
             )
             self._track(params.transfer_id, request.identity)
@@ -108,9 +139,27 @@ class PDLink:
             )
         return deltas
 
-    def after_collect(self, scheduled: SchedulerOutput) -> None:
-        """P: the step's device work is complete: send the prompt chunks it computed."""
-        if self.role is not PDRole.PREFILL:
+    def live_failures(self, result: ModelRunnerOutput) -> list[ExecutionIdentity]:
+        """Requests a result's failures will abort (named and still live): read before the
+        scheduler applies the result."""
+        named = [i for failure in result.failures for i in failure.identities]
+        requests = [self._scheduler.get_request(i.request_id) for i in named]
+        return [
+            i
+            for i, request in zip(named, requests, strict=True)
+            if request is not None and request.identity == i and not request.finished
+        ]
+
+    def after_collect(
+        self, scheduled: SchedulerOutput, step_failed: bool, failed: list[ExecutionIdentity]
+    ) -> None:
+        """After the scheduler applied a step's result: stop or release the transfers of the
+        requests its failures aborted (`failed`, as `aborted`); P, unless the whole step
+        failed: its device work is complete, send the prompt chunks it computed (skipping
+        requests a failure aborted)."""
+        for identity in failed:
+            self.aborted(identity)
+        if self.role is not PDRole.PREFILL or step_failed:
             return
         for chunk in scheduled.prefill:
             request = self._scheduler.get_request(chunk.identity.request_id)
@@ -131,9 +180,9 @@ class PDLink:
             if start >= chunk.end_position and not chunk.completes_prompt:
                 continue  # positions D has cached already
             self._track(target.transfer_id, request.identity)
-            final_row = (
-                self._runner.rows.record(request.identity).row if chunk.completes_prompt else None
-            )
+            final_row = self._rows.hidden_row(request.identity) if chunk.completes_prompt else None
+            if chunk.completes_prompt and final_row is None:  # a live request keeps its row
+                raise RuntimeError(f"{request.identity} computed its prompt and has no row")
             self.port.send_chunk(
                 target,
                 self._kv.block_tables(request.identity),
@@ -151,6 +200,14 @@ class PDLink:
             self.port.cancel(transfer_id)
         elif identity in self._scheduler.held_transfers():
             self._scheduler.release_held(identity)
+
+    def idle(self) -> None:
+        """A step with no model work and no delta: only transfers are pending (do not spin)."""
+        time.sleep(PD_IDLE_POLL_S)
+
+    def close(self) -> None:
+        """Deregister the memory (before the runner drops it)."""
+        self.port.close()
 
     # -- bookkeeping -----------------------------------------------------------------------------
     def _track(self, transfer_id: str, identity: ExecutionIdentity) -> None:

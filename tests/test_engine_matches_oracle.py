@@ -1,8 +1,10 @@
 """Greedy engine output (tokens AND exit depths) equals the token-by-token dense oracle.
 
-Covered: both KV layouts, both scheduling modes, fixed depth (threshold 1.0) and adaptive exit
-(thresholds below 1, so early exits really happen), many concurrent requests of different
-lengths with chunked prefill and queueing (max_num_seqs < number of requests).
+Covered: the KV layouts (ring:2 of 4 loops: loops 1, 3 and 2, 4 share a plane; its prompts run
+whole), both scheduling modes, fixed depth (threshold 1.0) and adaptive exit (thresholds below
+1, so early exits really happen), many concurrent requests of different lengths with chunked
+prefill and queueing (max_num_seqs < number of requests). A ring's fill of the planes an early
+exit never wrote: tests/test_ring_kv_layout.py.
 
 Conditioning: the engine runs fp32, the oracle fp64. Each decision's distance to flipping is
 reported by the oracle (gate CDF vs threshold, top-2 logit gap); the test requires it to exceed
@@ -41,7 +43,7 @@ def oracle_outputs(path, layout: str, threshold: float, min_loops: int = 2):
     return results
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "ring:2"])
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("threshold", [1.0, 0.8, 0.55])
 def test_greedy_tokens_and_exit_depths_match_oracle(

@@ -1,6 +1,8 @@
 """The ring KV layout (`kv_layout="ring:K"`, issue 39 item 5) on a tiny Ouro of 4 loops, fp32 on
-the CPU: ring:2 batched equals serial under the gate's exits (tokens and depths), refill equals
-no_refill; ring:4 (as many planes as loops) is last_exited exactly, chunked prefill and prefix
+the CPU: ring:2 and ring:3 equal the dense oracle's ring (tokens and depths) with exits below
+the ring's size (the fill of the planes a token never wrote; ring:2 without them:
+test_engine_matches_oracle.py); ring:2 batched equals serial under the gate's exits, refill
+equals no_refill; ring:4 (as many planes as loops) is last_exited exactly, chunked prefill and prefix
 hits included; what a ring cannot keep is refused at start-up (speculation, prefix caching below
 the depth) or per request (exit-depth scoring); the flag takes what `parse_kv_layout` takes.
 Huginn-0125's ring against a dense reference: test_huginn_ring_kv.py. Every engine here is
@@ -11,6 +13,9 @@ from __future__ import annotations
 import pytest
 from rlt import SamplingParams
 from rlt_contracts import ConfigurationError, InvalidRequestError
+from test_engine_matches_oracle import MAX_TOKENS as ORACLE_MAX_TOKENS
+from test_engine_matches_oracle import PROMPTS as ORACLE_PROMPTS
+from test_engine_matches_oracle import oracle_outputs
 
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [250, 11], [64, 128, 9, 31, 77, 18, 200, 201, 45, 16, 3]]
 
@@ -36,6 +41,25 @@ def test_ring_batched_equals_serial_and_changes_the_model(llm_factory):
     assert any(d < 4 for _, depths in batched for d in depths[1:])  # early exits: planes filled
     assert run(llm_factory(kv_layout="ring:2", scheduling_mode="no_refill")) == batched
     assert run(llm_factory(kv_layout="last_exited")) != batched  # steps 1, 3 share plane 0
+
+
+@pytest.mark.parametrize("ring", [2, 3])
+def test_early_exits_below_the_ring_equal_the_oracle(llm_factory, tiny_checkpoint, ring):
+    """min_loops 1: tokens exit at loops 1..K-1, below the ring's size, so their unwritten planes
+    get the exit loop's KV, which later deeper tokens read; tokens and depths equal the dense
+    oracle's (packages/rlt-models/tests/oracle, ring semantics written there)."""
+    llm = llm_factory(kv_layout=f"ring:{ring}")
+    sampling = [
+        SamplingParams(max_tokens=n, exit_threshold=0.6, min_loops=1, ignore_eos=True)
+        for n in ORACLE_MAX_TOKENS
+    ]
+    outputs = llm.generate(ORACLE_PROMPTS, sampling)
+    path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+    expected = oracle_outputs(path, f"ring:{ring}", 0.6, min_loops=1)
+    assert [(o.token_ids, o.exit_depths) for o in outputs] == [
+        (r.token_ids, r.exit_depths) for r in expected
+    ]
+    assert any(d < ring for o in outputs for d in o.exit_depths[1:])  # fills happened
 
 
 def test_a_ring_of_the_depth_is_last_exited(llm_factory):

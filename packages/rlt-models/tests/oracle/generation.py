@@ -4,12 +4,15 @@ Semantics (anchor-vllm-rlt.md 2a-2c), restated independently of the engine:
 - Prefill runs every prompt position at full depth T. LAST_EXITED: plane d holds each prompt
   position's loop-(d+1) KV (depth-major). SHARED: positions advance one at a time through all
   loops, each loop overwriting the single plane, so later positions read final versions.
+  RING ("ring:K"): K planes, loop k at plane (k - 1) mod K; the prompt runs depth-major as one
+  block (at loop k every prompt position reads the prompt's loop-k KV, then it stays in its
+  plane until loop k + K overwrites it).
 - Token 0 comes from the last prompt position's final state (exit depth T).
 - Output token i (i >= 1) is produced by feeding token i-1 at position P + i - 1 and looping:
   loop k reads plane(k) of earlier positions plus its own fresh entry. After each loop
   survival *= 1 - sigmoid(gate); exit at k if k == max_loops, or (threshold < 1,
   k >= min_loops and 1 - survival >= threshold). LAST_EXITED copies the exit-depth entry into
-  the deeper planes.
+  the deeper planes; RING into planes k..K-1 when k < K (the planes the token never wrote).
 - Greedy decoding; EOS (unless ignore_eos) and stop ids end with "stop", max_tokens with "length".
 - `prompt_at_exit_depth` (score_at_exit_depth): no prefill; the prompt is decoded teacher-forced
   from position 0, every position looping under the exit rule exactly as an output token does,
@@ -86,21 +89,31 @@ class GenerationOracle:
     def __init__(
         self, dense: DenseOuro, layout: str, eos_token_ids: tuple[int, ...] = (0,)
     ) -> None:
-        if layout not in ("last_exited", "shared"):
+        self.ring = int(layout.removeprefix("ring:")) if layout.startswith("ring:") else 0
+        if layout not in ("last_exited", "shared") and self.ring < 1:
             raise ValueError(layout)
         self.dense = dense
         self.layout = layout
         self.eos = set(eos_token_ids)
 
     def plane(self, loop: int) -> int:
+        if self.ring:
+            return (loop - 1) % self.ring
         return loop - 1 if self.layout == "last_exited" else 0
+
+    @property
+    def planes(self) -> int:
+        """Planes one position keeps."""
+        if self.ring:
+            return min(self.ring, self.dense.loops)
+        return self.dense.loops if self.layout == "last_exited" else 1
 
     def generate(self, request: OracleRequest) -> OracleResult:
         d, depth = self.dense, self.dense.loops
         max_loops = request.max_loops or depth
         prompt_len = len(request.prompt)
         kv = _PlaneKV(
-            depth if self.layout == "last_exited" else 1,
+            self.planes,
             d.num_layers,
             prompt_len + request.max_tokens,
             d.num_kv_heads,
@@ -108,6 +121,8 @@ class GenerationOracle:
             d.dtype,
         )
         result = OracleResult()
+        if request.prompt_at_exit_depth and self.ring:
+            raise ValueError("exit-depth scoring is not defined for a ring")
         if request.prompt_at_exit_depth:
             self._teacher_forced_prompt(request, kv, max_loops, result)
         else:
@@ -151,8 +166,9 @@ class GenerationOracle:
         result: OracleResult,
     ) -> tuple[torch.Tensor, int]:
         """Feed `token` at `position` and loop until the exit rule fires (LAST_EXITED: its
-        exit-depth KV copied into the deeper planes); returns (exit state [1, d], depth)."""
-        d, depth = self.dense, self.dense.loops
+        exit-depth KV copied into the deeper planes; RING: into the planes it never wrote);
+        returns (exit state [1, d], depth)."""
+        d = self.dense
         x = d.embed(torch.tensor([token]))
         survival, pending_exit, loop = 1.0, None, 0
         while True:
@@ -170,8 +186,8 @@ class GenerationOracle:
                 and self._trigger(request, loop, survival, result)
             ):
                 pending_exit = loop + 1
-        if self.layout == "last_exited" and loop < depth:
-            kv.copy_position(loop - 1, range(loop, depth), position)
+        if self.layout != "shared" and loop < self.planes:
+            kv.copy_position(self.plane(loop), range(loop, self.planes), position)
         return x, loop
 
     def prompt_logprobs(self, prompt: tuple[int, ...]) -> list[float | None]:
@@ -179,7 +195,7 @@ class GenerationOracle:
         token 0): what prompt scoring at full depth reports, in this layout's semantics."""
         d = self.dense
         kv = _PlaneKV(
-            d.loops if self.layout == "last_exited" else 1,
+            self.planes,
             d.num_layers,
             len(prompt),
             d.num_kv_heads,
@@ -192,12 +208,12 @@ class GenerationOracle:
     def _prefill(self, prompt: tuple[int, ...], kv: _PlaneKV) -> torch.Tensor:
         """Every prompt position's final state [P, d]."""
         d = self.dense
-        if self.layout == "last_exited":
+        if self.layout != "shared":
             h = d.embed(torch.tensor(prompt))
             positions = torch.arange(len(prompt))
             for loop in range(1, d.loops + 1):
                 h, new_kv, _ = d.loop(h, positions, [None] * d.num_layers)
-                kv.store(loop - 1, 0, new_kv)
+                kv.store(self.plane(loop), 0, new_kv)
             return h
         states = []
         for position, token in enumerate(prompt):

@@ -23,8 +23,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engines built by tests (and the servers they start) neither read nor write the kernel-choice
-# cache: tests that force a choice must see it measured (tests/test_kernel_choice_cache.py
-# passes its own directory).
+# cache: tests that force a choice must see it measured
+# (services/rlt-engine/tests/test_kernel_choice_cache.py passes its own directory).
 os.environ["RLT_CACHE_DIR"] = "off"
 
 

@@ -6,7 +6,8 @@ of the choices shows the token masks really constrain sampling (greedy and rando
 free requests batched with constrained ones decode as they do alone, a constrained request
 preempted and resumed ends exactly as when it ran alone (its matcher consumed exactly its
 outputs), invalid grammars are 400s naming their field, and no KV block leaks (the harness and
-`llm_factory` check every engine at the end).
+`llm_factory` check every engine at the end). Under prefill/decode disaggregation: the root
+tests/test_pd_structured_output.py.
 """
 
 from __future__ import annotations
@@ -318,28 +319,6 @@ def test_fused_tick_kernels_hold_constrained_rows_like_the_torch_tick(llm_factor
             if param.structured_output is not None:
                 assert re.fullmatch(REGEX, out.text)
     assert results[0] == results[1]
-
-
-def test_prefill_decode_disaggregation_carries_the_grammar_to_the_decode_side(llm_factory):
-    """P computes the prompt only (no matcher there); D samples token 0 under the first mask
-    at its remote start, then one token per mask: the output equals a single engine's."""
-    from test_pd_engine import connect, reference, run_pd
-
-    prompts = [[5, 17, 200, 3, 99, 42, 7], [250, 11], [64, 128, 9]]
-    spec = StructuredOutput(kind="choice", choices=tuple(CHOICES))
-    all_params = [
-        regex_params(),
-        SamplingParams(max_tokens=16, structured_output=spec, temperature=0.8, seed=3),
-        free_params(),
-    ]
-    expected = reference(llm_factory, prompts, all_params)
-    prefill, decode = llm_factory(), llm_factory()
-    connect(prefill, decode)
-    finals = run_pd(prefill, decode, prompts, all_params)
-    got = [(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths) for i in range(3)]
-    assert got == expected
-    assert re.fullmatch(REGEX, finals["r0"].text)
-    assert finals["r1"].text in CHOICES
 
 
 @pytest.mark.parametrize(

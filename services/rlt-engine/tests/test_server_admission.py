@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
+import httpx2
 import openai
 import pytest
 from serving_harness import run_server
@@ -27,7 +27,7 @@ def test_a_burst_on_an_idle_server_fills_the_free_slots_before_429(checkpoint):
         body = {"prompt": [5, 6, 7], "max_tokens": 32, "ignore_eos": True, "temperature": 0}
 
         async def burst() -> list[int]:
-            async with httpx.AsyncClient(
+            async with httpx2.AsyncClient(
                 base_url=server.base_url, trust_env=False, timeout=60
             ) as client:
                 responses = await asyncio.gather(

@@ -2,12 +2,18 @@
 
 The listening socket is bound before uvicorn starts (port 0, so the OS picks a free port) and
 handed to it, so there is no window in which another process could take the port.
+
+Also the fixtures a test module with its own `server` fixture (a `run_server(...)`,
+module-scoped) gets through its conftest: a checkpoint and clients of that server. Clients use
+httpx2, the HTTP client rlt declares (the `openai` client's own); the root tests import this
+module too (the workspace's pytest `pythonpath`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,8 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
+import httpx2
 import openai
+import pytest
 import uvicorn
 from rlt.engine import EngineConfig, LLMEngine
 from rlt.serving.async_engine import AsyncEngine
@@ -45,17 +52,17 @@ class RunningServer:
     app: Any
     options: ServeOptions
 
-    def http(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, trust_env=False, timeout=30, **kwargs)
+    def http(self, **kwargs) -> httpx2.Client:
+        return httpx2.Client(base_url=self.base_url, trust_env=False, timeout=30, **kwargs)
 
     def openai(self, **http_kwargs) -> openai.OpenAI:
         """The official client against this server (no retries, no proxy from the
-        environment); http_kwargs go to its httpx.Client (e.g. timeout, event_hooks)."""
+        environment); http_kwargs go to its httpx2.Client (e.g. timeout, event_hooks)."""
         return openai.OpenAI(
             base_url=f"{self.base_url}/v1",
             api_key="unused",
             max_retries=0,
-            http_client=httpx.Client(trust_env=False, **http_kwargs),
+            http_client=httpx2.Client(trust_env=False, **http_kwargs),
         )
 
     def wait_idle(self, timeout: float = 10.0) -> Any:
@@ -137,6 +144,30 @@ def sse_events(lines) -> list[dict | str]:
     return events
 
 
+_SAMPLE = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? (\S+)(?: -?\d+)?")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)",?')
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each sample of a Prometheus text exposition (`/metrics`), in
+    order; a line that is neither a sample, a comment nor blank fails the test."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample = _SAMPLE.fullmatch(line)
+        assert sample is not None, f"not a Prometheus sample: {line!r}"
+        name, written, value = sample.groups()
+        labels, position = {}, 0
+        while position < len(written or ""):
+            label = _LABEL.match(written, position)
+            assert label is not None, f"not Prometheus labels: {line!r}"
+            labels[label[1]] = re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], label[2])
+            position = label.end()
+        samples.append((name, labels, float(value)))
+    return samples
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -163,15 +194,34 @@ def start_serve_process(
 def wait_ready(process: subprocess.Popen, base_url: str, timeout: float = 120) -> None:
     """Until /health answers 200 (raises with the server's output if it exited)."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=base_url, trust_env=False, timeout=2) as http:
+    with httpx2.Client(base_url=base_url, trust_env=False, timeout=2) as http:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise AssertionError(f"server exited early:\n{process.stdout.read()}")
             try:
                 if http.get("/health").status_code == 200:
                     return
-            except httpx.TransportError:
+            except httpx2.TransportError:
                 pass
             time.sleep(0.1)
     process.kill()
     raise AssertionError("server did not become ready")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    """The tiny random Ouro most server tests serve (2 layers, 4 loops, a spread exit gate)."""
+    return tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """httpx2 client of the module's server."""
+    with server.http() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's server."""
+    return server.openai()

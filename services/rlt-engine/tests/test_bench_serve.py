@@ -6,6 +6,7 @@ model): every request accounted for, percentiles ordered, token counts equal to 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import signal
@@ -349,8 +350,11 @@ def test_plot_needs_matplotlib_and_says_how_to_get_it(monkeypatch):
     assert "uv run --with matplotlib rlt bench serve" in str(error.value)  # what works here
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="matplotlib is rlt's optional `bench` extra, not installed here",
+)
 def test_plot_of_a_sweep(tmp_path):
-    pytest.importorskip("matplotlib")
     results = []
     for rate, scale in ((1.0, 1.0), (4.0, 2.0), ("inf", 5.0)):
         row = {"request_rate": rate, "output_throughput": 10 * scale, "request_throughput": scale}
@@ -518,16 +522,15 @@ def test_live_sweep_runs_each_rate_and_saves_each_result(live_server, tmp_path, 
 
 def scrape_metrics(server) -> dict[str, float]:
     """{sample name: value} of the server's `rlt:` samples without extra labels."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from serving_harness import metric_samples
 
     with server.http() as http:
         text = http.get("/metrics").text
     values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
-            if sample.name.startswith("rlt:") and not labels:
-                values[sample.name] = sample.value
+    for name, labels, value in metric_samples(text):
+        labels.pop("model_name", None)
+        if name.startswith("rlt:") and not labels:
+            values[name] = value
     return values
 
 

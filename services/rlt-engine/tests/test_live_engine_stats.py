@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-import httpx
+import httpx2
 import pytest
 from rlt import LLM, SamplingParams
 from rlt.cli import build_parser, engine_config_from_args
@@ -202,7 +202,7 @@ def test_the_flags_reach_the_engine_config_and_a_bad_interval_is_refused():
 
 def send_load(base_url: str, model: str, *, clients: int = 4, each: int = 3, tokens: int = 40):
     def one_client() -> None:
-        with httpx.Client(base_url=base_url, trust_env=False, timeout=120) as http:
+        with httpx2.Client(base_url=base_url, trust_env=False, timeout=120) as http:
             for _ in range(each):
                 body = {"model": model, "prompt": "It is a truth universally acknowledged"}
                 body.update(max_tokens=tokens, ignore_eos=True, exit_threshold=0.5, min_loops=1)

@@ -3,7 +3,7 @@
 Without a server: `--backend` with and without `--endpoint`, `--random-prefix-len`,
 `--percentile-metrics`, the peaks, the ShareGPT sampler (vLLM's order for a seed, its length
 filter, reuse) with the bundled model's tokenizer, and the refusals. Against a served tiny
-model (tests/serving_harness.py, CPU): each option in a run, and the saved JSON holds every key
+model (serving_harness.py, CPU): each option in a run, and the saved JSON holds every key
 vLLM's does.
 """
 

@@ -16,11 +16,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serving_harness import run_server
+from serving_harness import metric_samples, run_server
 
 LOOPS = dict(exit_threshold=0.8, min_loops=1, ignore_eos=True)  # adaptive exit: depths vary
 DEPTH = 4  # l2_t4: 4 loops
@@ -62,12 +61,10 @@ class Seen:
 def scrape(text: str) -> dict:
     """{(sample name, labels without model_name): value}; every `rlt:` sample has a model_name."""
     values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = dict(sample.labels)
-            if sample.name.startswith("rlt:"):
-                assert labels.pop("model_name")
-            values[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    for name, labels, value in metric_samples(text):
+        if name.startswith("rlt:"):
+            assert labels.pop("model_name")
+        values[(name, tuple(sorted(labels.items())))] = value
     return values
 
 
@@ -154,13 +151,13 @@ def test_metrics_agree_with_what_the_clients_saw(server):
     samples: list[dict] = []
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=server.base_url, trust_env=False) as http:
+        async with httpx2.AsyncClient(base_url=server.base_url, trust_env=False) as http:
             before = scrape((await http.get("/metrics")).text)
             client = openai.AsyncOpenAI(
                 base_url=f"{server.base_url}/v1",
                 api_key="unused",
                 max_retries=0,
-                http_client=httpx.AsyncClient(trust_env=False, timeout=30),
+                http_client=httpx2.AsyncClient(trust_env=False, timeout=30),
             )
             done = asyncio.Event()
 

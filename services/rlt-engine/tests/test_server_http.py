@@ -13,11 +13,10 @@ import asyncio
 import json
 import time
 
-import httpx
+import httpx2
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from rlt import LLM, SamplingParams
-from serving_harness import ENGINE_DEFAULTS, run_server, sse_events
+from serving_harness import ENGINE_DEFAULTS, metric_samples, run_server, sse_events
 
 LOOPS = dict(exit_threshold=0.8, min_loops=2)  # adaptive exit: depths vary per token
 
@@ -234,14 +233,14 @@ def test_many_concurrent_streams_complete_correctly(server, reference):
         prompts, [SamplingParams(max_tokens=n, ignore_eos=True, **LOOPS) for n in lengths]
     )
 
-    async def one(client: httpx.AsyncClient, prompt, n):
+    async def one(client: httpx2.AsyncClient, prompt, n):
         body = completion_body(prompt, max_tokens=n, stream=True)
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             return sse_events([line async for line in response.aiter_lines()])
 
     async def main():
-        async with httpx.AsyncClient(
+        async with httpx2.AsyncClient(
             base_url=server.base_url, trust_env=False, timeout=60
         ) as client:
             return await asyncio.gather(
@@ -262,7 +261,7 @@ def test_many_concurrent_streams_complete_correctly(server, reference):
 def test_disconnect_mid_stream_aborts_and_frees_every_kv_block(server, http):
     before = metric_values(http)
     aborted_before = server.client.stats().aborted_requests
-    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=30) as client:
+    with httpx2.Client(base_url=server.base_url, trust_env=False, timeout=30) as client:
         body = completion_body([1, 2, 3, 4, 5], max_tokens=400, stream=True)
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -285,7 +284,7 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server):
     aborted_before = server.client.stats().aborted_requests
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.base_url, trust_env=False) as client:
+        async with httpx2.AsyncClient(base_url=server.base_url, trust_env=False) as client:
             request = asyncio.create_task(
                 client.post("/v1/completions", json=completion_body([9, 9, 9], max_tokens=400))
             )
@@ -307,10 +306,9 @@ def metric_values(http) -> dict:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     values = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
-            values[(sample.name, labels)] = sample.value
+    for name, labels, value in metric_samples(response.text):
+        labels.pop("model_name", None)
+        values[(name, tuple(sorted(labels.items())))] = value
     return values
 
 

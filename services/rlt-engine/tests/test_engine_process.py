@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 from in_flight_failures import RequestsInFlight
 from rlt import LLM, SamplingParams
@@ -70,7 +70,7 @@ class Server:
     def __init__(self, process: subprocess.Popen, port: int) -> None:
         self.process, self.port = process, port
         self.url = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=60)
+        self.http = httpx2.Client(base_url=self.url, trust_env=False, timeout=60)
 
     def core_pid(self) -> int:
         """The engine core: the server's child that is neither multiprocessing's resource
@@ -182,13 +182,13 @@ def start_stream(server: Server, results: dict, **body) -> threading.Thread:
         payload = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
         lines = []
         try:
-            with httpx.Client(base_url=server.url, trust_env=False, timeout=60) as http:
+            with httpx2.Client(base_url=server.url, trust_env=False, timeout=60) as http:
                 with http.stream("POST", "/v1/completions", json={**payload, **body}) as response:
                     results["status"] = response.status_code
                     for line in response.iter_lines():
                         lines.append(line)
                         started.set()
-        except httpx.TransportError as exc:
+        except httpx2.TransportError as exc:
             results["transport_error"] = exc
         results["events"] = sse_events(lines)
         started.set()
@@ -277,10 +277,10 @@ def test_a_killed_core_fails_requests_health_and_the_server(long_checkpoint):
         # after the death, until the server has stopped listening: 503s (then: refused)
         url = server.url + "/v1/completions"
         body = {"prompt": [1, 2], "max_tokens": 2000, "ignore_eos": True}
-        with contextlib.suppress(httpx.TransportError):
-            late = httpx.post(url, json=body, timeout=30)
+        with contextlib.suppress(httpx2.TransportError):
+            late = httpx2.post(url, json=body, timeout=30)
             assert late.status_code == 503 and late.json()["error"]["code"] == "engine_unavailable"
-            health = httpx.get(server.url + "/health", timeout=30)
+            health = httpx2.get(server.url + "/health", timeout=30)
             assert health.status_code == 503 and health.json()["status"] in (
                 "dead",
                 "shutting_down",
@@ -297,12 +297,12 @@ def test_a_killed_front_end_takes_its_core_along(long_checkpoint):
         wait_gone([core])
 
 
-def clients_of_every_front_end(server: Server, front_ends: set[int]) -> list[httpx.Client]:
+def clients_of_every_front_end(server: Server, front_ends: set[int]) -> list[httpx2.Client]:
     """Keep-alive clients until each front end holds one of their connections at least (the
     kernel hands each new connection to one of them)."""
     clients = []
     for _ in range(40):
-        clients.append(httpx.Client(base_url=server.url, trust_env=False, timeout=60))
+        clients.append(httpx2.Client(base_url=server.url, trust_env=False, timeout=60))
         assert clients[-1].get("/health").status_code == 200
         if all(tcp_sockets(p, ESTABLISHED, server.port) for p in front_ends):
             return clients

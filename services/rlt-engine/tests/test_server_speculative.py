@@ -9,8 +9,7 @@ engine's stats and consistent with each other; nothing leaks (the harness checks
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serving_harness import run_server, sse_events
+from serving_harness import metric_samples, run_server, sse_events
 
 GREEDY = dict(
     temperature=0,
@@ -82,10 +81,9 @@ def test_metrics_report_draft_and_acceptance_counts(servers):
     with spec.http() as http:
         text = http.get("/metrics").text
     samples = {
-        (s.name, s.labels.get("position")): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("rlt:spec_decode")
+        (name, labels.get("position")): value
+        for name, labels, value in metric_samples(text)
+        if name.startswith("rlt:spec_decode")
     }
     drafts = samples[("rlt:spec_decode_num_drafts_total", None)]
     drafted = samples[("rlt:spec_decode_num_draft_tokens_total", None)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-import httpx
+import httpx2
 import openai
 import pytest
 from serving_harness import run_server
@@ -33,7 +33,7 @@ def test_retrieve_the_served_model(http, client):
 
 def test_version_is_the_package_version(http, client, server):
     assert http.get("/version").json() == {"version": metadata.version("rlt")}
-    answer = client.get(f"{server.base_url}/version", cast_to=httpx.Response)
+    answer = client.get(f"{server.base_url}/version", cast_to=httpx2.Response)
     assert answer.json()["version"] == metadata.version("rlt")
 
 
@@ -52,7 +52,7 @@ def test_tokenize_a_prompt_as_completions_do(http, client, server):
     }
     # the openai client's generic post reaches the same endpoints
     via_client = client.post(
-        f"{server.base_url}/tokenize", body={"prompt": "It is a truth"}, cast_to=httpx.Response
+        f"{server.base_url}/tokenize", body={"prompt": "It is a truth"}, cast_to=httpx2.Response
     )
     assert via_client.json()["tokens"] == body["tokens"]
 

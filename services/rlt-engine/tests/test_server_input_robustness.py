@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from http.client import HTTPConnection
 
-import httpx
+import httpx2
 import pytest
 from serving_harness import run_server
 
@@ -165,7 +165,7 @@ def test_null_options_mean_their_defaults(http):
 def test_the_openai_client_may_send_null_options(server):
     sent: list[dict] = []
 
-    def record(request: httpx.Request) -> None:
+    def record(request: httpx2.Request) -> None:
         sent.append(json.loads(request.content))
 
     client = server.openai(event_hooks={"request": [record]})

@@ -1,4 +1,4 @@
-"""vLLM's sampling extensions over real HTTP (httpx and the official openai client):
+"""vLLM's sampling extensions over real HTTP (httpx2 and the official openai client):
 presence_penalty / frequency_penalty / logit_bias (OpenAI fields; logit_bias keys are token ids
 as strings) and repetition_penalty / min_p / min_tokens (vLLM extras, `extra_body`) on both
 /v1/completions and /v1/chat/completions. The server's tokens equal the engine's for the same

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
+import httpx2
 
 UNAVAILABLE = ("service_unavailable", "engine_unavailable")  # the error's (type, code)
 WAIT_S = 60
@@ -25,7 +25,7 @@ class _Call:
     def __init__(self, url: str, path: str, body: dict) -> None:
         self.url, self.path, self.body = url, path, body
         self.lines: list[str] = []
-        self.response: httpx.Response | None = None
+        self.response: httpx2.Response | None = None
         self.failure: BaseException | None = None
         self.got_tokens = threading.Event()  # a chunk with generated text arrived (streams)
         self.done = threading.Event()
@@ -33,7 +33,7 @@ class _Call:
 
     def _run(self) -> None:
         try:
-            with httpx.Client(base_url=self.url, trust_env=False, timeout=WAIT_S) as http:
+            with httpx2.Client(base_url=self.url, trust_env=False, timeout=WAIT_S) as http:
                 if not self.body.get("stream"):
                     self.response = http.post(self.path, json=self.body)
                     return

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
+import httpx2
 import openai
 import pytest
 from serving_harness import run_server, sse_events
@@ -200,7 +200,7 @@ def test_openai_client_n_and_best_of(client):
 def test_disconnect_aborts_every_choice_and_frees_kv(server):
     aborted_before = server.client.stats().aborted_requests
     body = {"prompt": [1, 2, 3, 4, 5], "n": 4, "max_tokens": 400, "ignore_eos": True}
-    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=30) as client:
+    with httpx2.Client(base_url=server.base_url, trust_env=False, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             received = 0
             for line in response.iter_lines():
@@ -212,7 +212,7 @@ def test_disconnect_aborts_every_choice_and_frees_kv(server):
     assert stats.aborted_requests == aborted_before + 4
 
     async def cancelled_non_streaming():
-        async with httpx.AsyncClient(base_url=server.base_url, trust_env=False) as client:
+        async with httpx2.AsyncClient(base_url=server.base_url, trust_env=False) as client:
             request = asyncio.create_task(client.post("/v1/completions", json=body))
             deadline = time.monotonic() + 10
             while server.client.stats().running_requests == 0 and time.monotonic() < deadline:

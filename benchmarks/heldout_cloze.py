@@ -21,20 +21,19 @@ that score the choices' tokens (`choice_loops`) and of every scored prompt posit
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness import ROOT, parser, record, write_json
+from server_process import Server
+
 PASSAGES = ROOT / "benchmarks" / "data" / "heldout_passages.json"
 TASK_DIR = ROOT / "benchmarks" / "data" / "heldout_cloze"
 DATA = TASK_DIR / "heldout_cloze.jsonl"
@@ -86,12 +85,6 @@ def build_items(seed: int, span: int) -> list[dict]:
     return items
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def metrics(base: str) -> dict[str, float]:
     """The server's counters that count prompt work (Prometheus text)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
@@ -122,15 +115,13 @@ def rlt_completions_with_depths(depths: list[tuple[int, list[int]]]) -> str:
     return "rlt-completions-depths"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--thresholds", default="1.0,0.7,0.5,0.3,0.2,0.1")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--span", type=int, default=5, help="words per choice")
-    parser.add_argument("--rebuild-data", action="store_true")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--thresholds", default="1.0,0.7,0.5,0.3,0.2,0.1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--span", type=int, default=5, help="words per choice")
+    p.add_argument("--rebuild-data", action="store_true")
+    args = p.parse_args(argv)
     if args.rebuild_data or not DATA.exists():
         TASK_DIR.mkdir(parents=True, exist_ok=True)
         items = build_items(args.seed, args.span)
@@ -143,27 +134,15 @@ def main() -> None:
 
     from rlt.engine.assembly import DEFAULT_MODEL_DIR
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "rlt.cli", "serve", "--port", str(port)]
-    command += ["--dtype", "float32", "--device", "cpu", "--enable-prefix-caching"]
-    command += ["--served-model-name", "ouro"]
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "rlt.cli", "serve", "--dtype", "float32", "--device", "cpu"]
+    command += ["--enable-prefix-caching", "--served-model-name", "ouro"]
+    log = Path(tempfile.mkdtemp(prefix="heldout_cloze-")) / "server.log"
+    server = Server(command, log)
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"rlt serve exited:\n{Path(log.name).read_text()}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.2)
-        results = run_settings(args, base, str(DEFAULT_MODEL_DIR))
+        results = run_settings(args, server.url, str(DEFAULT_MODEL_DIR))
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        server.stop()
+    write_json(args.out, record("heldout_cloze", args, **results))
 
 
 def run_settings(args, base: str, tokenizer: str) -> dict:

@@ -35,59 +35,36 @@ CPU (DRAM over UCX shared memory / CMA on one host; < 2 minutes on 2 cores):
 `--quick` = sizes 256,1024,2048, 3 repetitions, 1 warm-up. Without it: 256,1024,4096,16384 and
 5 repetitions, which needs 2 x 12 GiB of memory (16384 tokens) for the Ouro shape.
 
-GPU, VRAM to VRAM between two GPUs of one host (machine kind `nvidia-h200-x2`), P on cuda:0 and
-D on cuda:1 (`--device cuda:0` puts both on one GPU):
-
-    uv run python tools/repack_nixl_wheel.py .whl     # here, once: slim NIXL (UCX only)
-    # plus a cp312 msgspec wheel in .whl/ (the GPU machine's python3 is 3.12; so must the NIXL
-    # wheels be: see tools/repack_nixl_wheel.py --wheel), then on the device machine, carry
-    # [".whl"]:
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$(ls -d \\
-        $PWD/packages/*/src $PWD/services/*/src | paste -sd:) NCCL_NVLS_ENABLE=0 && \\
-    python3 benchmarks/pd_transfer.py --device cuda:0,cuda:1 --out $OUT/pd_transfer_h200.json
-
-UCX picks its transports itself (cuda_ipc between GPUs of one host, cma/sysv/posix for DRAM);
-set `UCX_TLS` in the environment to force one, and `--ucx-param KEY=VALUE` passes UCX backend
-parameters to NIXL (e.g. num_workers). NVLink multicast is never used; NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set for both processes anyway.
+GPU, VRAM to VRAM: `bash tools/h200_run.sh pd` or `pd-transfer` (carry the slim NIXL wheels of
+tools/repack_nixl_wheel.py), P on cuda:0 and D on cuda:1 of `nvidia-h200-x2` (`--device cuda:0`
+puts both on one GPU). UCX picks its transports itself (cuda_ipc between GPUs of one host,
+cma/sysv/posix for DRAM); set `UCX_TLS` to force one; `--ucx-param KEY=VALUE` passes UCX backend
+parameters to NIXL (e.g. num_workers). NVLink multicast stays off in both processes.
 
 `--progress-delay-us 0,100` rebuilds both sides for each NIXL progress-thread delay
 (`rlt_pd.nixl_agent`; 0 = NIXL's own, which polls without pause) and measures each side's idle
 CPU and every size at each, side by side in one run.
 
-Output: a JSON file (`--out`: configuration, host, every repetition's times, per-size summary)
-and a markdown table on stdout. Caveats: on a small CPU machine P's main thread, P's NIXL
+Output: the JSON record (`--out`: configuration, every repetition's times, per-size summary) and
+a markdown table on stdout. Caveats: on a small CPU machine P's main thread, P's NIXL
 progress thread and D's polling loop share the cores, so CPU numbers measure memcpy under
 contention, not a network; `--poll-interval-us` sets both sides' polling sleep.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
 import multiprocessing
 import os
-import platform
 import random
-import socket
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
-from pathlib import Path
 
-for _key, _value in (
-    ("NIXL_LOG_LEVEL", "WARN"),  # NIXL logs INFO lines to stdout otherwise
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(_key, _value)
+from harness import NO_MULTICAST, markdown_table, parser, record, version, write_json
 
 SHAPES = {
     # layers, KV heads, head_dim, hidden size, loops (total_ut_steps)
@@ -465,79 +442,35 @@ def parse_devices(text: str) -> tuple[str, str]:
     return devices[0], devices[1]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="The module docstring (top of this file) explains the measurement and the CPU "
-        "and GPU runs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--sizes", default="256,1024,4096,16384", help="prompt tokens, comma-separated"
-    )
-    parser.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed transfers per size first")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="CPU-sized run: sizes 256,1024,2048, 3 repeats (unless given explicitly)",
-    )
-    parser.add_argument(
-        "--device", default="cpu", help="P's and D's device: cpu, cuda:0, or P,D e.g. cuda:0,cuda:1"
-    )
-    shape = parser.add_argument_group("KV shape")
-    shape.add_argument("--shape", choices=sorted(SHAPES), default="ouro-1.4b")
+def parse_args(argv=None):
+    p = parser(__doc__, device="cpu", dtype="bfloat16")
+    p.add_argument("--sizes", default="256,1024,4096,16384", help="prompt tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timed transfers per size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed transfers per size first")
+    p.add_argument("--quick", action="store_true", help="sizes 256,1024,2048, 3 repeats")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="ouro-1.4b")
     for name in ("layers", "kv_heads", "head_dim", "hidden", "loops"):
-        shape.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=None, help="override the shape's"
-        )
-    shape.add_argument("--kv-layout", choices=("last_exited", "shared"), default="last_exited")
-    shape.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    shape.add_argument("--block-size", type=int, default=16)
-    send = parser.add_argument_group("sender (the engine's defaults)")
-    send.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=512,
-        help="prefill chunk: one send_chunk per this many tokens (0: the whole prompt at once)",
-    )
-    send.add_argument(
-        "--tables",
-        default="contiguous,random",
-        help="block-table layouts to measure: contiguous, random (comma-separated)",
-    )
-    send.add_argument("--max-inflight-mib", type=int, default=256)
-    send.add_argument("--transfer-chunk-mib", type=int, default=64)
-    send.add_argument("--max-descriptors", type=int, default=256)
-    parser.add_argument(
-        "--ucx-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="UCX backend parameter for NIXL (repeatable)",
-    )
-    parser.add_argument(
-        "--poll-interval-us",
-        type=float,
-        default=50.0,
-        help="sleep between polls on both sides (0: spin)",
-    )
-    parser.add_argument(
-        "--progress-delay-us",
-        default="100",
-        help="NIXL progress-thread delays to compare, comma-separated (rlt_pd.nixl_agent; "
-        "0 = NIXL's own, polling without pause); both sides are rebuilt for each",
-    )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
-    parser.add_argument("--no-verify", action="store_true", help="skip the bytewise check")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="JSON result file")
-    args = parser.parse_args(argv)
-    if args.quick:
-        if args.sizes == parser.get_default("sizes"):
-            args.sizes = "256,1024,2048"
-        if args.repeats == parser.get_default("repeats"):
-            args.repeats = 3
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="not --shape's")
+    p.add_argument("--kv-layout", choices=("last_exited", "shared"), default="last_exited")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=512, help="per send_chunk (0: all)")
+    p.add_argument("--tables", default="contiguous,random", help="block-table layouts")
+    p.add_argument("--max-inflight-mib", type=int, default=256)
+    p.add_argument("--transfer-chunk-mib", type=int, default=64)
+    p.add_argument("--max-descriptors", type=int, default=256)
+    p.add_argument("--ucx-param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--poll-interval-us", type=float, default=50.0, help="both sides (0: spin)")
+    p.add_argument("--progress-delay-us", default="100", help="NIXL progress-thread delays")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per transfer")
+    p.add_argument("--no-verify", action="store_true", help="skip the bytewise check")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick and args.sizes == p.get_default("sizes"):
+        args.sizes = "256,1024,2048"
+    if args.quick and args.repeats == p.get_default("repeats"):
+        args.repeats = 3
+    if args.dtype not in DTYPES:
+        p.error(f"--dtype: one of {sorted(DTYPES)}")
     return args
 
 
@@ -566,8 +499,9 @@ def main(argv=None) -> int:
     if not delays or min(delays) < 0:
         raise SystemExit("--progress-delay-us: give delays >= 0 (microseconds)")
 
+    for key, value in {**NO_MULTICAST, "NIXL_LOG_LEVEL": "WARN"}.items():  # D inherits them
+        os.environ.setdefault(key, value)  # (NIXL logs INFO lines to stdout otherwise)
     import nixl  # noqa: F401 - fail early when NIXL is missing
-    import torch
     from rlt_pd import SenderConfig
 
     sender_config = SenderConfig(
@@ -596,51 +530,31 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
 
-    report = dict(
-        benchmark="pd_transfer",
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
-        command=" ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        host=dict(
-            hostname=socket.gethostname(),
-            cpus=os.cpu_count(),
-            platform=platform.platform(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            nixl=_version("nixl"),
-            cuda_devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available()
-            else [],
-            ucx_tls=os.environ.get("UCX_TLS"),
-            load_average_before=load_before,
-            load_average_after=os.getloadavg(),
-        ),
-        wall_s=time.monotonic() - started,
-        config=dict(
-            shape=args.shape,
-            geometry=asdict(geometry),
-            planes=geometry.planes,
-            bytes_per_token=geometry.kv_bytes(1),
-            pool_bytes_per_side=geometry.pool_bytes,
-            prefill_device=p_device,
-            decode_device=d_device,
-            sizes=sizes,
-            tables=table_kinds,
-            chunk_tokens=args.chunk_tokens,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            sender=asdict(sender_config),
-            ucx_params=ucx_params,
-            poll_interval_us=args.poll_interval_us,
-            progress_delay_us=delays,
-            idle_cpu_per_s=idle_cpu,
-            fill_s=fill_s,
-        ),
-        results=results,
+    config = dict(
+        shape=args.shape,
+        geometry=asdict(geometry),
+        planes=geometry.planes,
+        bytes_per_token=geometry.kv_bytes(1),
+        pool_bytes_per_side=geometry.pool_bytes,
+        prefill_device=p_device,
+        decode_device=d_device,
+        sizes=sizes,
+        tables=table_kinds,
+        chunk_tokens=args.chunk_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        sender=asdict(sender_config),
+        ucx_params=ucx_params,
+        ucx_tls=os.environ.get("UCX_TLS"),
+        poll_interval_us=args.poll_interval_us,
+        progress_delay_us=delays,
+        idle_cpu_per_s=idle_cpu,
+        fill_s=fill_s,
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
+    report = record("pd_transfer", args, nixl=version("nixl"), load_average=[load_before])
+    report["load_average"].append(os.getloadavg())
+    report |= {"wall_s": time.monotonic() - started, "config": config, "results": results}
+    write_json(args.out, report)
     print(markdown(report))
     return 0
 
@@ -747,48 +661,31 @@ def measure(args, geometry, sizes, table_kinds, ucx_params, sender_config, delay
     return dict(results=results, fill_s=fill_s, idle_cpu=idle_cpu)
 
 
-def _version(name: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def markdown(report: dict) -> str:
     config = report["config"]
-    lines = [
+    idle = config["idle_cpu_per_s"]
+    head = (
         f"KV transfer P ({config['prefill_device']}) -> D ({config['decode_device']}), "
         f"{config['shape']} {config['geometry']['dtype']}, {config['planes']} planes, "
         f"{config['bytes_per_token'] / 1024:.0f} KiB/token, chunks of "
         f"{config['chunk_tokens'] or 'all'} tokens; median of {config['repeats']} "
-        f"(+{config['warmup']} warm-up); wall = first send_chunk -> D COMPLETED",
-        "",
-        "| delay us | tokens | tables | MiB | partitions | writes (idx/expl) | descriptors "
-        "| wall median ms | min ms | max ms | P posted ms | P DONE ms | GB/s median | GB/s best "
-        "| verified |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | --- |",
-    ]
-    idle = config["idle_cpu_per_s"]
-    lines[1:1] = [
+        f"(+{config['warmup']} warm-up); wall = first send_chunk -> D COMPLETED\n\n"
         "idle CPU seconds per second (P, D) by progress delay: "
-        + ", ".join(f"{d} us: {v['prefill']:.2f}, {v['decode']:.2f}" for d, v in idle.items()),
-        "",
-    ]
+        + ", ".join(f"{d} us: {v['prefill']:.2f}, {v['decode']:.2f}" for d, v in idle.items())
+    )
+    header = ["delay us", "tokens", "tables", "MiB", "partitions", "writes (idx/expl)"]
+    header += ["descriptors", "wall median ms", "min ms", "max ms", "P posted ms", "P DONE ms"]
+    header += ["GB/s median", "GB/s best", "verified"]
+    rows = []
     for r in report["results"]:
-        verified = {True: "yes", False: "NO", None: "-"}[r["verified"]]
-        lines.append(
-            f"| {r['progress_delay_us']} | {r['tokens']} | {r['tables']} | "
-            f"{r['bytes'] / 2**20:.1f} | {r['partitions']} | "
-            f"{r['writes_prepped']}/{r['writes_explicit']} | {r['descriptors']} | "
-            f"{r['median_wall_s'] * 1e3:.2f} | {r['min_wall_s'] * 1e3:.2f} | "
-            f"{r['max_wall_s'] * 1e3:.2f} | {r['median_posted_s'] * 1e3:.2f} | "
-            f"{r['median_done_s'] * 1e3:.2f} | {r['gbps_median']:.2f} | {r['gbps_best']:.2f} | "
-            f"{verified} |"
-        )
-    return "\n".join(lines)
+        ms = [r[k] * 1e3 for k in ("median_wall_s", "min_wall_s", "max_wall_s")]
+        ms += [r[k] * 1e3 for k in ("median_posted_s", "median_done_s")]
+        cells = [r["progress_delay_us"], r["tokens"], r["tables"], f"{r['bytes'] / 2**20:.1f}"]
+        cells += [r["partitions"], f"{r['writes_prepped']}/{r['writes_explicit']}"]
+        cells += [r["descriptors"], *(f"{v:.2f}" for v in ms)]
+        cells += [f"{r['gbps_median']:.2f}", f"{r['gbps_best']:.2f}"]
+        rows.append(cells + [{True: "yes", False: "NO", None: "-"}[r["verified"]]])
+    return head + "\n\n" + markdown_table(header, rows)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@
 #                                                  C = 1/32/128, a 512-request burst, front-end and
 #                                                  core CPU seconds, --api-server-count 2, and the
 #                                                  start-up to healthy, cold and warm
-#                                                  (benchmarks/served_vs_offline.py ARGS)
+#                                                  (benchmarks/serving_arms.py --arms
+#                                                  serve,serve_api2 --offline ARGS)
 #   bash tools/h200_run.sh served-ab               issue 23's scheduling A/B in one call (~7 min):
 #                                                  per arm the offline engine and its own `rlt
 #                                                  serve`, C = 32 (64 requests), C = 128 (256)
@@ -73,12 +74,12 @@
 #                                                  the arms: base (today's rule), auto
 #                                                  (--prefill-step-decode-ticks auto), delay
 #                                                  (--scheduler-delay-factor 0.5); extra ARGS go
-#                                                  to benchmarks/served_vs_offline.py
+#                                                  to benchmarks/serving_arms.py
 #   bash tools/h200_run.sh ray-serve [ARGS...]     issue 24: `rlt ray serve --replicas 1` (one GPU
 #                                                  replica) against `rlt serve`, the same `rlt
 #                                                  bench serve` runs: 1,024 in / 128 out, C = 32
 #                                                  (128 requests) and 128 (384), twice each,
-#                                                  B / A per C (benchmarks/ray_vs_serve.py ARGS,
+#                                                  B / A per C (benchmarks/serving_arms.py ARGS,
 #                                                  ~6 min; --arms serve,ray,serve re-runs A;
 #                                                  --arms serve,ray,ray_process adds the
 #                                                  replica's engine core in its own process);
@@ -249,16 +250,19 @@ case "$mode" in
     ckdir=/tmp/rlt-bench-checkpoints
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
-    python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_vs_offline.json" \
-      "$@" 2>&1 | tee "$OUT/served_vs_offline.log" | tail -8 ;;
+    python3 benchmarks/serving_arms.py $ckdir/ouro-1.4b --out "$OUT/served_vs_offline.json" \
+      --arms serve,serve_api2 --offline --cold-start --dtype bfloat16 --log-level info \
+      --points 1:8,32:96,128:384 --burst 512 --warmup 0 "$@" 2>&1 \
+      | tee "$OUT/served_vs_offline.log" | tail -8 ;;
   served-ab)
     ckdir=/tmp/rlt-bench-checkpoints
     arms=${ARMS:-'{"base": {}, "auto": {"prefill_step_decode_ticks": "auto"}, "delay": {"scheduler_delay_factor": 0.5}}'}
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
-    python3 benchmarks/served_vs_offline.py $ckdir/ouro-1.4b --out "$OUT/served_ab.json" \
-      --points 32:64,128:256 --burst 384 --arms "$arms" "$@" 2>&1 \
-      | tee "$OUT/served_ab.log" | tail -8 ;;
+    names=$(python3 -c "import json, sys; print(','.join(n + ':serve' for n in json.loads(sys.argv[1])))" "$arms")
+    python3 benchmarks/serving_arms.py $ckdir/ouro-1.4b --out "$OUT/served_ab.json" \
+      --arms "$names" --arm-options "$arms" --offline --dtype bfloat16 --log-level info \
+      --points 32:64,128:256 --burst 384 "$@" 2>&1 | tee "$OUT/served_ab.log" | tail -8 ;;
   ray-serve)
     ckdir=/tmp/rlt-bench-checkpoints
     export PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0
@@ -268,9 +272,9 @@ case "$mode" in
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir $ckdir \
       --device cuda --dtype bfloat16 --write-checkpoint-only >"$OUT/logs/checkpoint.log" 2>&1 \
       || { tail -20 "$OUT/logs/checkpoint.log"; exit 1; }
-    timeout ${RAY_SERVE_S:-420} python3 benchmarks/ray_vs_serve.py $ckdir/ouro-1.4b \
-      --device cuda --out "$OUT/ray_vs_serve.json" --log-dir "$OUT/logs" "$@" 2>&1 \
-      | tee "$OUT/ray_vs_serve.log"
+    timeout ${RAY_SERVE_S:-420} python3 benchmarks/serving_arms.py $ckdir/ouro-1.4b \
+      --arms serve,ray --device cuda --dtype bfloat16 --repeats 2 --warmup 32 \
+      --out "$OUT/ray_vs_serve.json" --log-dir "$OUT/logs" "$@" 2>&1 | tee "$OUT/ray_vs_serve.log"
     rc=${PIPESTATUS[0]}
     ray stop --force >/dev/null 2>&1  # whatever Ray left on this machine
     (cd /tmp/ray/session_latest/logs 2>/dev/null && grep -h "Error\|cannot be loaded" *.err *.log \
@@ -328,11 +332,11 @@ case "$mode" in
     ckdir=/tmp/rlt-bench-checkpoints
     python3 benchmarks/offline_throughput.py --shape ouro-1.4b --device cuda \
       --checkpoint-dir $ckdir --write-checkpoint-only || exit 1
-    python3 benchmarks/pd_serving.py $ckdir/ouro-1.4b --device $devices \
-      --num-prompts ${NUM_PROMPTS:-100} --rates ${RATES:-4,8,16,32} \
-      --out "$OUT/pd_serving_h200.json" -- --dtype bfloat16 --max-num-seqs 64 \
-      --max-num-batched-tokens 4096 --prefill-chunk-size 1024 \
-      --gpu-memory-utilization $share ;;
+    points=$(IFS=,; for rate in ${RATES:-4,8,16,32}; do printf 'r%s:%s,' $rate ${NUM_PROMPTS:-100}; done)
+    python3 benchmarks/serving_arms.py $ckdir/ouro-1.4b --arms pd,replicas --device $devices \
+      --dtype bfloat16 --exit-threshold none --input-len 512 --output-len 64 --points "$points" \
+      --warmup 4 --out "$OUT/pd_serving_h200.json" --engine-json "{\"max_num_seqs\": 64, \
+      \"max_num_batched_tokens\": 4096, \"prefill_chunk_size\": 1024, \"gpu_memory_utilization\": $share}" ;;
   pd-transfer)
     python3 -m pytest -q -p no:cacheprovider packages/rlt-pd/tests 2>&1 | tee "$OUT/pd_tests.log" \
       | tail -3

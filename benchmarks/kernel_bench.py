@@ -1,13 +1,17 @@
-"""GPU microbenchmark of one Ouro decode loop: fused vs unfused layer ops, split-KV attention,
-programmatic dependent launch (PDL).
+"""GPU microbenchmark of one Ouro decode loop: fused vs unfused layer ops, paged attention
+(Triton split-KV and tiled, flash-attn 2 where importable), programmatic dependent launch (PDL).
 
 Builds an Ouro-shaped model with random weights in memory (no checkpoint) and a paged KV cache
 (block size 16, one plane) in which every row is a decode query at the same context, then for
 each batch size, per --sections:
 
   attention  one paged-attention layer call (store + read), split-KV decode kernels vs the
-             tiled kernel, in us per call and GB/s of K/V read (a CUDA graph of one call per
-             layer, so consecutive calls read different layers' KV, as in a loop);
+             tiled kernel vs flash-attn 2 (at KV block size 256, which its paged KV needs;
+             tools/build_flash_attn.sh builds it), in us per call and GB/s of K/V read (a
+             CUDA graph of one call per layer, so consecutive calls read different layers' KV,
+             as in a loop; eager where capture fails: flash-attn's adapter declares none);
+  prefill    (not by default) the same per --prefill-batches chunks of --prefill-len queries
+             ending at --prefill-context: Triton vs flash-attn, causal attention TFLOP/s;
   loop       one recurrent step (all layers + end-of-loop norm + exit gate) captured in a CUDA
              graph, GPU ms per loop from graph replays: fused + split ("fused"), eager layer +
              split ("unfused") and eager layer + tiled kernel ("baseline");
@@ -37,7 +41,7 @@ import statistics
 import sys
 import time
 
-from harness import Timer, ints, markdown_table, parser, record, write_json
+from harness import Timer, ints, markdown_table, parser, record, version, write_json
 
 TINY_SHAPE = dict(
     vocab_size=512,
@@ -65,7 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--sections", default="attention,loop,gemm,kernels", help="see above")
     p.add_argument("--batch-sizes", default=None, help="decode rows (default 1,32,128; tiny 1,4)")
     p.add_argument("--context", type=int, default=None, help="of every row (default 1088; tiny 64)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="Triton's KV block size")
+    p.add_argument("--prefill-len", type=int, default=None, help="prefill: chunk (1024; tiny 40)")
+    p.add_argument("--prefill-context", type=int, default=None, help="its end (--prefill-len)")
+    p.add_argument("--prefill-batches", default="1,4", help="prefill: chunks per call")
     p.add_argument("--replays", type=int, default=100, help="timed replays (>= 50 advised)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10, help="pdl: alternating rounds")
@@ -74,6 +81,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.batch_sizes = ints(args.batch_sizes or ("1,4" if args.tiny else "1,32,128"))
     args.context = args.context or (64 if args.tiny else 1088)
+    args.prefill_len = args.prefill_len or (40 if args.tiny else 1024)
+    args.prefill_context = max(args.prefill_context or 0, args.prefill_len)
+    args.prefill_batches = ints(args.prefill_batches)
     args.sections = args.sections.split(",")
     if args.device == "cpu" and args.replays > 20:
         args.replays, args.warmup = (5 if args.tiny else 20), min(args.warmup, 2)
@@ -183,12 +193,40 @@ def count_kernels(fn, device: str) -> dict:
 
 
 # -- the measurements ----------------------------------------------------------------------------
-def attention_backends(device: str) -> dict:
+def attention_backends(device: str, block_size: int) -> tuple[dict, str | None]:
+    """name -> (backend, its KV block size); and why flash-attn is not among them."""
     from rlt_attention import TorchPagedAttention, TritonPagedAttention
 
-    if device == "cuda":
-        return {"split": TritonPagedAttention(), "tiled": TritonPagedAttention(split_kv=False)}
-    return {"torch": TorchPagedAttention()}
+    if device != "cuda":
+        return {"torch": (TorchPagedAttention(), block_size)}, "not on the CPU"
+    from rlt_attention import FlashAttnBackend
+    from rlt_attention.flash_attn_backend import flash_attn_unavailable_reason
+
+    split, tiled = TritonPagedAttention(), TritonPagedAttention(split_kv=False)
+    backends = {"split": (split, block_size), "tiled": (tiled, block_size)}
+    reason = flash_attn_unavailable_reason()
+    if reason is None:  # its paged KV needs blocks of a multiple of 256 positions
+        backends["flash_attn"] = (FlashAttnBackend(), 256)
+    return backends, reason
+
+
+def prefill_batch(paged, rows: int, q_len: int):
+    """`rows` groups, each the last q_len positions of a paged.context-long context."""
+    import torch
+    from rlt_contracts import PagedAttentionBatch
+
+    device, block = paged.device, paged.block_size
+    tables = paged.order[: rows * paged.pages].view(rows, paged.pages).to(device)
+    positions = torch.arange(paged.context - q_len, paged.context, device=device)
+    blocks = tables[:, positions // block].to(torch.int64)  # [rows, q_len]
+    return PagedAttentionBatch(
+        query_start=torch.arange(rows + 1, dtype=torch.int32, device=device) * q_len,
+        context_lengths=torch.full((rows,), paged.context, dtype=torch.int32, device=device),
+        block_tables=tables,
+        write_slots=(blocks * block + positions % block).reshape(-1),
+        max_query_len=q_len,
+        max_context_len=paged.context,
+    )
 
 
 def loop_paths(device: str) -> dict:
@@ -202,25 +240,43 @@ def loop_paths(device: str) -> dict:
     return {"fused": ("torch", "torch"), "unfused": ("off", "torch")}
 
 
-def bench_attention(model, paged, backends, rows, timer, dtype, device) -> list[dict]:
+def bench_attention(model, setups, backends, rows, timer, args, phase="decode") -> list[dict]:
+    """One layer call per layer of the cache (store + attend) per backend, in a CUDA graph
+    (eagerly where capture fails: flash-attn declares none); us per call and K/V GB/s
+    (decode) or causal attention TFLOP/s (prefill)."""
     import torch
     from rlt_attention import split_config
 
-    config = model.config
-    gen = torch.Generator(device=device).manual_seed(rows)
+    config, device = model.config, args.device
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    query = torch.randn((rows, heads, dim), generator=gen, device=device).to(dtype)
-    key = torch.randn((rows, kv_heads, dim), generator=gen, device=device).to(dtype)
-    value = torch.randn((rows, kv_heads, dim), generator=gen, device=device).to(dtype)
-    layers = config.num_hidden_layers
-    results = []
-    for name, backend in backends.items():
-        bound = backend.bind(paged.kv, paged.batch(rows))
-        run, _ = timer.capture(lambda b=bound: [b(i, query, key, value) for i in range(layers)])
-        us = timer.median_ms(run) * 1e3 / layers
-        entry = {"batch": rows, "kernel": name, "us_per_call": us}
-        entry["kv_gb_per_s"] = paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9
-        if name == "split":
+    q_len = 1 if phase == "decode" else args.prefill_len
+    context = args.context if phase == "decode" else args.prefill_context
+    gen = torch.Generator(device=device).manual_seed(rows)
+    dtype = getattr(torch, args.dtype)
+    n = rows * q_len
+    query = torch.randn((n, heads, dim), generator=gen, device=device).to(dtype)
+    key = torch.randn((n, kv_heads, dim), generator=gen, device=device).to(dtype)
+    value = torch.randn((n, kv_heads, dim), generator=gen, device=device).to(dtype)
+    layers, results = config.num_hidden_layers, []
+    for name, (backend, block_size) in backends.items():
+        if phase == "prefill" and name == "tiled":
+            continue  # "split" runs prompts with the tiled kernel too
+        paged = setups(block_size, context)
+        batch = paged.batch(rows) if phase == "decode" else prefill_batch(paged, rows, q_len)
+        bound = backend.bind(paged.kv, batch)
+        calls = lambda b=bound: [b(i, query, key, value) for i in range(layers)]  # noqa: E731
+        entry = {"phase": phase, "batch": rows, "kernel": name, "block_size": block_size}
+        try:
+            run, _ = timer.capture(calls)
+        except Exception as exc:  # noqa: BLE001 -- reported; timed eagerly instead
+            entry["graph_error"], run = f"{type(exc).__name__}: {exc}"[:300], calls
+        us = entry["us_per_call"] = timer.median_ms(run) * 1e3 / layers
+        if phase == "decode":
+            entry["kv_gb_per_s"] = paged.kv_bytes_read(rows) / (us * 1e-6) / 1e9
+        else:  # QK^T and PV over the keys each query sees (bottom-right causal)
+            visible = sum(context - q_len + i + 1 for i in range(q_len))
+            entry["tflop_per_s"] = 4.0 * rows * heads * dim * visible / (us * 1e-6) / 1e12
+        if name == "split" and phase == "decode":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             entry["num_splits"] = split_config.choose_splits(
                 num_groups=rows,
@@ -250,7 +306,7 @@ def bench_loops(model, paged, backends, rows, timer, device) -> tuple[list[dict]
     timings, to_count = [], []
     for name, (fused_path, backend_name) in loop_paths(device).items():
         model.fused_path = fused_path
-        bound = backends[backend_name].bind(paged.kv, batch)
+        bound = backends[backend_name][0].bind(paged.kv, batch)
 
         def loop(bound=bound):
             return model.recurrent_step(hidden, positions, bound, compute_gate=True)
@@ -345,7 +401,8 @@ def bench_pdl(model, paged, rows: int, args) -> dict:
 
 
 def print_table(results: dict) -> None:
-    attention = {(r["batch"], r["kernel"]): r for r in results["attention"]}
+    decode = [r for r in results["attention"] if r["phase"] == "decode"]
+    attention = {(r["batch"], r["kernel"]): r for r in decode}
     loops = {(r["batch"], r["path"]): r["ms_per_loop"] for r in results["loop"]}
     kernels = {(r["batch"], r["path"]): r["kernels"] for r in results["kernels_per_loop"]}
     gemm = {r["batch"]: r["ms"] for r in results["gemm_only"]}
@@ -365,6 +422,15 @@ def print_table(results: dict) -> None:
         rows.append(row + [kernels.get((batch, p), "") for p in paths])
     print(f"{results['model']}, context {results['args']['context']}, {results['args']['dtype']}")
     print(markdown_table(header, rows))
+    for a in results["attention"]:
+        if a["phase"] == "prefill":
+            rate = f"{a['tflop_per_s']:.1f} TFLOP/s"
+            print(f"prefill {a['batch']} x {results['args']['prefill_len']} {a['kernel']}: "
+                  f"{a['us_per_call']:.1f} us ({rate})")  # fmt: skip
+        if "graph_error" in a:
+            print(f"{a['phase']} {a['batch']} {a['kernel']}: timed eagerly, {a['graph_error']}")
+    if results["flash_attn_unavailable"]:
+        print(f"flash_attn not measured: {results['flash_attn_unavailable']}")
     for entry in results["pdl"]:
         same = entry["identical_to_off"]
         print(f"pdl rows {entry['rows']}: {entry['ms_per_loop']}, same output {same}")
@@ -388,19 +454,29 @@ def main(argv=None) -> int:
     dtype, device = getattr(torch, args.dtype), args.device
     config = OuroConfig(**TINY_SHAPE) if args.tiny else OuroConfig.ouro_1_4b()
     model = build_random_model(config, dtype, device, args.seed)
-    paged = PagedSetup(
-        config,
-        max_batch=max(args.batch_sizes),
-        context=args.context,
-        block_size=args.block_size,
-        dtype=dtype,
-        device=device,
-        seed=args.seed,
-    )
+    built = {}
+
+    def setups(block_size: int, context: int) -> PagedSetup:
+        """One KV cache per (block size, context), for the most rows of a phase."""
+        rows = max(args.batch_sizes if context == args.context else args.prefill_batches)
+        if (block_size, context) not in built:
+            built[(block_size, context)] = PagedSetup(
+                config,
+                max_batch=rows,
+                context=context,
+                block_size=block_size,
+                dtype=dtype,
+                device=device,
+                seed=args.seed,
+            )
+        return built[(block_size, context)]
+
+    paged = setups(args.block_size, args.context)
     timer = Timer(device, args.replays, args.warmup)
-    backends = attention_backends(device)
+    backends, flash_reason = attention_backends(device, args.block_size)
     sections = {k: [] for k in ("attention", "loop", "gemm_only", "kernels_per_loop", "pdl")}
     results = record("kernel_bench", args, model="tiny" if args.tiny else "ouro-1.4b", **sections)
+    results |= {"flash_attn": version("flash_attn"), "flash_attn_unavailable": flash_reason}
     results["config"] = {k: v for k, v in vars(config).items() if not isinstance(v, tuple)}
     if "pdl" in args.sections:
         results["ptx_has_griddepcontrol"] = ptx_has_griddepcontrol()
@@ -408,9 +484,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for rows in args.batch_sizes:
             if "attention" in args.sections:
-                results["attention"] += bench_attention(
-                    model, paged, backends, rows, timer, dtype, device
-                )
+                results["attention"] += bench_attention(model, setups, backends, rows, timer, args)
             if "loop" in args.sections or "kernels" in args.sections:
                 timings, loops = bench_loops(model, paged, backends, rows, timer, device)
                 results["loop"] += timings if "loop" in args.sections else []
@@ -420,6 +494,11 @@ def main(argv=None) -> int:
             if "pdl" in args.sections:
                 results["pdl"].append(bench_pdl(model, paged, rows, args))
             print(f"batch {rows} timed at {time.perf_counter() - started:.1f} s", flush=True)
+        for rows in args.prefill_batches if "prefill" in args.sections else []:
+            for key in [k for k in built if k[1] != args.prefill_context and built[k] is not paged]:
+                del built[key]  # the decode caches other than the loops'
+            attention = bench_attention(model, setups, backends, rows, timer, args, "prefill")
+            results["attention"] += attention
         for rows, name, fused_path, loop in to_count:
             model.fused_path = fused_path
             results["kernels_per_loop"].append(

@@ -25,7 +25,7 @@
 #   are patched so only kernels that are compiled are referenced (else: undefined symbols at
 #   import); an unsupported head dim or dtype is a RuntimeError naming this build.
 # test: rlt-attention's flash-attn tests (CUDA + the CPU adapter tests), log in $OUT.
-# bench: benchmarks/flash_attn_bench.py (Triton vs flash-attn, Ouro-1.4B attention shape).
+# bench: benchmarks/kernel_bench.py --sections attention,prefill (Triton vs flash-attn, Ouro-1.4B).
 # test and bench need rlt's dependencies importable (tools/h200_run.sh flash-attn sets
 # them up from .whl). Environment: OUT (default /tmp/fa_out), FA_BUILD (build/flash-attn),
 # FA_SDIST (newest .fa/flash_attn-*.tar.gz), FA_DTYPES ("bf16 fp16"; "bf16" builds half the
@@ -233,6 +233,7 @@ if has test; then
     packages/rlt-attention/tests/test_selection.py 2>&1 | tee "$OUT/fa_tests.log" | tail -15
 fi
 if has bench; then
-  "$PYTHON" benchmarks/flash_attn_bench.py --out "$OUT/flash_attn_bench.json" 2>&1 \
+  "$PYTHON" benchmarks/kernel_bench.py --sections attention,prefill \
+    --out "$OUT/flash_attn_bench.json" 2>&1 \
     | tee "$OUT/fa_bench.log"
 fi

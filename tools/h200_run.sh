@@ -15,7 +15,6 @@
 #   bash tools/h200_run.sh fp8-c1                  the fp8 GEMV kernels' tests, the GEMV sweep at
 #                                                  one row (fp8_gemv_sweep.py), then one request
 #                                                  bf16 / fp8 weights, fixed and the 2.5-loop mix
-#   bash tools/h200_run.sh kv-pool                 tokens of the memory-sized KV pool, bf16 vs fp8
 #   bash tools/h200_run.sh tests                   the engine's CUDA tests
 #   bash tools/h200_run.sh tests-all               every CUDA-marked test of the repository, then
 #                                                  the kernel suites that run on CUDA when present
@@ -224,11 +223,6 @@ case "$mode" in
       --max-num-batched-tokens 4096 --arm fixed --arm fixed@kv_fp8 --arm fixed@fp8@kv_fp8 \
       --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     tail -n 6 "$OUT/fp8_c128.log" ;;
-  kv-pool)  # tokens the memory-sized KV pool holds per cache dtype (engine defaults)
-    python3 benchmarks/offline_throughput.py --shape ouro-1.4b --checkpoint-dir /tmp/rlt-bench-checkpoints \
-      --device cuda --dtype bfloat16 --write-checkpoint-only >/dev/null 2>&1
-    python3 benchmarks/kv_pool_capacity.py --model /tmp/rlt-bench-checkpoints/ouro-1.4b \
-      --out "$OUT/kv_pool.json" 2>&1 | grep -v "^20\|INFO" | tail -3 ;;
   families)
     timeout "${FAMILIES_S:-540}" python3 benchmarks/family_speed.py --out "$OUT/families" "$@" 2>&1 \
       | tee "$OUT/families.log" | tail -14

@@ -7,7 +7,7 @@ rules as the NIXL port (writes of a chunk land before its notification; the comm
 the final hidden state; cancel -> drained -> released), so the engines' PD logic is tested
 without a transport, and the runners' declarations with it: the copies are exact token ranges
 of every plane and layer (one range per page), nothing else in D's memory is touched, and a
-range outside a declared allocation fails. CPU memory only.
+range outside a declared allocation fails. CPU or CUDA memory (viewed as bytes by address).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
+import torch
 from rlt_contracts import HandoffEvents, HandoffTarget, MemoryRegion, PDMemory, PDRole
 
 
@@ -33,12 +34,19 @@ class _Side:
         return events
 
 
-def copy_bytes(
-    target: MemoryRegion, target_offset: int, source: MemoryRegion, source_offset: int, size: int
-) -> None:
-    for region, offset in ((target, target_offset), (source, source_offset)):
-        assert region.device == "cpu" and 0 <= offset and offset + size <= region.size_bytes
-    ctypes.memmove(target.address + target_offset, source.address + source_offset, size)
+def byte_view(region: MemoryRegion) -> torch.Tensor:
+    """The region's bytes as a uint8 tensor over its memory, from its address alone."""
+    if region.device == "cpu":
+        buffer = (ctypes.c_uint8 * region.size_bytes).from_address(region.address)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+    interface = dict(shape=(region.size_bytes,), typestr="|u1", data=(region.address, False))
+    memory = type("Bytes", (), {"__cuda_array_interface__": {**interface, "version": 3}})()
+    return torch.as_tensor(memory, device=torch.device("cuda", region.device_index))
+
+
+def copy_bytes(target: torch.Tensor, at: int, source: torch.Tensor, start: int, size: int) -> None:
+    assert at + size <= target.numel() and start + size <= source.numel()
+    target[at : at + size].copy_(source[start : start + size])
 
 
 class LoopbackPair:
@@ -47,6 +55,7 @@ class LoopbackPair:
 
     def __init__(self) -> None:
         self.memory: dict[PDRole, PDMemory] = {}
+        self.bytes: dict[PDRole, tuple[torch.Tensor, ...]] = {}  # K, V, hidden rows
         self._p, self._d = _Side(), _Side()
         self.expected: dict[str, HandoffTarget] = {}
         self.cancelled: set[str] = set()
@@ -54,6 +63,8 @@ class LoopbackPair:
 
     def port(self, role: PDRole, memory: PDMemory) -> _Port:
         self.memory[role] = memory
+        regions = (memory.kv.key, memory.kv.value, memory.hidden.region)
+        self.bytes[role] = tuple(byte_view(region) for region in regions)
         return _Port(self, self._p if role is PDRole.PREFILL else self._d)
 
     def write(self, target, source_tables, start, end, final_hidden_row) -> None:
@@ -64,13 +75,15 @@ class LoopbackPair:
             return
         source, dest = self.memory[PDRole.PREFILL], self.memory[PDRole.DECODE]
         src, dst, block = source.kv, dest.kv, source.kv.block_size
+        src_k, src_v, src_h = self.bytes[PDRole.PREFILL]
+        dst_k, dst_v, dst_h = self.bytes[PDRole.DECODE]
         assert len(source_tables) == src.num_planes == dst.num_planes
         for src_table, dst_table in zip(source_tables, target.block_tables, strict=True):
             for page in range(start // block, -(-end // block)):  # one range per page
                 low, high = max(start, page * block), min(end, (page + 1) * block)
                 offset, count = low - page * block, high - low
                 for layer in range(src.num_layers):
-                    for s, d in ((src.key, dst.key), (src.value, dst.value)):
+                    for s, d in ((src_k, dst_k), (src_v, dst_v)):
                         copy_bytes(
                             d,
                             dst.offset_bytes(layer, dst_table[page], offset),
@@ -80,14 +93,9 @@ class LoopbackPair:
                         )
         self.written[tid] = self.written.get(tid, 0) + (end - start)
         if final_hidden_row is not None:
-            hidden, landing = source.hidden, dest.hidden
-            copy_bytes(
-                landing.region,
-                landing.row_address(target.hidden_row) - landing.region.address,
-                hidden.region,
-                hidden.row_address(final_hidden_row) - hidden.region.address,
-                hidden.row_bytes,
-            )
+            row_bytes = source.hidden.row_bytes
+            at, row_start = target.hidden_row * row_bytes, final_hidden_row * row_bytes
+            copy_bytes(dst_h, at, src_h, row_start, row_bytes)
             self._p.sent.append(tid)
             self._d.landed.append(tid)
 

@@ -15,10 +15,7 @@ with none left unfinished. Method and limits: docs/scale.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import platform
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,8 +24,8 @@ from fleetsim.curves import DEFAULT_CURVES, Calibration, InstanceCosts, load_cur
 from fleetsim.fleet import Fleet, FleetConfig
 from fleetsim.metrics import summarize
 from fleetsim.traces import ChatTrace, RandomTrace, Trace
+from harness import ROOT, parser, record, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fleet_sim"
 PLOT = ROOT / "docs" / "assets" / "fleet-sim.svg"
 POLICIES = (
@@ -202,25 +199,20 @@ def fleet_configs(gpus: int, mean_loops: float) -> list[FleetConfig]:
     ]
 
 
-def _host() -> dict:
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": 2}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("calibrate", "validate", "sweep", "scale", "plot"))
-    parser.add_argument("--curves", type=Path, default=DEFAULT_CURVES)
-    parser.add_argument("--write", action="store_true", help="calibrate: store the fit")
-    parser.add_argument("--gpus", type=int, default=100)
-    parser.add_argument("--traces", default="chat,random")
-    parser.add_argument("--horizon-s", type=float, default=45.0)
-    parser.add_argument("--warmup-s", type=float, default=15.0)
-    parser.add_argument("--bisect-steps", type=int, default=2)
-    parser.add_argument("--mean-loops", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rates", default="", help="scale: rate per GPU per policy, a=b,...")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("command", choices=("calibrate", "validate", "sweep", "scale", "plot"))
+    p.add_argument("--curves", type=Path, default=DEFAULT_CURVES)
+    p.add_argument("--write", action="store_true", help="calibrate: store the fit")
+    p.add_argument("--gpus", type=int, default=100)
+    p.add_argument("--traces", default="chat,random")
+    p.add_argument("--horizon-s", type=float, default=45.0)
+    p.add_argument("--warmup-s", type=float, default=15.0)
+    p.add_argument("--bisect-steps", type=int, default=2)
+    p.add_argument("--mean-loops", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rates", default="", help="scale: rate per GPU per policy, a=b,...")
+    args = p.parse_args(argv)
     curves = load_curves(args.curves)
 
     if args.command == "calibrate":
@@ -235,7 +227,7 @@ def main() -> None:
                 "TTFT p50; handoff_ms: PD TTFT p50 - replicas TTFT p50 - the 512-token copy at "
                 "4 req/s (benchmarks/fleet_sim.py calibrate)",
             }
-            args.curves.write_text(json.dumps(curves, indent=1) + "\n")
+            write_json(args.curves, curves)
         return
 
     costs = InstanceCosts(curves)
@@ -246,7 +238,7 @@ def main() -> None:
             for point in points:
                 print(arm, point)
         out = args.out or RESULTS / "validation.json"
-        out.write_text(json.dumps({"calibration": curves["calibration"], "arms": rows}, indent=1))
+        write_json(out, {"calibration": curves["calibration"], "arms": rows})
         return
 
     if args.command == "plot":
@@ -258,15 +250,7 @@ def main() -> None:
     kwargs = {"horizon_s": args.horizon_s, "warmup_s": args.warmup_s, "seed": args.seed}
     traces = args.traces.split(",")
     started = time.perf_counter()
-    results = {
-        "gpus": args.gpus,
-        "mean_loops": args.mean_loops,
-        "horizon_s": args.horizon_s,
-        "warmup_s": args.warmup_s,
-        "seed": args.seed,
-        "calibration": curves["calibration"],
-        "host": _host(),
-    }
+    results = record("fleet_sim", args, gpus=args.gpus, calibration=curves["calibration"])
     configs = fleet_configs(args.gpus, args.mean_loops)
     if args.command == "sweep":
         results["rate_grid_per_gpu"] = RATE_GRID
@@ -300,7 +284,7 @@ def main() -> None:
         name = f"scale_{args.gpus}gpus.json"
     results["wall_s"] = round(time.perf_counter() - started, 1)
     out = args.out or RESULTS / name
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_json(out, results)
     print(f"wrote {out} in {results['wall_s']} s")
 
 

@@ -420,51 +420,23 @@ def main(argv=None) -> int:
         checkpoint_s = elapsed()
         run_rows(args, rows, out, elapsed)
     table = collect(rows, out, acceptance)
-    first = next(
-        (
-            json.loads((out / f"{r.name}.json").read_text())
-            for r in rows
-            if (out / f"{r.name}.json").exists()
-        ),
-        {},
-    )
-    device = first.get("device", {})
-    setup = {
-        "shape": args.shape,
-        "device": args.device,
-        "device_name": device.get("device_name", args.device),
-        "torch_version": device.get("torch"),
-        "dtype": args.dtype,
-        "quick": args.quick,
-        "acceptance_workload": acceptance,
-        "budget_s": args.budget_s,
-        "hard_limit_s": args.hard_limit_s,
-        "checkpoint_s": round(checkpoint_s, 1),
-        "elapsed_s": round(elapsed(), 1),
-        "checkpoint_dir": args.checkpoint_dir,
-    }
+    found = [out / f"{r.name}.json" for r in rows if (out / f"{r.name}.json").exists()]
+    device = json.loads(found[0].read_text()).get("device", {}) if found else {}
+    setup = {k: getattr(args, k) for k in ("shape", "device", "dtype", "quick", "budget_s")}
+    setup |= {"hard_limit_s": args.hard_limit_s, "checkpoint_dir": args.checkpoint_dir}
+    setup |= {"device_name": device.get("device_name", args.device)}
+    setup |= {"torch_version": device.get("torch"), "acceptance_workload": acceptance}
+    setup |= {"checkpoint_s": round(checkpoint_s, 1), "elapsed_s": round(elapsed(), 1)}
+    keys = ("layout", "optional", "status", "reason", "elapsed_s", "note", "errors")
     runs = [
-        {
-            "row": r.name,
-            "layout": r.layout,
-            "optional": r.optional,
-            "status": r.status,
-            "reason": r.reason,
-            "elapsed_s": r.elapsed_s,
-            "note": r.note,
-            "errors": r.errors,
-            "command": " ".join(r.command),
-        }
+        {"row": r.name, **{k: getattr(r, k) for k in keys}, "command": " ".join(r.command)}
         for r in rows
     ]
     payload = record("h200_table", args, setup=setup, runs=runs)
     payload["ceilings_fixed"] = {k: {"decode": d, "e2e": e} for k, (d, e) in CEILINGS.items()}
     payload["targets_fixed"] = {k: {"decode": d, "e2e": e} for k, (d, e) in TARGETS.items()}
-    payload["targets_adaptive"] = {
-        "mix_decode_vs_fixed": MIX_DECODE_TARGET,
-        "mix_e2e_vs_fixed": 1.0,
-        "gate_within": GATE_TOLERANCE,
-    }
+    payload["targets_adaptive"] = {"mix_decode_vs_fixed": MIX_DECODE_TARGET}
+    payload["targets_adaptive"] |= {"mix_e2e_vs_fixed": 1.0, "gate_within": GATE_TOLERANCE}
     write_json(out / "table.json", payload | {"rows": table})
     md = markdown(table, rows, setup)
     (out / "table.md").write_text(md)

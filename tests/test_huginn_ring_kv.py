@@ -4,7 +4,8 @@ explicit step planes per core layer (no code shared with rlt-models or rlt-runne
 zero initial state; batched equals serial; a ring as large as the depth equals last_exited; no
 KV leak after any run; the pool holds more full-length requests than last_exited's. With an fp8
 KV cache (`kv_cache_dtype="fp8"`), in last_exited and ring:2, the tokens equal the same reference
-storing every K/V rounded to e4m3 with the cache's per-slot scales.
+storing every K/V rounded to e4m3 with the cache's per-slot scales. Preemption and a
+prefill/decode pair (loopback port) keep the ring's tokens.
 
 Ring semantics the reference encodes (`rlt_contracts.KVLayoutSpec`, docs/models.md):
 - recurrent step i (1-based) of a position writes its core layers' K/V into plane
@@ -343,3 +344,25 @@ def test_fp8_kv_equals_the_reference_with_the_caches_rounding(checkpoint, layout
     assert got == want
     with LLM(checkpoint, **engine(layout)) as llm:
         assert served(llm) != got
+
+
+def test_a_prefill_decode_pair_keeps_the_ring(checkpoint):
+    """PD over the loopback port with ring:2: the prefill side computes each prompt whole and
+    hands over both step planes and the stage plane; the decode side's tokens equal the
+    reference's (and one engine's)."""
+    from family_feature_checks import pd_outputs
+
+    want = [
+        ring_greedy(checkpoint, 2, p, n, max_loops=DEFAULT)
+        for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs, _, engines = pd_outputs(
+        lambda **extra: LLM(checkpoint, **engine("ring:2", **extra)), PROMPTS, params, nixl=False
+    )
+    try:
+        assert [(o.token_ids, o.exit_depths) for o in outputs] == want
+        assert all(llm.engine.core.leak_report() == [] for llm in engines)
+    finally:
+        for llm in engines:
+            llm.shutdown()

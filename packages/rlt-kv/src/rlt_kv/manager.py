@@ -5,7 +5,8 @@ block reference counts (via `BlockPool`), the prefix cache and its hit statistic
 scheduler asks for allocations, growth and release through this interface; device tensors,
 KV writes and copies belong to the runner (R12).
 
-Layout: LAST_EXITED keeps T planes (one per loop depth), SHARED keeps one. Every plane of a
+Layout: LAST_EXITED keeps T planes (one per loop depth), SHARED one, RING of K min(K, T); a
+family with stage layers one more (the caller passes the count). Every plane of a
 request covers the same token positions: allocating N tokens claims ceil(N / B) pages per plane.
 """
 

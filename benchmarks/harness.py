@@ -61,13 +61,9 @@ def floats(text: str) -> list[float]:
 def commit() -> str | None:
     if os.environ.get("RLT_COMMIT"):
         return os.environ["RLT_COMMIT"]
+    command = ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"]
     try:
-        done = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() or None
@@ -82,24 +78,14 @@ def version(package: str) -> str | None:
 
 def device_description(device: str = "cpu") -> dict:
     """Host, versions and GPUs (CUDA details only when torch is already imported)."""
-    described = {
-        "device": device,
-        "host": socket.gethostname(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "triton": version("triton"),
-    }
+    described = {"device": device, "host": socket.gethostname(), "cpus": os.cpu_count()}
+    described |= {"platform": platform.platform(), "python": platform.python_version()}
+    described |= {"torch": version("torch"), "triton": version("triton"), "device_name": "cpu"}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        described["cuda"] = torch.version.cuda
-        described["gpus"] = [
-            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
-        ]
-    described["device_name"] = (
-        described["gpus"][0] if "gpus" in described and device.startswith("cuda") else "cpu"
-    )
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        described |= {"cuda": torch.version.cuda, "gpus": gpus}
+        described["device_name"] = gpus[0] if device.startswith("cuda") else "cpu"
     return described
 
 
@@ -262,7 +248,3 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def label_bars(ax, bars, values, fmt: str = "{:,.0f}", **kwargs) -> None:
-    ax.bar_label(bars, labels=[fmt.format(v) for v in values], fontsize=7, **kwargs)

@@ -42,18 +42,8 @@ import sys
 import time
 
 from harness import Timer, ints, markdown_table, parser, record, version, write_json
+from workload import shape_config
 
-TINY_SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=16,
-    total_ut_steps=4,
-    max_position_embeddings=4096,
-)
 PDL_ARMS = {  # arm: (PDL, TritonPagedAttention options)
     "off": (False, {}),
     "pdl": (True, {}),
@@ -439,7 +429,6 @@ def print_table(results: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    from rlt_models import OuroConfig
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no CUDA device is available (use --device cpu --tiny)")
@@ -452,7 +441,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # a smoke test: small CPU thread pools time erratically
     torch.manual_seed(args.seed)
     dtype, device = getattr(torch, args.dtype), args.device
-    config = OuroConfig(**TINY_SHAPE) if args.tiny else OuroConfig.ouro_1_4b()
+    config = shape_config("tiny" if args.tiny else "ouro-1.4b")
     model = build_random_model(config, dtype, device, args.seed)
     built = {}
 

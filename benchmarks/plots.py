@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness import ROOT, label_bars, parser, pyplot
+from harness import ROOT, parser, pyplot
 
 RESULTS, ASSETS = ROOT / "benchmarks" / "results", ROOT / "docs" / "assets"
 FP8_LABELS = {
@@ -48,7 +48,8 @@ def fp8(plt, args) -> Path:
     for ax, name in zip(axes, titles, strict=True):
         results = json.loads((RESULTS / "fp8_h200" / f"{name}.json").read_text())["results"]
         values = [r["decode_output_tokens_per_s"] for r in results]
-        label_bars(ax, ax.bar(range(len(values)), values, color="#4c72b0"), values)
+        bars = ax.bar(range(len(values)), values, color="#4c72b0")
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=8)
         labels = [FP8_LABELS[r["arm"]] for r in results]
         ax.set_xticks(range(len(values)), labels, rotation=20, ha="right", fontsize=8)
         ax.set_title(f"{titles[name]}: decode tok/s", fontsize=10)

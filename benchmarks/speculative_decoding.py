@@ -24,12 +24,6 @@ over drafts reached, i.e. whose predecessors were all accepted), speedup
 the arms run N times in turn (plain, K,D, ..., plain, K,D, ...: a drift of the machine hits
 every arm alike); decode_output_tokens_per_s is then the median, the runs are listed.
 
---phase-timing: per (K, D), the GPU time of one decode tick over one row (one loop of one
-token), of one token at fixed depth (T ticks), and of a round's phases (draft, verify, accept)
-and of the whole round over one slot, each captured as its own CUDA graph and replayed
-(`SpeculativeProgram.gather_slots / draft / verify / accept`); with every slot invalid the
-kernels and shapes are those of a live round (nothing is data-dependent), only nothing is kept.
-
 Example (one H200, Ouro-1.4B shape):
   python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --out spec.json
@@ -71,13 +65,6 @@ def parse_args(argv=None):
         help="speculative_disable_batch_size of the speculative engines ('none': never pause; "
         "'default': the engine's default)",
     )
-    p.add_argument("--phase-timing", action="store_true")
-    p.add_argument(
-        "--phase-kernels",
-        type=int,
-        default=0,
-        help="with --phase-timing: the N costliest kernels of the tick and verify graphs",
-    )
     p.add_argument("--step-log", action="store_true", help="per arm: [prompt tokens, tokens, ms]")
     p.add_argument("--decode-ticks-per-step", type=int, default=None, help="default: engine's")
     p.add_argument("--repeats", type=int, default=1, help="alternating runs; the median")
@@ -100,18 +87,13 @@ def main(argv=None) -> int:
     trace.write_text(json.dumps({"*": [model.shape.num_loops, *depths[1:]]}))
     configs = [(k, d) for d in ints(args.draft_loops) for k in ints(args.drafts)]
     alphas = floats(args.alphas)
-    results = record("speculative_decoding", args, arms=[], phases=[])
+    results = record("speculative_decoding", args, arms=[])
     started = time.perf_counter()
     for workload in ["fixed", "mix"] if args.mix else ["fixed"]:
         for concurrency in concurrencies:
             run_workload(
                 args, model, path, prompts, trace, workload, concurrency, configs, alphas, results
             )
-            write_json(args.out, results)
-    if args.phase_timing and args.device.startswith("cuda"):
-        for k, d in configs:
-            results["phases"].append(phase_timing(args, model, path, k, d))
-            print(json.dumps(results["phases"][-1]), flush=True)
             write_json(args.out, results)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     results["gemv_choices"] = gemv_choices()
@@ -125,10 +107,8 @@ def engine_config(args, path: Path, concurrency: int, trace: Path | None, **opti
     """An engine for `concurrency` requests; `trace`: the mix's depths (None: fixed depth)."""
     from rlt.engine import EngineConfig
 
-    steps = {}
-    if args.decode_ticks_per_step is not None:
-        steps["decode_ticks_per_step"] = args.decode_ticks_per_step
-
+    steps = args.decode_ticks_per_step
+    steps = {} if steps is None else {"decode_ticks_per_step": steps}
     policy = dict(exit_policy="trace", exit_trace=str(trace)) if trace is not None else {}
     return EngineConfig(
         model=path,
@@ -152,21 +132,16 @@ def run_workload(
     from rlt import LLMEngine
 
     limit = args.disable_batch_size
-    spec_limit = (
+    limit = (
         {}
         if limit == "default"
         else {"speculative_disable_batch_size": None if limit == "none" else int(limit)}
     )
+    runs = ([] if args.no_real else [None]) + alphas
     arms = [("plain", {}, [None])]
     for k, d in configs:
-        runs = ([] if args.no_real else [None]) + alphas
-        arms.append(
-            (
-                f"{k},{d}",
-                dict(num_speculative_tokens=k, speculative_draft_loops=d, **spec_limit),
-                runs,
-            )
-        )
+        options = dict(num_speculative_tokens=k, speculative_draft_loops=d, **limit)
+        arms.append((f"{k},{d}", options, runs))
     measured: dict[str, list[dict]] = {}
     for _ in range(args.repeats):  # arms alternate, so drifts hit every arm alike
         for name, options, runs in arms:
@@ -252,14 +227,8 @@ def measure(engine, prompts, args) -> dict:
     acceptance = acceptance_between(before, engine.get_stats())
     log = None
     if args.step_log:
-        log = [
-            [
-                r.prefill_tokens,
-                r.generated,
-                None if r.device_s is None else round(1e3 * r.device_s, 3),
-            ]
-            for r in records
-        ]
+        ms = [None if r.device_s is None else round(1e3 * r.device_s, 3) for r in records]
+        log = [[r.prefill_tokens, r.generated, t] for r, t in zip(records, ms, strict=True)]
     return dict(
         step_log=log,
         requests=len(prompts),
@@ -293,107 +262,6 @@ def acceptance_between(before, after) -> dict:
         spec_acceptance_by_position=[round(a / drafts, 3) for a in per_position] if drafts else [],
         spec_rounds_with_drafts=drafts,
     )
-
-
-def phase_timing(args, model, path, k: int, d: int, replays: int = 50) -> dict:
-    """GPU ms per replay of one decode tick, one fixed-depth token (T ticks) and the round's
-    phases over one slot (module doc)."""
-    import torch
-    from rlt import LLMEngine
-    from rlt_contracts import SamplingMode
-    from rlt_runner.graph_capture import capture
-
-    engine = LLMEngine(
-        engine_config(
-            args,
-            path,
-            1,
-            None,
-            num_speculative_tokens=k,
-            speculative_draft_loops=d,
-            speculative_disable_batch_size=None,
-        ),
-        model=model,
-    )
-    try:
-        runner = engine.core.runner
-        program, tick_program = runner.speculation, runner.program
-        pool = runner.graphs.pool
-        mode = SamplingMode()
-        program.slot_valid.zero_()
-        program.round_index.fill_(program.spare_round)
-        tick_program.tick_index.fill_(tick_program.spare_tick)
-        saved = runner.rows.active.clone()
-        runner.rows.active.zero_()
-        depth = model.shape.num_loops
-
-        def round_phases(*names):
-            def run():
-                slots = program.gather_slots(1)
-                for name in names:
-                    if name == "draft":
-                        program.draft(slots, mode, False)
-                    elif name == "verify":
-                        program.verify(slots, False)
-                    else:
-                        program.accept(slots, mode)
-                program.round_index.fill_(program.spare_round)
-
-            return run
-
-        def token():
-            for _ in range(depth):
-                tick_program.tick(1, mode, False)
-            tick_program.tick_index.fill_(tick_program.spare_tick)
-
-        def one_tick():
-            tick_program.tick(1, mode, False)
-            tick_program.tick_index.fill_(tick_program.spare_tick)
-
-        timings = {}
-        for name, run in (
-            ("tick", one_tick),
-            ("token", token),
-            ("draft", round_phases("draft")),
-            ("verify", round_phases("verify")),
-            ("accept", round_phases("accept")),
-            ("round", round_phases("draft", "verify", "accept")),
-        ):
-            graph = capture(run, pool)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            timings[f"{name}_ms"] = round(start.elapsed_time(end) / replays, 4)
-            if args.phase_kernels and name in ("tick", "verify"):
-                timings[f"{name}_kernels"] = top_kernels(graph, args.phase_kernels)
-        runner.rows.active.copy_(saved)
-        return dict(num_speculative_tokens=k, speculative_draft_loops=d, **timings)
-    finally:
-        engine.shutdown()
-        gc.collect()
-
-
-def top_kernels(graph, count: int, replays: int = 10) -> list:
-    """[[kernel name (80 chars), calls per replay, us per replay]] of the costliest kernels."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:80], [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.device_time
-    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:count]
-    return [[name, calls / replays, round(us / replays, 1)] for name, (calls, us) in ranked]
 
 
 if __name__ == "__main__":

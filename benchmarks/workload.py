@@ -98,21 +98,9 @@ SHAPES = {  # name: (rlt_models config class, its fields; None: the class's rele
             layer_types=("sliding_attention",) * 2 + ("full_attention", "sliding_attention"),
         ),
     ),
-    # 2 prelude + 4 recurrent + 2 coda sandwich blocks, 55 heads of 96, mean_recurrence 32
-    "huginn-3.5b": (
-        "HuginnConfig",
-        dict(
-            vocab_size=65536,
-            n_embd=5280,
-            n_heads=55,
-            n_layers_in_prelude=2,
-            n_layers_in_recurrent_block=4,
-            n_layers_in_coda=2,
-            intermediate_size=17920,
-            mean_recurrence=32,
-            block_size=4096,
-        ),
-    ),
+    # 2 prelude + 4 recurrent + 2 coda sandwich blocks, 55 heads of 96, mean_recurrence 32:
+    # HuginnConfig's defaults
+    "huginn-3.5b": ("HuginnConfig", {}),
     "tiny-huginn": (
         "HuginnConfig",
         dict(

@@ -140,7 +140,7 @@ case "$mode" in
       python3 -m pytest -q -p no:cacheprovider tests/test_speculative_kernels.py 2>&1 \
         | tee -a "$OUT/cuda_tests.log" | tail -1
       "${b[@]}" --concurrency 1 --drafts 2,3,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --no-real \
-        --phase-timing --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
+        --out "$OUT/spec_c1.json" >"$OUT/spec_c1.log" 2>&1
       "${b[@]}" --concurrency 1 --drafts 3,4 --draft-loops 1 --alphas 0.9 --mix \
         --out "$OUT/spec_mix.json" >"$OUT/spec_mix.log" 2>&1
     else

@@ -67,22 +67,12 @@ def parse_args(argv=None):
     return args
 
 
-def params(seed: int, max_tokens: int, threshold: float):
+def timed(llm, prompts, max_tokens: int, threshold: float):
     from rlt import SamplingParams
 
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.9,
-        top_p=0.8,
-        seed=seed,
-        exit_threshold=threshold,
-        ignore_eos=True,
-        logprobs=0,
-    )
-
-
-def timed(llm, prompts, max_tokens: int, threshold: float):
-    sampling = [params(1000 + i, max_tokens, threshold) for i in range(len(prompts))]
+    fields = dict(max_tokens=max_tokens, temperature=0.9, top_p=0.8, exit_threshold=threshold)
+    fields |= dict(ignore_eos=True, logprobs=0)
+    sampling = [SamplingParams(seed=1000 + i, **fields) for i in range(len(prompts))]
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     sync(llm.engine.parts.device.type)
@@ -142,17 +132,10 @@ def cells(args, model, dtype: str, batch: int) -> tuple[dict, dict]:
 def summary(args, dtype, batch, invariant, decode, prefill, solo, batched) -> dict:
     wall, prefill_wall = min(decode), min(prefill)
     out_len = args.output_len
-    differs = [
-        i for i, (a, b) in enumerate(zip(solo.logprobs, batched.logprobs, strict=True)) if a != b
-    ]
-    token_diff = next(
-        (
-            i
-            for i, (a, b) in enumerate(zip(solo.token_ids, batched.token_ids, strict=True))
-            if a != b
-        ),
-        None,
-    )
+    pairs = list(zip(solo.logprobs, batched.logprobs, strict=True))
+    differs = [i for i, (a, b) in enumerate(pairs) if a != b]
+    tokens = zip(solo.token_ids, batched.token_ids, strict=True)
+    token_diff = next((i for i, (a, b) in enumerate(tokens) if a != b), None)
     upto = len(solo.logprobs) if token_diff is None else token_diff + 1
     return {
         "dtype": dtype,
@@ -166,13 +149,7 @@ def summary(args, dtype, batch, invariant, decode, prefill, solo, batched) -> di
         == (batched.token_ids, batched.exit_depths, batched.logprobs),
         "first_logprob_difference": differs[0] if differs else None,
         "first_token_difference": token_diff,
-        "max_abs_logprob_difference": max(
-            (
-                abs(a - b)
-                for a, b in zip(solo.logprobs[:upto], batched.logprobs[:upto], strict=True)
-            ),
-            default=0.0,
-        ),
+        "max_abs_logprob_difference": max((abs(a - b) for a, b in pairs[:upto]), default=0.0),
         "mean_loops": batched.mean_loops,
     }
 
@@ -188,16 +165,12 @@ def main(argv=None) -> int:
     for dtype in args.dtype:
         for batch in args.batch:
             on, off = cells(args, model, dtype, batch)
-            for row in (on, off):
-                results.append(row)
-            line = (
-                f"{dtype:9s} batch {batch:4d}: decode {off['output_tokens_per_s']:8.1f} -> "
-                f"{on['output_tokens_per_s']:8.1f} tok/s "
-                f"(cost {off['output_tokens_per_s'] / on['output_tokens_per_s'] - 1:+.1%}), "
-                f"prefill {off['prefill_tokens_per_s']:8.1f} -> {on['prefill_tokens_per_s']:8.1f}"
-                f" tok/s (cost {off['prefill_tokens_per_s'] / on['prefill_tokens_per_s'] - 1:+.1%})"
-                f"; solo == batched: on {on['invariant']}, off {off['invariant']}"
-            )
+            results += [on, off]
+            line = f"{dtype:9s} batch {batch:4d}:"
+            for kind in ("output", "prefill"):
+                a, b = off[f"{kind}_tokens_per_s"], on[f"{kind}_tokens_per_s"]
+                line += f" {kind} {a:8.1f} -> {b:8.1f} tok/s (cost {a / b - 1:+.1%}),"
+            line += f" solo == batched: on {on['invariant']}, off {off['invariant']}"
             if not off["invariant"]:
                 line += (
                     f" (off: logprob {off['first_logprob_difference']}, token "
@@ -205,14 +178,11 @@ def main(argv=None) -> int:
                     f"{off['max_abs_logprob_difference']:.3g} nats)"
                 )
             print(line, flush=True)
-    report = record(
-        "batch_invariance",
-        args,
-        threads=torch.get_num_threads(),
-        model=model or "bundled default model",
-        results=results,
+    threads, model = torch.get_num_threads(), model or "bundled default model"
+    write_json(
+        args.json_out,
+        record("batch_invariance", args, threads=threads, model=model, results=results),
     )
-    write_json(args.json_out, report)
     return 0 if all(r["invariant"] for r in results if r["batch_invariant"]) else 1
 
 

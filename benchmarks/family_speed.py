@@ -32,12 +32,8 @@ Steps, in one process per measurement (a clean CUDA context each):
    tokens the memory-sized KV pool holds (kv_blocks / (pages per request x KV planes per
    position: one per loop up to the engine's cap, plus the stage plane)).
 
-Stack weights are every checkpoint tensor but the embedding (one row read per token) and the LM
-head, counted from the family's own tensor list (rlt_models.families), at 2 bytes each, times
-the stack passes of a loop (the declaration's KV slots per plane over its distinct layers: 2
-for HRM-Text, whose loop runs its L stack three times and its H stack once; 1 otherwise); KV per
-loop and context token is layers x 2 (K, V) x KV heads x head_dim x 2 bytes. The mean decode
-context is prompt + output / 2 tokens.
+Stack weights: every checkpoint tensor but the embedding and the LM head (shape_bytes). The
+mean decode context is prompt + output / 2 tokens.
 
 Writes into --out: <shape>-c<C>.json / .log per run (offline_throughput's record and output),
 <shape>-transformers.json / .log (the transformers arm), bandwidth.json, families.json
@@ -62,6 +58,8 @@ BYTES = 2  # bf16
 COPY_GIB = 4
 TF_KEYS = ("decode_output_tokens_per_s", "output_tokens_per_s", "prefill_s", "decode_s")
 TF_KEYS += ("total_s", "prefix_lm")
+RUN_KEYS = ("decode_output_tokens_per_s", "output_tokens_per_s", "mean_loops_per_decoded_token")
+RUN_KEYS += ("kv_blocks", "max_running", "preemptions", "decode_steps", "cuda_graphs_active")
 
 
 def run(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
@@ -116,7 +114,10 @@ def measure_bandwidth(out: Path) -> dict | None:
 
 # -- 4. floors -------------------------------------------------------------------------------------
 def shape_bytes(shape: str, args) -> dict:
-    """Bytes one request's decode reads per output token, from the family's tensor list."""
+    """Bytes one request's decode reads per output token, from the family's tensor list: every
+    tensor but the embedding (one row read per token) and the LM head, at 2 bytes each, times
+    the stack passes of a loop; KV per loop and context token: layers x 2 x KV heads x
+    head_dim x 2 bytes."""
     from rlt_models.families import family_of
     from workload import shape_config
 
@@ -172,14 +173,8 @@ def row_flags(concurrency: int, quick: bool) -> list[str]:
     else:
         requests, seqs = (concurrency if quick else 2 * concurrency), concurrency
         tokens = min(4096, max(2048, 64 * concurrency))
-    return [
-        "--num-requests",
-        str(requests),
-        "--max-num-seqs",
-        str(seqs),
-        "--max-num-batched-tokens",
-        str(tokens),
-    ]
+    flags = {"--num-requests": requests, "--max-num-seqs": seqs, "--max-num-batched-tokens": tokens}
+    return [str(x) for item in flags.items() for x in item]
 
 
 def bench_command(shape: str, args, program: str = "offline_throughput.py") -> list[str]:
@@ -190,52 +185,17 @@ def bench_command(shape: str, args, program: str = "offline_throughput.py") -> l
 
 def measure(shape: str, concurrency: int, args, out: Path) -> dict:
     name = f"{shape}-c{concurrency}"
-    cmd = [
-        *bench_command(shape, args),
-        "--dtype",
-        args.dtype,
-        "--prompt-len",
-        str(args.prompt_len),
-        "--output-len",
-        str(args.output_len),
-        "--prefill-chunk-size",
-        "1024",
-        "--arm",
-        "fixed",
-        *row_flags(concurrency, args.quick),
-        "--json-out",
-        str(out / f"{name}.json"),
-    ]
-    rc, elapsed = run(cmd, out / f"{name}.log", args.run_timeout_s)
-    record = {
-        "shape": shape,
-        "concurrency": concurrency,
-        "command": cmd[1:],
-        "rc": rc,
-        "elapsed_s": elapsed,
-    }
     path = out / f"{name}.json"
+    cmd = [*bench_command(shape, args), "--dtype", args.dtype, "--prefill-chunk-size", "1024"]
+    cmd += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+    cmd += ["--arm", "fixed", *row_flags(concurrency, args.quick), "--json-out", str(path)]
+    rc, elapsed = run(cmd, out / f"{name}.log", args.run_timeout_s)
+    record = {"shape": shape, "concurrency": concurrency, "command": cmd[1:], "rc": rc}
+    record["elapsed_s"] = elapsed
     if path.exists():
         data = json.loads(path.read_text())
-        record["setup"] = data["args"]
-        record["errors"] = data["errors"]
-        if data["results"]:
-            r = data["results"][0]
-            record.update(
-                {
-                    k: r[k]
-                    for k in (
-                        "decode_output_tokens_per_s",
-                        "output_tokens_per_s",
-                        "mean_loops_per_decoded_token",
-                        "kv_blocks",
-                        "max_running",
-                        "preemptions",
-                        "decode_steps",
-                        "cuda_graphs_active",
-                    )
-                }
-            )
+        record |= {"setup": data["args"], "errors": data["errors"]}
+        record |= {k: v for k, v in (data["results"] or [{}])[0].items() if k in RUN_KEYS}
     print(
         f"{name}: rc {rc}, {elapsed} s, decode {record.get('decode_output_tokens_per_s')} "
         f"tok/s, e2e {record.get('output_tokens_per_s')}",

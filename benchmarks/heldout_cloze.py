@@ -33,8 +33,8 @@ from pathlib import Path
 
 from harness import ROOT, parser, record, write_json
 from server_process import Server
+from workload import heldout_passages
 
-PASSAGES = ROOT / "benchmarks" / "data" / "heldout_passages.json"
 TASK_DIR = ROOT / "benchmarks" / "data" / "heldout_cloze"
 DATA = TASK_DIR / "heldout_cloze.jsonl"
 CUTS = (0.2, 0.4, 0.6, 0.8)
@@ -58,7 +58,7 @@ metadata: {version: 1.0}
 
 
 def build_items(seed: int, span: int) -> list[dict]:
-    texts = json.loads(PASSAGES.read_text())["passages"]
+    texts = heldout_passages()
     words = [text.split() for text in texts]
     rng = random.Random(seed)
     items = []

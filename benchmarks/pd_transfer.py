@@ -1,32 +1,25 @@
 """KV transfer throughput of PD disaggregation between two processes, on the engine's path.
 
-What it measures: one prefill side (P, this process) pushes a prompt's KV into a decode side
-(D, a spawned process) through rlt-pd's `KVTransport` (one NIXL agent each, UCX backend) driven
-by the same connectors the engine uses: P's `KVSender.start` + `send_chunk` once per prefill
-chunk (then `poll`, as the engine does once per step) with `final_hidden_row` on the last chunk;
-D's `KVReceiver.expect` + `poll` until it reports COMPLETED (every partition's `landed`
-notification and the commit arrived, i.e. every byte is on D). Per request size (prompt
-tokens) it reports the bytes moved (K and V of every storage plane of every layer, plus the
-last token's hidden state), the wall time from P's first `send_chunk` to D's COMPLETED
-(CLOCK_MONOTONIC, which both processes share), GB/s (1e9 bytes/s) of the median and of the best
-of N repetitions, P's own times (all chunks handed over; every write completed locally = DONE)
-and how the sender split the work (partitions, NIXL writes by prepped-index / explicit path,
-descriptors). The first transfer of each size lands in cleared destination blocks and is
-verified (checksums of P's source positions vs D's destination positions, per plane, layer
-and tensor, and of the hidden row: BLAKE2b on CPU, exact integer sums on the GPU); warm-up
-transfers are not timed. Since chunks are posted back to back, no compute overlaps the
-transfer: this is the transport's and the connectors' throughput, the upper bound of what the
-engine's PD handoff can do on this link.
+One prefill side (P, this process) pushes a prompt's KV into a decode side (D, a spawned process)
+through rlt-pd's `KVTransport` (one NIXL agent each, UCX backend) and the engine's connectors:
+P's `KVSender.start` + `send_chunk` per prefill chunk (then `poll`, once per step as the engine
+does), `final_hidden_row` on the last; D's `KVReceiver.expect` + `poll` until COMPLETED (every
+byte is on D). Per prompt size: the bytes moved (K and V of every plane and layer, plus the last
+hidden state), the wall time from P's first `send_chunk` to D's COMPLETED (CLOCK_MONOTONIC,
+shared by both processes), GB/s of the median and the best of N, P's own times (chunks handed
+over; writes completed = DONE) and how the sender split the work (partitions, NIXL writes by
+prepped-index / explicit path, descriptors). The first transfer of each size lands in cleared
+blocks and is verified (checksums of P's source and D's destination positions per plane, layer
+and tensor, and of the hidden row: BLAKE2b on the CPU, exact integer sums on the GPU). No
+compute overlaps the transfer: the upper bound of what the engine's handoff can do on a link.
 
-Default shape: Ouro-1.4B (24 layers, 16 KV heads, head_dim 128, hidden 2048, 4 loops; see
-../shared/reference/ouro-model-spec.md) in bf16, block size 16, layout `last_exited`: 4 KV
-planes per token, so 24 x 4 x 2 (K, V) x 16 x 128 x 2 B = 768 KiB per prompt token (a
-16384-token prompt moves 12 GiB). `--shape ouro-2.6b` doubles the layers, `--shape bundled` is
-the engine's tiny default model; `--kv-layout shared` keeps one plane. Block tables: `contiguous`
-(ascending block ids on both sides: few, long descriptors) and `random` (seeded permutations
-on each side: one descriptor per block and layer, the fragmented pool of a busy engine, where
-the descriptor limit splits partitions and planning costs Python time); both by default. Each
-side's pool holds exactly the largest size's blocks plus the scratch block, allocated once.
+Default shape: Ouro-1.4B (24 layers, 16 KV heads of 128, hidden 2048, 4 loops) in bf16, block
+size 16, `last_exited`: 4 planes, 768 KiB per prompt token (a 16384-token prompt moves 12 GiB).
+`--shape ouro-2.6b` doubles the layers, `bundled` is the engine's tiny model; `--kv-layout
+shared` keeps one plane. Block tables: `contiguous` (ascending ids: few, long descriptors) and
+`random` (seeded permutations: one descriptor per block and layer, a busy engine's fragmented
+pool, where the descriptor limit splits partitions); both by default. Each side's pool holds the
+largest size's blocks plus the scratch block, allocated once.
 
 CPU (DRAM over UCX shared memory / CMA on one host; < 2 minutes on 2 cores):
 

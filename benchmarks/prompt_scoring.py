@@ -25,16 +25,13 @@ token and the depth histogram (full depth: every token runs all T loops).
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from collections import Counter
 
-from harness import ROOT, floats, parser, record, sync, write_json
-from workload import SHAPE_NAMES, ensure_checkpoint
-
-PASSAGES = ROOT / "benchmarks" / "data" / "heldout_passages.json"
+from harness import floats, parser, record, sync, write_json
+from workload import SHAPE_NAMES, ensure_checkpoint, heldout_passages
 
 
 def random_choices(args, vocab: int, seed: int) -> list[list[int]]:
@@ -99,9 +96,8 @@ def main(argv=None) -> None:
         EngineConfig(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=True)
     )
     if args.heldout:
-        texts = json.loads(PASSAGES.read_text())["passages"]
         encode = engine.tokenizer
-        prompts = [encode(t, add_special_tokens=False).input_ids for t in texts]
+        prompts = [encode(t, add_special_tokens=False).input_ids for t in heldout_passages()]
         warm = prompts[:1]
     else:
         vocab = engine.model_info().vocab_size

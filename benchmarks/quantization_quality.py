@@ -22,15 +22,15 @@ first arm is the reference. Per arm:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-PASSAGES = Path(__file__).resolve().parent / "data" / "heldout_passages.json"
+from harness import floats, parser, record, write_json
+from workload import heldout_passages
+
 ARMS = {  # name: (dtype, quantization, kv_cache_dtype)
     "fp32": ("float32", None, "auto"),
     "bf16": ("bfloat16", None, "auto"),
@@ -41,22 +41,19 @@ ARMS = {  # name: (dtype, quantization, kv_cache_dtype)
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arms", default="fp32,fp8,bf16,fp8-bf16")
-    parser.add_argument("--quantize-lm-head", action="store_true")
-    parser.add_argument("--thresholds", default="0.5,0.7")
-    parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=160)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--out", default=None)
-    return parser.parse_args(argv)
+def parse_args(argv=None):
+    p = parser(__doc__, device="cpu")
+    p.add_argument("--arms", default="fp32,fp8,bf16,fp8-bf16")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--thresholds", default="0.5,0.7")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=160)
+    p.add_argument("--output-len", type=int, default=128)
+    return p.parse_args(argv)
 
 
 def passage_tokens(tokenizer) -> list[list[int]]:
-    passages = json.loads(PASSAGES.read_text())["passages"]
-    return [tokenizer.encode(p) for p in passages]
+    return [tokenizer.encode(p) for p in heldout_passages()]
 
 
 def prompts_from(passages: list[list[int]], length: int, count: int) -> list[list[int]]:
@@ -144,7 +141,7 @@ def main(argv=None) -> int:
     from rlt.engine import EngineConfig
     from rlt_models import load_tokenizer
 
-    results = {"args": vars(args), "arms": []}
+    results = record("quantization_quality", args, arms=[])
     reference: dict[float, list] = {}
     tokenizer = passages = prompts = None
     for name in args.arms.split(","):
@@ -168,7 +165,7 @@ def main(argv=None) -> int:
         arm["perplexity"] = round(perplexity(engine.parts.model, passages, kv_scales), 4)
         if kv_scales is not None:
             arm["kv_scales"] = {"key": kv_scales.key, "value": kv_scales.value}
-        for threshold in [float(t) for t in args.thresholds.split(",")]:
+        for threshold in floats(args.thresholds):
             outputs = generate(engine, prompts, threshold, args.output_len)
             reference.setdefault(threshold, outputs)
             arm[f"threshold_{threshold}"] = compare(outputs, reference[threshold])
@@ -176,8 +173,7 @@ def main(argv=None) -> int:
         engine.shutdown()
         results["arms"].append(arm)
         print(json.dumps(arm), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(args.out, results)
     return 0
 
 

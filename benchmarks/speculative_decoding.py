@@ -24,6 +24,13 @@ over drafts reached, i.e. whose predecessors were all accepted), speedup
 the arms run N times in turn (plain, K,D, ..., plain, K,D, ...: a drift of the machine hits
 every arm alike); decode_output_tokens_per_s is then the median, the runs are listed.
 
+--heldout (the measurement of real acceptance): the bundled model (docs/embedded-model.md)
+continues held-out passages (benchmarks/data/heldout_passages.json, never trained on: the first
+--num-prompts, cut to --prompt-len tokens: 48 here) one request at a time, greedy (64 tokens
+out, D up to 3 unless given), at each --thresholds exit threshold (min_loops 1): plain, then
+every (K, D) with real verification; per arm also whether every request's tokens and exit
+depths equal the plain arm's.
+
 Example (one H200, Ouro-1.4B shape):
   python3 benchmarks/speculative_decoding.py --shape ouro-1.4b --device cuda --dtype bfloat16 \
       --concurrency 1 --drafts 2,4,8 --draft-loops 1,2 --alphas 0.6,0.8,0.9 --out spec.json
@@ -68,12 +75,22 @@ def parse_args(argv=None):
     p.add_argument("--step-log", action="store_true", help="per arm: [prompt tokens, tokens, ms]")
     p.add_argument("--decode-ticks-per-step", type=int, default=None, help="default: engine's")
     p.add_argument("--repeats", type=int, default=1, help="alternating runs; the median")
+    p.add_argument("--heldout", action="store_true", help="the bundled model's real acceptance")
+    p.add_argument("--num-prompts", type=int, default=24, help="--heldout: passages")
+    p.add_argument("--thresholds", default="0.5,1.0", help="--heldout: exit thresholds")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.heldout:  # its own defaults: 48-token prompts, 64 tokens out, D up to 3
+        for name, value in (("prompt_len", 48), ("output_len", 64), ("draft_loops", "1,2,3")):
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.heldout:
+        return heldout(args)
     from rlt_models import load_model
 
     path = ensure_checkpoint(args.shape, args.checkpoint_dir, args.device, args.model)
@@ -262,6 +279,61 @@ def acceptance_between(before, after) -> dict:
         spec_acceptance_by_position=[round(a / drafts, 3) for a in per_position] if drafts else [],
         spec_rounds_with_drafts=drafts,
     )
+
+
+def heldout(args) -> int:
+    """--heldout (module docstring): one request at a time, per threshold and arm."""
+    from rlt import LLMEngine, SamplingParams
+    from rlt.engine import EngineConfig
+    from rlt_models import load_tokenizer
+    from workload import heldout_passages
+
+    config = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    plain = LLMEngine(EngineConfig(**config, prefill_cuda_graphs=False))
+    tokenizer = load_tokenizer(plain.parts.model_dir)
+    passages = heldout_passages()[: args.num_prompts]
+    prompts = [tokenizer.encode(p)[: args.prompt_len] for p in passages]
+    results = record("speculative_decoding", args, arms=[])
+    configs = [(k, d) for d in ints(args.draft_loops) for k in ints(args.drafts)]
+    for threshold in floats(args.thresholds):
+        reference = base = None
+        params = SamplingParams(
+            max_tokens=args.output_len, exit_threshold=threshold, min_loops=1, ignore_eos=True
+        )
+        for k, d in [(0, None), *configs]:
+            options = dict(num_speculative_tokens=k, speculative_draft_loops=d) if k else {}
+            engine = plain
+            if k:
+                engine = LLMEngine(EngineConfig(**config, **options, prefill_cuda_graphs=False))
+            engine.add_request("warmup", prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+            before, outputs, depths = engine.get_stats(), [], []
+            tokens = seconds = 0.0
+            for i, prompt in enumerate(prompts):
+                engine.core.step_log = []
+                engine.add_request(f"p{i}", prompt, params)
+                while engine.has_unfinished_requests():
+                    done = [out for out in engine.step() if out.finished]
+                    outputs += [(out.token_ids, out.exit_depths) for out in done]
+                    depths += [d for out in done for d in out.exit_depths[1:]]
+                d_tokens, d_seconds, _ = decode_phase(engine.core.step_log)
+                tokens, seconds = tokens + d_tokens, seconds + d_seconds
+            engine.core.step_log = None
+            arm = dict(arm=f"{k},{d}" if k else "plain", threshold=threshold, **options)
+            arm["decode_tokens_per_s"] = round(tokens / seconds, 1) if seconds else None
+            arm["mean_loops_per_decoded_token"] = round(sum(depths) / max(len(depths), 1), 3)
+            arm |= acceptance_between(before, engine.get_stats())
+            reference, base = reference or outputs, base or arm
+            arm["equal_to_plain"] = outputs == reference
+            arm["speedup"] = round(arm["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3)
+            results["arms"].append(arm)
+            print(json.dumps(arm), flush=True)
+            write_json(args.out, results)
+            if engine is not plain:
+                engine.shutdown()
+    plain.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ time:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
+
+from harness import parser
 
 
 def _get(record, name: str):
@@ -111,12 +112,12 @@ def load(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("log", help="JSON lines written by RLT_STEP_LOG")
-    parser.add_argument("--start", type=float, default=None)
-    parser.add_argument("--end", type=float, default=None)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    p = parser(__doc__, out=False)
+    p.add_argument("log", help="JSON lines written by RLT_STEP_LOG")
+    p.add_argument("--start", type=float, default=None)
+    p.add_argument("--end", type=float, default=None)
+    args = p.parse_args(argv)
     print(json.dumps(summarize(load(args.log), args.start, args.end), indent=1))
 
 

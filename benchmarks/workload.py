@@ -10,6 +10,7 @@ std 0.05, seed 0) under the checkpoint folder, generated on the GPU when the dev
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -159,6 +160,12 @@ def random_prompts(seed: int, count: int, length: int, vocab_size: int) -> list[
     """`count` prompts of `length` token ids in [3, vocab_size)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def heldout_passages() -> list[str]:
+    """The bundled model's validation documents (benchmarks/data/, never trained on)."""
+    path = Path(__file__).resolve().parent / "data" / "heldout_passages.json"
+    return json.loads(path.read_text())["passages"]
 
 
 def decode_phase(records) -> tuple[int, float, int]:

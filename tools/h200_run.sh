@@ -150,8 +150,9 @@ case "$mode" in
         --out "$OUT/spec_sweep.json" >"$OUT/spec_sweep.log" 2>&1
       "${b[@]}" --concurrency 32 --drafts 3 --draft-loops 1 --alphas 0.9 --no-real \
         --disable-batch-size default --repeats 2 --step-log --out "$OUT/spec_c32_default.json" >/dev/null 2>&1
-      python3 benchmarks/speculative_acceptance.py --device cuda --dtype bfloat16 --num-prompts 12 \
-        --output-len 48 --draft-loops 1,2 --out "$OUT/acceptance_h200.json" >/dev/null 2>&1
+      python3 benchmarks/speculative_decoding.py --heldout --device cuda --dtype bfloat16 \
+        --num-prompts 12 --output-len 48 --draft-loops 1,2 --out "$OUT/acceptance_h200.json" \
+        >/dev/null 2>&1
     fi
     tail -2 "$OUT"/*.log ;;
   fp8)

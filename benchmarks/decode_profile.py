@@ -81,20 +81,14 @@ def profile_decode_window(engine, args, prompts, params) -> dict:
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
     summary = summarize_trace(trace, ticks)
-    summary.update(
-        steps=args.profile_steps,
-        window_steps_found=len(window),
-        decode_ticks=ticks,
-        prefill_tokens_in_window=sum(r.prefill_tokens for r in window),
-        generated_in_window=sum(r.generated for r in window),
-        rows=n,
-        prompt_len=plen,
-        requests_finished_before_window=finished_before,
-        requests_finished_in_window=len(finished) - finished_before,
-        host_window_ms=round(1000 * host_window_s, 3),
-        host_ms_per_step=round(1000 * host_window_s / args.profile_steps, 3),
-        torch_version=torch.__version__,
-    )
+    summary |= {"steps": args.profile_steps, "window_steps_found": len(window), "rows": n}
+    summary |= {"decode_ticks": ticks, "prompt_len": plen, "torch_version": torch.__version__}
+    summary["prefill_tokens_in_window"] = sum(r.prefill_tokens for r in window)
+    summary["generated_in_window"] = sum(r.generated for r in window)
+    summary["requests_finished_before_window"] = finished_before
+    summary["requests_finished_in_window"] = len(finished) - finished_before
+    summary["host_window_ms"] = round(1000 * host_window_s, 3)
+    summary["host_ms_per_step"] = round(1000 * host_window_s / args.profile_steps, 3)
     return summary
 
 

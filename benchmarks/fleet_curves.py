@@ -11,11 +11,10 @@ this file's measured sections as they are.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from harness import ROOT, parser, write_json
+
 RESULTS = ROOT / "benchmarks" / "results"
 DEFAULT_OUT = ROOT / "benchmarks" / "data" / "fleet_curves_h200.json"
 
@@ -197,17 +196,13 @@ def build() -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
-    curves = build()
-    if args.out.exists():  # keep the fitted constants written by `fleet_sim.py calibrate`
-        previous = json.loads(args.out.read_text())
-        if "calibration" in previous:
-            curves["calibration"] = previous["calibration"]
-    args.out.write_text(json.dumps(curves, indent=1) + "\n")
-    print(f"wrote {args.out}")
+def main(argv=None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    out, curves = args.out or DEFAULT_OUT, build()
+    if out.exists():  # keep the fitted constants written by `fleet_sim.py calibrate`
+        curves |= {k: v for k, v in json.loads(out.read_text()).items() if k == "calibration"}
+    write_json(out, curves)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, replace
 
-import harness
-from harness import Timer, parser, write_json
+from harness import Timer, parser, record, write_json
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 24, 16, 128, 16
 PRODUCTS = ("rows_by_keys", "keys_by_rows", "vector")  # rlt_attention.split_config.PRODUCTS
@@ -103,24 +102,16 @@ def main(argv=None) -> None:
     }
     results = []
 
-    def record(name, split, fp8):
+    def measure(name, split, fp8):
         us = time_graph(loop(split, fp8))
-        results.append(
-            dict(
-                kv="fp8" if fp8 else "bf16",
-                config=name,
-                split=asdict(split),
-                us_per_loop=round(us, 1),
-                kv_tb_per_s=round(kv_bytes[fp8] / (us * 1e-6) / 1e12, 3),
-            )
-        )
-        line = results[-1]
-        print(
-            f"{line['kv']:5s} {name:24s} {us:9.1f} us  {line['kv_tb_per_s']:.2f} TB/s", flush=True
-        )
+        tb_per_s = round(kv_bytes[fp8] / (us * 1e-6) / 1e12, 3)
+        kv = "fp8" if fp8 else "bf16"
+        results.append(dict(kv=kv, config=name, split=asdict(split), us_per_loop=round(us, 1)))
+        results[-1]["kv_tb_per_s"] = tb_per_s
+        print(f"{kv:5s} {name:24s} {us:9.1f} us  {tb_per_s:.2f} TB/s", flush=True)
 
-    record("heuristic", heuristic[False], False)
-    record("heuristic", heuristic[True], True)
+    measure("heuristic", heuristic[False], False)
+    measure("heuristic", heuristic[True], True)
     # the heuristic's splits (the RLT_*SPLIT_DECODE overrides set the key step and product only)
     tensor_core = list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4)))
     vector = list(itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 3)))
@@ -133,14 +124,9 @@ def main(argv=None) -> None:
     for product in args.products.split(","):
         for fp8, grid in zip((True, False), candidates[product], strict=True):
             for block_n, warps, stages in grid:
-                split = replace(
-                    heuristic[fp8],
-                    block_n=block_n,
-                    num_warps=warps,
-                    num_stages=stages,
-                    product=product,
-                )
-                record(f"n{block_n}_w{warps}_st{stages}_{product}", split, fp8)
+                fields = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                split = replace(heuristic[fp8], product=product, **fields)
+                measure(f"n{block_n}_w{warps}_st{stages}_{product}", split, fp8)
 
     def best_of(kv):
         return min((r for r in results if r["kv"] == kv), key=lambda r: r["us_per_loop"])
@@ -167,9 +153,7 @@ def main(argv=None) -> None:
         bf16_env=env(best_bf16) if best_bf16["us_per_loop"] < 0.98 * bf16 else "",
     )
     print(summary, flush=True)
-    write_json(
-        args.out, harness.record("fp8_kv_attention_sweep", args, summary=summary, results=results)
-    )
+    write_json(args.out, record("fp8_kv_attention_sweep", args, summary=summary, results=results))
 
 
 if __name__ == "__main__":

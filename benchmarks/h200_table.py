@@ -100,18 +100,9 @@ def plan(args) -> list[Row]:
     flags = {"--num-requests": seqs if args.quick else n, "--max-num-seqs": seqs}
     flags |= {"--max-num-batched-tokens": tokens, "--num-kv-blocks": blocks}
     note = f"KV pressure: {blocks} blocks = 64 requests x {pages} pages x {LOOPS} planes"
-    rows.append(
-        Row(
-            "c128-kv64",
-            "c128",
-            "last_exited",
-            common | flags,
-            ["fixed", MIX],
-            True,
-            70 * scale,
-            note,
-        )
-    )
+    kv64 = Row("c128-kv64", "c128", "last_exited", common | flags, ["fixed", MIX], True, 70 * scale)
+    rows.append(kv64)
+    kv64.note = note
     splen = min(128 if args.quick else 256, plen)
     for conc, (_, seqs, tokens) in ROWS.items():
         n, batched = 2 if seqs == 1 else seqs, max(tokens, seqs * splen)
@@ -121,9 +112,9 @@ def plan(args) -> list[Row]:
         estimate = {"c1": 30, "c32": 47, "c128": 35}[conc] * scale
         note = f"SHARED: {splen}-token prompts, {n} requests (one wave), "
         note += f"max-num-batched-tokens {batched}"
-        rows.append(
-            Row(f"shared-{conc}", conc, "shared", flags, ["fixed", MIX], True, estimate, note)
-        )
+        shared = Row(f"shared-{conc}", conc, "shared", flags, ["fixed", MIX], True, estimate)
+        rows.append(shared)
+        shared.note = note
     wanted = set(args.rows.split(",")) if args.rows else None
     return [r for r in rows if wanted is None or r.name in wanted]
 

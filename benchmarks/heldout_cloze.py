@@ -128,8 +128,9 @@ def main(argv=None) -> None:
         DATA.write_text("".join(json.dumps(item) + "\n" for item in items))
         (TASK_DIR / "heldout_cloze.yaml").write_text(TASK_YAML)
     os.chdir(ROOT)
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ[name] = "1"
+    os.environ |= dict.fromkeys(
+        ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"), "1"
+    )
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
 
     from rlt.engine.assembly import DEFAULT_MODEL_DIR

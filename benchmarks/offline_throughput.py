@@ -222,27 +222,24 @@ def measure(engine, spec, args, prompts, params) -> dict:
         "cuda_graphs_active": getattr(core.runner, "graphs", None) is not None,
         "attention_backend": engine.parts.attention_backend,
         "gemv_choices": gemv_choices(),
-        "allocator": None
-        if allocator0 is None
-        else {key: allocator1[key] - allocator0[key] for key in allocator0},
-        "prefill_graph_captures": None if captured0 is None else graphs.captured - captured0[0],
-        "prefill_graph_capture_s": None
-        if captured0 is None
-        else round(graphs.capture_s - captured0[1], 3),
+        "allocator": allocator0 and {k: allocator1[k] - v for k, v in allocator0.items()},
+        "prefill_graph_captures": captured0 and graphs.captured - captured0[0],
+        "prefill_graph_capture_s": captured0 and round(graphs.capture_s - captured0[1], 3),
         "profile": None,
-        "step_log": [
-            [
-                r.prefill_tokens,
-                r.decode_ticks,
-                r.generated,
-                round(1000 * (r.done_s - start), 3),
-                None if r.device_s is None else round(1000 * r.device_s, 3),
-            ]
-            for r in records
-        ]
-        if args.keep_step_log
-        else None,
+        "step_log": [step_row(r, start) for r in records] if args.keep_step_log else None,
     }
+
+
+def step_row(r, start: float) -> list:
+    """[prefill tokens, ticks, tokens, host ms since `start`, device ms (None off CUDA)]."""
+    device_ms = None if r.device_s is None else round(1000 * r.device_s, 3)
+    return [
+        r.prefill_tokens,
+        r.decode_ticks,
+        r.generated,
+        round(1000 * (r.done_s - start), 3),
+        device_ms,
+    ]
 
 
 def allocator_counts(device: str) -> dict | None:
@@ -286,12 +283,8 @@ def print_table(results: list[dict]) -> None:
     keys += ("steps", "decode_steps", "step_ms", "host_ms_per_step", "readback_wait_ms_per_step")
     keys += ("kv_blocks", "max_running")
     header = ["arm", "e2e tok/s", "dec tok/s", "loops", "steps", "dec st", "step ms", "host ms"]
-    print(
-        markdown_table(
-            header + ["wait ms", "kv blk", "run"],
-            [[r["arm"]] + [r[k] for k in keys] for r in results],
-        )
-    )
+    header += ["wait ms", "kv blk", "run"]
+    print(markdown_table(header, [[r["arm"]] + [r[k] for k in keys] for r in results]))
     for r in results:
         p = r["profile"]
         if p and p.get("gpu_busy_fraction") is not None:

@@ -56,7 +56,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import ints, parser, record, write_json
+from harness import ints, parser, record, sync, write_json
 from workload import SHAPE_NAMES, ensure_checkpoint, random_prompts, shape_config
 
 WARMUP_TOKENS = 4
@@ -219,15 +219,11 @@ def time_generate(
     model, prompts, output_len: int, *, prefix_lm: bool, warmup_tokens: int = WARMUP_TOKENS
 ) -> GenerateTiming:
     """One warm-up generate, then one timed (see the module docstring for the marks)."""
-    import torch
-
     if output_len < 2:
         raise BenchmarkInputError("output_len must be at least 2 (token 0 is the prefill's)")
-    on_cuda = prompts.device.type == "cuda"
 
     def synchronize() -> None:
-        if on_cuda:
-            torch.cuda.synchronize(prompts.device)
+        sync(prompts.device.type)
 
     generate_exactly(model, prompts, min(warmup_tokens, output_len), prefix_lm=prefix_lm)
     clock = _FirstLogitsClock(synchronize)

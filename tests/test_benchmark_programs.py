@@ -3,8 +3,8 @@
 Most of benchmarks/ needs a GPU to measure anything, so this is what the suite can check of
 each program: its imports resolve (the shared harness and workload modules, the packages it
 names at the top) and its command line parses. Each program runs as `python
-benchmarks/NAME.py --help` in its own process, as the device machine runs it. The modules the
-programs share (no `__main__` block) are imported by the programs that use them.
+benchmarks/NAME.py --help` in its own process, as the device machine runs it; the modules the
+programs share (no `__main__` block) are imported the same way.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-PROGRAMS = sorted(
-    path.name
-    for path in BENCHMARKS.glob("*.py")
-    if 'if __name__ == "__main__":' in path.read_text()
-)
+FILES = sorted(BENCHMARKS.glob("*.py"))
+PROGRAMS = [path.name for path in FILES if 'if __name__ == "__main__":' in path.read_text()]
+MODULES = [path.stem for path in FILES if path.name not in PROGRAMS]
 
 
 def test_the_programs_were_found():
@@ -38,3 +36,12 @@ def test_program_answers_help(program):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "usage:" in done.stdout.lower(), done.stdout[:500]
+
+
+def test_the_shared_modules_import():
+    assert {"harness", "workload", "decode_profile", "server_process"} <= set(MODULES)
+    code = f"import {', '.join(MODULES)}, fleetsim.fleet, fleetsim.plot"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCHMARKS, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

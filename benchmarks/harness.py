@@ -5,13 +5,15 @@ A record is `record(name, args, **body)`: the body next to what makes a number c
 another (the code's commit: $RLT_COMMIT, else `git rev-parse HEAD` of this checkout; the
 command line; host, Python, torch and Triton versions and the GPUs). `write_json` writes it (a
 path of None writes nothing), so a program that saves after every measurement keeps what it
-measured when it is cut short.
+measured when it is cut short. Where the members are not installed (the device machine runs
+the sources), importing this module puts every member's src/ on sys.path.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import shlex
@@ -25,12 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [str(p) for top in ("packages", "services") for p in sorted(ROOT.glob(f"{top}/*/src"))]
+if importlib.util.find_spec("rlt_contracts") is None:  # not installed: run the sources
+    sys.path[:0] = SOURCES
 # NVLink multicast stays off on the device machines (tools/h200_run.sh sets the same)
-NO_MULTICAST = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -192,10 +194,7 @@ def child_env(**extra: str) -> dict:
     """This environment with every member's src/ on PYTHONPATH (the device machine runs the
     sources), unbuffered output and NVLink multicast off."""
     env = dict(os.environ)
-    paths = [str(p) for p in sorted(ROOT.glob("packages/*/src"))]
-    paths += [str(p) for p in sorted(ROOT.glob("services/*/src"))]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
+    paths = SOURCES + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(NO_MULTICAST, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", **extra)
     return env
 

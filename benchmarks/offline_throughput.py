@@ -126,7 +126,7 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> dict:
         write_trace(trace_path, trace_probs, args)
         engine_kwargs["exit_trace"] = str(trace_path)
     engine = LLMEngine(
-        EngineConfig(
+        EngineConfig.from_options(
             model=model_dir,
             device=args.device,
             dtype=args.dtype,
@@ -218,7 +218,7 @@ def measure(engine, spec, args, prompts, params) -> dict:
         "max_running": max_running,
         "preemptions": engine.get_stats().preemptions - preempt0,
         "async_scheduling": core.async_scheduling,
-        "decode_ticks_per_step": engine.config.decode_ticks_per_step,
+        "decode_ticks_per_step": engine.config.scheduler.decode_ticks_per_step,
         "cuda_graphs_active": getattr(core.runner, "graphs", None) is not None,
         "attention_backend": engine.parts.attention_backend,
         "gemv_choices": gemv_choices(),

@@ -93,7 +93,9 @@ def main(argv=None) -> None:
     if not args.heldout:
         model = ensure_checkpoint(args.shape, args.checkpoint_dir, args.device, args.model)
     engine = LLMEngine(
-        EngineConfig(model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=True)
+        EngineConfig.from_options(
+            model=model, device=args.device, dtype=args.dtype, enable_prefix_caching=True
+        )
     )
     if args.heldout:
         encode = engine.tokenizer

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     tokenizer = passages = prompts = None
     for name in args.arms.split(","):
         dtype, quantization, kv_cache_dtype = ARMS[name]
-        config = EngineConfig(
+        config = EngineConfig.from_options(
             device=args.device,
             dtype=dtype,
             quantization=quantization,

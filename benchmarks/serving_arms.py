@@ -96,7 +96,7 @@ def offline(args, options: dict, points, tag: str) -> dict:
 
     fields = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
     fields |= json.loads(args.engine_json) | options
-    engine = LLMEngine(EngineConfig(model=args.model, **fields))
+    engine = LLMEngine(EngineConfig.from_options(model=args.model, **fields))
     vocab = engine.model_info().vocab_size
     threshold = (
         {} if args.exit_threshold == "none" else {"exit_threshold": float(args.exit_threshold)}

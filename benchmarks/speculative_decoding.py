@@ -127,7 +127,7 @@ def engine_config(args, path: Path, concurrency: int, trace: Path | None, **opti
     steps = args.decode_ticks_per_step
     steps = {} if steps is None else {"decode_ticks_per_step": steps}
     policy = dict(exit_policy="trace", exit_trace=str(trace)) if trace is not None else {}
-    return EngineConfig(
+    return EngineConfig.from_options(
         model=path,
         device=args.device,
         dtype=args.dtype,
@@ -289,7 +289,7 @@ def heldout(args) -> int:
     from workload import heldout_passages
 
     config = dict(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
-    plain = LLMEngine(EngineConfig(**config, prefill_cuda_graphs=False))
+    plain = LLMEngine(EngineConfig.from_options(**config, prefill_cuda_graphs=False))
     tokenizer = load_tokenizer(plain.parts.model_dir)
     passages = heldout_passages()[: args.num_prompts]
     prompts = [tokenizer.encode(p)[: args.prompt_len] for p in passages]
@@ -304,7 +304,9 @@ def heldout(args) -> int:
             options = dict(num_speculative_tokens=k, speculative_draft_loops=d) if k else {}
             engine = plain
             if k:
-                engine = LLMEngine(EngineConfig(**config, **options, prefill_cuda_graphs=False))
+                engine = LLMEngine(
+                    EngineConfig.from_options(**config, **options, prefill_cuda_graphs=False)
+                )
             engine.add_request("warmup", prompts[0], SamplingParams(max_tokens=8, ignore_eos=True))
             while engine.has_unfinished_requests():
                 engine.step()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 FAMILY_NAME = re.compile(r"(?i)(ouro|nanbeige|dory|hrm[_-]?text|huginn|raven)")
 EXCEPTIONS = {
-    ("rlt_scheduler/exit_policy.py", "POLICY_ALIASES"),
     ("rlt_contracts/scheduler_config.py", "POLICY_ALIASES"),
 }
 

@@ -158,10 +158,10 @@ def test_what_is_not_guaranteed(llm_factory):
 
 
 def test_config_default_validation_and_flag():
-    assert EngineConfig().batch_invariant is False
+    assert EngineConfig.from_options().runner.batch_invariant is False
     for bad in ("yes", None, 1):
         with pytest.raises(ConfigurationError) as error:
-            EngineConfig(batch_invariant=bad)
+            EngineConfig.from_options(batch_invariant=bad)
         assert error.value.options == ("batch_invariant",)
 
     from rlt.cli import build_parser, engine_config_from_args
@@ -173,7 +173,7 @@ def test_config_default_validation_and_flag():
         (["--no-batch-invariant"], False),
     ):
         args = parser.parse_args(["generate", "hello", *flags])
-        assert engine_config_from_args(args).batch_invariant is expected
+        assert engine_config_from_args(args).runner.batch_invariant is expected
 
 
 def test_engine_reports_the_mode(llm_factory):

@@ -97,7 +97,7 @@ def test_fp8_checkpoint_equals_quantizing_at_load(checkpoint, tmp_path):
 
 def test_bad_quantization_options_are_configuration_errors(checkpoint):
     with pytest.raises(ConfigurationError, match="quantization"):
-        EngineConfig(model=checkpoint, quantization="int4")
+        EngineConfig.from_options(model=checkpoint, quantization="int4")
     with pytest.raises(ConfigurationError, match="quantize_lm_head"):
         LLM(checkpoint, **ENGINE, quantize_lm_head=True)
 

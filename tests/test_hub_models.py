@@ -242,4 +242,4 @@ def test_the_command_line_pins_the_snapshot_for_every_process_it_starts(hf_home)
     assert (args.model, args.revision) == (str(snapshots / COMMIT_V1), None)
     assert args.tokenizer == str(snapshots / COMMIT_MAIN)  # a tokenizer's id: its main
     config = engine_config_from_args(args)
-    assert (config.model, config.revision) == (str(snapshots / COMMIT_V1), None)
+    assert (config.model.model, config.model.revision) == (str(snapshots / COMMIT_V1), None)

@@ -255,7 +255,7 @@ def test_the_flag_parses_into_the_engine_config(argv):
     from rlt.cli import engine_config_from_args
 
     args = build_parser().parse_args(argv)
-    assert engine_config_from_args(args).max_model_loops == 4
+    assert engine_config_from_args(args).model.max_model_loops == 4
 
 
 def test_rlt_pd_serve_passes_the_flag_to_its_instances():

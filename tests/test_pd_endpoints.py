@@ -117,4 +117,4 @@ def test_an_incompatible_peer_is_refused_naming_the_fields(tiny_checkpoint):
 )
 def test_pd_options_are_validated(options, named):
     with pytest.raises(ConfigurationError, match="^" + re.escape(named)):
-        EngineConfig(**options)
+        EngineConfig.from_options(**options)

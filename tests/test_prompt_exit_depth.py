@@ -88,7 +88,9 @@ def run(core, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str
 
 
 def make_core(checkpoint, **options):
-    return build_engine(EngineConfig(model=str(checkpoint), **{**ENGINE, **options})).core
+    return build_engine(
+        EngineConfig.from_options(model=str(checkpoint), **{**ENGINE, **options})
+    ).core
 
 
 def assert_equals_teacher_forced(oracle, prompt, params, policy, got: Finished) -> None:

@@ -93,7 +93,7 @@ def test_the_flag_takes_what_the_one_parser_takes(capsys):
     for flag, expected in (("ring:8", "ring:8"), ("ring:08", "ring:8"), ("shared", "shared")):
         args = parser.parse_args(["generate", "hello", "--kv-layout", flag])
         config = engine_config_from_args(args)
-        assert config.kv_layout == expected and config.layout.value == expected
+        assert config.runner.kv_layout == expected and config.runner.layout.value == expected
     for bad in ("ring:0", "ring", "diagonal"):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "hello", "--kv-layout", bad])

@@ -28,7 +28,7 @@ from oracle.generation import GenerationOracle, OracleRequest
 from rlt import LLM, SamplingParams
 from rlt.cli import build_parser
 from rlt.engine import EngineConfig
-from rlt_contracts import ConfigurationError, EngineRequest
+from rlt_contracts import ConfigurationError, EngineRequest, option_fields
 
 PROMPTS = [
     [5, 17, 200, 3, 99, 42, 7],
@@ -344,11 +344,11 @@ def test_options_are_validated_and_acceptance_forcing_is_not_an_option(checkpoin
     assert "speculative_draft_loops" in str(error.value.options)
     for bad in (dict(num_speculative_tokens=-1), dict(speculative_draft_loops=0)):
         with pytest.raises(ConfigurationError):
-            EngineConfig(device="cpu", **bad)
+            EngineConfig.from_options(device="cpu", **bad)
     with pytest.raises(ConfigurationError):
-        EngineConfig(device="cpu", speculative_disable_batch_size=0)
+        EngineConfig.from_options(device="cpu", speculative_disable_batch_size=0)
     # the benchmark's forced acceptance is a method of the runner's program, never an option
-    names = {f for f in EngineConfig.__dataclass_fields__}
+    names = {f.name for f in option_fields(EngineConfig)}
     assert not {n for n in names if "forc" in n or "alpha" in n or "accept" in n}
     args = build_parser().parse_args(
         [

@@ -200,9 +200,9 @@ def test_uvicorn_log_level_sets_uvicorns_loggers_only():
 def test_enforce_eager_turns_cuda_graphs_off():
     args = build_parser().parse_args(["serve", "--enforce-eager"])
     config = engine_config_from_args(args)
-    assert (config.cuda_graphs, config.prefill_cuda_graphs) == (False, False)
+    assert (config.runner.cuda_graphs, config.runner.prefill_cuda_graphs) == (False, False)
     default = engine_config_from_args(build_parser().parse_args(["serve"]))
-    assert (default.cuda_graphs, default.prefill_cuda_graphs) == (True, True)
+    assert (default.runner.cuda_graphs, default.runner.prefill_cuda_graphs) == (True, True)
 
 
 # -- refusals, before anything starts ------------------------------------------------------------

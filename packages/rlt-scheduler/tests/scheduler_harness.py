@@ -14,9 +14,11 @@ from rlt_contracts import (
     ModelRunnerOutput,
     PrefillProgress,
     PromptLogprobs,
+    SchedulerConfig,
     SchedulerOutput,
+    SpeculationConfig,
 )
-from rlt_scheduler import Scheduler, SchedulerConfig
+from rlt_scheduler import Scheduler
 
 
 class CountingKV:
@@ -191,7 +193,17 @@ class FakeDevice:
         row.active = not (token in row.stop_ids or row.outputs >= row.max_tokens)
 
 
-def make_scheduler(*, depth: int = 4, num_blocks: int = 1000, **config) -> Scheduler:
+def make_scheduler(
+    *,
+    depth: int = 4,
+    num_blocks: int = 1000,
+    num_speculative_tokens: int = 0,
+    speculative_disable_batch_size: int | None = None,
+    **config,
+) -> Scheduler:
+    speculation = SpeculationConfig(
+        num_tokens=num_speculative_tokens, disable_batch_size=speculative_disable_batch_size
+    )
     return Scheduler(
         SchedulerConfig(**config),
         CountingKV(num_blocks, 4, depth),
@@ -199,6 +211,7 @@ def make_scheduler(*, depth: int = 4, num_blocks: int = 1000, **config) -> Sched
         vocab_size=1000,
         max_model_len=4096,
         eos_token_ids=(0,),
+        speculation=speculation,
     )
 
 

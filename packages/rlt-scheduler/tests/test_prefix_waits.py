@@ -10,8 +10,15 @@ runs independently."""
 from __future__ import annotations
 
 import pytest
-from rlt_contracts import EngineRequest, PageScores, PrefixMatch, RequestStage, SamplingParams
-from rlt_scheduler import Scheduler, SchedulerConfig
+from rlt_contracts import (
+    EngineRequest,
+    PageScores,
+    PrefixMatch,
+    RequestStage,
+    SamplingParams,
+    SchedulerConfig,
+)
+from rlt_scheduler import Scheduler
 from scheduler_harness import CountingKV, FakeDevice, run_until_idle
 
 BLOCK = 4

@@ -7,8 +7,7 @@ it), and every block is freed."""
 from __future__ import annotations
 
 import pytest
-from rlt_contracts import ConfigurationError, RequestStage, SamplingParams
-from rlt_scheduler import SchedulerConfig
+from rlt_contracts import ConfigurationError, RequestStage, SamplingParams, SchedulerConfig
 from rlt_scheduler import scheduler as scheduler_module
 from rlt_scheduler.admission_delay import AdmissionDelay
 from scheduler_harness import FakeDevice, make_scheduler

@@ -13,8 +13,9 @@ from rlt_contracts import (
     ModelRunnerOutput,
     RequestStage,
     SamplingParams,
+    SchedulerConfig,
 )
-from rlt_scheduler import DelayedHazardExitPolicy, Scheduler, SchedulerConfig, TraceExitPolicy
+from rlt_scheduler import DelayedHazardExitPolicy, Scheduler, TraceExitPolicy
 from rlt_scheduler.exit_policy import LoopBounds
 from scheduler_harness import CountingKV, FakeDevice, make_scheduler, run_until_idle
 

@@ -13,9 +13,10 @@ from rlt_contracts import (
     ModelRunnerOutput,
     PrefillProgress,
     SamplingParams,
+    SchedulerConfig,
     StructuredOutput,
 )
-from rlt_scheduler import Scheduler, SchedulerConfig
+from rlt_scheduler import Scheduler
 from scheduler_harness import CountingKV
 
 SPEC = StructuredOutput(kind="regex", regex="[ab]+", field="guided_regex")

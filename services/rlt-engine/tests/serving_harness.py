@@ -87,7 +87,7 @@ def run_server(
 ) -> Iterator[RunningServer]:
     """Serve `model_dir` (engine options: ENGINE_DEFAULTS updated by `engine`; HTTP options:
     ServeOptions fields) until the block ends; then shut down and check for KV leaks."""
-    config = EngineConfig(model=model_dir, **{**ENGINE_DEFAULTS, **(engine or {})})
+    config = EngineConfig.from_options(model=model_dir, **{**ENGINE_DEFAULTS, **(engine or {})})
     llm_engine = LLMEngine(config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -37,7 +37,9 @@ def reference(checkpoint):
 
 
 def make_engine(checkpoint, **options) -> AsyncEngine:
-    return AsyncEngine(LLMEngine(EngineConfig(model=checkpoint, **{**ENGINE_DEFAULTS, **options})))
+    return AsyncEngine(
+        LLMEngine(EngineConfig.from_options(model=checkpoint, **{**ENGINE_DEFAULTS, **options}))
+    )
 
 
 async def collect(client: EngineClient, request_id: str, *, final: bool = False) -> dict:
@@ -265,7 +267,7 @@ def test_submit_errors_leave_the_engine_serving(checkpoint):
 
 
 def test_engine_thread_failure_ends_streams_with_engine_dead_error(checkpoint):
-    engine = LLMEngine(EngineConfig(model=checkpoint, **ENGINE_DEFAULTS))
+    engine = LLMEngine(EngineConfig.from_options(model=checkpoint, **ENGINE_DEFAULTS))
     real_step = engine.core.step
     calls = []
 

@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=8, exit_threshold=0.8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def client(tiny_checkpoint):
     checkpoint = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=checkpoint, **ENGINE_DEFAULTS)))
+    engine = AsyncEngine(LLMEngine(EngineConfig.from_options(model=checkpoint, **ENGINE_DEFAULTS)))
     yield engine
     engine.close(timeout=30)
 

@@ -26,7 +26,7 @@ LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_checkpoint):
-    config = EngineConfig(
+    config = EngineConfig.from_options(
         model=tiny_checkpoint("l2_t4", seed=3, gate_std=0.3),
         dtype="float32",
         device="cpu",

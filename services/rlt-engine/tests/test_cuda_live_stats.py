@@ -21,7 +21,7 @@ STATS_LOGGER = "rlt.engine.stats"
 def test_a_line_after_every_step_adds_no_host_sync_to_the_cuda_loop(tiny_checkpoint, caplog):
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
     path = tiny_checkpoint("l2_t4", seed=3, gate_std=0.3)
-    config = EngineConfig(
+    config = EngineConfig.from_options(
         model=path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8
     )
     engine = LLMEngine(config)

@@ -180,14 +180,23 @@ def test_batch_sizes_default_by_device_type():
     from rlt.engine import EngineConfig
 
     def sizes(config):
-        return config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size
+        batch = config.scheduler
+        return batch.max_num_seqs, batch.max_num_batched_tokens, batch.prefill_chunk_size
 
-    assert sizes(EngineConfig(device="cpu")) == (8, 128, 128)
-    assert sizes(EngineConfig(device="cuda:1")) == (128, 4096, 1024)
-    assert sizes(EngineConfig(device="cuda", max_num_batched_tokens=512)) == (128, 512, 512)
-    assert sizes(EngineConfig(device="cpu", max_num_seqs=4, prefill_chunk_size=32)) == (4, 128, 32)
+    assert sizes(EngineConfig.from_options(device="cpu")) == (8, 128, 128)
+    assert sizes(EngineConfig.from_options(device="cuda:1")) == (128, 4096, 1024)
+    assert sizes(EngineConfig.from_options(device="cuda", max_num_batched_tokens=512)) == (
+        128,
+        512,
+        512,
+    )
+    assert sizes(
+        EngineConfig.from_options(device="cpu", max_num_seqs=4, prefill_chunk_size=32)
+    ) == (4, 128, 32)
     with pytest.raises(ConfigurationError, match="max_num_batched_tokens"):
-        EngineConfig(device="cpu", max_num_seqs=200)  # 200 rows > the CPU budget of 128
+        EngineConfig.from_options(
+            device="cpu", max_num_seqs=200
+        )  # 200 rows > the CPU budget of 128
 
 
 def test_stop_token_ids_eos_and_ignore_eos(llm_factory):

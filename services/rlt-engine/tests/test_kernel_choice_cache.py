@@ -13,15 +13,18 @@ from rlt.engine import EngineConfig
 def test_the_cache_directory_resolves_as_documented(monkeypatch, tmp_path):
     monkeypatch.delenv("RLT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert EngineConfig().resolved_cache_dir() == tmp_path / "xdg" / "rlt"
+    assert EngineConfig.from_options().resolved_cache_dir() == tmp_path / "xdg" / "rlt"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert EngineConfig().resolved_cache_dir() == Path.home() / ".cache" / "rlt"
+    assert EngineConfig.from_options().resolved_cache_dir() == Path.home() / ".cache" / "rlt"
     monkeypatch.setenv("RLT_CACHE_DIR", str(tmp_path / "env"))
-    assert EngineConfig().resolved_cache_dir() == tmp_path / "env"
-    assert EngineConfig(cache_dir=tmp_path / "given").resolved_cache_dir() == tmp_path / "given"
-    assert EngineConfig(cache_dir="off").resolved_cache_dir() is None
+    assert EngineConfig.from_options().resolved_cache_dir() == tmp_path / "env"
+    assert (
+        EngineConfig.from_options(cache_dir=tmp_path / "given").resolved_cache_dir()
+        == tmp_path / "given"
+    )
+    assert EngineConfig.from_options(cache_dir="off").resolved_cache_dir() is None
     monkeypatch.setenv("RLT_CACHE_DIR", "off")
-    assert EngineConfig().resolved_cache_dir() is None
+    assert EngineConfig.from_options().resolved_cache_dir() is None
 
 
 @pytest.mark.cuda

@@ -19,12 +19,12 @@ def test_engine_config_rejects_unknown_and_inconsistent_options():
         EngineConfig.from_options(max_num_seq=4)
     assert info.value.options == ("max_num_seq",)
     with pytest.raises(ConfigurationError, match="dtype"):
-        EngineConfig(dtype="int4")
+        EngineConfig.from_options(dtype="int4")
     with pytest.raises(ConfigurationError, match="device"):
-        EngineConfig(device="tpu")
+        EngineConfig.from_options(device="tpu")
     with pytest.raises(ConfigurationError, match="gpu_memory_utilization"):
-        EngineConfig(gpu_memory_utilization=1.5)
-    assert EngineConfig(kv_layout="shared").layout.value == "shared"
+        EngineConfig.from_options(gpu_memory_utilization=1.5)
+    assert EngineConfig.from_options(kv_layout="shared").runner.layout.value == "shared"
 
 
 def test_prompt_and_params_normalisation():

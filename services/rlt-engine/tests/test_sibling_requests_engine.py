@@ -16,7 +16,7 @@ PROMPT = tuple(range(10, 74))  # 64 tokens, block size 4: 15 publishable pages
 
 def engine(checkpoint, **options) -> LLMEngine:
     config = {**ENGINE_DEFAULTS, "enable_prefix_caching": True, **options}
-    return LLMEngine(EngineConfig(model=checkpoint, **config))
+    return LLMEngine(EngineConfig.from_options(model=checkpoint, **config))
 
 
 def group(name: str, count: int, *, max_tokens: int = 6) -> list[EngineRequest]:

@@ -15,7 +15,9 @@ from serving_harness import ENGINE_DEFAULTS
 def test_the_step_log_accounts_for_every_token_and_its_clocks_are_ordered(
     tiny_checkpoint, tmp_path
 ):
-    engine = LLMEngine(EngineConfig(model=tiny_checkpoint("l2_t4", seed=2), **ENGINE_DEFAULTS))
+    engine = LLMEngine(
+        EngineConfig.from_options(model=tiny_checkpoint("l2_t4", seed=2), **ENGINE_DEFAULTS)
+    )
     try:
         engine.core.step_log = []
         prompts = {"a": list(range(3, 40)), "b": list(range(50, 61))}

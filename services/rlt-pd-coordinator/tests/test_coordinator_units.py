@@ -208,7 +208,7 @@ def test_command_line_model_engine_flags_devices_and_keys(tmp_path):
     [
         (["serve", "--num-prefill", "1"], "needs at least one decode instance"),
         (["serve", "--replicas", "2", "--num-decode", "1"], "not both"),
-        (["serve", "--decode-url", "u", "--prefill-url", "v", "--dtype", "x"], "--dtype"),
+        (["serve", "--decode-url", "u", "--prefill-url", "v", "--dtype", "float32"], "--dtype"),
         (["serve", "--replicas", "1", "--replica-credits", "0"], "replica_credits: must be >= 1"),
         (["serve", "m", "--model", "n", "--replicas", "1"], "give the model directory once"),
     ],

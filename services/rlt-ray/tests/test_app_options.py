@@ -13,7 +13,7 @@ from rlt_ray import build_app, build_pd_app
 @pytest.mark.parametrize("build", [build_app, build_pd_app], ids=["replicas", "pd"])
 def test_a_device_index_is_refused(build):
     with pytest.raises(ConfigurationError, match="Ray assigns each replica its GPU"):
-        build(EngineConfig(device="cuda:1"))
+        build(EngineConfig.from_options(device="cuda:1"))
 
 
 @pytest.mark.parametrize(
@@ -23,7 +23,7 @@ def test_a_device_index_is_refused(build):
 )
 def test_a_pd_role_is_refused(build, why):
     with pytest.raises(ConfigurationError, match=why):
-        build(EngineConfig(device="cpu", pd_role="prefill"))
+        build(EngineConfig.from_options(device="cpu", pd_role="prefill"))
 
 
 def test_the_cli_turns_on_serves_throughput_optimized_data_plane_unless_told(monkeypatch):
@@ -54,6 +54,7 @@ def test_app_builder_reads_a_config_files_args_as_the_command_line():
     engine = app._bound_deployment.init_args[0]._bound_deployment
     config = engine.init_args[0]
     assert engine.name == "RltEngine" and engine.num_replicas == 2
-    assert (config.device, config.enable_prefix_caching, config.max_num_seqs) == ("cpu", True, 8)
+    assert config.runner.device == "cpu"
+    assert (config.scheduler.enable_prefix_caching, config.scheduler.max_num_seqs) == (True, 8)
     with pytest.raises(ConfigurationError, match="Ray assigns each replica its GPU"):
         app_builder({"device": "cuda:1"})

@@ -96,8 +96,8 @@ def test_every_command_line_builds_its_options(argv):
         assert (options.num_prefill, options.num_decode, options.prefill_credits) == (1, 2, 4)
         assert options.decode_resources == {"d": 1.0}
         assert placement.app_name == "rlt-pd" and placement.route_prefix == "/"
-    assert config.pd_role == "none"
-    assert config.max_model_loops == (4 if argv in (SERVE_FLAGS, PD_FLAGS) else None)
+    assert config.pd.role == "none"
+    assert config.model.max_model_loops == (4 if argv in (SERVE_FLAGS, PD_FLAGS) else None)
 
 
 @pytest.mark.parametrize("command", [["serve"], ["pd", "serve"]], ids=["serve", "pd"])

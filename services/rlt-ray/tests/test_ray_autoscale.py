@@ -83,7 +83,7 @@ def test_serve_adds_a_replica_under_load_and_removes_it_when_idle(ray_cluster):
 
     ray_cluster.ensure_nodes("rlt_decode", 2)  # two free `rlt_replica` nodes besides the head
     app = build_app(
-        EngineConfig(device="cpu"),
+        EngineConfig.from_options(device="cpu"),
         ServeOptions(host="127.0.0.1"),
         RayOptions(
             min_replicas=1,

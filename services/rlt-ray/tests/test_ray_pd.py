@@ -86,7 +86,7 @@ def pd_fleet(ray_cluster):
     ray_cluster.ensure_nodes("rlt_decode", 2)  # an earlier test may have removed a worker
     started = time.monotonic()
     app = build_pd_app(
-        EngineConfig(**ENGINE, **PD_TIMEOUTS),
+        EngineConfig.from_options(**ENGINE, **PD_TIMEOUTS),
         ServeOptions(host="127.0.0.1"),
         PDOptions(
             num_prefill=1,

@@ -73,7 +73,7 @@ def fleet(ray_cluster):
 
     started = time.monotonic()
     app = build_app(
-        EngineConfig(device="cpu", enable_prefix_caching=True),
+        EngineConfig.from_options(device="cpu", enable_prefix_caching=True),
         ServeOptions(host="127.0.0.1"),
         RayOptions(
             replicas=2,

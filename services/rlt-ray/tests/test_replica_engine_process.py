@@ -21,7 +21,9 @@ PARAMS = SamplingParams(max_tokens=12, exit_threshold=0.7, ignore_eos=True, logp
 
 async def replica(checkpoint, engine_process: bool) -> EngineReplica:
     made = EngineReplica.__new__(EngineReplica)  # Ray Serve awaits the async constructor
-    await made.__init__(EngineConfig(model=checkpoint, **CONFIG), engine_process=engine_process)
+    await made.__init__(
+        EngineConfig.from_options(model=checkpoint, **CONFIG), engine_process=engine_process
+    )
     return made
 
 

@@ -30,6 +30,12 @@ from rlt_contracts.scheduler_config import SchedulerConfig
 DEVICE_TYPES = ("auto", "cpu", "cuda")
 
 
+def kv_layout_name(text: str) -> str:
+    """A KV layout's canonical spelling ("ring:08" -> "ring:8"), by the one parser of layouts
+    (`parse_kv_layout`: ValueError naming the accepted forms)."""
+    return parse_kv_layout(text).value
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """model (docs/configuration.md, Model and device; docs/models.md)"""
 
@@ -165,6 +171,7 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "last_exited: a KV plane per loop depth; shared: one plane (1/depth the memory); "
             "ring:K: K planes, loop i at plane (i - 1) mod K (approximate below the loop cap)",
             metavar="{last_exited,shared,ring:K}",
+            parse=kv_layout_name,
         ),
     ] = "last_exited"
     kv_cache_dtype: Annotated[
@@ -229,7 +236,7 @@ class RunnerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}"
             )
         try:
-            parse_kv_layout(self.kv_layout)
+            msgspec.structs.force_setattr(self, "kv_layout", kv_layout_name(self.kv_layout))
         except ValueError as exc:
             raise ConfigurationError("kv_layout", str(exc)) from None
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -37,7 +37,8 @@ class Option:
     """How a field is offered: `help` (one line; `%(default)s` shows the default), `name`
     (public name, when not the field's), `flags` (the command line's spellings, when not
     --name), `metavar`, `choices` (when the type does not say them), `negatable` (a boolean:
-    --x / --no-x; default: when the default is True), `positive` (an integer >= 1)."""
+    --x / --no-x; default: when the default is True), `positive` (an integer >= 1), `parse`
+    (the value's parser, ValueError when invalid: the flag checks with it too)."""
 
     help: str
     name: str | None = None
@@ -46,6 +47,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     negatable: bool | None = None
     positive: bool = False
+    parse: Callable[[str], Any] | None = None
 
 
 @dataclass(frozen=True)

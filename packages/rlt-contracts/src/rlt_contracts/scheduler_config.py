@@ -213,12 +213,14 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigurationError(
                 "kv_watermark", f"must be in [0, 1), got {self.watermark_ratio}"
             )
-        if (self.exit_policy == "trace") != (self.exit_trace is not None):
+        if self.exit_policy == "trace" and self.exit_trace is None:
             raise ConfigurationError(
-                ("exit_policy", "exit_trace"),
-                "exit_policy 'trace' needs an exit_trace file"
-                if self.exit_trace is None
-                else f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}",
+                ("exit_policy", "exit_trace"), "exit_policy 'trace' needs an exit_trace file"
+            )
+        if self.exit_trace is not None and self.exit_policy != "trace":
+            raise ConfigurationError(
+                ("exit_trace", "exit_policy"),
+                f"exit_trace is only read by exit_policy 'trace', not {self.exit_policy!r}",
             )
 
     def prefill_step_ticks(self, model_depth: int) -> int:

@@ -28,14 +28,16 @@ from rlt_contracts import (
     ExecutionIdentity,
     FailedOperation,
     KVLayout,
-    KVLayoutSpec,
     LoopedLanguageModel,
     ModelRunnerOutput,
     PrefillChunk,
     PrefillProgress,
+    RunnerConfig,
     SamplingMode,
     SamplingParams,
+    SchedulerConfig,
     SchedulerOutput,
+    SchedulingMode,
     TokenSampler,
 )
 from rlt_contracts.sampling import MAX_TOP_LOGPROBS
@@ -53,7 +55,7 @@ from rlt_runner.row_state import DecodeRows
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.speculative_graphs import SpeculativeGraphs
-from rlt_runner.speculative_program import SpeculationSettings, SpeculativeProgram
+from rlt_runner.speculative_program import SpeculativeProgram, speculation_settings
 from rlt_runner.step_bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.transfers import upload
 
@@ -94,34 +96,41 @@ class ModelRunner:
         model: LoopedLanguageModel,
         attention: AttentionBackend,
         sampler: TokenSampler,
+        config: RunnerConfig,
+        batch: SchedulerConfig,
         *,
-        kv_layout: KVLayoutSpec,
         num_kv_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
-        cohort_decoding: bool = False,
-        max_decode_ticks: int = 8,
-        trace_capacity: int = 1,
-        cuda_graphs: bool = False,
-        prefill_graph_tokens: int = 0,
-        max_prefill_chunk: int = 0,
-        speculation: SpeculationSettings | None = None,
         kv_scales: KVScales | None = None,
-        random_initial_state: bool = True,
+        trace_capacity: int = 1,
         distribution_exits: bool = False,
+        max_speculative_rounds: int = 1,
     ) -> None:
-        """`kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it
-        has `dtype`). `cuda_graphs`: decode ticks (and SHARED prefill waves) as CUDA graphs.
-        `prefill_graph_tokens` > 0 (with `cuda_graphs`): prompts as graphs too, SHARED waves
-        or depth-major steps of up to that many tokens in chunks of up to `max_prefill_chunk`
-        (larger steps run eagerly). `speculation`: steps may run speculative rounds (the
-        sampler must then be a `SpeculativeSampler`). `random_initial_state`: a family that
-        declares a random initial state draws it per token from its request's seed and its
-        position (False: the zero state; the engine's `initial_state`). `distribution_exits`:
-        the exit policy reads the next-token distribution every loop (the KL rules)."""
+        """`config`: the engine's runner options (KV layout and block size, CUDA graphs,
+        initial state, speculation); `batch`: the scheduler's limits the runner is sized for
+        (`max_num_seqs` rows, `decode_ticks_per_step` ticks, prompt chunks of
+        `prefill_chunk_size` in steps of `max_num_batched_tokens`, cohorts under no_refill).
+        `kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it has
+        `dtype`). With `config.cuda_graphs`, decode ticks (and SHARED prefill waves) run as
+        CUDA graphs; with `prefill_cuda_graphs` too, prompt steps up to the token budget (not
+        for batch-invariant engines or whole prompts). With speculation, steps may run up to
+        `max_speculative_rounds` rounds (the sampler must then be a `SpeculativeSampler`).
+        A family that declares a random initial state draws it per token from its request's
+        seed and position unless `initial_state` is "zero". `trace_capacity`: depths per row a
+        trace exit rule holds; `distribution_exits`: the exit policy reads the next-token
+        distribution every loop (the KL rules)."""
+        kv_layout, block_size, max_num_seqs = config.layout, config.block_size, batch.max_num_seqs
+        cohort_decoding = batch.mode is SchedulingMode.NO_REFILL
+        max_decode_ticks = batch.decode_ticks_per_step
+        graph_prompts = (
+            config.prefill_cuda_graphs and not config.batch_invariant and not batch.whole_prompts
+        )
+        prefill_graph_tokens = batch.max_num_batched_tokens if graph_prompts else 0
+        speculation = speculation_settings(
+            config.speculation, max_num_seqs, model.shape.num_loops, max_speculative_rounds
+        )
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -169,7 +178,7 @@ class ModelRunner:
             cohort=cohort_decoding,
             max_ticks=max_decode_ticks,
             max_context=max_pages * block_size,
-            random_initial_state=random_initial_state,
+            random_initial_state=config.initial_state == "random",
             distribution_exits=distribution_exits,
         )
         # prompt scoring at exit depth (torch bookkeeping: chunks are not bounded like rounds)
@@ -199,9 +208,9 @@ class ModelRunner:
         self.shared_waves: SharedPrefillGraphs | None = None  # SHARED prefill, with graphs
         self.prefill_graphs: PrefillGraphs | None = None  # depth-major prefill, with graphs
         self.speculative_graphs: SpeculativeGraphs | None = None  # rounds, with graphs
-        self._prefill_graph_limits = (prefill_graph_tokens, max_prefill_chunk)
+        self._prefill_graph_limits = (prefill_graph_tokens, batch.prefill_chunk_size)
         self.graphs_disabled_reason = "not requested"
-        if cuda_graphs:
+        if config.cuda_graphs:
             self._enable_graphs(max_num_seqs)
 
     def _enable_graphs(self, max_rows: int) -> None:

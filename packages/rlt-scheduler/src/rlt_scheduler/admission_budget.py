@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from rlt_contracts import AdmissionPlan, KVPort, PrefixMatch, RequestStage
+from rlt_contracts import AdmissionPlan, KVPort, PrefixMatch, RequestStage, SchedulerConfig
 
-from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.request_state import ScheduledRequest
 
 

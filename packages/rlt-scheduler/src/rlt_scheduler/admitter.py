@@ -37,6 +37,8 @@ from rlt_contracts import (
     PrefixMatch,
     RequestBlocks,
     RequestStage,
+    SchedulerConfig,
+    SchedulingPolicy,
 )
 
 from rlt_scheduler import preemption, prefix_waits, scored_prefix
@@ -47,7 +49,6 @@ from rlt_scheduler.admission_budget import (
     plan_admission,
     running_growth,
 )
-from rlt_scheduler.config import SchedulerConfig, SchedulingPolicy
 from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest

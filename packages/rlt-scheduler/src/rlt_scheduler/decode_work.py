@@ -1,16 +1,15 @@
 """What a step's decoding rows run: loop ticks, or self-speculative rounds (`DecodeWork`).
 
-Speculation (`SchedulerConfig.num_speculative_tokens` K > 0): in a round every decoding row
-drafts up to its K tokens with the model's first loops, verifies them in one pass and emits
-1 .. K + 1 tokens, ending between tokens (rlt-runner README, "Speculative rounds"). The
-scheduler decides:
+Speculation (`SpeculationConfig.num_tokens` K > 0): in a round every decoding row drafts up to
+its K tokens with the model's first loops, verifies them in one pass and emits 1 .. K + 1
+tokens, ending between tokens (rlt-runner README, "Speculative rounds"). The scheduler decides:
 
 - which requests draft (`draft_tokens`): K, or 0 for those whose options a verify pass cannot
   keep: repetition / frequency / presence penalties (each drafted token would change the next
   position's penalties) and structured output (its grammar advances on the host, one token per
   step). A request with 0 drafts still takes part in a round and makes exactly the token a tick
   would, at the same output index of the same random stream.
-- whether a step speculates (`decode_work`): when more than `speculative_disable_batch_size`
+- whether a step speculates (`decode_work`): when more than `SpeculationConfig.disable_batch_size`
   requests decode, or a request could not start decoding in the previous step because a
   speculative step was full, the step runs ticks instead (vLLM's disable_by_batch_size: at
   large batches the verify pass costs more than it saves).
@@ -41,9 +40,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from rlt_contracts import ExecutionIdentity, RequestStage, SamplingParams
+from rlt_contracts import (
+    ExecutionIdentity,
+    RequestStage,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulingMode,
+    SpeculationConfig,
+)
 
-from rlt_scheduler.config import SchedulerConfig, SchedulingMode
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.tick_policy import decode_ticks, prompts_pending, tick_output_bound
 
@@ -72,15 +77,16 @@ class DecodeWork:
         return request.bounds.max_loops if self.rounds else self.ticks
 
 
-def draft_tokens(config: SchedulerConfig, sampling: SamplingParams) -> int:
+def draft_tokens(speculation: SpeculationConfig, sampling: SamplingParams) -> int:
     """Drafts per round for a request with these parameters (module doc)."""
     if sampling.penalized or sampling.structured_output is not None:
         return 0
-    return config.num_speculative_tokens
+    return speculation.num_tokens
 
 
 def decode_work(
     config: SchedulerConfig,
+    speculation: SpeculationConfig,
     running: Iterable[ScheduledRequest],
     unconfirmed_ticks: Mapping[ExecutionIdentity, int],
     unconfirmed_rounds: Mapping[ExecutionIdentity, int],
@@ -99,10 +105,10 @@ def decode_work(
         admission_possible=admission_possible,
         model_depth=model_depth,
     )
-    if not config.num_speculative_tokens or start_deferred:
+    if not speculation.num_tokens or start_deferred:
         return DecodeWork(ticks=ticks)
     decoding = [r for r in running if r.stage is RequestStage.DECODING]
-    limit = config.speculative_disable_batch_size
+    limit = speculation.disable_batch_size
     if limit is not None and len(decoding) > limit:
         return DecodeWork(ticks=ticks)
     if prompts_pending(running, admission_possible=admission_possible):

@@ -26,7 +26,8 @@ from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule
                   a request that asks for an adaptive threshold is refused at admission.
 
 Policies are named by their rule. The names of the first wave, "ouro" and "ouro_delayed", are
-accepted as aliases (`POLICY_ALIASES`, the one place outside rlt-models that names a family).
+accepted as aliases (`rlt_contracts.POLICY_ALIASES`, the one place outside rlt-models that names
+a family).
 
 `reads` says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a
 policy the model's family does not produce.
@@ -34,7 +35,6 @@ policy the model's family does not produce.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,29 +42,15 @@ from pathlib import Path
 from typing import Protocol
 
 from rlt_contracts import (
+    POLICY_ALIASES,
+    POLICY_CHOICES,
     ConfigurationError,
+    ExitPolicyName,
     ExitRule,
     ExitRuleKind,
     ExitSignal,
     InvalidRequestError,
 )
-
-
-class ExitPolicyName(enum.StrEnum):
-    HAZARD = "hazard"
-    HAZARD_DELAYED = "hazard_delayed"
-    TRACE = "trace"
-    FIXED = "fixed"
-    LATENT_DIFF = "latent_diff"
-    LATENT_DIFF_DELAYED = "latent_diff_delayed"
-    KL = "kl"
-    KL_DELAYED = "kl_delayed"
-
-
-# Earlier names of the hazard rules, accepted wherever a policy is named (CLI, EngineConfig).
-POLICY_ALIASES = {"ouro": ExitPolicyName.HAZARD, "ouro_delayed": ExitPolicyName.HAZARD_DELAYED}
-POLICY_CHOICES = (*(p.value for p in ExitPolicyName), *POLICY_ALIASES)
-
 
 _OWN_POLICY = {
     ExitSignal.GATE: ExitPolicyName.HAZARD,

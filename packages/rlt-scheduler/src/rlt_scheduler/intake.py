@@ -16,10 +16,10 @@ from rlt_contracts import (
     ExecutionIdentity,
     InvalidRequestError,
     OverloadedError,
+    SchedulerConfig,
     TokenConstraint,
 )
 
-from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.exit_policy import ExitPolicy, LoopBounds
 from rlt_scheduler.request_state import ScheduledRequest
 

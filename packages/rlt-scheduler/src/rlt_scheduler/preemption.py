@@ -22,10 +22,10 @@ from rlt_contracts import (
     PrefixMatch,
     RequestBlocks,
     RequestStage,
+    SchedulerConfig,
 )
 
 from rlt_scheduler.admission_budget import plan_admission, running_growth
-from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
 from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.pd_stages import transfer_endpoints

@@ -7,7 +7,8 @@ between the same queues instead of keeping a copy.
 
 from __future__ import annotations
 
-from rlt_scheduler.config import SchedulingPolicy
+from rlt_contracts import SchedulingPolicy
+
 from rlt_scheduler.pd_stages import PDHandoffs
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.waiting_queue import WaitingQueue

@@ -55,7 +55,9 @@ from rlt_contracts import (
     RequestOutputDelta,
     RequestStage,
     SamplingParams,
+    SchedulerConfig,
     SchedulerOutput,
+    SpeculationConfig,
     TokenConstraint,
 )
 from rlt_contracts.kv import KVCapacity
@@ -64,7 +66,6 @@ from rlt_contracts.structured import ConstraintCompiler
 from rlt_scheduler import constrained, outputs, pd_stages
 from rlt_scheduler.admission_delay import AdmissionDelay
 from rlt_scheduler.admitter import Admitter
-from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork, decode_work, draft_tokens
 from rlt_scheduler.exit_policy import ExitPolicy, HazardExitPolicy, LoopBounds
 from rlt_scheduler.in_flight import StepsInFlight, SubmittedStep
@@ -92,6 +93,7 @@ class Scheduler:
         constraint_compiler: ConstraintCompiler | None = None,
         default_min_loops: int = DEFAULT_GATE_MIN_LOOPS,
         default_loops: int | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         """`default_min_loops`: a request's min_loops when it sets none (the engine passes 1
         for a family without an exit signal).
@@ -102,8 +104,10 @@ class Scheduler:
         its KV manager's setting); only then does a waiting request wait for pages a running
         request is computing (prefix_waits.py).
         `constraint_compiler`: builds the matchers of structured-output requests (None: such
-        requests are rejected)."""
+        requests are rejected).
+        `speculation`: the engine's speculative decoding (drafts per round; off by default)."""
         self.config = config
+        self.speculation = speculation or SpeculationConfig(num_tokens=0)
         self.constraint_compiler = constraint_compiler
         self.prefix_caching = prefix_caching
         self.kv = kv
@@ -115,7 +119,7 @@ class Scheduler:
         self.exit_policy = exit_policy or HazardExitPolicy()
         config.check_depth(model_depth)
         self.stats = SchedulerStats()
-        self.stats.spec_accepted_per_position = [0] * config.num_speculative_tokens
+        self.stats.spec_accepted_per_position = [0] * self.speculation.num_tokens
         self._requests: dict[str, ScheduledRequest] = {}
         # waiting queue, running list, PD handoffs; admission and step building share them
         self._queues = RequestQueues(config.policy)
@@ -207,7 +211,7 @@ class Scheduler:
             eos_token_ids=self.eos_token_ids,
             queued_time=time.monotonic(),
             model_depth=self.model_depth,
-            draft_tokens=draft_tokens(self.config, new.sampling),
+            draft_tokens=draft_tokens(self.speculation, new.sampling),
         )
         self._next_generation += 1
         self._requests[new.request_id] = request
@@ -277,6 +281,7 @@ class Scheduler:
             self._admitter.preempt_for_priority(step)
         work = decode_work(
             self.config,
+            self.speculation,
             self._queues.running,
             self._in_flight.unconfirmed_ticks,
             self._in_flight.unconfirmed_rounds,
@@ -284,7 +289,7 @@ class Scheduler:
             model_depth=self.model_depth,
             start_deferred=self._start_deferred,
         )
-        limit = self.config.speculative_disable_batch_size
+        limit = self.speculation.disable_batch_size
         if work.speculative and limit is not None:
             decoding_now = sum(1 for r in self._queues.running if r.stage is RequestStage.DECODING)
             step.looping_room = limit - decoding_now

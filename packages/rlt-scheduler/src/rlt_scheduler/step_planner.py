@@ -13,10 +13,9 @@ belong to `Scheduler`, which passes them in once; the draft lives only while one
 
 from __future__ import annotations
 
-from rlt_contracts import KVPort, PrefillChunk, RequestStage
+from rlt_contracts import KVPort, PrefillChunk, RequestStage, SchedulerConfig
 
 from rlt_scheduler import constrained, pd_stages, preemption
-from rlt_scheduler.config import SchedulerConfig
 from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest

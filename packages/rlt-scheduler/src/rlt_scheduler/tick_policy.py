@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from rlt_contracts import ExecutionIdentity, RequestStage
+from rlt_contracts import ExecutionIdentity, RequestStage, SchedulerConfig, SchedulingMode
 
-from rlt_scheduler.config import SchedulerConfig, SchedulingMode
 from rlt_scheduler.request_state import ScheduledRequest
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
-from rlt_scheduler.config import SchedulingPolicy
+from rlt_contracts import SchedulingPolicy
+
 from rlt_scheduler.request_state import ScheduledRequest
 
 

@@ -37,6 +37,17 @@ def json_object(text: str) -> dict:
     return value
 
 
+def _checked(parse):
+    def checked(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    checked.__name__ = parse.__name__
+    return checked
+
+
 def int_or_auto(text: str) -> int | str:
     return "auto" if text.lower() == "auto" else int(text)
 
@@ -47,6 +58,8 @@ def int_or_none(text: str) -> int | None:
 
 def _value_type(field: OptionField):
     """The argparse `type` of a non-boolean option without choices."""
+    if field.option.parse is not None:
+        return _checked(field.option.parse)
     kind = field.type
     if kind is int:
         return int_or_none if field.optional and field.default is not None else int

@@ -5,423 +5,42 @@ rlt_ray.cli, found through the `rlt.commands` entry point: rlt does not depend o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import faulthandler
 import io
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams, parse_kv_layout
-from rlt_scheduler import POLICY_ALIASES, POLICY_CHOICES
+from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_USAGE
 from rlt_serve.listening import check_can_listen, port_number
+from rlt_serve.option_flags import add_engine_flags, engine_options_from_args
 from rlt_serve.vllm_flags import (
     add_front_arguments,
-    add_model_arguments,
     check_model_arguments,
     front_settings_from_args,
 )
 
-from rlt.engine.config import BATCH_DEFAULTS, EngineConfig
+from rlt.engine.config import EngineConfig
+
+INSTANCE_ONLY = ("pd_role",)  # engine options of `rlt serve` alone
 
 
-def _batch_defaults(index: int) -> tuple[int, int]:
-    return BATCH_DEFAULTS["cpu"][index], BATCH_DEFAULTS["cuda"][index]
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options as --kebab-case flags; defaults come from EngineConfig."""
-    d = EngineConfig(device="cpu")  # no torch import to resolve "auto" just for --help
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory, or a Hugging Face model id org/name, found in the Hugging "
-        "Face cache or downloaded into it (default: the bundled model)",
-    )
-    group.add_argument(
-        "--revision",
-        default=None,
-        help="with a Hugging Face model id: the branch, tag or commit to load (default: main)",
-    )
-    group.add_argument(
-        "--download-dir",
-        default=None,
-        help="with a Hugging Face model id: the Hugging Face cache it is found or downloaded in "
-        "(default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub, else "
-        "~/.cache/huggingface/hub)",
-    )
-    group.add_argument(
-        "--hf-overrides",
-        type=_json_object,
-        default=None,
-        help="JSON object of config.json keys applied before the model loads, e.g. "
-        "'{\"num_loops\": 1}' (vLLM's --hf-overrides; default: none, config.json as it is)",
-    )
-    group.add_argument(
-        "--max-model-loops",
-        type=int,
-        default=None,
-        help="the most loops a request may ask (max_loops); KV is sized for it (default: twice "
-        "the checkpoint's count for a family with elastic depth, the checkpoint's count "
-        "otherwise; requests that omit max_loops run the checkpoint's count or --max-loops)",
-    )
-    group.add_argument(
-        "--initial-state",
-        default=d.initial_state,
-        choices=["random", "zero"],
-        help="how a family whose loop state starts from a random draw starts it: "
-        "drawn per token from the request's seed and position, or zero (default: %(default)s)",
-    )
-    group.add_argument(
-        "--dtype",
-        default=d.dtype,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights' and activations' dtype (auto: the checkpoint's torch_dtype)",
-    )
-    group.add_argument(
-        "--quantization",
-        default=None,
-        choices=["fp8"],
-        help="fp8: the stack's projections in float8_e4m3fn with per-channel scales "
-        "(default: none, the weights in --dtype)",
-    )
-    group.add_argument(
-        "--quantize-lm-head", action="store_true", help="with fp8, the LM head in fp8 too"
-    )
-    group.add_argument(
-        "--kv-cache-dtype",
-        default=d.kv_cache_dtype,
-        choices=["auto", "fp8"],
-        help="fp8: KV cache in float8_e4m3fn with per-layer scales (about 2x the tokens); "
-        "auto: the model's dtype",
-    )
-    group.add_argument(
-        "--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N"
-    )
-    group.add_argument(
-        "--kv-layout",
-        default=d.kv_layout,
-        type=kv_layout_flag,
-        metavar="{last_exited,shared,ring:K}",
-        help="last_exited: a KV plane per loop depth; shared: one plane (1/depth the memory); "
-        "ring:K: K planes, loop i at plane (i - 1) mod K (approximate below the loop cap)",
-    )
-    group.add_argument(
-        "--scheduling-mode",
-        default=d.scheduling_mode,
-        choices=["refill", "no_refill"],
-        help="refill: an exited row's successor starts at once; no_refill: cohorts drain first",
-    )
-    sizes = "(default: {} on the CPU, {} on CUDA)"
-    group.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="most requests running at once " + sizes.format(*_batch_defaults(0)),
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one step " + sizes.format(*_batch_defaults(1)),
-    )
-    group.add_argument(
-        "--prefill-chunk-size",
-        type=int,
-        default=None,
-        help="prompt tokens of one request per step "
-        + sizes.format(*_batch_defaults(2))
-        + "; never above the token budget",
-    )
-    group.add_argument(
-        "--block-size", type=int, default=d.block_size, help="token positions per KV block"
-    )
-    group.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV pool size in blocks (default: sized from free memory on CUDA; on the CPU "
-        "enough for --max-num-seqs full-length requests, at most --cpu-kv-cache-bytes)",
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length in tokens (default: the model's max_position_embeddings)",
-    )
-    group.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        help="auto (chosen for the device and dtype), torch, triton or flash_attn",
-    )
-    group.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=d.gpu_memory_utilization,
-        help="share of the GPU's memory this engine may use (weights, activations, KV)",
-    )
-    group.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=d.cuda_graphs,
-        help="capture the decode tick as CUDA graphs on CUDA (default: on)",
-    )
-    group.add_argument(
-        "--prefill-cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=d.prefill_cuda_graphs,
-        help="with --cuda-graphs, run prompt chunks as CUDA graphs too (default: on)",
-    )
-    group.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where start-up keeps the kernel choices it measured on CUDA for the next start "
-        "(default: $RLT_CACHE_DIR, else $XDG_CACHE_HOME/rlt, else ~/.cache/rlt; off: none)",
-    )
-    group.add_argument(
-        "--fused-kernels",
-        action=argparse.BooleanOptionalAction,
-        default=d.fused_kernels,
-        help="fused Triton kernels in the recurrent step on CUDA (default: on)",
-    )
-    group.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=d.batch_invariant,
-        help="a request's output never depends on what else runs (default: off; it costs "
-        "throughput; docs/serving.md, Reproducibility)",
-    )
-    group.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=d.async_scheduling,
-        help="schedule the next step while the device runs the current one (default: on)",
-    )
-    group.add_argument(
-        "--decode-ticks-per-step",
-        type=int,
-        default=d.decode_ticks_per_step,
-        help="most decode loop ticks per host round trip (steps with prompt work run "
-        "--prefill-step-decode-ticks)",
-    )
-    group.add_argument(
-        "--prefill-step-decode-ticks",
-        type=_ticks_or_auto,
-        default=d.prefill_step_decode_ticks,
-        help="decode ticks of a step that can compute prompts: N, or 'auto' (the model depth: "
-        "about one token per decoding request per prompt step) (default: 1)",
-    )
-    group.add_argument(
-        "--scheduler-delay-factor",
-        type=float,
-        default=d.scheduler_delay_factor,
-        help="F > 0: while requests run, a new prompt waits F x the latest prompt step's "
-        "duration, so prompts arriving close together start together (default: 0, at once)",
-    )
-    group.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=d.max_waiting_requests,
-        help="waiting-queue bound; beyond it requests are refused (HTTP 429)",
-    )
-    group.add_argument(
-        "--max-num-batched-token-loops",
-        type=int,
-        default=None,
-        help="cap on token x loop passes per step (default: no cap)",
-    )
-    group.add_argument(
-        "--enable-prefix-caching",
-        action="store_true",
-        help="share full prompt pages across requests, at every depth",
-    )
-    group.add_argument(
-        "--incremental-kv",
-        action="store_true",
-        help="claim KV pages as requests grow instead of a lifetime reservation",
-    )
-    group.add_argument(
-        "--kv-watermark",
-        type=float,
-        default=d.kv_watermark,
-        help="fraction of the KV pool kept free at admission while other requests run",
-    )
-    group.add_argument(
-        "--scheduling-policy",
-        default=d.scheduling_policy,
-        choices=["fcfs", "priority"],
-        help="admission order: first come first served, or by request priority (lower first)",
-    )
-    group.add_argument(
-        "--enable-preemption",
-        action="store_true",
-        help="under memory pressure or for priority, move requests' KV to the CPU (lossless)",
-    )
-    group.add_argument(
-        "--exit-policy",
-        default=d.exit_policy,
-        choices=POLICY_CHOICES,
-        help="how each token's exit loop is chosen (default: the model family's own exit "
-        "signal: hazard for a gated family, latent_diff for a latent-change one, fixed depth "
-        "for one without a signal; kl reads the head's distribution every loop); the earlier "
-        f"names {', '.join(POLICY_ALIASES)} are aliases of the hazard rules",
-    )
-    group.add_argument(
-        "--exit-trace",
-        default=None,
-        help="JSON file {request_id: [depth per output token]} for --exit-policy trace "
-        "(default: none; that policy needs one)",
-    )
-    group.add_argument(
-        "--admission-scan-limit",
-        type=int,
-        default=d.admission_scan_limit,
-        help="waiting requests admission looks at per step",
-    )
-    group.add_argument(
-        "--max-admission-bypasses",
-        type=int,
-        default=d.max_admission_bypasses,
-        help="times a request that does not fit may be overtaken by later ones",
-    )
-    group.add_argument(
-        "--cpu-kv-cache-bytes",
-        type=int,
-        default=d.cpu_kv_cache_bytes,
-        help="on the CPU, the most bytes of a KV pool sized without --num-kv-blocks",
-    )
-    add_habitual_engine_arguments(parser)
-    add_speculation_arguments(parser)
-
-
-def add_habitual_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags that rlt takes with vLLM's meaning (rlt_serve.vllm_flags)."""
-    group = parser.add_argument_group("flags from vLLM (docs/serving.md)")
-    group.add_argument(
-        "--tokenizer",
-        default=None,
-        help="directory of the tokenizer to use instead of the checkpoint's (default: the "
-        "checkpoint's own)",
-    )
-    group.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs: the same as --no-cuda-graphs (default: off, graphs on CUDA)",
-    )
-    add_model_arguments(group)
-
-
-def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig(device="cpu")
-    group = parser.add_argument_group("self-speculative decoding (docs/configuration.md)")
-    group.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=d.num_speculative_tokens,
-        help="K > 0: draft K tokens per round with the first loops and verify them in one "
-        "pass, losslessly (default: 0, off)",
-    )
-    group.add_argument(
-        "--speculative-draft-loops",
-        type=int,
-        default=d.speculative_draft_loops,
-        help="loops of the shared stack that draft (1 .. depth - 1)",
-    )
-    group.add_argument(
-        "--speculative-disable-batch-size",
-        type=_optional_positive_int,
-        default=d.speculative_disable_batch_size,
-        help="decode without speculation while more requests than this decode "
-        "('none': never pause)",
-    )
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def kv_layout_flag(text: str) -> str:
-    """--kv-layout's value in its canonical spelling, checked by the one parser of layouts
-    (`rlt_contracts.parse_kv_layout`, which EngineConfig also calls)."""
-    try:
-        return parse_kv_layout(text).value
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _ticks_or_auto(text: str) -> int | str:
-    return "auto" if text.lower() == "auto" else int(text)
-
-
-def _optional_positive_int(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    return int(text)
-
-
-def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
-    """An instance's prefill/decode disaggregation role and transfer limits (`rlt serve`)."""
-    d = EngineConfig(device="cpu")
-    group = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
-    group.add_argument(
-        "--pd-role",
-        "--role",
-        dest="pd_role",
-        default=d.pd_role,
-        choices=["none", "prefill", "decode"],
-        help="this instance's role behind `rlt pd serve` (default: none, a whole engine)",
-    )
-    group.add_argument(
-        "--pd-kv-timeout-s",
-        type=float,
-        default=d.pd_kv_timeout_s,
-        help="decode: seconds a request may wait for its KV before it fails",
-    )
-    group.add_argument(
-        "--pd-kv-lease-s",
-        type=float,
-        default=d.pd_kv_lease_s,
-        help="decode: seconds a cancelled transfer's blocks stay held without the prefill "
-        "side's confirmation (must exceed --pd-write-timeout-s)",
-    )
-    group.add_argument(
-        "--pd-write-timeout-s",
-        type=float,
-        default=d.pd_write_timeout_s,
-        help="prefill: seconds one posted KV write may take before the transfer fails",
-    )
-    group.add_argument(
-        "--pd-max-inflight-bytes",
-        type=int,
-        default=d.pd_max_inflight_bytes,
-        help="prefill: bytes of posted, unfinished KV writes (default: twice the KV of one "
-        "step's prompt tokens, at least 256 MiB)",
-    )
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, exclude: Collection[str] = INSTANCE_ONLY
+) -> None:
+    """Every engine option as a flag (rlt_serve.option_flags, from the option structs);
+    `pd_role` only on `rlt serve` (an instance's role; the other commands run whole engines
+    or assign the roles themselves)."""
+    add_engine_flags(parser, exclude=exclude)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Every EngineConfig field has a flag of the same name (--kebab-case) above; a command
-    without some flags (e.g. `generate` has no PD flags) keeps their defaults. vLLM's
-    --enforce-eager is --no-cuda-graphs (prompt graphs off with them)."""
-    options = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineConfig)
-        if hasattr(args, f.name)
-    }
-    if getattr(args, "enforce_eager", False):
-        options.update(cuda_graphs=False, prefill_cuda_graphs=False)
-    return EngineConfig(**options)
+    """The engine options a command's flags give (the rest keep their defaults)."""
+    return EngineConfig.from_options(**engine_options_from_args(args))
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -656,30 +275,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_front_arguments(parser.add_argument_group("server: flags from vLLM (docs/serving.md)"))
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     add_loop_arguments(loops)
-    add_stats_arguments(parser)
-
-
-def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine core's live statistics line (rlt.engine.stats_log; EngineConfig.log_stats,
-    stats_interval_s): every server that runs an engine (rlt serve, its PD instances, rlt ray)."""
-    d = EngineConfig(device="cpu")
-    group = parser.add_argument_group("live engine statistics")
-    group.add_argument(
-        "--stats-interval",
-        dest="stats_interval_s",
-        type=float,
-        default=d.stats_interval_s,
-        metavar="SECONDS",
-        help="while the engine has work, one INFO line of prompt and generation throughput, "
-        "running and waiting requests, KV use, prefix hits and loop mix every SECONDS, "
-        "whatever --log-level says (default: %(default)g, as vLLM)",
-    )
-    group.add_argument(
-        "--disable-log-stats",
-        dest="log_stats",
-        action="store_false",
-        help="no live statistics lines (default: they are on)",
-    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -788,8 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL_DIR",
         help="checkpoint directory (default: the bundled model)",
     )
-    add_engine_arguments(serve)
-    add_pd_arguments(serve)
+    add_engine_arguments(serve, exclude=())
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     commands.add_parser(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,16 +21,24 @@ class LLM:
     >>> out = llm.generate("It is a truth", SamplingParams(max_tokens=8, exit_threshold=0.7))
     >>> out[0].text, out[0].exit_depths
 
-    Options are `EngineConfig` fields (e.g. dtype, device, kv_layout, scheduling_mode,
-    max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks); unknown ones raise
-    ConfigurationError. `handoff_port`: with `pd_role`, the KV handoff port factory to use
-    instead of NIXL's (`rlt.engine.pd_link.HandoffPortFactory`).
+    Options are the engine's, by their flat names (`EngineConfig.from_options`: e.g. dtype,
+    device, kv_layout, scheduling_mode, max_num_seqs, num_speculative_tokens); unknown ones
+    raise ConfigurationError. `handoff_port`: with `pd_role`, the KV handoff port factory to
+    use instead of NIXL's (`rlt.engine.pd_link.HandoffPortFactory`).
     """
 
     def __init__(
         self, model: str | Path | None = None, *, handoff_port=None, **options: Any
     ) -> None:
-        config = EngineConfig.from_options(model=model, **options)
+        self._start(EngineConfig.from_options(model=model, **options), handoff_port)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, handoff_port=None) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config, handoff_port)
+        return llm
+
+    def _start(self, config: EngineConfig, handoff_port) -> None:
         self.engine = LLMEngine(config, handoff_port=handoff_port)
         self._ids = itertools.count()
 
@@ -44,10 +51,6 @@ class LLM:
     def shutdown(self) -> None:
         """Abort what runs and release the engine's device memory (idempotent)."""
         self.engine.shutdown()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
-        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
     @property
     def tokenizer(self):

@@ -6,9 +6,10 @@
 
 MODEL (default: the engine's bundled model) comes right after `serve`, or as --model: a
 checkpoint directory or a Hugging Face model id (found in the Hugging Face cache or downloaded
-into it by the coordinator, whose instances then load that snapshot). Any flag this command
-does not know is an engine flag: it is passed verbatim to every local instance's `rlt serve`
-(see `rlt serve --help`: --dtype, --max-num-seqs, --block-size, ...).
+into it by the coordinator, whose instances then load that snapshot). The engine flags are
+`rlt serve`'s (rlt_serve.option_flags; not --pd-role, which the coordinator assigns, and
+--device, which lists the local instances' devices here): checked here, then passed verbatim
+to every local instance's `rlt serve`, as is any flag this command does not know.
 
 Also runs as `python -m rlt_pd_coordinator serve ...` (a leading `pd` is accepted too).
 """
@@ -28,9 +29,9 @@ from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_USAGE
 from rlt_serve.listening import port_number
+from rlt_serve.option_flags import add_engine_flags
 from rlt_serve.vllm_flags import (
     add_front_arguments,
-    add_model_arguments,
     check_model_arguments,
     front_settings_from_args,
 )
@@ -42,7 +43,13 @@ from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, StartupError
 PROG = "rlt pd"
 
 
-def build_parser() -> argparse.ArgumentParser:
+# engine options the coordinator reads itself (it resolves the model; the instances get MODEL,
+# and --tokenizer, which the front uses too)
+CONSUMED_ENGINE_OPTIONS = ("model", "revision", "download_dir", "tokenizer")
+
+
+def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
+    """`engine_flags`: every engine flag (else only those the coordinator reads itself)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Prefill/decode disaggregated serving: a coordinator with an "
@@ -59,30 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add_serve_arguments(serve)
+    if engine_flags:
+        add_engine_flags(serve, exclude=("pd_role", "device"))
+    else:
+        add_engine_flags(serve, only=CONSUMED_ENGINE_OPTIONS)
     parser.set_defaults(serve_parser=serve)
     return explain_defaults(parser)  # every option's help shows its default
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = CoordinatorOptions()
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory or Hugging Face model id org/name (also the positional "
-        "MODEL; default: the engine's bundled model)",
-    )
-    parser.add_argument(
-        "--revision",
-        default=None,
-        help="with a Hugging Face model id: the branch, tag or commit (default: main); the "
-        "instances load the snapshot the coordinator resolved",
-    )
-    parser.add_argument(
-        "--download-dir",
-        default=None,
-        help="with a Hugging Face model id: the Hugging Face cache it is found or downloaded in "
-        "(default: huggingface_hub's: $HF_HUB_CACHE, else $HF_HOME/hub)",
-    )
     pd = parser.add_argument_group("prefill/decode instances")
     pd.add_argument("--num-prefill", type=int, default=0, help="local prefill instances to start")
     pd.add_argument("--num-decode", type=int, default=0, help="local decode instances to start")
@@ -246,14 +239,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="level of the coordinator's log lines (and uvicorn's unless --uvicorn-log-level)",
     )
     add_front_arguments(front)
-    model = parser.add_argument_group("model flags from vLLM (docs/serving.md)")
-    model.add_argument(
-        "--tokenizer",
-        default=None,
-        help="directory of the tokenizer the front and the local instances use instead of the "
-        "checkpoint's (default: the checkpoint's own)",
-    )
-    add_model_arguments(model)
     loops = parser.add_argument_group("loop defaults (requests may override them)")
     loops.add_argument(
         "--min-loops",
@@ -349,7 +334,9 @@ def parse(argv: Sequence[str]) -> CoordinatorOptions:
         parse_command_line(parser, argv)  # prints usage / help, or the error, and exits
         parser.error("expected the `serve` command")
     model, rest = split_model(argv[1:])
-    args, engine_args = parser.get_default("serve_parser").parse_known_args(rest)
+    args, _ = parser.get_default("serve_parser").parse_known_args(rest)  # every flag checked
+    coordinator_only = build_parser(engine_flags=False).get_default("serve_parser")
+    _, engine_args = coordinator_only.parse_known_args(rest)  # engine and unknown flags
     return options_from_args(args, model, engine_args)
 
 

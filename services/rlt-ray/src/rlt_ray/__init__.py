@@ -2,7 +2,7 @@
 app, with a prefix-cache-affinity and load-aware request router (services/rlt-ray/README.md).
 
     from rlt_ray import build_app, RayOptions
-    serve.run(build_app(EngineConfig(...), ServeOptions(...), RayOptions(replicas=2)))
+    serve.run(build_app(EngineConfig.from_options(...), ServeOptions(...), RayOptions(replicas=2)))
 
 Importing this package does not import Ray or torch; building the app does.
 """

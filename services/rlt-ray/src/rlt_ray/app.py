@@ -11,7 +11,6 @@ replica, Ray's measure of queue length: queued at the replica plus running).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +126,7 @@ def engine_gpus(config, options: RayOptions) -> float:
     """GPUs one engine replica asks Ray for (see RayOptions.num_gpus)."""
     if options.num_gpus is not None:
         return options.num_gpus
-    device = str(config.device)
+    device = str(config.runner.device)
     if device.startswith("cuda"):
         return 1.0
     if device == "auto":
@@ -146,15 +145,15 @@ def replica_engine_config(config, options, pd_role_refusal: str):
     a device index is refused (Ray assigns each replica its GPU), so is a `pd_role` (the
     deployment decides roles; `pd_role_refusal` says why), and "auto" without a GPU is the
     CPU."""
-    if str(config.device).startswith("cuda:"):
+    if str(config.runner.device).startswith("cuda:"):
         raise ConfigurationError(
             "device", "give --device cuda: Ray assigns each replica its GPU (CUDA_VISIBLE_DEVICES)"
         )
-    if config.pd_role != "none":
+    if config.pd.role != "none":
         raise ConfigurationError("pd_role", pd_role_refusal)
     gpus = engine_gpus(config, options)
-    if gpus == 0 and str(config.device) == "auto":
-        config = dataclasses.replace(config, device="cpu")
+    if gpus == 0 and str(config.runner.device) == "auto":
+        config = config.with_options(device="cpu")
     return config, gpus
 
 
@@ -180,7 +179,9 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
     options = options or RayOptions()
     options.validate()
     config, gpus = replica_engine_config(
-        config or EngineConfig(), options, "rlt ray serve runs whole engines (--pd-role none)"
+        config or EngineConfig.from_options(),
+        options,
+        "rlt ray serve runs whole engines (--pd-role none)",
     )
     actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
     if options.resources:
@@ -206,7 +207,7 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         request_router_class="rlt_ray.router:RltRequestRouter",
         request_router_kwargs={
             "policy": options.router,
-            "block_size": options.block_size or config.block_size,
+            "block_size": options.block_size or config.runner.block_size,
             "load_factor": options.load_factor,
             "load_slack": options.load_slack,
         },
@@ -232,10 +233,10 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
     )
     return ingress.bind(
         engine.bind(config, engine_process=options.engine_process),
-        config.model,
+        config.model.model,
         serve_options,
         options.submit_timeout_s,
         drain_key,
-        config.revision,
-        None if config.download_dir is None else str(config.download_dir),
+        config.model.revision,
+        None if config.model.download_dir is None else str(config.model.download_dir),
     )

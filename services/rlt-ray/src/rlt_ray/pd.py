@@ -291,7 +291,7 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
     options = options or PDOptions()
     options.validate()
     config, gpus = replica_engine_config(
-        config or EngineConfig(),
+        config or EngineConfig.from_options(),
         options,
         "rlt ray pd serve sets each deployment's role: leave --pd-role out",
     )
@@ -321,7 +321,7 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
             **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
             **spread,
         )
-        return deployment.bind(dataclasses.replace(config, pd_role=role), role, key)
+        return deployment.bind(config.with_options(pd_role=role), role, key)
 
     prefill = engines("prefill", PREFILL_NAME, options.num_prefill, options.prefill_resources)
     decode = engines("decode", DECODE_NAME, options.num_decode, options.decode_resources)
@@ -332,14 +332,15 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
         max_ongoing_requests=max(options.max_ongoing_requests, 1024),
         **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
     )
-    download_dir = None if config.download_dir is None else str(config.download_dir)
+    model = config.model
+    download_dir = None if model.download_dir is None else str(model.download_dir)
     return ingress.bind(
         prefill,
         decode,
-        config.model,
+        model.model,
         serve_options,
         options,
         drain_key,
-        config.revision,
+        model.revision,
         download_dir,
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -50,8 +49,8 @@ class PDInstanceReplica:
         from rlt.serving.server import build_server
         from rlt.serving.server_options import ServeOptions
 
-        if config.pd_role != role:
-            config = dataclasses.replace(config, pd_role=role)
+        if config.pd.role != role:
+            config = config.with_options(pd_role=role)
         self.role = role
         self.tag = replica_tag()
         self.where = _location()

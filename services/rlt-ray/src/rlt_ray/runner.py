@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rlt_contracts import ConfigurationError, RltError
 from rlt_serve.shutdown import (
@@ -108,12 +108,13 @@ def check_local_model(config, address_flag: str | None):
         return config
     from rlt.engine.assembly import resolve_model
 
+    model = config.model
     source = resolve_model(
-        config.model, revision=config.revision, download_dir=config.download_dir, tokenizer=True
+        model.model, revision=model.revision, download_dir=model.download_dir, tokenizer=True
     )
-    if config.model is None:
+    if model.model is None:
         return config
-    return replace(config, model=str(source.local_dir), revision=None)
+    return config.with_options(model=str(source.local_dir), revision=None)
 
 
 def _say(text: str) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from msgspec.structs import replace
 from rlt_attention import select_attention_backend
 from rlt_contracts import (
     AttentionRequirements,
@@ -17,6 +18,7 @@ from rlt_contracts import (
     ModelInfo,
     PDRole,
     PromptMask,
+    RunnerConfig,
 )
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
@@ -30,7 +32,6 @@ from rlt_runner import (
     KVScales,
     KVStorage,
     ModelRunner,
-    SpeculationSettings,
     plan_kv_blocks,
     profile_activation_peak,
     profile_blocks,
@@ -154,34 +155,35 @@ def build_engine(
     device (benchmarks share one between engines); None loads it. `handoff_port`: a PD
     instance's KV handoff port instead of NIXL's (tests join two engines in one process)."""
     clock = StartupClock()
-    source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    wanted = config.model
+    source = resolve_model(wanted.model, revision=wanted.revision, download_dir=wanted.download_dir)
     model_dir = source.local_dir
-    tokenizer_dir = resolve_tokenizer_dir(config.tokenizer)
+    tokenizer_dir = resolve_tokenizer_dir(wanted.tokenizer)
     tokenizer_source = tokenizer_dir or model_dir
-    device = resolve_device(config.device)
+    device = resolve_device(config.runner.device)
     if model is None:
         with clock.phase("weights", lambda: _weights_line(model, device)):
             model = load_model(
                 model_dir,
-                dtype=None if config.dtype == "auto" else config.dtype,
+                dtype=None if wanted.dtype == "auto" else wanted.dtype,
                 device=device,
-                quantization=config.quantization,
-                quantize_lm_head=config.quantize_lm_head,
-                hf_overrides=config.hf_overrides,
-                max_model_loops=config.max_model_loops,
+                quantization=wanted.quantization,
+                quantize_lm_head=wanted.quantize_lm_head,
+                hf_overrides=wanted.hf_overrides,
+                max_model_loops=wanted.max_model_loops,
             )
-    elif config.max_model_loops not in (None, model.shape.num_loops):
+    elif wanted.max_model_loops not in (None, model.shape.num_loops):
         raise ConfigurationError(
             "max_model_loops",
             f"the given model is sized for {model.shape.num_loops} loops, not "
-            f"{config.max_model_loops}: load it with max_model_loops={config.max_model_loops}",
+            f"{wanted.max_model_loops}: load it with max_model_loops={wanted.max_model_loops}",
         )
     cache_dir = config.resolved_cache_dir()
     restored_choices = restore_kernel_choices(cache_dir, device)
-    model.fused_path = "auto" if config.fused_kernels else "off"
-    model.batch_invariant = config.batch_invariant
+    model.fused_path = "auto" if config.runner.fused_kernels else "off"
+    model.batch_invariant = config.runner.batch_invariant
     shape = model.shape
-    max_model_len = config.max_model_len or shape.max_position_embeddings
+    max_model_len = wanted.max_model_len or shape.max_position_embeddings
     if max_model_len > shape.max_position_embeddings:
         raise ConfigurationError(
             "max_model_len",
@@ -191,87 +193,75 @@ def build_engine(
     setup = family_setup(
         config, model.family, model_depth=shape.num_loops, max_model_len=max_model_len
     )
-    config, exit_policy, whole_prompts = setup.config, setup.exit_policy, setup.whole_prompts
-    layout = config.layout
+    config, exit_policy = setup.config, setup.exit_policy
+    runner_config, batch = config.runner, config.scheduler
+    layout = runner_config.layout
     requirements = AttentionRequirements(
         device_type=device.type,
         dtype=str(model.dtype).removeprefix("torch."),
         head_dim=shape.head_dim,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
-        block_size=config.block_size,
+        block_size=runner_config.block_size,
         kv_layout=layout.kind,
-        cuda_graphs=config.cuda_graphs and device.type == "cuda",
+        cuda_graphs=runner_config.cuda_graphs and device.type == "cuda",
         batch_invariant=model.batch_invariant,
-        kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_dtype=runner_config.kv_cache_dtype,
         bidirectional_prompt=model.family.prompt_mask is PromptMask.PREFIX_LM,
         sliding_window=model.family.kv.sliding_window,
     )
-    selection = select_attention_backend(requirements, config.attention_backend)
+    selection = select_attention_backend(requirements, runner_config.attention_backend)
     logger.info("attention backend %s: %s", selection.name, selection.reason)
     if selection.warning:
         logger.warning("attention backend %s: %s", selection.name, selection.warning)
     loop_planes = layout.storage_planes(shape.num_loops)
     num_planes = loop_planes + model.family.kv.stage_planes
-    pages_per_request = -(-max_model_len // config.block_size)
+    block_size = runner_config.block_size
+    pages_per_request = -(-max_model_len // block_size)
     kv_scales = None
-    if config.kv_cache_dtype == "fp8":
+    if runner_config.kv_cache_dtype == "fp8":
         with clock.phase("fp8 KV scales"):
             kv_scales = fp8_kv_scales(model, tokenizer_source)
     kv_dtype = model.dtype if kv_scales is None else FP8
     bytes_per_block = KVStorage.bytes_per_block(
-        shape.num_layers, config.block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
+        shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, kv_dtype
     )
 
-    prefill_graph_tokens = (
-        config.max_num_batched_tokens
-        if config.prefill_cuda_graphs and not config.batch_invariant and not whole_prompts
-        else 0
-    )
-    speculation = speculation_settings(config, shape.num_loops)
-
-    def make_runner(num_kv_blocks: int, cuda_graphs: bool) -> ModelRunner:
+    def make_runner(num_kv_blocks: int, options: RunnerConfig) -> ModelRunner:
         return ModelRunner(
             model,
             selection.backend,
             Sampler(),
-            kv_layout=layout,
+            options,
+            batch,
             num_kv_blocks=num_kv_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
             device=device,
             dtype=model.dtype,
-            cohort_decoding=config.scheduling_mode == "no_refill",
-            max_decode_ticks=config.decode_ticks_per_step,
-            trace_capacity=max_model_len if exit_policy.name == "trace" else 1,
-            cuda_graphs=cuda_graphs,
-            prefill_graph_tokens=prefill_graph_tokens,
-            max_prefill_chunk=config.prefill_chunk_size,
-            speculation=speculation,
             kv_scales=kv_scales,
-            random_initial_state=config.initial_state == "random",
+            trace_capacity=max_model_len if exit_policy.name == "trace" else 1,
             distribution_exits=exit_policy.reads_distribution,
+            max_speculative_rounds=max_rounds_per_step(batch, shape.num_loops),
         )
 
     activation = None
-    if device.type == "cuda" and config.num_kv_blocks is None:
+    if device.type == "cuda" and runner_config.num_kv_blocks is None:
         with clock.phase("memory profiling", lambda: str(activation)):
             activation = _profile_activations(config, model, make_runner, max_model_len, num_planes)
     memory_plan = plan_kv_blocks(
         device=device,
         bytes_per_block=bytes_per_block,
-        useful_blocks=config.max_num_seqs * pages_per_request * num_planes,
-        explicit_blocks=config.num_kv_blocks,
-        gpu_memory_utilization=config.gpu_memory_utilization,
+        useful_blocks=batch.max_num_seqs * pages_per_request * num_planes,
+        explicit_blocks=runner_config.num_kv_blocks,
+        gpu_memory_utilization=runner_config.gpu_memory_utilization,
         activation=activation,
-        cpu_budget_bytes=config.cpu_kv_cache_bytes,
+        cpu_budget_bytes=runner_config.cpu_kv_cache_bytes,
     )
     kv = KVCacheManager(
         num_blocks=memory_plan.num_blocks,
-        block_size=config.block_size,
+        block_size=block_size,
         num_planes=num_planes,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=batch.enable_prefix_caching,
     )
     # Structured output: grammars over the checkpoint's tokenizer (loaded on first use).
     constraint_compiler = XGrammarCompiler(
@@ -280,7 +270,7 @@ def build_engine(
         stop_token_ids=shape.eos_token_ids,
     )
     scheduler = Scheduler(
-        config.scheduler_config(whole_prompts=whole_prompts),
+        batch,
         kv,
         model_depth=shape.num_loops,
         vocab_size=shape.vocab_size,
@@ -291,19 +281,20 @@ def build_engine(
         constraint_compiler=constraint_compiler,
         default_min_loops=setup.default_min_loops,
         default_loops=model.family.default_loops,
+        speculation=runner_config.speculation,
     )
-    graphs = config.cuda_graphs and device.type == "cuda"
+    graphs = runner_config.cuda_graphs and device.type == "cuda"
     with clock.phase(
         "CUDA graphs and kernel selection" if graphs else "runner",
         lambda: _graphs_line(runner) if graphs else "",
     ):
-        runner = make_runner(memory_plan.num_blocks, config.cuda_graphs)
+        runner = make_runner(memory_plan.num_blocks, runner_config)
     keep_kernel_choices(cache_dir, device, restored_choices)
     if runner.graphs is None and device.type == "cuda":
-        log = logger.warning if config.cuda_graphs else logger.info
+        log = logger.warning if runner_config.cuda_graphs else logger.info
         log("decode runs eagerly: %s", runner.graphs_disabled_reason)
     pd_link = pd = None
-    if config.role is not PDRole.NONE:
+    if config.pd.role is not PDRole.NONE:
         from rlt.engine.pd_assembly import build_pd  # imports NIXL: only PD instances need it
 
         try:
@@ -313,7 +304,7 @@ def build_engine(
         except BaseException:
             runner.close()
             raise
-        logger.info("PD %s instance, transport agent %s", config.role, pd_link.agent_name)
+        logger.info("PD %s instance, transport agent %s", config.pd.role, pd_link.agent_name)
     core = EngineCore(scheduler, runner, kv, pd=pd_link, async_scheduling=config.async_scheduling)
     weight_dtype = weight_dtype_name(model)
     model_dtype = str(model.dtype).removeprefix("torch.")
@@ -323,7 +314,7 @@ def build_engine(
         loop_planes=loop_planes,
         stage_planes=model.family.kv.stage_planes,
         num_blocks=memory_plan.num_blocks,
-        block_size=config.block_size,
+        block_size=block_size,
         bytes_per_block=bytes_per_block,
         max_model_len=max_model_len,
     )
@@ -334,14 +325,14 @@ def build_engine(
         "weights: projections %s, LM head %s",
         kv_dtype_name,
         memory_plan.num_blocks,
-        config.block_size,
+        block_size,
         num_planes,
         capacity.tokens,
         memory_plan.num_blocks * bytes_per_block / 2**30,
         f"{capacity.bytes_per_token:,}",
         capacity.full_length_requests,
         max_model_len,
-        config.max_num_seqs,
+        batch.max_num_seqs,
         capacity.layout,
         capacity.loop_planes,
         shape.num_loops,
@@ -420,53 +411,33 @@ def weight_dtype_name(model: LoopedModelBase) -> str:
     return str(model.dtype).removeprefix("torch.")
 
 
-def speculation_settings(config: EngineConfig, model_depth: int) -> SpeculationSettings | None:
-    """The runner's speculation settings (None without speculation); the draft depth must be
-    below the model's (ConfigurationError)."""
-    if not config.num_speculative_tokens:
-        return None
-    if config.speculative_draft_loops >= model_depth:
-        raise ConfigurationError(
-            "speculative_draft_loops",
-            f"must be below the model's depth {model_depth} (drafting with every loop verifies "
-            f"nothing), got {config.speculative_draft_loops}",
-        )
-    limit = config.speculative_disable_batch_size or config.max_num_seqs
-    return SpeculationSettings(
-        num_drafts=config.num_speculative_tokens,
-        draft_loops=config.speculative_draft_loops,
-        max_rows=min(limit, config.max_num_seqs),
-        max_rounds=max_rounds_per_step(config.scheduler_config(), model_depth),
-    )
-
-
 SHARED_PROFILE_POSITIONS = 8
 
 
 def _profile_activations(config, model, make_runner, max_model_len: int, num_planes: int):
     """Peak activations of the heaviest prefill chunk and decode tick, measured by running
     them on a throw-away runner with a tiny pool (see rlt_runner.memory)."""
-    shape = model.shape
-    prefill_tokens = min(config.max_num_batched_tokens, max_model_len - 1)
-    if config.layout.kind is KVLayout.SHARED:
+    shape, batch, options = model.shape, config.scheduler, config.runner
+    prefill_tokens = min(batch.max_num_batched_tokens, max_model_len - 1)
+    if options.layout.kind is KVLayout.SHARED:
         # SHARED prefill runs one position per wave: its peak is a wave's, whatever the chunk
         # length, and profiling a full chunk eagerly position by position took ~50 s on an
         # H200 (1,100 positions of Ouro-1.4B) for nothing.
         prefill_tokens = min(prefill_tokens, SHARED_PROFILE_POSITIONS)
     blocks = profile_blocks(
         prefill_tokens,
-        config.max_num_seqs,
-        config.block_size,
+        batch.max_num_seqs,
+        options.block_size,
         num_planes,
-        lookahead=config.num_speculative_tokens,
+        lookahead=options.speculation.num_tokens,
     )
-    runner = make_runner(blocks, False)
+    runner = make_runner(blocks, replace(options, cuda_graphs=False))
     try:
         with torch.inference_mode():
             profile = profile_activation_peak(
                 runner,
                 prefill_tokens=prefill_tokens,
-                rows=config.max_num_seqs,
+                rows=batch.max_num_seqs,
                 vocab_size=shape.vocab_size,
                 model_depth=shape.num_loops,
             )

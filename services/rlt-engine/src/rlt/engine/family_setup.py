@@ -19,10 +19,10 @@ the engine core).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
+from msgspec.structs import replace
 from rlt_contracts import (
     DEFAULT_GATE_MIN_LOOPS,
     ConfigurationError,
@@ -42,9 +42,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FamilySetup:
-    config: EngineConfig  # with whole-prompt batching where the family needs it
+    config: EngineConfig  # with the family's KV layout and whole-prompt batching if it needs them
     exit_policy: ExitPolicy
-    whole_prompts: bool  # prompts are prefilled whole (prefix-LM, or a one-plane KV plan)
     default_min_loops: int  # a request's min_loops when it sets none
 
 
@@ -62,12 +61,13 @@ def family_setup(
     )
     check_family_features(config, family)
     check_layout_features(config, model_depth=model_depth)
+    runner, scheduler = config.runner, config.scheduler
     exit_policy = make_exit_policy(
-        config.exit_policy or default_exit_policy(family.exit_signal),
-        exit_trace=config.exit_trace,
+        scheduler.exit_policy or default_exit_policy(family.exit_signal),
+        exit_trace=scheduler.exit_trace,
         model_depth=model_depth,
     )
-    if exit_policy.reads_distribution and config.num_speculative_tokens > 0:
+    if exit_policy.reads_distribution and runner.speculation.num_tokens > 0:
         raise ConfigurationError(
             ("exit_policy", "num_speculative_tokens"),
             f"{exit_policy.name!r} reads the next-token distribution after every loop, which "
@@ -80,24 +80,25 @@ def family_setup(
             f"{family.name} does not produce (exit signal: {family.exit_signal.value}); use "
             f"{default_exit_policy(family.exit_signal)!r} or 'trace'",
         )
-    if not family.kv.per_loop and config.layout.kind is not KVLayout.SHARED:
-        config = dataclasses.replace(config, kv_layout="shared")
+    if not family.kv.per_loop and runner.layout.kind is not KVLayout.SHARED:
+        runner = replace(runner, kv_layout="shared")
         logger.info(
             "%s keeps one KV plane that every loop overwrites (its checkpoint's KV mode): "
             "kv_layout shared",
             family.name,
         )
     prefix_lm = family.prompt_mask is PromptMask.PREFIX_LM
-    folded = config.layout.folds_loops(model_depth)
+    folded = runner.layout.folds_loops(model_depth)
     # a prompt is one block (prefix-LM: bidirectional; a one-plane KV plan or a ring of fewer
     # planes than loops: its earlier loops see the prompt's own keys): computed in one step,
     # never chunked
     whole_prompts = prefix_lm or not family.kv.per_loop or folded
     if whole_prompts:
-        config = dataclasses.replace(
-            config,
+        scheduler = replace(
+            scheduler,
             prefill_chunk_size=max_model_len,
-            max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len),
+            max_num_batched_tokens=max(scheduler.max_num_batched_tokens, max_model_len),
+            whole_prompts=True,
         )
         logger.info(
             "%s prompts are %s: each is prefilled whole in one step (chunked prefill off; "
@@ -105,25 +106,24 @@ def family_setup(
             family.name,
             "prefix-LM blocks"
             if prefix_lm
-            else f"one block for its {config.kv_layout} KV planes"
+            else f"one block for its {runner.kv_layout} KV planes"
             if folded and family.kv.per_loop
             else "one block for its shared KV plane",
-            config.max_num_batched_tokens,
+            scheduler.max_num_batched_tokens,
         )
     if family.random_initial_state:
         logger.info(
             "%s starts each token's loop state %s (initial_state=%s)",
             family.name,
             "from a random draw of its request's seed and position"
-            if config.initial_state == "random"
+            if runner.initial_state == "random"
             else "at zero",
-            config.initial_state,
+            runner.initial_state,
         )
     gated = family.exit_signal is ExitSignal.GATE
     return FamilySetup(
-        config=config,
+        config=replace(config, runner=runner, scheduler=scheduler),
         exit_policy=exit_policy,
-        whole_prompts=whole_prompts,
         default_min_loops=DEFAULT_GATE_MIN_LOOPS if gated else 1,
     )
 
@@ -131,13 +131,13 @@ def family_setup(
 def check_family_features(config: EngineConfig, family: FamilyDeclaration) -> None:
     """Refuse, with the family's reason, an engine option its declaration does not support."""
     asked = {
-        Feature.CHUNKED_PREFILL: config.prefill_chunk_size is not None,
-        Feature.PREFIX_CACHING: config.enable_prefix_caching,
-        Feature.SHARED_KV: config.layout.kind is KVLayout.SHARED,
-        Feature.SPECULATIVE_DECODING: config.num_speculative_tokens > 0,
-        Feature.FP8_WEIGHTS: config.quantization == "fp8",
-        Feature.FP8_KV: config.kv_cache_dtype == "fp8",
-        Feature.PD: config.role is not PDRole.NONE,
+        Feature.CHUNKED_PREFILL: config.scheduler.prefill_chunk_size is not None,
+        Feature.PREFIX_CACHING: config.scheduler.enable_prefix_caching,
+        Feature.SHARED_KV: config.runner.layout.kind is KVLayout.SHARED,
+        Feature.SPECULATIVE_DECODING: config.runner.speculation.num_tokens > 0,
+        Feature.FP8_WEIGHTS: config.model.quantization == "fp8",
+        Feature.FP8_KV: config.runner.kv_cache_dtype == "fp8",
+        Feature.PD: config.pd.role is not PDRole.NONE,
     }
     for feature, used in asked.items():
         reason = family.refusal(feature) if used else None
@@ -148,17 +148,17 @@ def check_family_features(config: EngineConfig, family: FamilyDeclaration) -> No
 def check_layout_features(config: EngineConfig, *, model_depth: int) -> None:
     """Refuse the engine options a ring KV layout cannot keep exact (module doc), naming the
     layout and what would work."""
-    layout = config.layout
+    layout = config.runner.layout
     if layout.kind is not KVLayout.RING:
         return
-    if config.num_speculative_tokens > 0:
+    if config.runner.speculation.num_tokens > 0:
         raise ConfigurationError(
             ("kv_layout", "num_speculative_tokens"),
             f"kv_layout {layout} (a ring of step planes): speculative rounds draft and verify "
             "at per-loop planes (last_exited) or one plane (shared); use one of those layouts "
             "or no speculation",
         )
-    if config.enable_prefix_caching and layout.folds_loops(model_depth):
+    if config.scheduler.enable_prefix_caching and layout.folds_loops(model_depth):
         raise ConfigurationError(
             ("kv_layout", "enable_prefix_caching"),
             f"kv_layout {layout} keeps {layout.ring_planes} planes for up to {model_depth} "

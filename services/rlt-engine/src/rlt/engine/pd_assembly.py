@@ -89,7 +89,7 @@ def build_pd(
     """The PD part of a prefill or decode instance: a new NIXL agent registers the memory the
     runner declares (`rows`) and the link drives its port (PDParts: transport and port); with
     `handoff_port`, the port it makes over that memory (no PDParts)."""
-    role = config.role
+    role = config.pd.role
     memory = rows.memory(role)
     agent = agent_name(role)
     parts = None
@@ -111,12 +111,12 @@ def nixl_parts(
     owner: object,
 ) -> PDParts:
     """Register `memory` (kept allocated by `owner`) with NIXL agent `agent`; its port."""
-    role, pool = config.role, memory.kv
+    role, pool, pd = config.pd.role, memory.kv, config.pd
     compatibility = PDCompatibility(
         model_identity=model_identity(model_dir),
         num_layers=pool.num_layers,
         num_loops=model_depth,
-        kv_layout=config.layout.value,  # canonical ("ring:8", never "ring:08")
+        kv_layout=config.runner.layout.value,  # canonical ("ring:8", never "ring:08")
         dtype=pool.dtype,
         block_size=pool.block_size,
         num_kv_heads=pool.num_kv_heads,
@@ -127,10 +127,12 @@ def nixl_parts(
         kv_scales=pool.scales,
     )
     transport = KVTransport(agent, memory, compatibility, owner=owner)
-    max_inflight = config.pd_max_inflight_bytes
+    max_inflight = pd.max_inflight_bytes
     if max_inflight is None:
         kv_bytes_per_token = 2 * pool.token_bytes * pool.num_layers * pool.num_planes
-        max_inflight = default_max_inflight_bytes(config.max_num_batched_tokens, kv_bytes_per_token)
+        max_inflight = default_max_inflight_bytes(
+            config.scheduler.max_num_batched_tokens, kv_bytes_per_token
+        )
     chunk_bytes = min(DEFAULT_TRANSFER_CHUNK_BYTES, max_inflight)
     port = TransportHandoffPort(
         role,
@@ -138,10 +140,8 @@ def nixl_parts(
         sender_config=SenderConfig(
             max_inflight_bytes=max_inflight,
             transfer_chunk_bytes=chunk_bytes,
-            write_timeout_s=config.pd_write_timeout_s,
+            write_timeout_s=pd.write_timeout_s,
         ),
-        receiver_config=ReceiverConfig(
-            wait_timeout_s=config.pd_kv_timeout_s, lease_s=config.pd_kv_lease_s
-        ),
+        receiver_config=ReceiverConfig(wait_timeout_s=pd.kv_timeout_s, lease_s=pd.kv_lease_s),
     )
     return PDParts(role, agent, transport, port, compatibility, transport.metadata())

@@ -59,7 +59,7 @@ def child_start_method(config: EngineConfig) -> str:
     """ "fork" for a CPU engine (the child starts at once, without importing everything again);
     "spawn" for CUDA: the CUDA driver does not survive a fork once this process asked it
     anything (as resolving device "auto" does)."""
-    return "fork" if config.device == "cpu" else "spawn"
+    return "fork" if config.runner.device == "cpu" else "spawn"
 
 
 class CoreProcess:

@@ -117,7 +117,7 @@ class DrainingServer(uvicorn.Server):
 
 def tokenizer_source(config: EngineConfig) -> Path:
     """The directory the front ends load the tokenizer from: --tokenizer's, else the model's."""
-    return resolve_tokenizer_dir(config.tokenizer) or resolve_model_dir(config.model)
+    return resolve_tokenizer_dir(config.model.tokenizer) or resolve_model_dir(config.model.model)
 
 
 def front_end_tokenizer(model_dir: Path):

@@ -147,7 +147,7 @@ class _Supervisor:
                     self.sock,
                     self.core.parent_only(),
                     self.tokenizer,
-                    resolve_tokenizer_dir(self.config.tokenizer),
+                    resolve_tokenizer_dir(self.config.model.tokenizer),
                 ),
                 name=f"rlt-api-server-{index}",
             )

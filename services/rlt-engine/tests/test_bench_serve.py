@@ -29,7 +29,7 @@ from rlt.bench import (
 from rlt.bench.metrics import LATENCY_METRICS, parse_percentiles
 from rlt.bench.plot import plot_sweep, require_matplotlib
 from rlt.bench.request import RequestOptions, send_request
-from rlt.bench.runner import list_models, run_requests
+from rlt.bench.runner import run_requests
 from rlt.cli import build_parser, main
 from rlt_contracts import ConfigurationError
 from rlt_serve.exit_codes import EXIT_FAILURE
@@ -694,7 +694,7 @@ def test_the_wire_client_lists_the_models_cards():
 
     async def main():
         async with wire_client(lambda r: httpx2.Response(200, json={"data": cards})) as client:
-            return await list_models(client)
+            return await client.list_models()
 
     assert asyncio.run(main()) == cards
 

@@ -132,10 +132,6 @@ class FamilyDeclaration(msgspec.Struct, frozen=True):
     # (`embed(..., uniforms=...)`); the engine's `initial_state="zero"` starts it at zero
     random_initial_state: bool = False
 
-    @property
-    def state_vectors(self) -> int:
-        return len(self.state)
-
     def refusal(self, feature: Feature) -> str | None:
         """Why this family cannot run `feature`, or None when it can."""
         for name, reason in self.unsupported:

@@ -55,12 +55,6 @@ def triton_unavailable_reason() -> str | None:
     return _kernels_error
 
 
-def triton_interpreted() -> bool:
-    """Whether the kernels were decorated under TRITON_INTERPRET=1 (they then run on CPU)."""
-    kernels = _load_kernels()
-    return bool(kernels is not None and kernels.INTERPRETED)
-
-
 def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
     """ "triton" or "torch" for `impl` applied to `tensor` (see the module doc)."""
     if impl == "auto":

@@ -36,11 +36,6 @@ def make_client(endpoint: Endpoint, *, api_key: str, timeout: float, trust_env: 
     return WireClient(endpoint.api_base, api_key=api_key, timeout=timeout, trust_env=trust_env)
 
 
-async def list_models(client) -> list[dict]:
-    """GET /v1/models: each card as a dict (extension fields included)."""
-    return await client.list_models()
-
-
 @contextlib.contextmanager
 def _sigint_cancels(tasks_holder: list, state: dict):
     """While the run lasts, SIGINT cancels the request tasks instead of raising
@@ -102,29 +97,3 @@ async def run_requests(
         if result is not None and result.error_kind is None and not result.success:
             result.error_kind, result.error = "cancelled", "the benchmark was interrupted"
     return RunOutcome(results, duration, state["interrupted"], start)
-
-
-async def run_benchmark(
-    endpoint: Endpoint,
-    requests: Sequence[BenchRequest],
-    arrivals: Sequence[float],
-    options: RequestOptions,
-    *,
-    api_key: str,
-    timeout: float = 3600.0,
-    trust_env: bool = False,
-    max_concurrency: int | None = None,
-    progress=None,
-) -> RunOutcome:
-    """`run_requests` with a client of its own, closed at the end."""
-    client = make_client(endpoint, api_key=api_key, timeout=timeout, trust_env=trust_env)
-    async with client:
-        return await run_requests(
-            client,
-            endpoint,
-            requests,
-            arrivals,
-            options,
-            max_concurrency=max_concurrency,
-            progress=progress,
-        )

@@ -26,7 +26,7 @@ from rlt.bench.report import (
     with_rate_suffix,
 )
 from rlt.bench.request import Endpoint, RequestOptions, RequestResult, send_request
-from rlt.bench.runner import list_models, make_client, run_requests
+from rlt.bench.runner import make_client, run_requests
 
 
 class BenchFailed(RltError):
@@ -139,7 +139,7 @@ class BenchSession:
         cards: list[dict] = []
         if args.model is None or args.random_vocab_size is None:
             try:
-                cards = await list_models(client)
+                cards = await client.list_models()
             except Exception as exc:
                 if args.model is None:
                     raise BenchFailed(

@@ -199,29 +199,29 @@ def _row_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [N, d] -> weight * rms_norm(x) [N, d] in x's dtype (one program per row)."""
-    _check_device(x, weight)
-    pdl = grid_dependency.enabled(x)
-    num_rows, d = x.shape
-    out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
-    if num_rows == 0:
-        return out
-    block = triton.next_power_of_2(d)
-    _rms_norm_kernel[(num_rows,)](
-        x,
-        weight,
-        out,
-        x.stride(0),
-        out.stride(0),
-        d,
-        eps,
+def launch_rows(kernel, rows: int, width: int, *args, pdl: bool, **constants) -> None:
+    """`kernel` over `rows` programs, one a row of `width` columns (the row in registers)."""
+    block = triton.next_power_of_2(width)
+    kernel[(rows,)](
+        *args,
         BLOCK=block,
         num_warps=_row_warps(block),
         USE_PDL=pdl,
+        **constants,
         **NO_FMA,
         **launch_options(pdl),
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [N, d] -> weight * rms_norm(x) [N, d] in x's dtype (one program per row)."""
+    _check_device(x, weight)
+    num_rows, d = x.shape
+    out = torch.empty((num_rows, d), dtype=x.dtype, device=x.device)
+    if num_rows:
+        strides = (x.stride(0), out.stride(0))
+        pdl = grid_dependency.enabled(x)
+        launch_rows(_rms_norm_kernel, num_rows, d, x, weight, out, *strides, d, eps, pdl=pdl)
     return out
 
 
@@ -236,33 +236,18 @@ def add_rms_norm(
     with delta_weight None the delta is added as it is (a pre-norm layer's residual add)."""
     norm_delta = delta_weight is not None
     _check_device(residual, delta, out_weight, *([delta_weight] if norm_delta else []))
-    pdl = grid_dependency.enabled(residual)
     num_rows, d = residual.shape
     new_residual = torch.empty((num_rows, d), dtype=residual.dtype, device=residual.device)
     normed = torch.empty_like(new_residual)
-    if num_rows == 0:
-        return new_residual, normed
-    block = triton.next_power_of_2(d)
-    _add_rms_norm_kernel[(num_rows,)](
-        residual,
-        delta,
-        delta_weight if norm_delta else out_weight,  # not read without NORM_DELTA
-        out_weight,
-        new_residual,
-        normed,
-        residual.stride(0),
-        delta.stride(0),
-        new_residual.stride(0),
-        normed.stride(0),
-        d,
-        eps,
-        BLOCK=block,
-        NORM_DELTA=norm_delta,
-        num_warps=_row_warps(block),
-        USE_PDL=pdl,
-        **NO_FMA,
-        **launch_options(pdl),
-    )
+    if num_rows:
+        if not norm_delta:
+            delta_weight = out_weight  # a placeholder: not read without NORM_DELTA
+        strides = (residual.stride(0), delta.stride(0), new_residual.stride(0), normed.stride(0))
+        launch_rows(
+            _add_rms_norm_kernel, num_rows, d, residual, delta, delta_weight, out_weight,
+            new_residual, normed, *strides, d, eps, pdl=grid_dependency.enabled(residual),
+            NORM_DELTA=norm_delta,
+        )  # fmt: skip
     return new_residual, normed
 
 
@@ -332,23 +317,11 @@ def silu_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
 def exit_gate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """sigmoid(hidden . weight + bias) [N] fp32; hidden [N, d], weight [d] / bias [1] fp32."""
     _check_device(hidden, weight, bias)
-    pdl = grid_dependency.enabled(hidden)
     num_rows, d = hidden.shape
     out = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
-    if num_rows == 0:
-        return out
-    block = triton.next_power_of_2(d)
-    _exit_gate_kernel[(num_rows,)](
-        hidden,
-        weight,
-        bias,
-        out,
-        hidden.stride(0),
-        d,
-        BLOCK=block,
-        num_warps=_row_warps(block),
-        USE_PDL=pdl,
-        **NO_FMA,
-        **launch_options(pdl),
-    )
+    if num_rows:
+        pdl = grid_dependency.enabled(hidden)
+        launch_rows(
+            _exit_gate_kernel, num_rows, d, hidden, weight, bias, out, hidden.stride(0), d, pdl=pdl
+        )
     return out

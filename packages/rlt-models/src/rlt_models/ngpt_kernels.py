@@ -19,7 +19,7 @@ import triton.language as tl
 from rlt_contracts.dependent_launch import launch_options
 
 from rlt_models import grid_dependency
-from rlt_models.fused_kernels import INTERPRETED, NO_FMA
+from rlt_models.fused_kernels import INTERPRETED, NO_FMA, launch_rows
 from rlt_models.grid_dependency import wait_for_prior_grid
 from rlt_models.ngpt_ops import UNIT_NORM_EPS
 
@@ -227,24 +227,10 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError("the Triton nGPT ops need a contiguous last dim")
 
 
-def _row_warps(block: int) -> int:
-    return max(1, min(16, block // 256))
-
-
 def _row_launch(kernel, rows: int, width: int, *args, pdl: bool, **constants) -> None:
-    """`kernel` over `rows` programs, one a row of `width` columns (the row in registers)."""
-    block = triton.next_power_of_2(width)
-    kernel[(rows,)](
-        *args,
-        width,
-        UNIT_NORM_EPS,
-        BLOCK=block,
-        num_warps=_row_warps(block),
-        USE_PDL=pdl,
-        **constants,
-        **NO_FMA,
-        **launch_options(pdl),
-    )
+    """`fused_kernels.launch_rows` with the row's width and the unit norm's eps as the last
+    arguments."""
+    launch_rows(kernel, rows, width, *args, width, UNIT_NORM_EPS, pdl=pdl, **constants)
 
 
 def _empty_rows(like: torch.Tensor, rows: int, width: int) -> torch.Tensor:

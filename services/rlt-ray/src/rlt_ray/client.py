@@ -12,18 +12,11 @@ ingress, over a Ray Serve handle to the engine replicas.
     stats()          the replicas' last reported statistics, added up (a lost replica's
                      counters stay in the sum, its gauges leave it)
 
-Failures after submit (the replica's process was killed, its node removed, the call lost)
-end the stream by raising `EngineDeadError` that names the replica and the cause, as a lost
-PD instance does under `rlt pd serve`: rlt-serve answers a plain request with HTTP 503
-`engine_unavailable` and that message as JSON, and ends a streaming one (each open choice with
-finish_reason "abort", then the error event and `[DONE]`). Only that replica's requests fail
-(`dead` stays None: /health follows the service, not one replica); the router drops the dead
-replica at once, and Ray starts a replacement, routed to once it is healthy.
-
-A submit whose replica died before accepting is tried again on another replica
-(`SUBMIT_ATTEMPTS`); nothing ran there, so nothing is duplicated. A submit that gets no answer
-within `submit_timeout_s` (every replica gone and none back yet) fails with
-`OverloadedError` (HTTP 429 with Retry-After): the fleet may be back shortly.
+Failures (README.md, "Contracts" and "Failures"): a replica lost after submit ends its
+requests' streams with `EngineDeadError` naming it (`dead` stays None: /health follows the
+service, not one replica); a submit whose replica died before accepting is tried again on
+another (`SUBMIT_ATTEMPTS`: nothing ran there); no answer within `submit_timeout_s` is an
+`OverloadedError` (429 with Retry-After).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """`PrivateCluster`: the one-node Ray cluster that `rlt ray serve` / `rlt ray pd serve` start
-when no cluster is named (no `--address`, no `RAY_ADDRESS`).
-
-It is `ray start --head --block` run as a child in a POSIX session of its own (`setsid`), with
-its own temporary directory and free ports:
-
-- a terminal's Ctrl-C (SIGINT to the foreground process group) reaches only rlt, never Ray's
-  processes, so rlt can drain Serve before it stops the cluster;
-- its address file (Ray's "last cluster" file) lives in that directory, so no other `ray.init()`
-  on this machine joins it by accident, and it never joins a cluster another command started
-  (`ray.init()` without an address would: RAY_ADDRESS or /tmp/ray/ray_current_cluster);
-- `stop()` sends SIGTERM to `ray start`, which stops every process it started; should it not
-  exit within the bound, its session is killed. On Linux the child also gets SIGTERM when rlt
-  dies without stopping it (PR_SET_PDEATHSIG), so no cluster outlives the command.
+when no cluster is named (no `--address`, no `RAY_ADDRESS`): `ray start --head --block` as a
+child in a POSIX session of its own, with its own temporary directory (its address file too)
+and free ports, so that a terminal's Ctrl-C reaches only rlt (which drains Serve before it
+stops the cluster) and no other `ray.init()` joins it. `stop()` sends SIGTERM to `ray start`
+and kills its session past the bound; on Linux the child also gets SIGTERM when rlt dies
+(PR_SET_PDEATHSIG). README.md, "Which cluster", has the rest.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
-"""`rlt ray pd serve`: prefill/decode disaggregation on Ray Serve.
+"""`rlt ray pd serve`: prefill/decode disaggregation on Ray Serve (README.md, "PD on Ray", has
+the deployment graph, one request's handoff and the failure rules).
 
-    HTTP (Serve's proxy) -> RltPDIngress: rlt-pd-coordinator's front and PDEngineClient
-                              | (picks P and D, drives the handoff, streams D's deltas)
-                              |  /internal/pd/* over HTTP, to the URLs the replicas report
-                   +----------+-----------+
-                   v                      v
-            RltPrefill replicas    RltDecode replicas      one `rlt serve --pd-role` engine
-            (engine + its HTTP) ==NIXL==> (engine + HTTP)  instance each, num_gpus=1 on CUDA
-
-Three deployments in one application. Ray places the replicas (Serve's default SPREAD
-scheduling, or the custom resources and `max_replicas_per_node` of `PDOptions`), checks their
-health (each replica's hook asks its engine and its HTTP server), restarts them and scales
-them. rlt owns the handoff: each replica is exactly one `rlt serve --pd-role prefill|decode`
-instance (the engine core on a thread, rlt-serve's app with the internal PD routes, served by
-uvicorn on a free port of its node), and the ingress is the coordinator of `rlt pd serve`
-(`rlt_pd_coordinator.PDEngineClient` over a `Cluster`, behind `build_front`), imported, not
-copied. The coordinator's routing, credits, timeouts and failure rules are therefore those of
-`rlt pd serve` (docs/pd.md); what differs is who supervises the instances:
-
-- membership: the handles to the two engine deployments carry `MembershipRouter`, which sees
-  the replicas Ray runs and their `record_routing_stats` (URL, role, transport agent, pid,
-  node, load). Every `discovery_period_s` the ingress adds a replica it has not seen to the
-  coordinator's `Cluster` (admitted in the background: compatibility checked, connected to
-  every peer of the other role both ways, then routed to) and removes one Ray no longer lists;
-- a replica Ray replaced is a new instance (new replica id, URL and transport agent: a new
-  handoff generation), never the old one come back, so no transfer addressed to the old
-  process can land in the new one's memory.
+Three deployments in one application: prefill and decode replicas (`PDInstanceReplica`, each
+exactly one `rlt serve --pd-role` instance with its own HTTP server) and an ingress that runs
+the coordinator of `rlt pd serve` (`rlt_pd_coordinator.PDEngineClient` over a `Cluster`,
+imported, not copied). Ray places, health-checks and restarts the replicas; what this module
+adds is membership: the engine handles carry `MembershipRouter`, and every
+`discovery_period_s` the ingress adds the replicas Ray runs to the `Cluster` and removes the
+ones it no longer lists. A replica Ray replaced is a new instance (new id, URL and transport
+agent: a new handoff generation), never the old one come back.
 """
 
 from __future__ import annotations

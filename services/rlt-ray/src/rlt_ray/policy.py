@@ -1,40 +1,17 @@
 """Which engine replica serves a request: the routing policy, free of Ray (pure, unit-tested).
 
-`RoutingPolicy.rank(prompt, replicas)` orders the live replicas for one request; the Ray glue
-(`rlt_ray.router`) sends the request to the first one that accepts it, then reports back with
-`routed` (the request went there) and `finished` (it ended, whatever the outcome).
-
-Three policies:
-
-- `round_robin`: the baseline; replicas in turn, ignoring load and cache.
-- `least_loaded`: the replica with the smallest load, then the most free KV, then the one
-  picked longest ago.
-- `prefix_affinity`: the replica that most likely holds the longest cached prefix of the
-  prompt, unless that would put it above the load bound; otherwise `least_loaded`.
-
-Load of a replica: `max(in_flight, ongoing)`. `in_flight` counts the requests this router gave
-it that have not ended: exact and immediate, but blind to other routers (other ingress
-replicas). `ongoing` is what the replica last reported (requests it holds that have not ended,
-from every router; up to a stats period old). The larger of the two is the better estimate.
+`RoutingPolicy.decide(prompt, replicas)` ranks the live replicas for one request; the Ray glue
+(`rlt_ray.router`) sends the request to the first one that accepts it and records the prompt
+with `routed`. README.md, "Routing, with numbers", gives the three policies, a replica's load
+(`max(in_flight, ongoing)`: this router's exact count, or the replica's report, which also sees
+other routers), the prefix tables and the load bound of `prefix_affinity` with a worked example.
 
 Prefix-cache knowledge: the engines do not publish their cache contents, so the policy keeps,
 per replica, the block hashes of the prompts it routed there (as SGLang's router and Ray Serve
-LLM's prefix router do): blocks of `block_size` tokens, each hash chained over the previous
-one like the engine's prefix cache, so block i matches only if blocks 0..i match too. A
-replica's table holds at most `max_cached_blocks` entries (least recently routed evicted
-first); the engine itself evicts under KV pressure, so the table is an estimate, and a wrong
-guess costs only a cache miss. A replica that leaves the live set (died, restarted, scaled
-down) loses its table: a restarted replica's engine starts with an empty cache.
-
-Load bound (prefix_affinity): with n live replicas and T = the sum of their loads + 1 (the
-request being routed), a replica is eligible for affinity only if its load + 1 <= cap, where
-cap = ceil(load_factor * T / n) + load_slack. The slack (default 1) lets a prefix keep its
-replica at low load, where one extra request is no imbalance worth a cache miss. The
-least-loaded replica is always eligible for load_factor >= 1 (its load is at most
-floor((T - 1) / n), and floor((T - 1) / n) + 1 = ceil(T / n)), so every request goes to a
-replica whose load after routing is at most cap: one hot prefix cannot flood its replica
-beyond load_factor times the mean plus the slack. (Defaults: 1.25 and 1; with 3 replicas and
-12 requests in flight, T = 13 and cap = ceil(5.42) + 1 = 7.)
+LLM's prefix router do), chained like the engine's prefix cache: block i matches only if blocks
+0..i match too. The table is an estimate (the engine evicts under KV pressure): a wrong guess
+costs only a cache miss. A replica that leaves the live set loses its table (a restarted
+replica's engine starts with an empty cache).
 """
 
 from __future__ import annotations

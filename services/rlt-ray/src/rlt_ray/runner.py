@@ -1,27 +1,15 @@
-"""Running the app of `rlt ray serve` / `rlt ray pd serve` from start to exit.
+"""Running the app of `rlt ray serve` / `rlt ray pd serve` from start to exit (README.md,
+"Which cluster" and "Shutdown: the drain").
 
-Which cluster:
-- `--address` (or else `RAY_ADDRESS`, which is printed): join that cluster. The app is deployed
-  under `--app-name` at `--route-prefix` (refused if the cluster already runs an app of that
-  name) and only it is removed on exit; Serve itself is shut down only if this command started
-  it and no other app is left. Serve's HTTP options are the cluster's when Serve already runs
-  there.
-- neither: a private one-node cluster (`local_cluster.PrivateCluster`), in its own POSIX
-  session, stopped on exit. Nothing here ever calls `ray.init()` without an address, which
-  would join whatever cluster Ray's last-cluster file names.
+Which cluster: `--address` (or else `RAY_ADDRESS`, which is printed) joins that cluster, where
+only this app (`--app-name` at `--route-prefix`, refused if the name is taken) is deployed and
+removed on exit; neither starts a private one-node cluster (`local_cluster.PrivateCluster`).
+Nothing here calls `ray.init()` without an address, which would join whatever cluster Ray's
+last-cluster file names. "ready at URL" names the address Serve's proxy actually listens on.
 
-"ready at URL" names the address Serve's proxy actually listens on (its HTTP options in
-effect), plus the route prefix.
-
-Stopping: SIGINT and SIGTERM are read by rlt's one stop-signal policy
-(`rlt_serve.shutdown.StopSignals`: a launcher's copy of a signal, such as `uv run` forwarding
-a process-group SIGINT, is not a second signal). During start-up the first signal stops it
-(exit 0). While serving, the first drains: every ingress replica is asked
-(`drain.DrainSignal`) to refuse new requests (503), to give those in flight
-`--shutdown-timeout` seconds, and then to end the rest with finish_reason "abort" (streams:
-last chunk + [DONE]); once they report done, the app is deleted and a private cluster stops
-(exit 0). A second signal ends what still runs at once, as cleanly (exit 128 + its number); a
-third exits at once, killing a private cluster (a second one after an interrupted start-up).
+Stopping follows rlt's one stop-signal policy (`rlt_serve.shutdown.StopSignals`): the first
+signal stops a start-up or drains (`drain.DrainSignal`) what is served, a second ends what
+still runs at once, a third exits at once.
 """
 
 from __future__ import annotations

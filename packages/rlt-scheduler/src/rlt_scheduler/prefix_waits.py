@@ -1,41 +1,12 @@
 """Prefix waits: a waiting request whose leading pages a running request is computing waits
-for them instead of computing them a second time.
+for them instead of computing them a second time (README.md, "Prefix waits: shared pages
+computed once", gives the rule, why half of the prompt, and why nothing deadlocks or starves).
 
-Pages reach the prefix cache only once the chunk that computed them is read back (completion
-evidence, R18), so requests admitted together (the n choices of one prompt, the choices of a
-multiple-choice question sent in one completion call, concurrent clients sharing a long
-context) would each compute the part they share. With a prefix cache, a waiting request W
-waits while a running request R has not yet read back the pages W would reuse from it:
-
-- shared pages: the leading full pages of W's prompt (inside prompt[:-1], the publishable
-  ones) whose chained keys (`KVPort.page_keys`, under W's salt: prefill's KV or an exit rule's)
-  equal R's, provided R's pages will serve W (`scored_prefix.serves`: the same salt and, for a
-  scored W, records with at least its alternatives). For a scored W the last shared page counts
-  only if the token after it is the same in both prompts, since its record is keyed by it.
-- substantial: at least one page, and the shared pages hold at least half of W's prompt
-  (2 * shared tokens >= prompt length).
-- pending: R's read-back prompt (`computed_prompt_tokens`) covers fewer than those pages.
-- R makes progress: it is in the running list, so each step schedules its prompt chunks ahead
-  of any admission (or its last chunk is in flight, or, PD decode, its prompt's KV is landing
-  and is published when it lands). A preempted R is back in the waiting queue, an aborted or
-  finished one is gone: either way W stops waiting at the next admission (and computes the
-  pages itself, or waits for another R). Never with no prefix cache to publish into, never
-  for a preempted W (it restores its own snapshot).
-
-Why half. W waits only for R, which is ahead of it: R's chunks take the step's token budget
-before any admission and R has already started, so R reads the shared pages back no later than
-W would have computed them itself, plus the step in which a chunk is read back and one partial
-chunk. Waiting thus costs W about two steps at most, and gains the shared positions' compute
-and prompt KV blocks (and, scored, their scores, copied exactly from the records). With at
-least half of its prompt shared, W skips at least half of its prefill for that bounded delay; a
-short prompt sharing one page with a long one would instead wait two steps to save a page. The
-choices of a question (a context followed by a few tokens each) and the n sequences of one
-prompt (every publishable page shared) always qualify.
-
-No deadlock or starvation: only running requests are waited for, and they never wait. A
-waiting W takes no slot and is skipped by admission without being scanned or passed over
-(`Admitter.admit`), so it never holds up requests behind it; once R has read the pages back
-(or left the running list) W is admitted in queue order with the prefix-cache hit.
+A waiting request W waits for a running request R while R's read-back prompt
+(`computed_prompt_tokens`) covers fewer than the pages W would reuse from it, those pages being
+W's shared leading full pages (inside prompt[:-1], chained keys under W's salt equal to R's,
+`scored_prefix.serves`) holding at least half of W's prompt (2 * shared tokens >= prompt
+length). Never with no prefix cache to publish into, never for a preempted W.
 
 Functions of the requests, the KV port's page keys and the running list the scheduler passes
 in; the only state they write is each request's page keys, computed once on first need

@@ -7,32 +7,17 @@ The engine drives it with a feedback loop that may run one step ahead of the dev
     scheduler.update_from_output(result)     # results of the oldest submitted step
     deltas = scheduler.take_outputs()        # new tokens per request
 
-Steps are applied in submission order. Between schedule() of step n and update_from_output()
-of step n, later steps may be scheduled: prompt chunks advance optimistically (they are
-deterministic), decoding rows keep running on the device, and every decoding request's blocks
-cover the most outputs the submitted steps can produce (`unconfirmed_tokens`, `in_flight.py`).
-
-A step holds prefill chunks under the token budget and `decode_ticks` loop ticks for every
-decoding request. While a prompt can be computed (one is in PREFILL, or a waiting request can
-start now) a step runs `prefill_step_decode_ticks` (by default one tick, so prefill is never
-held up); otherwise (requests that wait for KV blocks included) several ticks (up to
-`decode_ticks_per_step`, and in refill mode no more than the longest request can still use)
-run per host round trip. With `scheduler_delay_factor` > 0 admission may wait a little so that
-prompts arriving close together start in one step (`admission_delay.py`).
+Steps are applied in submission order; what a step holds and how steps in flight are bounded
+are README.md's "One step" and "Steps in flight". With `scheduler_delay_factor` > 0 admission
+may wait a little so that prompts arriving close together start in one step
+(`admission_delay.py`).
 
 This module owns the queues (`request_queues.RequestQueues`) and the request table, decides the
-step-building order, and keeps the one cleanup path (`_finish`). It composes: `intake.py`
-(waiting room, request state), `step_planner.py` (`StepPlanner`: decode rows, prompt chunks,
-PD remote starts and KV growth), `admitter.py` (`Admitter`: priority preemption and the
-bounded-bypass admission loop, budgets from `admission_budget.py`), `preemption.py` (victim
-choice, suspension and resumption), `constrained.py` (structured-output masks),
-`prefix_waits.py` (a waiting request waits for leading pages a running request is computing,
-so they are computed once), `pd_stages.py` (PD handoff stages and held blocks), `in_flight.py`
-(steps not yet applied) and `outputs.py` (applying prompt progress and tokens).
-
-Each request records when it was queued (add_request), first admitted (schedule) and when the
-results holding its first and latest tokens were applied (update_from_output), on the host's
-time.monotonic() clock; its final delta reports them (`RequestTimings`).
+step-building order, and keeps the one cleanup path (`_finish`); the modules it composes are
+README.md's "Modules" table. Each request records when it was queued (add_request), first
+admitted (schedule) and when the results holding its first and latest tokens were applied
+(update_from_output), on the host's time.monotonic() clock; its final delta reports them
+(`RequestTimings`).
 """
 
 from __future__ import annotations

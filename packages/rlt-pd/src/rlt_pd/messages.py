@@ -1,19 +1,11 @@
 """Wire formats of the KV handoff: control messages, transport metadata and the typed errors.
 
 Pure (msgspec only, no torch). Every notification between P's and D's transports is one
-msgpack-encoded `ControlMessage`, a tagged union (field "kind"):
-
-    landed   {transfer_id, sequence}  P -> D, the notification of partition `sequence`'s WRITE:
-                                      NIXL delivers it after that write's bytes landed on D.
-    commit   {transfer_id, count}     P -> D, sent once all `count` partitions were *posted*
-                                      (ends submission, not delivery).
-    cancel   {transfer_id}            D -> P, stop writing into this allocation.
-    drained  {transfer_id}            P -> D, no write of this transfer is pending or can still
-                                      start (after a cancel, a failure, or a cancel of an unknown
-                                      id); D may reuse a cancelled allocation.
-
-A notification that does not decode, or a kind the receiving role never gets, is a protocol
-violation (`HandoffProtocolError`); an unknown or stale transfer id is not (it is dropped).
+msgpack-encoded `ControlMessage`, a tagged union (field "kind"): `landed` and `commit` (P -> D),
+`cancel` (D -> P), `drained` (P -> D); README.md, "Control messages", says what each vouches
+for. A notification that does not decode, or a kind the receiving role never gets, is a
+protocol violation (`HandoffProtocolError`); an unknown or stale transfer id is not (it is
+dropped).
 """
 
 from __future__ import annotations

@@ -4,19 +4,10 @@ destination blocks of a failed or cancelled transfer may be reused. Pure (no tor
 
 Used from the engine loop (one thread): `expect` once D admitted the request (its blocks and
 hidden row reserved, the `HandoffTarget` reported), `poll` once per step, `cancel` on D's own
-abort (client gone, shutdown of the request).
-
-Outcomes (`poll`):
-    COMPLETED  commit and every partition's notification arrived: activate (the blocks now
-               belong to the request as usual); the receiver forgets the transfer.
-    FAILED     the request cannot activate: waited longer than `wait_timeout_s` (the receiver
-               then cancels: P gets `cancel`), or P gave up (its `drained` came before
-               completion). Fail the request but keep its blocks until RELEASED.
-    RELEASED   a cancelled or failed transfer's blocks may be reused: P confirmed `drained`,
-               or `lease_s` passed since the cancel (P presumed dead). Reported once; the
-               receiver forgets the transfer.
-Messages for unknown transfer ids, or from another agent than the transfer's P, are stale and
-dropped; a message no P can send raises HandoffProtocolError (as do the tracker's checks).
+abort (client gone, shutdown of the request). The outcomes (COMPLETED, FAILED, RELEASED) are
+README.md's "D: `KVReceiver`". Messages for unknown transfer ids, or from another agent than
+the transfer's P, are stale and dropped; a message no P can send raises HandoffProtocolError
+(as do the tracker's checks).
 """
 
 from __future__ import annotations

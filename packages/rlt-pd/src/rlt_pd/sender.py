@@ -5,20 +5,9 @@ reports per transfer when P may free its blocks. Pure (no torch): it drives a `T
 Used from the engine loop (one thread): `start` when a request with a `HandoffTarget` is admitted,
 `send_chunk` after each prefill chunk (its device work complete, or pass `ready` to gate the
 chunk's partitions on e.g. its CUDA event's `query`), `poll` once per step, `cancel` on P's own
-abort. See the package README for the message sequence.
-
-Outcomes (`poll`), each reported once per transfer; every one means "nothing of this transfer is
-in flight any more (or a write outlived its lease): P may free the request's blocks":
-    DONE       every partition posted and completed locally, commit sent.
-    FAILED     a write failed, the commit could not be sent, or a write outlived
-               `write_timeout_s`; remaining partitions are not posted.
-    CANCELLED  cancelled by P (`cancel`) or by D (a cancel message).
-After FAILED and CANCELLED, P sends D `drained` once its in-flight writes finished, except after
-a write timeout (the write might still land: D waits for its own lease instead).
-
-Cancels of transfer ids P does not know (not started yet, or already finished) are answered with
-`drained` at once, and the id is remembered for `tombstone_s`: a later `start` of it is refused,
-so the answer stays true.
+abort. README.md, "P: `KVSender`", gives the in-flight bound, the outcomes (DONE, FAILED,
+CANCELLED: each reported once, each meaning P may free the request's blocks), when P sends
+`drained` and the tombstones that keep an early cancel's answer true.
 """
 
 from __future__ import annotations

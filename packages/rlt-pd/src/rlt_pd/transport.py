@@ -1,25 +1,12 @@
 """`KVTransport`: one NIXL agent (UCX backend) per engine, over the runner's KV pool and
 hidden-state rows. Implements `rlt_pd.transport_api.Transport` for the connectors.
 
-Registered memory: what the runner declares (`rlt_contracts.PDMemory`): its whole key and value
-allocations [L, A, B, Hkv, D] (A = allocated blocks, every plane's blocks live in them, the
-scratch blocks are never targeted) and one role's hidden-state rows [S, d]; CPU memory registers
-as DRAM, CUDA memory as VRAM. The transport keeps a reference to the memory's owner until
-`close()` deregistered it (a registered address must not dangle).
-
-How a partition is posted (one NIXL transfer, so its notification covers all of its bytes):
-- Prepared lists, reused across requests (layout in descriptors.py): prepared once locally
-  (at construction) and once per peer (at connect). A partition whose every range is made of
-  whole blocks on both sides becomes `make_prepped_xfer` with index lists (a merged range of n
-  blocks gives n consecutive indices); this is the common case (every chunk of a prompt whose
-  chunk boundaries are block-aligned).
-- A partition with any token-exact range (a partial page at a chunk's or the prompt's end, a
-  range the planner split) goes as explicit (address, length, device) descriptors through
-  `initialize_xfer`, built as one numpy array. Whole-block descriptors cannot express a partial
-  page without rewriting positions another partition writes, and a per-token prepared list
-  would need L * A * B descriptors per tensor. Measured on this CPU for 256 descriptors:
-  ~0.03-0.06 ms to make the prepped transfer vs ~0.1-0.2 ms for the explicit one, and 25 ms to
-  prepare a 96k-descriptor list once.
+README.md, "Transport", gives the memory it registers (the runner's `PDMemory`; CPU as DRAM,
+CUDA as VRAM), the handshake, and how a partition is posted as one NIXL transfer (so that its
+notification covers all of its bytes): index lists into the prepared lists (descriptors.py)
+when every range is whole blocks on both sides, explicit descriptors when a range is
+token-exact, why, and what each costs. The transport keeps a reference to the memory's owner
+until `close()` deregistered it (a registered address must not dangle).
 
 Failures never raise from `write`/`poll`: a NIXL exception or an ERR state becomes a failed
 handle with the reason. A sender's DONE only means the local side finished; the target learns

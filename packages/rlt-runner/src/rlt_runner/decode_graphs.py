@@ -1,19 +1,12 @@
 """CUDA graphs of the decode tick: one per (padded row count, sampling mode, gate needed).
 
 A tick is ~10 kernels per layer plus the exit rule, finalization copies, LM head, sampler and
-commit (over 300 launches at 24 layers); as a graph it is one launch, and its kernels run back
-to back on the GPU. Every input and output of the tick lives in persistent buffers (the rows'
-state, the ring, the tick index) that a replay reads and writes in place, so a replay needs no
-preparation at all: the host queues K replays and moves on.
-
-Buckets are powers of two up to `max_rows`; a tick over rows [0, B) runs the smallest bucket
->= B (rows past B are inactive, hence padding). Greedy graphs, with and without the exit gate,
-are captured for every bucket up front; other sampling modes (random, filtered, logprobs) on
-first use (capture synchronizes the device once). Capturing needs a warm-up run of the tick:
-it runs with every row made inactive (the `active` and `parked` flags and the tick index are
-saved and put back around it) and records in the ring's spare rows, so no request's state and
-no record of the step in progress changes. All graphs share one memory pool: only one replays
-at a time.
+commit (over 300 launches at 24 layers); as a graph it is one launch. Every input and output
+lives in persistent buffers read and written in place, so the host queues K replays and moves
+on. Buckets (powers of two up to `max_rows`; a tick over rows [0, B) runs the smallest bucket
+>= B), what is captured when, and how a capture leaves every request's state and the step's
+records intact are README.md's "CUDA graphs". All graphs share one memory pool: only one
+replays at a time.
 """
 
 from __future__ import annotations

@@ -3,28 +3,13 @@
 Every prompt position runs loops under its request's exit rule (the row's `DecodeRule.exit`:
 HAZARD, DELAYED_HAZARD or TRACE, with min/max loops and threshold; hazard product in fp64 from
 the fp32 gate, as a decode tick does) and stops at the loop where it fires, its exit state
-then scoring the next prompt token. This is the pass of a speculative round's verify, built
-once in position_loops.py and used by both:
-
-- LAST_EXITED, depth-major (`PositionLoops.depth_major`): loop j over every position of the
-  step's chunks at once, one attention group per chunk. A position that exits at e < j has
-  stopped, and its KV of loop e was copied into planes e..T-1 right after loop e, so at loop j
-  the positions after it read exactly the version a decode would have left them.
-- SHARED, position by position (`PositionLoops.one_position`): one position per chunk at a time,
-  through its loops up to its exit, overwriting the single plane, so later positions read every
-  earlier one's final version, as decoding does.
-
-Earlier chunks of the same prompt (earlier steps) ran the same way, and so did the pages of a
+then scoring the next prompt token. The pass is `PositionLoops` (position_loops.py), shared
+with a speculative round's verify: depth-major under LAST_EXITED, position by position under
+SHARED; README.md, "Prompt chunks at exit depth", says why each equals decoding and works an
+example. Earlier chunks of the same prompt ran the same way, and so did the pages of a
 prefix-cache hit (published under the same exit rule's salt), so chunking and reuse change
-nothing.
-Each position's TRACE entry is its position (the output index a decode fed the prompt from
-position 0 would give it). Eager only: scoring steps run no prefill graph.
-
-Worked example (T = 4, LAST_EXITED, HAZARD min_loops 2, threshold 0.6), positions 0..2:
-loop 1 runs all three; loop 2 runs all three, position 1's CDF reaches 0.7: it exits at depth 2
-and its plane-1 KV is copied into planes 2 and 3; loop 3 runs positions 0 and 2, and position
-2's query reads position 1's plane 2 (the copy); loop 4 runs them to depth 4. Depths (4, 2, 4):
-token 2 is scored by position 1's loop-2 state, tokens 1 and 3 by depth-4 states.
+nothing. Each position's TRACE entry is its position (the output index a decode fed the prompt
+from position 0 would give it). Eager only: scoring steps run no prefill graph.
 """
 
 from __future__ import annotations

@@ -3,17 +3,10 @@
 A snapshot holds, for one execution identity: the K/V of every page the request held, at every
 plane, its row's progress (hidden state, looping token, position, loop count, exit state,
 outputs, active/parked/held flags), the part of its row's logits state that activation does not
-rewrite (`LogitsState.save_row`: a penalized request's output counts, [V] int32; a structured
-request's token bitmask) and its host record (sampling parameters, decode rule, prompt). Row
-activation on restore rewrites the rest of the logits state from the record (prompt mask,
-logit_bias, stop mask). Restoring writes the pages into the request's new blocks (page i of
-plane p into the new page i of plane p, so positions keep their meaning while physical blocks
-change) and the progress into its new row. The random stream needs no saving: it is a function
-of (seed, output index).
-
-On CUDA every copy is queued without blocking: the device-to-host copies land in pinned memory
-in stream order, and a restore's host-to-device copies are queued after them, so a snapshot is
-complete before any restore can read it.
+rewrite (`LogitsState.save_row`) and its host record (sampling parameters, decode rule,
+prompt). README.md, "Snapshots and memory", says how a restore maps pages to the new blocks,
+what is rewritten from the record, why no RNG state is saved and why queued, non-blocking
+copies are complete before a restore reads them.
 """
 
 from __future__ import annotations

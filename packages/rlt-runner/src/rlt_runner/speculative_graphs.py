@@ -1,14 +1,10 @@
 """CUDA graphs of speculative rounds: one per (slot bucket, sampling mode, gate needed).
 
 A round is (K + 1) x D draft loops, the verify loops and the accept/commit bookkeeping, several
-thousand kernels at 24 layers; as a graph it is one launch. Its inputs and outputs live in the
-program's persistent buffers (slot map, position buffers, record rings, round index) and the
-rows' state, read and written in place, so a replay needs no preparation. Buckets are powers
-of two up to the program's slots (padding slots are invalid: they change nothing). Greedy
-graphs, with and without the exit gate, are captured for every bucket up front; other modes,
-and the benchmarks' forced acceptance, on first use. Captures run with every slot invalid and
-record in the rings' spare rows, so no request's state and no record of the step in progress
-changes. The graphs share the decode graphs' memory pool (only one replays at a time).
+thousand kernels at 24 layers; as a graph it is one launch, over the program's persistent
+buffers and the rows' state, read and written in place. Buckets, captures and the shared pool
+are as for decode ticks (decode_graphs.py; README.md, "Speculative rounds"); the benchmarks'
+forced acceptance is captured on first use.
 """
 
 from __future__ import annotations

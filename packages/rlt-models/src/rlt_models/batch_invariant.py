@@ -2,29 +2,16 @@
 
 "Batch-invariant" means: a row's output depends only on that row's input (and the weights),
 bitwise, never on how many rows the call has, what the other rows hold, or where the row sits.
-Plain torch ops do not promise that, and on this project's CPU build they break it (measured,
-docs/results.md "Batch invariance"):
+README.md, "Batch-invariant mode", says which plain torch ops break that on this project's CPU
+build (`F.linear` picks its kernel by the row count; fp32 sigmoid / silu round by flat
+position) and what replaces them here:
 
-- `F.linear` picks its kernel by the row count M: in fp32 (MKL) M = 1, M in {2, 3} and M >= 4
-  give different roundings, and with 2 threads M in 5..11 differ again; in bf16 (oneDNN) M = 1
-  differs from M >= 2 for some shapes. A row's result therefore changes with the batch size.
-- fp32 `torch.sigmoid` and `F.silu` compute an element with SIMD or scalar code depending on
-  its flat position in the tensor (a different rounding in about 4% of the elements), so the
-  same value gives a different result in a different batch.
-
-What this module does instead:
-
-- `linear(x, w)`: rows go through the GEMM in fixed blocks of `ROW_BLOCK` rows (the last one
-  zero-padded), each block a separate call of the same shape [ROW_BLOCK, K] x [K, N]. A GEMM of
-  one fixed shape runs one kernel with one reduction order for every row of the block; measured
-  here, a row's result is then independent of its position in the block, the other rows and the
-  buffer's alignment (tests/test_batch_invariant_ops.py checks it for every model shape). On
-  this 2-core CPU an 8-row block costs about 2.7x a one-row GEMV and 1.3x a plain 8-row GEMM
-  (bundled model's shapes, bf16; docs/results.md). On CUDA
-  (with Triton) it is an M-tiled Triton matmul whose tile configuration is fixed per (N, K,
-  dtype) and never chosen by M, with no split over K: every output element is one fp32
-  accumulation over K in BLOCK_K steps, the same for any M. UNVERIFIED on a GPU (no GPU time
-  was left when it was written); `fixed_row_blocks` is the fallback where Triton is missing.
+- `linear(x, w)`: on the CPU, rows in fixed blocks of `ROW_BLOCK` (the last one zero-padded),
+  each block one GEMM of the same shape [ROW_BLOCK, K] x [K, N], hence one kernel and one
+  reduction order (on this 2-core CPU an 8-row block costs about 2.7x a one-row GEMV and 1.3x a
+  plain 8-row GEMM, bundled model's shapes, bf16); on CUDA an M-tiled Triton matmul whose tile
+  configuration never depends on M, without split-K (`fixed_row_blocks` where Triton is
+  missing).
 - `silu` / `sigmoid`: written with `torch.exp`, whose SIMD and scalar paths agree here (tested),
   computed in fp32 and rounded once (as `F.silu` on bf16 does).
 

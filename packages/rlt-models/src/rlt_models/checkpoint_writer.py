@@ -36,12 +36,16 @@ class RandomInit:
       sensitive to a misplaced norm).
     gate_std / gate_bias: exit-gate weight std and bias; with a unit-RMS normed state the gate
       logit has std about gate_std * sqrt(hidden_size).
+    weight_std_by_prefix: ((tensor name prefix, std), ...): the std of the projections whose
+      names start with a prefix (the first that matches) instead of weight_std, e.g. a smaller
+      one for Huginn's recurrent block so its steps converge; the noise drawn is the same.
     """
 
     weight_std: float = 0.02
     norm_jitter: float = 0.1
     gate_std: float = 0.05
     gate_bias: float = 0.0
+    weight_std_by_prefix: tuple[tuple[str, float], ...] = ()
 
 
 def random_ouro_tensors(
@@ -67,7 +71,8 @@ def random_checkpoint_tensors(
         elif name == "model.early_exit_gate.bias":
             tensors[name] = torch.full(shape, init.gate_bias, device=device)
         else:
-            tensors[name] = init.weight_std * noise
+            stds = (std for prefix, std in init.weight_std_by_prefix if name.startswith(prefix))
+            tensors[name] = next(stds, init.weight_std) * noise
     return tensors
 
 

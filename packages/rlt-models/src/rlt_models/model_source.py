@@ -2,33 +2,15 @@
 (`org/name`) resolved to its snapshot in the Hugging Face cache through `huggingface_hub`.
 
 The rule, as vLLM's: a path that exists is a local directory and wins; anything else that is a
-valid Hub id is looked up with `huggingface_hub.snapshot_download`:
-
-- `revision` (a branch, tag or commit; default `main`) picks the snapshot; online, the Hub says
-  which commit the branch or tag is now, offline the cache's `refs/<revision>` does;
-- `download_dir` is the cache directory (default: `huggingface_hub`'s, `$HF_HUB_CACHE`, else
-  `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), in the cache layout
-  `models--org--name/{refs,snapshots,blobs}`;
-- `HF_HUB_OFFLINE=1` never touches the network: the id must already be in the cache;
-- only the files rlt reads are fetched (top-level config and tokenizer files, safetensors
-  weights, chat templates: `HUB_FILE_PATTERNS`), with `huggingface_hub`'s progress bars on
-  stderr (off with `HF_HUB_DISABLE_PROGRESS_BARS=1`).
-
-An id that cannot be resolved is one `ModelSourceError` line naming the id, the revision and
-why (not in the cache while offline, no such repository or revision, gated, the Hub not
-reachable), raised before anything loads. Whether the snapshot is a complete checkpoint is
-`model_dir.check_model_dir`'s question, asked by the callers as for any directory.
+valid Hub id is looked up with `huggingface_hub.snapshot_download` (online, the Hub says which
+commit a branch or tag is now; offline, the cache's `refs/<revision>` does), with its progress
+bars on stderr (off with `HF_HUB_DISABLE_PROGRESS_BARS=1`). README.md, "Models by Hugging Face
+id", gives the arguments, the files fetched, the errors and a worked example.
 
 A snapshot directory of a Hugging Face cache (`.../models--org--name/snapshots/<commit>`) is a
 local directory that knows its id: its `ModelSource.name` is `org/name`, as the id's. So a
 command resolves an id once and hands its processes (an engine core, PD instances) the
 snapshot's path: they read that one snapshot, and still call the model `org/name`.
-
-Worked example: `resolve_model_source("org/name")` with `HF_HUB_OFFLINE=1` and a cache holding
-`models--org--name/refs/main` = `3f2a...` returns `ModelSource(given="org/name",
-local_dir=<cache>/models--org--name/snapshots/3f2a..., hub_id="org/name", commit="3f2a...")`;
-its `name` (what servers call the model by default) is `org/name`, and so is that of
-`resolve_model_source(<cache>/models--org--name/snapshots/3f2a...)`.
 """
 
 from __future__ import annotations

@@ -2,13 +2,8 @@
 
 An nGPT layer keeps its state on the unit sphere, so its elementwise work is unit norms,
 learned per-channel scales and interpolations around four GEMMs and the attention. Eager torch
-spends about 60 small kernels a layer on them; `NGPTLayer.forward_fused` spends five:
-
-    qkvg GEMM -> `qk_unit_rope_scale_` -> attention -> `gated_unit` -> o GEMM ->
-    `unit_interpolate` -> gate_up GEMM -> `scaled_silu_unit` -> down GEMM -> `unit_interpolate`
-
-(the last one also gives the next layer's input unit(h)). `unit_norm` and `unit_add_unit` start
-a stage or a loop.
+spends about 60 small kernels a layer on them; `NGPTLayer.forward_fused` spends five (README.md,
+"Dory's fused nGPT path", shows the layer's sequence of GEMMs and these ops).
 
 unit(x) = x / sqrt(sum(x^2) + 1e-6) over the last dim: fp32 statistics, the product in fp32,
 cast back to x's dtype (transformers' DoryL2Norm). Everything else is in the activation dtype

@@ -83,6 +83,23 @@ def test_writer_is_reproducible_from_seed():
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
 
 
+def test_a_prefix_std_scales_only_its_tensors_from_the_same_noise():
+    from rlt_models import RandomInit
+
+    base = random_ouro_tensors(CONFIG, seed=3)
+    init = RandomInit(weight_std_by_prefix=(("model.layers.1.", 0.002), ("model.layers.", 0.5)))
+    scaled = random_ouro_tensors(CONFIG, seed=3, init=init)
+    for name, tensor in base.items():
+        if "norm" in name:  # RMSNorm weights keep 1 + jitter * noise
+            assert torch.equal(scaled[name], tensor), name
+        elif name.startswith("model.layers.1."):  # the first matching prefix wins
+            torch.testing.assert_close(scaled[name], tensor * (0.002 / 0.02), rtol=1e-6, atol=0)
+        elif name.startswith("model.layers.0."):
+            torch.testing.assert_close(scaled[name], tensor * (0.5 / 0.02), rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(scaled[name], tensor), name
+
+
 def test_sharded_checkpoint_loads_identically(tmp_path, ckpt):
     sharded = write_random_checkpoint(tmp_path / "sharded", CONFIG, seed=7, max_shard_bytes=20_000)
     shards = sorted(sharded.glob("model-*.safetensors"))

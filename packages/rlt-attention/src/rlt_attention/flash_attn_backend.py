@@ -1,42 +1,24 @@
 """Optional adapter to flash-attn 2's paged-KV forward: `flash_attn_with_kvcache` for decode,
-`flash_attn_varlen_func` for prefill and mixed calls.
-
-Checked against flash-attn 2.8.3.post2's sources (flash_attn_interface.py, csrc/flash_api.cpp);
-its CUDA comparison with the torch backend is packages/rlt-attention/tests/
-test_flash_attn_backend.py, run on a GPU through tools/build_flash_attn.sh (flash-attn has
-no wheels: built from its sdist). Selection never picks it under "auto"; it is used only when
-asked for by name and when `import flash_attn` succeeds and both functions take a `block_table`
-(a capability probe, not a version check, R13).
+`flash_attn_varlen_func` for prefill and mixed calls (README.md, "Backends and capabilities",
+has its limits, its window mapping and how it is built and tested; checked against flash-attn
+2.8.3.post2's sources). Selection never picks it under "auto"; it is used only when asked for by
+name and when `import flash_attn` succeeds and both functions take a `block_table` (a
+capability probe, not a version check, R13).
 
 How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`):
 - KV: one layer of the runner's cache, [num_blocks, block_size, Hkv, D], is flash-attn's paged
-  k/v cache as is (no copy); block tables are int32 with a unit last stride, as flash-attn needs.
-  Only the first ceil(max_context_len / block_size) table columns are passed (a view): the
-  decode kernel sizes its KV splits by the table's width.
+  k/v cache as is (no copy); block tables are int32 with a unit last stride. Only the first
+  ceil(max_context_len / block_size) table columns are passed (a view): the decode kernel
+  sizes its KV splits by the table's width.
 - Decode-only calls (every group one query): `flash_attn_with_kvcache(q [S, 1, H, D],
-  cache_seqlens=context_lengths, block_table=...)`. Its split-KV kernel picks the number of KV
-  splits from the SM count (`num_splits=0`; a constructor argument overrides it), which is what
-  fills the GPU at small batches. One query per group: causal masking is moot.
+  cache_seqlens=context_lengths, block_table=...)`, its KV splits chosen from the SM count
+  (`num_splits=0`; a constructor argument overrides it). One query per group: no causal mask.
 - Other calls: `flash_attn_varlen_func(q [N, H, D], cu_seqlens_q=query_start, cu_seqlens_k=
-  [0, cumsum(context_lengths)], causal=True, block_table=...)`. flash-attn 2 aligns the causal
-  mask to the bottom right (query i of a group of q_len sees keys up to i + context_len - q_len),
-  which is exactly this contract's "queries are the last q_len positions of the context". It
-  ignores where cu_seqlens_k says a group's keys start when a block table is given (keys come from
-  the pages), so only the differences, the context lengths, matter.
-- A layer's sliding `window` W is flash-attn's `window_size=(W - 1, 0)` in both calls: query i
-  sees keys [i + seqlen_k - seqlen_q - (W - 1), i + seqlen_k - seqlen_q], bottom-right aligned
-  like its causal mask, which is the contract's p - W + 1 .. p. flash-attn's local mode starts
-  each query block (and each decode split) at the first key block its window reaches, so the
-  pages before the window are not loaded (by flash-attn's design; not measured here). Without a
-  window the argument is not passed, so those calls are exactly what they were.
-
-Declared limits follow flash-attn 2's own checks: cuda, fp16/bf16, head_dim <= 256 (a build may
-hold fewer head dims: rlt's tools/build_flash_attn.sh compiles 128 only and then raises for
-the others) and a paged block size divisible by 256. The engine's default block size is 16, so
-asking for this backend by name also needs `block_size=256` (or another multiple); otherwise
-selection raises a `ConfigurationError` naming `attention_backend` + `block_size`. It declares no
-CUDA-graph capture (not established), so with graphs requested its decode runs eagerly, with a
-warning.
+  [0, cumsum(context_lengths)], causal=True, block_table=...)`: its bottom-right causal mask is
+  this contract's "queries are the last q_len positions of the context", and with a block table
+  only the context lengths (the differences of cu_seqlens_k) matter.
+- A layer's sliding `window` W is `window_size=(W - 1, 0)` in both calls; without a window the
+  argument is not passed.
 """
 
 from __future__ import annotations

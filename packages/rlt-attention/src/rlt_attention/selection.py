@@ -1,17 +1,11 @@
 """Backend registry and selection against an engine's actual attention requirements (R13, R14).
 
 Every backend declares `AttentionCapabilities`; selection compares them with the
-`AttentionRequirements` (device, dtype, head dim, block size, KV layout, batch invariance, fp8
-KV, bidirectional prompts, sliding windows) plus whether the
-backend can run in this process at all (its optional dependency imports). "auto" walks a fixed
-preference order and reports why each other backend was passed over; an explicit name is
-honoured or refused with a `ConfigurationError` naming every option involved -- never silently
-replaced.
-
-CUDA graphs (`requirements.cuda_graphs`) are a preference: "auto" puts the backends that can be
-captured first; a backend that cannot be captured still serves, but its decode runs eagerly, so
-the selection then carries a `warning` saying what runs (the engine logs it and reports
-`decode_cuda_graphs` / `decode_eager_reason` in its stats).
+`AttentionRequirements` plus whether the backend can run in this process at all (its optional
+dependency imports). "auto" walks a fixed preference order (capturable backends first when CUDA
+graphs are requested) and reports why each other backend was passed over; an explicit name is
+honoured or refused with a `ConfigurationError` naming every option involved, never silently
+replaced. README.md, "Selection", has the rules and the warnings.
 """
 
 from __future__ import annotations

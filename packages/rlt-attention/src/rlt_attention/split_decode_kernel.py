@@ -1,26 +1,16 @@
-"""Triton split-KV ("flash-decoding") paged attention for decode-only calls.
+"""Triton split-KV ("flash-decoding") paged attention for calls whose groups have one query
+(decode rows) or a few (max_query_len x G <= `triton_backend.SPLIT_TILE_ROWS`: the positions a
+speculative round verifies).
 
-When every group of a call has one query (decode rows), or a few (up to `max_split_queries`:
-the positions a speculative round verifies), the split kernel runs a (group, kv head, split)
-grid in which split s covers keys [s * L, min((s + 1) * L, context_len)), L =
-ceil(ceil(context_len / num_splits) / BLOCK_N) * BLOCK_N computed on the device, and writes an
-fp32 partial per query row and head (running max, sum of exponentials, unnormalised
-accumulator); the combine kernel merges the splits of every (query row, head) into the output.
-The rows of the `tl.dot` tile are the group's (query, head) pairs: its q queries times the G
-query heads of the kv head, so each key is loaded once for all of them, and query i (at
-position context_len - q + i) is masked causally. With one split the split kernel
-normalises and writes the output itself. num_splits is a function of bind-time host ints only,
-so a CUDA graph captured with full-width block tables keeps a fixed grid.
-
-With a sliding window W (`WINDOW` > 0, a compile-time constant) the splits cover only the keys
-the group's queries can see, [max(context_len - q - W + 1, 0), context_len) (for a decode row
-the last W positions), so the pages wholly before the window are never read; a row at position
-p also loses the keys <= p - W. A split may then see no key of a row (or none at all): its
-partial is empty (max -inf, sum 0) and the combine gives it weight 0.
-
-Optionally (`fused_decode` of the backend) the split kernel also stores the call's own keys and
-values and its last split to finish merges the partials (atomic ticket), saving two launches;
-measured slower on an H200, so the backend does not use it by default.
+The split kernel runs a (group, kv head, split) grid, split s covering keys [s * L, min((s + 1)
+* L, context_len)) with L computed on the device, and writes an fp32 partial per query row and
+head (running max, sum of exponentials, unnormalised accumulator); the combine kernel merges
+the splits into the output. The rows of the `tl.dot` tile are the group's (query, head) pairs,
+so each key is loaded once for all of them. With one split the split kernel writes the output
+itself; num_splits is a function of bind-time host ints only, so a CUDA graph captured with
+full-width block tables keeps a fixed grid. README.md ("Backends and capabilities", "Split-KV
+for groups of a few queries") gives L, the causal mask, sliding windows (a split that sees no
+key of a row writes an empty partial, weighed 0) and the optional in-kernel store and merge.
 
 Importing this module decorates the kernels: on a machine without CUDA set TRITON_INTERPRET=1
 before importing it to run them (slowly) on CPU tensors.

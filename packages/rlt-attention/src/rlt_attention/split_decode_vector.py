@@ -1,19 +1,13 @@
-"""Split-KV decode attention for one query row per (group, kv head), without tensor cores.
+"""Split-KV decode attention for one query row per (group, kv head), without tensor cores: the
+`vector` product of `SplitConfig` (README.md, "Backends and capabilities", fp8 KV: why and what
+it measured).
 
-The `vector` product of `SplitConfig`: when a tile would hold a single (query, head) row (one
-decode query per group and G = 1, as in Ouro), the tensor-core tile of
-`split_decode_kernel._split_decode_kernel` is 15/16 padding. Here each key step computes its
-scores as a multiply-and-sum over the head dim on the CUDA cores (the query, scale folded in,
-broadcast against a [BLOCK_N, D] key tile) and accumulates p V into a [BLOCK_N, D] fp32 tile
-that is summed over the keys once, after the loop; the sum of exponentials is likewise kept per
-key lane. The only reduction across warps inside the loop is the running max. Keys and values
-of an fp8 cache widen to fp32 through fp16 (one instruction per two e4m3 values), never passing
-through shared memory.
-
-The partials (or, with one split, the output) have the layout of the tensor-core kernel, so the
-same combine kernel merges them. With a sliding window W the splits cover only the row's last W
-positions, [max(context_len - W, 0), context_len), all of which it sees: the pages before them
-are never read, and no mask beyond the split's range is needed.
+Each key step computes its scores as a multiply-and-sum over the head dim on the CUDA cores and
+accumulates p V into a [BLOCK_N, D] fp32 tile that is summed over the keys once, after the loop;
+the sum of exponentials is likewise kept per key lane, so the running max is the loop's only
+reduction across warps. The partials (or, with one split, the output) have the layout of the
+tensor-core kernel, so the same combine kernel merges them. With a sliding window W the splits
+cover only the row's last W positions, all of which it sees: no mask beyond the split's range.
 
 Importing this module decorates the kernel: on a machine without CUDA set TRITON_INTERPRET=1
 before importing it.

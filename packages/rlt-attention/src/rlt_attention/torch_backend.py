@@ -4,15 +4,10 @@
 then does a fixed sequence of device ops (store, gather, two matmuls, softmax, unpad) with no
 host sync. Memory per layer is O(S * Cmax * Hkv * D) for the gathered keys/values plus
 O(S * H * Qmax * Cmax) fp32 scores (Cmax = max_context_len, Qmax = max_query_len): this is the
-reference and fallback backend, not the fast path.
-
-`TorchPagedAttention(batch_invariant=True)` computes every query row on its own: see
-`BatchInvariantAttention`.
-
-A layer called with a sliding `window` W hides keys at positions <= p - W from the query at p,
-and the keys before its group's (or query block's) first visible position are zeroed like
-those past the context, their table entries never indexed. The window's index tensors are
-built on the first call with that W and kept for the bound call's other layers.
+reference and fallback backend, not the fast path. `TorchPagedAttention(batch_invariant=True)`
+computes every query row on its own (`BatchInvariantAttention`). A sliding window's index
+tensors are built on the first call with that W and kept for the bound call's other layers
+(README.md, "Backends and capabilities").
 """
 
 from __future__ import annotations

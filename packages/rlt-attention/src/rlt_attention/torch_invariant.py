@@ -21,35 +21,19 @@ QUERY_BLOCK = 8
 class BatchInvariantAttention(BoundTorchAttention):
     """Per-call attention in which every query row is computed as it would be alone.
 
-    The default path pads all groups to the call's (Qmax, Cmax) and lets `torch.matmul` /
-    `softmax` run over those padded shapes; on the CPU their roundings change with the shapes,
-    the number of groups and even operand strides (measured: a decode row's fp32 output changed
-    when another row joined the call). Here every piece of math has one shape for every call:
+    Every piece of math has one shape for every call (README.md, "Batch-invariant mode", says why
+    the default path's padded shapes break invariance, and what this costs): each group's query
+    rows in blocks of QUERY_BLOCK (the last one padded; every row keeps its own causal limit);
+    scores as one `bmm` of [QUERY_BLOCK * G, D] x [D, KEY_CHUNK] elements per (block, kv head,
+    chunk of key positions by absolute position); an exact max; exp over a tensor whose size is a
+    multiple of 64 (no SIMD tail); one `bmm` of p with the values and a column of ones (the softmax
+    denominator in the same reduction), summed over chunks in chunk order; then output =
+    numerator / denominator in the query dtype. Positions a row does not see have p = 0 and finite
+    values (keys/values outside the context are zeroed, so NaN in unread slots cannot reach the
+    output): they add exact zeros, so neither the other rows of its chunk nor the call's longest
+    context change a row's sums. A sliding window (`_masks_for`) only hides more positions. Every
+    bmm operand is made contiguous (a view's strides change the kernel; measured).
 
-    1. Query blocks: each group's query rows are cut into blocks of QUERY_BLOCK consecutive rows
-       (the last one padded); a block reads its group's keys and values, each of its rows sees
-       the positions up to its own (causal limit; padding rows see position 0 only).
-    2. Scores: one `bmm` whose every batch element is [QUERY_BLOCK * G, D] x [D, KEY_CHUNK]:
-       one per (block, kv head, chunk of KEY_CHUNK key positions by absolute position).
-       A GEMM of one fixed shape rounds a row the same way whatever the other rows hold, so a
-       row's scores do not depend on its block's neighbours. Invisible positions get -inf.
-    3. The max over a row's scores is exact; p = exp(score - max) runs over a tensor whose size
-       is a multiple of 64 (no SIMD tail whose position would depend on the call).
-    4. One `bmm` of elements [QUERY_BLOCK * G, KEY_CHUNK] x [KEY_CHUNK, D + 1]: p with the
-       values and a column of ones (the softmax denominator comes out of the same reduction),
-       per (block, kv head, chunk); the chunks' results are summed in chunk order. Positions
-       a row does not see have p = 0 and finite values (keys/values outside the group's
-       context are zeroed, so NaN in unread slots cannot reach the output), so they add exact
-       zeros: neither the other rows of its chunk nor the number of chunks the call needs (its
-       longest context) change a row's sums.
-    5. output = numerator / denominator, rounded to the query dtype.
-
-    A sliding window W (`_masks_for`) only adds hidden positions (keys <= p - W of the row at
-    p) and zeroes, unindexed, the keys before its block's first visible one: a row's visible
-    keys, and therefore its sums, are what they are alone; the chunks before its window add
-    exact zeros like those past its context.
-
-    Every bmm operand is made contiguous (a view's strides change the kernel; measured).
     Memory: O(blocks * Cmax * Hkv * D) gathered keys/values plus O(blocks * QUERY_BLOCK * H *
     Cmax) fp32 scores (Cmax rounded up to KEY_CHUNK); blocks <= groups + N / QUERY_BLOCK (a
     host bound: no sync in bind).

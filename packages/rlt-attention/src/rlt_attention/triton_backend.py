@@ -1,21 +1,14 @@
 """Triton paged attention backend (cuda): a store kernel + the online-softmax read kernel(s).
 
 `bind` only validates shapes and picks the tile configuration; every layer call launches one
-store kernel (keys and values at write_slots: the writes of `kv_store.store_kv`, one launch
-instead of two index_copy_) and the read kernel(s), whose grids depend on bind-time host ints
-only and whose metadata (query_start, context_lengths, block_tables, write_slots) is read on the
-device. Calls whose groups have at most a few queries (decode rows; the positions a
-speculative round verifies: max_query_len x G <= SPLIT_TILE_ROWS) use the split-KV pair (split
-kernel + combine; the split count is a function of S, Hkv and max_context_len only); prefill
-chunks longer than that the tiled kernel. That is why `supports_cuda_graphs` is declared: a
-graph captured for a given (S, N, max_query_len, max_context_len) replays correctly when the
-runner rewrites those metadata tensors in place. (Capture itself has not been exercised by
-this package's CPU tests.)
-
-A layer's sliding `window` W is a compile-time constant of the read kernels (one compiled
-variant per W; None keeps the unwindowed kernels): the split-KV kernels cover only the keys a
-group's queries see, and their split count is chosen for at most W + max_query_len - 1 keys
-(a host int, so a captured graph keeps its grid).
+store kernel (keys and values at write_slots) and the read kernel(s), whose grids depend on
+bind-time host ints only and whose metadata (query_start, context_lengths, block_tables,
+write_slots) is read on the device: calls whose groups have at most a few queries
+(max_query_len x G <= SPLIT_TILE_ROWS) use the split-KV pair, longer prefill chunks the tiled
+kernel. That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
+max_query_len, max_context_len) replays correctly when the runner rewrites those metadata
+tensors in place. README.md, "Backends and capabilities", gives the split counts and how
+sliding windows (a compile-time constant of the read kernels) change them.
 """
 
 from __future__ import annotations
@@ -73,32 +66,20 @@ def _sm_count(device: torch.device) -> int:
 class TritonPagedAttention:
     """Triton backend. `block_m` / `block_n` override the tile heuristics (tests, tuning).
 
-    `split_kv=False` serves decode-only calls with the tiled kernel too (the split-KV kernels are
-    the default for them); `num_splits` forces the split count of decode-only calls (tests,
-    tuning; default: `split_config.choose_splits`). `fused_decode=True` makes decode-only
-    calls store the new keys and values inside the split kernel and merge the partials in its last
-    split (atomic ticket) instead of separate store and combine kernels; measured on an H200
-    (Ouro-1.4B, context 1088) it was slower (13.8 vs 11.7 us per layer call at batch 1, 114 vs
-    73 us at 32), so it is off by default. Its only state is the merge tickets: one zeroed int32
-    per (group, kv head) per call shape, reused by every call (and graph). `store_in_split=True`
-    keeps the combine kernel and only moves the store into the split kernel (the split that
-    covers a row's own position writes it; every split reads it from the call's tensors).
+    `split_kv=False` serves decode-only calls with the tiled kernel too; `num_splits` forces the
+    split count of decode-only calls (tests, tuning; default: `split_config.choose_splits`).
+    `fused_decode=True` stores the new keys and values inside the split kernel and merges the
+    partials in its last split (atomic ticket; its only state is one zeroed int32 per (group, kv
+    head) per call shape, reused by every call and graph); `store_in_split=True` moves only the
+    store. Both measured slower on an H200, so both are off by default (README.md).
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
 
-    `batch_invariant=True` serves every call (decode and prefill) with the tiled kernel at one
-    fixed tile (BATCH_INVARIANT_BLOCK_M x BATCH_INVARIANT_BLOCK_N), never the split-KV pair:
-    the split count there is chosen from the number of groups, and decode-only calls (which
-    pick the split kernel) would otherwise compute a 1-token prefill chunk differently from one
-    packed with longer chunks. In the tiled kernel a row's online softmax walks its keys from
-    position 0 in BLOCK_N steps, the same steps whatever else shares its tile; steps past its
-    causal limit (the tile's other queries see further) are fully masked and leave its running
-    max, sum and accumulator exactly unchanged. The argument is not measured: no GPU ran it, and
-    its cost (the split-KV speed-up at small batches is given up) is unmeasured. A sliding
-    window keeps the argument: the walk starts at the step of the tile's first visible key on
-    the same absolute BLOCK_N grid, and the steps before a row's own window are fully masked
-    for it (state unchanged as above).
+    `batch_invariant=True` serves every call with the tiled kernel at one fixed tile
+    (BATCH_INVARIANT_BLOCK_M x BATCH_INVARIANT_BLOCK_N), never the split-KV pair, whose split count
+    depends on the number of groups; README.md, "Batch-invariant mode", says why a row's result
+    then never depends on its neighbours, with or without a sliding window.
     """
 
     capabilities = TRITON_CAPABILITIES

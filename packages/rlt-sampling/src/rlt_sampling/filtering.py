@@ -1,19 +1,11 @@
 """Per-row filters of temperature-scaled logits: min_p, then top-k and top-p (one sort per batch).
 
 min_p (`mask_min_p`, vLLM's rule) drops tokens whose probability is below min_p times the row's
-largest one; it runs before top-k / top-p, which then see only the survivors.
-
-Both filters act on ranks of one stable descending sort, so ties are broken the same way
-everywhere: among equal logits the LOWER token id ranks first. Consequences (tested):
-  * top-k keeps exactly min(k, V) tokens; when several tokens tie at the k-th largest logit, the
-    lowest ids among them are kept. top_k = 1 therefore picks the same token as greedy argmax,
-    which also returns the first index on ties.
-  * top-p keeps the shortest rank prefix whose probability mass reaches p ("mass of the tokens
-    ranked before this one < p"), so the most likely token is always kept, and a token tied in
-    probability with the last kept one is dropped if it ranks after it.
-top-p is computed on the temperature-scaled distribution AFTER top-k (renormalised over the
-top-k survivors), in fp32; its cumulative sum carries fp32 rounding, which only matters for a
-token whose preceding mass is within ~1e-6 of p.
+largest one; it runs before top-k / top-p, which then see only the survivors. Both of those act
+on ranks of one stable descending sort, so among equal logits the LOWER token id ranks first:
+top-k keeps exactly min(k, V) tokens (top_k = 1 is greedy), top-p the shortest rank prefix whose
+mass reaches p, computed in fp32 on the distribution renormalised over the top-k survivors
+(README.md, "Semantics worth knowing": ties and numerics).
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """The logits adjustments that precede temperature, in one place: `adjust_logits`.
 
-Order (vLLM's V1 sampler, so the same parameters give the same distribution), all on the RAW
-logits converted to fp32, for every row at once:
-
-    0  constrained  structured output's allowed-token bitmask: disallowed ids -> -inf
-                    (`token_mask.py`; first, as vLLM applies the grammar bitmask before its
-                    sampler)
-    1  min_tokens   rows whose sampled output index (`counter`) is below their min_tokens get
-                    -inf at their stop token ids (request stop ids and EOS, even under
-                    ignore_eos: vLLM's all_stop_token_ids)
-    2  logit_bias   logits[v] += bias[v] for the row's (token id, bias) entries
-    3  repetition   tokens in the prompt or the outputs so far:
-                        logit / r if logit > 0 else logit * r
-    4  frequency    logits -= frequency_penalty * output_count
-    5  presence     logits -= presence_penalty * (output_count > 0)
-
-then, in `Sampler`: greedy rows take the argmax of the adjusted logits; random rows divide by
-temperature, drop tokens under min_p (`filtering.mask_min_p`), apply top-k / top-p and draw.
-Logprobs stay log_softmax of the raw logits (before all of the above).
-
-Steps 0-5 are selected by the `SamplingMode` flags (`constrained`, `min_tokens`, `biased`,
-`penalized`); a row whose values are neutral (all-ones bitmask, min_tokens 0, no bias entries,
-penalties 1 / 0 / 0) comes out
-bitwise unchanged, so rows with and without a feature share one batch. -inf stays -inf through
-every later step (a bias or a penalty cannot bring back a masked stop id).
+vLLM's V1 order (so the same parameters give the same distribution), on the RAW logits
+converted to fp32, for every row at once: 0 structured output's allowed-token bitmask
+(`token_mask.py`), 1 min_tokens (-inf at the stop ids while the sampled output index is below
+it), 2 logit_bias, 3-5 repetition, frequency and presence penalties; README.md, "Logits
+adjustments", gives each rule and what follows in `Sampler`. Steps are selected by the
+`SamplingMode` flags (`constrained`, `min_tokens`, `biased`, `penalized`); a row at the neutral
+values comes out bitwise unchanged, and -inf stays -inf through every later step.
 
 Cost over [N, V] per step: min_tokens one masked fill; logit_bias one scatter-add over [N, K];
 penalties about eleven elementwise passes (two compares and an or for the masks, divide,

@@ -18,11 +18,8 @@ the sample is exact for the filtered distribution. The noise is counter-based (`
 a pure function of (seed, counter, token id), so a row's token never depends on the other rows,
 the batch order or any generator state, and resuming a preempted request needs only its counter.
 
-Logprobs are log_softmax of the RAW logits in fp32: the model's own distribution, before
-penalties, logit_bias, min_tokens, temperature, min_p, top-k and top-p (the convention of
-OpenAI-style APIs and vLLM's default `logprobs_mode="raw_logprobs"`). They are therefore finite
-for every token, including ones the adjustments or filters made impossible to sample, and equal
-for greedy and random rows with the same logits.
+Logprobs are log_softmax of the RAW logits in fp32, before every step above (README.md,
+"Contracts").
 """
 
 from __future__ import annotations

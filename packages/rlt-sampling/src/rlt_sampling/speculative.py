@@ -2,19 +2,12 @@
 
 `propose` draws one draft token per row from the draft logits (the model's first loops) and
 keeps the distribution q it drew from. `verify` receives the target logits of each row's K + 1
-positions (the current token and its K drafts, each at its own exit depth) and decides:
-
-    greedy row   draft i is accepted iff it equals the target's argmax at position i
-    random row   draft i is accepted with probability min(1, p_i(d) / q_i(d))   (Leviathan et
-                 al. 2023, Chen et al. 2023), u from the row's ACCEPT stream
-    then         accepted = the longest accepted prefix (at most `drafted`)
-                 token a  = the target's own sample at position a if every draft was accepted
-                            (or none was drafted); a random row whose draft a was rejected
-                            draws from norm(max(p_a - q_a, 0)) (its RESIDUAL stream)
-
-so every emitted token follows the target distribution exactly given the tokens before it. A
-row that drafts nothing emits exactly what `Sampler.sample` draws at that output index (the
-same target stream), which keeps non-drafting rows identical to tick-by-tick decoding.
+positions and accepts greedy rows' drafts equal to the target's argmax and random rows' by
+rejection sampling (Leviathan et al. 2023, Chen et al. 2023), then emits one more token
+(README.md, "Speculative decoding"), so every emitted token follows the target distribution
+exactly given the tokens before it. A row that drafts nothing emits exactly what
+`Sampler.sample` draws at that output index (the same target stream), which keeps non-drafting
+rows identical to tick-by-tick decoding.
 
 Random streams: every draw is counter-based on (seed, output index) like the sampler's, with
 the output index offset into a separate stream per purpose (`*_STREAM`, added to the counter's

@@ -17,15 +17,11 @@ PD mode, per request (see README.md for the timeline):
 Router mode (replicas of role none) is the same without P: one generate stream per request
 on the least loaded replica.
 
-Failures end the request's stream, naming the instance and what happened:
-- an instance lost mid-request (its connection broke or its stream ended early: its process
-  most likely died) raises `EngineDeadError` from `stream()`: rlt-serve answers 503
-  `engine_unavailable` (or sends it in-band on a streaming response). Only that request
-  fails: /health follows the cluster (`unavailable()`), not one lost instance.
-- anything else (an instance's error, a timeout, a protocol error) ends the stream with a
-  final delta whose `error` says it: rlt-serve answers 500 `internal_error`.
-An instance that could not be reached or whose connection broke is marked unreachable, so the
-next requests go to the others until a poll finds it again.
+Failures end the request's stream, naming the instance and what happened (README.md,
+"Contracts"): an instance lost mid-request raises `EngineDeadError` from `stream()` (503; only
+that request fails: /health follows the cluster, `unavailable()`), anything else ends the
+stream with a final delta whose `error` says it (500). An instance that could not be reached or
+whose connection broke is marked unreachable until a poll finds it again.
 """
 
 from __future__ import annotations

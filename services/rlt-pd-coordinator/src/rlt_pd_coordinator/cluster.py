@@ -6,15 +6,11 @@
   instance; replicas only on the model), and connects prefill and decode instances with each
   other's transport metadata (`/internal/pd/connect`). A mismatch refuses the instance with a
   message naming every differing field.
-- picks an instance per role: the ready instances with a free credit (at most `credits`
-  requests in flight on each), least loaded first: fewest requests this coordinator has in
-  flight there, then the instance's own reported running + waiting, then the most free KV
-  blocks, then the one picked longest ago. No ready instance: `EngineDeadError` (HTTP 503);
-  ready ones but all at their credit limit for `credit_wait` seconds: `OverloadedError` (429).
-- polls every ready or unreachable instance's info every `poll_interval` seconds (load for
-  the pick and for `stats()`, reachability, and restarts: a transport agent other than the
-  one admitted means the instance restarted, or was never admitted, and it is admitted
-  again, reconnecting its peers).
+- picks an instance per role, least loaded among the ready ones with a free credit (README.md,
+  "State": the order, and the 503 / 429 when none can take it).
+- polls every ready or unreachable instance's info every `poll_interval` seconds (load,
+  reachability, and restarts: a transport agent other than the one admitted means the
+  instance restarted, or was never admitted, and it is admitted again, reconnecting its peers).
 - changes membership when a cluster manager (rlt-ray) says so: `add` admits a new instance
   in the background, `remove` forgets one whose process is gone for good. The instances
   given at construction (`rlt pd serve`) never change.

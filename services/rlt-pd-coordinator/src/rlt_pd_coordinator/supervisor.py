@@ -1,25 +1,14 @@
-"""Local engine instances as child processes: start, watch, restart, stop.
+"""Local engine instances as child processes: start, watch, restart, stop (README.md,
+"Supervision", says what a child runs and what each failure does).
 
-Each child runs `<command> MODEL --pd-role ROLE --host 127.0.0.1 --port PORT --log-level L
-[--device D] [engine flags]` (the command defaults to `python -m rlt.cli serve` with this
-interpreter) in its own session, so a terminal's Ctrl-C reaches only the coordinator, which
-then stops the children in order; on Linux each child also gets SIGTERM if the coordinator
-dies (PR_SET_PDEATHSIG). The instances' API key reaches them through $RLT_API_KEY (never on a
+Each child runs in its own session (a terminal's Ctrl-C reaches only the coordinator, which
+then stops the children in order) and, on Linux, gets SIGTERM if the coordinator dies
+(PR_SET_PDEATHSIG). The instances' API key reaches them through $RLT_API_KEY (never on a
 command line). Their output is copied to the coordinator's stderr, each line prefixed with the
-instance's name; the last lines are kept for error messages.
-
-Startup: every child starts at once; each must answer /health within `startup_timeout`, or
-the whole start fails naming the child, its exit status and its last output lines.
-
-A child that exits while the coordinator runs is marked dead at once (requests go to the
-others; requests it was serving fail on their broken connections), then started again after
-a backoff (`restart_delay`, 1 s by default, doubling up to 30 s, back to the start after a
-minute of good health); once it
-answers /health it is admitted again (compatibility check, peers reconnected) before any
-request is routed to it.
-
-Stop: SIGTERM to every child (each shuts down gracefully), SIGKILL to those still running
-after `stop_timeout`.
+instance's name; the last lines are kept for error messages. A child that exits while the
+coordinator runs is marked dead at once and started again after a backoff (`restart_delay`,
+doubling up to 30 s, back to the start after a minute of good health). Stop: SIGTERM to every
+child, SIGKILL to those still running after `stop_timeout`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The engine instances' internal PD endpoints, as the coordinator uses them.
 
-The protocol and its structs are `rlt_contracts.pd_wire` (the engine side imports the same):
-
-  GET  /internal/pd/info      -> InstanceInfo (role, transport agent and metadata,
-                                 compatibility, load)
-  POST /internal/pd/connect   ConnectBody -> ConnectReply, or 409 (code "pd_incompatible")
-                                 whose message names every mismatching field
-  POST /internal/pd/generate  GenerateBody -> NDJSON stream of StreamLine objects
-                                 (application/x-ndjson), or a 4xx/5xx error body before it starts
-
-Stream lines by role:
-  decode:  {"target": HandoffTarget} once D admitted the request and reserved its KV, then
-           {"delta": RequestOutputDelta} lines until one with finished=true.
-  prefill: {"progress": {...}} (optional), then {"done": {"transfer_id": ...}} when P's writes
-           completed, or {"error": {"message": ..., "code": ...}}.
-  none:    {"delta": ...} lines only (a whole engine; the plain router).
-Closing the HTTP connection aborts the request on that engine.
+The protocol and its structs are `rlt_contracts.pd_wire`'s (the engine side imports the same;
+its module doc lists the endpoints and the stream lines of each role). As the coordinator reads
+them: a generate call may also answer a 5xx error body before its stream starts, and a prefill
+stream may carry {"progress": {...}} lines before its {"done": ...}. Closing the HTTP
+connection aborts the request on that engine.
 
 This module adds what only the coordinator needs: the instances' /health and /v1/models, the
 OpenAI error body, decoders, and the mapping of an instance's error answer to the

@@ -168,9 +168,8 @@ class _FlashAttnBoundAttention:
         *,
         window: int | None = None,
     ) -> torch.Tensor:
-        """query [N, H, D], key/value [N, Hkv, D] (cuda, fp16/bf16) -> [N, H, D] in query's
-        dtype. window: a sliding-window layer's W (the query at p sees keys p - W + 1 .. p);
-        None: the whole context."""
+        """`rlt_contracts.LayerAttention` on cuda fp16/bf16: query [N, H, D], key/value
+        [N, Hkv, D] -> [N, H, D] in query's dtype (`window`: a sliding-window layer's W)."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
         window = check_window(window, self._batch, self._shape.max_context_len)
         windowed = {} if window is None else {"window_size": (window - 1, 0)}

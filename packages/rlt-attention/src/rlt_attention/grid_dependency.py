@@ -1,11 +1,8 @@
-"""This package's side of programmatic dependent launch (PDL): the Triton helper its kernels call
-and whether a tensor's device takes PDL launches.
-
-The switch (RLT_PDL, `set_enabled`), the instructions and their order, and the launch keyword
-are `rlt_contracts.dependent_launch`'s, shared with rlt-models' kernels (one `set_enabled` turns
-PDL off for both); what stays here is what needs torch or Triton, which rlt-contracts does not
-have. A kernel launched with `launch_options(pdl)` takes `USE_PDL=pdl` and, when set, calls
-`wait_for_prior_grid()` before it touches memory a previous kernel may write.
+"""This package's side of programmatic dependent launch (PDL): whether a tensor's device takes
+PDL launches (`enabled`) and the Triton helper its kernels call (`wait_for_prior_grid`), the
+parts that need torch or Triton. The switch, the instructions, the launch keyword and the
+contract a PDL kernel follows are `rlt_contracts.dependent_launch`'s, shared with rlt-models
+(README.md, "Where PDL lives").
 """
 
 from __future__ import annotations

@@ -28,9 +28,8 @@ class BoundTorchAttention:
         *,
         window: int | None = None,
     ) -> torch.Tensor:
-        """query [N, H, D], key/value [N, Hkv, D] -> output [N, H, D] in query's dtype.
-        window: a sliding-window layer's W (the query at p sees keys p - W + 1 .. p); None:
-        the whole context."""
+        """`rlt_contracts.LayerAttention`: query [N, H, D], key/value [N, Hkv, D] -> output
+        [N, H, D] in query's dtype (`window`: a sliding-window layer's W, or None)."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
         window = check_window(window, self._batch, self._shape.max_context_len)
         store_kv(self._views, layer_index, self._batch.write_slots, key, value)

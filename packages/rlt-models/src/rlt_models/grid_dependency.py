@@ -1,14 +1,9 @@
-"""This package's side of programmatic dependent launch (PDL): the Triton helper its kernels call
-and whether a tensor's device takes PDL launches.
-
-The switch (RLT_PDL, `set_enabled`), the instructions and their order, and the launch keyword
-are `rlt_contracts.dependent_launch`'s, shared with rlt-attention's kernels; what stays here is
-what needs torch or Triton, which rlt-contracts does not have. Every kernel launched with
-`launch_options(pdl)` takes `USE_PDL=pdl` and, when set, calls `wait_for_prior_grid()` before
-it touches memory a previous kernel may write (otherwise it would race); the weight-streaming
-GEMVs load their first weight tile before it. A kernel without the attribute (cuBLAS, torch
-ops) waits for its predecessor as usual, so PDL kernels mix freely with others in one stream or
-CUDA graph.
+"""This package's side of programmatic dependent launch (PDL): whether a tensor's device takes
+PDL launches (`enabled`) and the Triton helper its kernels call (`wait_for_prior_grid`), the
+parts that need torch or Triton. The switch, the instructions, the launch keyword and the
+contract a PDL kernel follows are `rlt_contracts.dependent_launch`'s, shared with rlt-attention
+(README.md, "Where PDL lives"). A kernel without the attribute (cuBLAS, torch ops) waits for its
+predecessor as usual, so PDL kernels mix freely with others in one stream or CUDA graph.
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Exit policies: when a decoding token stops looping (scheduler-owned decisions, R02, R04).
 
 The scheduler owns the policy; the runner evaluates it on the device, per row and per loop,
-from the `ExitRule` the policy compiles for each request (rlt_contracts.ExitRule):
+from the `ExitRule` the policy compiles for each request. Policies are named by their rule,
+whose test `rlt_contracts.ExitRuleKind` states: hazard and hazard_delayed (a learned exit gate,
+e.g. Ouro's), latent_diff and latent_diff_delayed (a family whose loops converge, e.g.
+Huginn's; a request without a threshold runs its max_loops), kl and kl_delayed (any family: the
+coda and head run every loop, `reads_distribution`), trace (replays recorded per-token depths;
+the gate is never computed or read) and fixed (every token runs its request's max_loops, for
+families without an exit signal; a request that asks for an adaptive threshold is refused at
+admission).
 
-  hazard          exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
-                  1 - prod_{j<=k}(1 - lambda_j) >= threshold (lambda_j = sigmoid(gate_j), fp32:
-                  a learned exit gate, e.g. Ouro's).
-  hazard_delayed  the same hazard, but a trigger at loop k (k >= min_loops) makes the token
-                  exit after loop k + 1: the decision of loop k may then be read after loop
-                  k + 1 was already submitted. max_loops still wins, and the hidden state of the
-                  extra loop is what reaches coda.
-  latent_diff     exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
-                  the loop's latent change ||s_k - s_{k-1}|| / ||s_k|| < threshold (a family
-                  whose loops converge, e.g. Huginn's; a request without a threshold runs its
-                  max_loops).
-  latent_diff_delayed  the same test, a trigger at loop k making the token exit after k + 1.
-  kl              exit after loop k if k >= max_loops, or if threshold < 1, k >= min_loops and
-                  KL(p_{k-1} || p_k) < threshold, p_k the next-token distribution after loop k
-                  (p_0 uniform): the coda and head run every loop. Any family (it reads the
-                  head, not a signal of the family's), on the decode tick; `reads_distribution`.
-  kl_delayed      the same test, a trigger at loop k making the token exit after k + 1.
-  trace           replays recorded per-token depths (token i exits at trace[i]); the gate is
-                  never computed or read.
-  fixed           every token runs its request's max_loops (families without an exit signal);
-                  a request that asks for an adaptive threshold is refused at admission.
-
-Policies are named by their rule. The names of the first wave, "ouro" and "ouro_delayed", are
-accepted as aliases (`rlt_contracts.POLICY_ALIASES`, the one place outside rlt-models that names
-a family).
+The names of the first wave, "ouro" and "ouro_delayed", are accepted as aliases
+(`rlt_contracts.POLICY_ALIASES`, the one place outside rlt-models that names a family).
 
 `reads` says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a
 policy the model's family does not produce.

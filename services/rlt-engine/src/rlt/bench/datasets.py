@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,11 @@ class BenchRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     prompt_len: int | None = None  # exact where known (token-id prompts), else None
+
+
+def cycled(entries: list[BenchRequest], num_prompts: int) -> list[BenchRequest]:
+    """`num_prompts` requests indexed 0.., taking `entries` in turn (from the first again)."""
+    return [replace(entries[i % len(entries)], index=i) for i in range(num_prompts)]
 
 
 def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
@@ -158,13 +163,4 @@ def jsonl_requests(
     ]
     if not entries:
         raise ConfigurationError("dataset_path", f"{path} has no prompts")
-    return [
-        BenchRequest(
-            i,
-            entries[i % len(entries)].output_len,
-            prompt=entries[i % len(entries)].prompt,
-            messages=entries[i % len(entries)].messages,
-            prompt_len=entries[i % len(entries)].prompt_len,
-        )
-        for i in range(num_prompts)
-    ]
+    return cycled(entries, num_prompts)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rlt_contracts import ConfigurationError
 
-from rlt.bench.datasets import BenchRequest
+from rlt.bench.datasets import BenchRequest, cycled
 
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
@@ -112,13 +112,4 @@ def sharegpt_requests(
             f"{path}: no conversation qualifies (two turns, prompt of {MIN_LEN}..{MAX_PROMPT_LEN} "
             f"tokens, reply of at least {MIN_LEN}, at most {MAX_TOTAL_LEN} together)",
         )
-    return [
-        BenchRequest(
-            i,
-            chosen[i % len(chosen)].output_len,
-            prompt=chosen[i % len(chosen)].prompt,
-            messages=chosen[i % len(chosen)].messages,
-            prompt_len=chosen[i % len(chosen)].prompt_len,
-        )
-        for i in range(num_prompts)
-    ]
+    return cycled(chosen, num_prompts)

@@ -8,13 +8,16 @@ Every arm builds its own engine on the same checkpoint and replays the same seed
                    after every loop, yet practically no token exits (random weights); shows the
                    cost of the adaptive path against `fixed`
   threshold:Q      adaptive exit with the model's gate at threshold Q in [0, 1] (min_loops 2)
-  trace:P2,P3,P4   depths replayed from a seeded per-token trace with these depth probabilities
-                   (the `trace` exit policy); e.g. trace:0.55,0.40,0.05 (mean 2.5, "mix 2.5")
+  trace:P2,P3,P4   depths 2, 3, 4.. replayed (the `trace` policy) from a seeded trace with these
+                   probabilities, e.g. trace:0.55,0.40,0.05 ("mix 2.5"); trace:uniform:A-B:
+                   uniform on A..B; token 0 and the warm-ups at the model's default depth
+  POLICY:T         live exits of the policy latent_diff(_delayed) or kl(_delayed) at threshold T
 Suffixes (combinable): @no_refill (cohort scheduling), @eager (no CUDA graphs),
 @eager_prefill (decode graphs only: prefill_cuda_graphs=False), @sync (async_scheduling=False),
 @ticks=N (decode_ticks_per_step=N), @noprofile (skip the --profile-steps window for this arm),
 @fp8 (quantization="fp8": fp8 weights of the stack), @kv_fp8 (kv_cache_dtype="fp8");
-e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4, fixed@fp8@kv_fp8.
+e.g. fixed@sync, trace:0.55,0.40,0.05@ticks=4, fixed@fp8@kv_fp8. --kv-layout (e.g. ring:8),
+--max-model-loops (the loop cap) and --warmup-prompt-len (see run_arm) hold for every arm.
 
 Per arm (the record's "results"; all times host wall clock, time.perf_counter):
   output_tokens_per_s         end to end: output tokens of all requests / wall_s, wall_s from
@@ -30,8 +33,8 @@ Per arm (the record's "results"; all times host wall clock, time.perf_counter):
   gemv_choices (the small-batch and fp8 GEMVs chosen per rows x N x K), allocator (CUDA
   allocation retries and new segments during the run: both should be 0), prefill graph
   captures during the run and their seconds, and with --profile-steps N the decode profile
-  (decode_profile.py). --keep-step-log keeps every step as [prefill tokens, ticks, tokens,
-  host ms since the start, device ms].
+  (decode_profile.py), kv_capacity (rlt.engine.kv_capacity) and kv_cache_dtype. --keep-step-log
+  keeps every step as [prefill tokens, ticks, tokens, host ms since the start, device ms].
 
 --shape picks a random checkpoint (workload.py). Examples:
   uv run python benchmarks/offline_throughput.py --shape tiny --arm fixed --arm gate
@@ -42,6 +45,7 @@ Per arm (the record's "results"; all times host wall clock, time.perf_counter):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -56,6 +60,7 @@ from workload import SHAPE_NAMES, decode_phase, ensure_checkpoint, random_prompt
 WARMUP_TOKENS = 4
 GATE_THRESHOLD = 0.999999
 SUFFIXES = ("no_refill", "eager", "eager_prefill", "sync", "noprofile", "fp8", "kv_fp8")
+LIVE_POLICIES = ("latent_diff", "latent_diff_delayed", "kl", "kl_delayed")
 
 
 def warmup_requests(args) -> int:
@@ -72,7 +77,7 @@ def warmup_requests(args) -> int:
 
 
 def parse_arm(spec: str):
-    """-> (sampling kwargs, engine kwargs, trace depth probabilities or None, profile?)."""
+    """-> (sampling kwargs, engine kwargs, trace {depth: weight} or None, profile?)."""
     name, *flags = spec.split("@")
     engine = {
         "scheduling_mode": "no_refill" if "no_refill" in flags else "refill",
@@ -97,21 +102,31 @@ def parse_arm(spec: str):
         return {"exit_threshold": GATE_THRESHOLD, "min_loops": 2}, engine, None, profile
     if kind == "threshold":
         return {"exit_threshold": float(value), "min_loops": 2}, engine, None, profile
+    if kind in LIVE_POLICIES:
+        return {"exit_threshold": float(value)}, {**engine, "exit_policy": kind}, None, profile
     if kind == "trace":
-        probs = [float(x) for x in value.split(",")]
-        return {"exit_threshold": 1.0}, {**engine, "exit_policy": "trace"}, probs, profile
+        if value.startswith("uniform:"):
+            low, high = (int(x) for x in value.removeprefix("uniform:").split("-"))
+            weights = dict.fromkeys(range(low, high + 1), 1.0)
+        else:
+            weights = {depth: float(x) for depth, x in enumerate(value.split(","), 2)}
+        return {"exit_threshold": 1.0}, {**engine, "exit_policy": "trace"}, weights, profile
     raise SystemExit(f"unknown arm {spec!r}")
 
 
-def write_trace(path: Path, probs: list[float], args) -> None:
-    """Seeded per-request depth lists: token 0 at full depth, then depths 2.. from `probs`
-    (bench-i: the measured requests, profile-i: the profile window's, warmup-i: full depth)."""
+def write_trace(path: Path, weights: dict[int, float], model_dir: Path, args) -> None:
+    """Seeded per-request depth lists: token 0 at the model's default depth (the requests omit
+    max_loops), then depths drawn with `weights` (bench-i: the measured requests, profile-i:
+    the profile window's, warmup-i: all at the default depth)."""
+    from rlt_models.families import read_config
+
+    full = read_config(model_dir).declaration().default_loops
     rng = random.Random(args.seed + 1)
-    depths = list(range(2, 2 + len(probs)))
+    depths, probs = list(weights), list(weights.values())
     names = [f"bench-{i}" for i in range(args.num_requests)]
     names += [f"profile-{i}" for i in range(args.max_num_seqs)]
-    trace = {n: [4] + rng.choices(depths, weights=probs, k=args.output_len - 1) for n in names}
-    trace.update({f"warmup-{i}": [4] * WARMUP_TOKENS for i in range(warmup_requests(args))})
+    trace = {n: [full] + rng.choices(depths, probs, k=args.output_len - 1) for n in names}
+    trace.update({f"warmup-{i}": [full] * WARMUP_TOKENS for i in range(warmup_requests(args))})
     path.write_text(json.dumps(trace))
 
 
@@ -123,7 +138,7 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> dict:
     if trace_probs is not None:
         trace_path = Path(args.checkpoint_dir) / f"trace-{os.getpid()}-{abs(hash(spec))}.json"
         trace_path.parent.mkdir(parents=True, exist_ok=True)
-        write_trace(trace_path, trace_probs, args)
+        write_trace(trace_path, trace_probs, model_dir, args)
         engine_kwargs["exit_trace"] = str(trace_path)
     engine = LLMEngine(
         EngineConfig.from_options(
@@ -136,6 +151,7 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> dict:
             prefill_chunk_size=args.prefill_chunk_size,
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.prompt_len + args.output_len,
+            max_model_loops=args.max_model_loops,
             **engine_kwargs,
         )
     )
@@ -147,10 +163,13 @@ def run_arm(spec: str, args, model_dir: Path, prompts) -> dict:
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, **sampling_kwargs)
         warmup = SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True, **sampling_kwargs)
         # SHARED prefill runs position by position (one token per row and wave), so short
-        # prompts warm it up as well as long ones, and much faster.
-        cut = 16 if args.kv_layout == "shared" else args.prompt_len
+        # prompts warm it up as well as long ones, and much faster; --warmup-prompt-len cuts
+        # all but the first warm-up prompt (decode graphs are captured at start anyway)
+        full = 16 if args.kv_layout == "shared" else args.prompt_len
+        cut = min(full, args.warmup_prompt_len or full)
         for i in range(warmup_requests(args)):  # warm-up: kernels, allocator, autotuning
-            engine.add_request(f"warmup-{i}", prompts[i % len(prompts)][:cut], warmup)
+            prompt = prompts[i % len(prompts)][: cut if i else full]
+            engine.add_request(f"warmup-{i}", prompt, warmup)
         while engine.has_unfinished_requests():
             engine.step()
         sync(args.device)
@@ -215,6 +234,8 @@ def measure(engine, spec, args, prompts, params) -> dict:
         "host_ms_per_step": round(1000 * (t.host_s - host0) / max(steps, 1), 3),
         "readback_wait_ms_per_step": round(1000 * (t.readback_wait_s - wait0) / max(steps, 1), 3),
         "kv_blocks": engine.parts.memory_plan.num_blocks,
+        "kv_capacity": engine.parts.kv_capacity and dataclasses.asdict(engine.parts.kv_capacity),
+        "kv_cache_dtype": engine.parts.kv_cache_dtype,
         "max_running": max_running,
         "preemptions": engine.get_stats().preemptions - preempt0,
         "async_scheduling": core.async_scheduling,
@@ -317,6 +338,8 @@ def build_parser():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--prefill-chunk-size", type=int, default=256)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-loops", type=int, default=None, help="the engine's loop cap")
+    p.add_argument("--warmup-prompt-len", type=int, default=None, help="see run_arm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arm", action="append", default=[], help="repeatable; see above")
     p.add_argument(
@@ -350,17 +373,19 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             results.append(run_arm(arm, args, model_dir, prompts))
+            print(f"arm {arm} done in {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as exc:  # report it, free what it held, and go on with the next arm
             traceback.print_exc()
             errors.append({"arm": arm, "error": f"{type(exc).__name__}: {exc}"})
             del exc
             free_memory(args.device)
             print(f"arm {arm} FAILED after {time.perf_counter() - t0:.1f} s", flush=True)
-            continue
-        print(f"arm {arm} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        # saved after every arm: a process cut short keeps the arms it measured
+        write_json(
+            args.json_out, record("offline_throughput", args, results=results, errors=errors)
+        )
     if results:
         print_table(results)
-    write_json(args.json_out, record("offline_throughput", args, results=results, errors=errors))
     return 1 if errors else 0
 
 

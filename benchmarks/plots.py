@@ -4,6 +4,7 @@
     uv run --with matplotlib python benchmarks/plots.py speculative    # .../speculative-h200.png
     uv run --with matplotlib python benchmarks/plots.py serving-sweeps \\
         --sweep "threshold 1.0" DIR1 --sweep "threshold 0.5" DIR2 --out docs/assets/sweep.png
+    uv run --with matplotlib python benchmarks/plots.py huginn --record DIR/families.json
 
 fp8: decode tok/s of each arm at 1 and 128 requests (benchmarks/results/fp8_h200/fp8_c1.json
 and fp8_c128.json, `tools/h200_run.sh fp8 c`).
@@ -16,6 +17,10 @@ serving-sweeps: several `rlt bench serve` request-rate sweeps overlaid, each DIR
 result JSONs one sweep saved (`--sweep-request-rates ... --save-result --result-dir DIR`):
 TTFT, TPOT and end-to-end latency (p50 solid, p99 dashed) and output throughput against the
 request rate; the legend gives each sweep's mean loops per token.
+huginn: docs/models.md's Huginn figure (assets/huginn-h200.png) from `tools/h200_run.sh
+huginn`'s families.json: decode tok/s against requests per arm and KV layout, each adaptive
+arm's ideal dotted (the base's tok/s x the layer-pass ratio), the 1-request bandwidth floor,
+the authors' generate (issue 39: 4.36 tok/s at 1 request, 29.7 at 8, fixed 32 steps, H200).
 """
 
 from __future__ import annotations
@@ -129,13 +134,70 @@ def serving_sweeps(plt, args) -> Path:
     return save(fig, args.out, dpi=100)
 
 
+AUTHORS_TOK_S = {1: 4.36, 8: 29.7}  # issue 39: the authors' generate, fixed 32 steps, H200
+
+
+def huginn(plt, args) -> Path:
+    if args.record is None:
+        raise SystemExit("huginn needs --record DIR/families.json (tools/h200_run.sh huginn)")
+    data = json.loads(args.record.read_text())
+    summary = next(s for s in data["summaries"] if s["shape"].startswith(("huginn", "tiny-hug")))
+    groups = {}  # (arm, layout and KV dtype) -> its points
+    for point in summary["points"]:
+        fp8 = ", fp8 KV" if "float8" in str(point["kv_cache_dtype"]) else ""
+        groups.setdefault((point["arm"].split("@")[0], point["layout"] + fp8), []).append(point)
+    arms = list(dict.fromkeys(arm for arm, _ in groups))
+    layouts = list(dict.fromkeys(layout for _, layout in groups))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labelled = set()  # the arms whose ideal has a legend entry
+    for (arm, layout), points in groups.items():
+        points.sort(key=lambda p: p["concurrency"])
+        xs, color = [p["concurrency"] for p in points], f"C{arms.index(arm)}"
+        loops = sum(p["mean_loops"] for p in points) / len(points)
+        ys, index = [p["decode_tok_s"] for p in points], layouts.index(layout)
+        label = f"{arm}, {layout} ({loops:.1f} steps/token)"
+        ax.plot(xs, ys, color=color, marker="os^D"[index % 4], ls="-:--"[index % 3], label=label)
+        if arm != arms[0]:  # an adaptive arm: its ideal, and its measured ratio over the base
+            ideal = [p["decode_tok_s"] * p["ideal_over_base"] / p["over_base"] for p in points]
+            label = f"ideal of {arm} (layer passes)" if arm not in labelled else None
+            ax.plot(xs, ideal, color=color, linestyle=":", linewidth=1, label=label)
+            labelled.add(arm)
+            text = dict(fontsize=7, xytext=(4, -10), textcoords="offset points", color=color)
+            for x, y, p in zip(xs, ys, points, strict=True):
+                ax.annotate(f"{p['over_base']}x", (x, y), **text)
+    if floor := summary.get("floor_tok_s_c1"):
+        ax.scatter([1], [floor], c="k", marker="_", s=300, label="bandwidth floor, 1 request")
+    label = "the authors' generate, fixed 32 steps (issue 39)"
+    ax.scatter(list(AUTHORS_TOK_S), list(AUTHORS_TOK_S.values()), c="grey", marker="x", label=label)
+    ticks = sorted({p["concurrency"] for p in summary["points"]} | set(AUTHORS_TOK_S))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xlabel="concurrent requests", ylabel="decode output tokens/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    device = (data.get("bandwidth") or {}).get("device_name") or data["device"]["device_name"]
+    setup = data["args"]
+    ax.set_title(
+        f"{summary['shape']} (random weights, {setup['dtype']}), {setup['prompt_len']} in / "
+        f"{setup['output_len']} out, {device}, commit {data.get('commit')}",
+        fontsize=9,
+    )
+    return save(fig, args.out or ASSETS / "huginn-h200.png")
+
+
 def save(fig, out: Path, dpi: int = 110) -> Path:
     fig.tight_layout()
     fig.savefig(out, dpi=dpi)
     return out
 
 
-FIGURES = {"fp8": fp8, "speculative": speculative, "serving-sweeps": serving_sweeps}
+FIGURES = {
+    "fp8": fp8,
+    "speculative": speculative,
+    "serving-sweeps": serving_sweeps,
+    "huginn": huginn,
+}
 
 
 def main(argv=None) -> int:
@@ -144,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the image (default: docs/assets/...)")
     p.add_argument("--sweep", nargs=2, action="append", metavar=("LABEL", "DIR"))
     p.add_argument("--title", default="rlt serve: request-rate sweep")
+    p.add_argument("--record", type=Path, help="huginn: the families.json to draw")
     args = p.parse_args(argv)
     plt = pyplot()
     if plt is None:

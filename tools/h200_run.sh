@@ -45,15 +45,31 @@
 #                                                  side, then speculation at 32 requests with
 #                                                  the default disable limit
 #   bash tools/h200_run.sh families [ARGS...]      issue 38: decode tok/s of each family's
-#                                                  release shape (random bf16 weights; Ouro-1.4B
-#                                                  and Nanbeige4.2-3B by default) at 1 / 32 / 128
-#                                                  requests, its bandwidth floor at 1 request
-#                                                  and layer passes per second, and for
-#                                                  HRM-Text and Dory shapes transformers' own
-#                                                  generate at 1 and 32 requests beside rlt
-#                                                  (--no-transformers: rlt alone)
-#                                                  (benchmarks/family_speed.py ARGS, ~6 min;
-#                                                  files in $OUT/families.tgz)
+#                                                  release shape (random bf16 weights; Ouro-1.4B,
+#                                                  Nanbeige4.2-3B, HRM-Text-1B and Dory-4B by
+#                                                  default) at 1 / 32 / 128 requests, its
+#                                                  bandwidth floor at 1 request and layer passes
+#                                                  per second, and for HRM-Text and Dory
+#                                                  transformers' own generate at 1 and 32
+#                                                  requests beside rlt (--no-transformers: rlt
+#                                                  alone) (benchmarks/family_speed.py ARGS, ~8
+#                                                  min, no run past BUDGET_S=530 s; files in
+#                                                  $OUT/families.tgz, the table families.md)
+#   bash tools/h200_run.sh huginn [ARGS...]        issue 39 item 8 (~7 min): Huginn-0125's CUDA
+#                                                  tests (HUGINN_TESTS=0 skips them), then its
+#                                                  release shape (random bf16, recurrent block
+#                                                  at std 0.002: workload.py) at 1,024 in / 128
+#                                                  out, max_model_loops 32: fixed 32 steps, the
+#                                                  trace's exits (uniform on 4..20) and live
+#                                                  latent_diff exits (threshold LATENT=0.03) at
+#                                                  1 / 32 / 8 requests (last_exited); fixed and
+#                                                  trace at 128 (ring:8, fp8 KV); fixed at 32
+#                                                  with ring:8 (the same memory as last_exited);
+#                                                  the bandwidth floor, KV bytes per token and
+#                                                  requests per layout (family_speed.py ARGS;
+#                                                  $OUT/huginn.json / .md / -h200.png, the runs
+#                                                  in huginn.tgz; no run past BUDGET_S=540 s
+#                                                  from the start, tests included)
 #   bash tools/h200_run.sh pdl-loop [ARGS...]      one fused decode loop with and without
 #                                                  programmatic dependent launch, side by side
 #                                                  (benchmarks/kernel_bench.py --sections pdl
@@ -225,10 +241,27 @@ case "$mode" in
       --json-out "$OUT/fp8_c128.json" >"$OUT/fp8_c128.log" 2>&1
     tail -n 6 "$OUT/fp8_c128.log" ;;
   families)
-    timeout "${FAMILIES_S:-540}" python3 benchmarks/family_speed.py --out "$OUT/families" "$@" 2>&1 \
-      | tee "$OUT/families.log" | tail -14
+    timeout "${FAMILIES_S:-550}" python3 benchmarks/family_speed.py --out "$OUT/families" \
+      --budget-s "${BUDGET_S:-530}" "$@" 2>&1 | tee "$OUT/families.log" | tail -24
     rc=${PIPESTATUS[0]}
+    cp "$OUT/families/families.md" "$OUT/families.md"
     tar czf "$OUT/families.tgz" -C "$OUT" families && rm -rf "$OUT/families"
+    exit $rc ;;
+  huginn)
+    start=$SECONDS trace=trace:uniform:4-20 latent=latent_diff:${LATENT:-0.03}
+    [ "${HUGINN_TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_cuda_huginn.py 2>&1 | tee "$OUT/huginn_cuda_tests.log" | tail -3
+    timeout $(( ${BUDGET_S:-540} + 20 - (SECONDS - start) )) python3 benchmarks/family_speed.py \
+      --out "$OUT/huginn" --shapes huginn-3.5b --no-transformers --waves 1 --run-timeout-s 300 \
+      --budget-s $(( ${BUDGET_S:-540} - (SECONDS - start) )) --arm fixed --arm $trace --arm $latent \
+      --engine-args="--max-model-loops 32 --warmup-prompt-len 64" \
+      --concurrency "1,32,128/ring:8@kv_fp8=fixed+$trace,32/ring:8=fixed,8" "$@" 2>&1 \
+      | tee "$OUT/huginn.log" | tail -24
+    rc=${PIPESTATUS[0]}
+    cp "$OUT/huginn/families.json" "$OUT/huginn.json"; cp "$OUT/huginn/families.md" "$OUT/huginn.md"
+    python3 benchmarks/plots.py huginn --record "$OUT/huginn.json" --out "$OUT/huginn-h200.png" \
+      || echo "no plot here: uv run --with matplotlib python benchmarks/plots.py huginn --record huginn.json"
+    tar czf "$OUT/huginn.tgz" -C "$OUT" huginn && rm -rf "$OUT/huginn"
     exit $rc ;;
   pdl-loop)
     python3 benchmarks/kernel_bench.py --sections pdl --batch-sizes 1,2,4,8,16,32,128 \
@@ -341,6 +374,6 @@ case "$mode" in
   flash-attn)
     bash tools/build_flash_attn.sh "$@" ;;
   *)
-    echo "usage: $0 tests|tests-all|table|batch-invariance|serving-sweep|pd|ray-serve|flash-attn [args]" >&2
+    echo "usage: $0 tests|tests-all|table|families|huginn|batch-invariance|serving-sweep|pd|ray-serve|flash-attn [args]" >&2
     exit 2 ;;
 esac

@@ -85,7 +85,7 @@ class LoopedLanguageModel(Protocol):
     prelude), and has `finish(state, positions, attention) -> state`: the coda's layers on a
     token's state after its last loop, whose result `coda` (then the head alone) reads. Other
     families ignore both arguments and have no `finish`; the runner passes them and calls
-    `finish` only for a family with stage layers. (0.3.6) In a decode tick the runner passes
+    `finish` only for a family with stage layers. (0.4.0) In a decode tick the runner passes
     both stages `needed` too, with `coda`'s meaning: 0 when no row runs the stage in that tick.
 
     Random initial state (0.3.4): a family declaring `random_initial_state` takes `uniforms`

@@ -1,7 +1,8 @@
 """One configuration tree, declared once (issue 40 items 1-2): every command that runs an engine
 takes every engine option from the option structs (rlt_serve.option_flags) with the same help,
-the flags read back into the same `EngineConfig`, and docs/configuration.md lists exactly those
-options with their defaults."""
+every server its front's options (FrontOptions, the loop defaults nested), the flags read back
+into the same `EngineConfig`, and docs/configuration.md lists exactly those options with their
+defaults."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from rlt.cli import engine_config_from_args
 from rlt.engine import EngineConfig
 from rlt_contracts import ConfigurationError, EngineOptions, option_fields
 from rlt_pd_coordinator.cli import build_parser as pd_parser
+from rlt_serve import LoopDefaults
 from rlt_serve.cli_help import commands, rendered_help
+from rlt_serve.front_options import FrontOptions
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = {f.flags[0]: f for f in option_fields(EngineOptions)}
@@ -36,15 +39,19 @@ def command_parsers() -> dict:
     return {name: found[name] for name in COMMANDS}
 
 
-def engine_helps(parser, command: str) -> dict[str, str]:
-    """flag -> help as `--help` shows it, of the engine options `command` generates."""
+def helps(parser, flags, command: str = "") -> dict[str, str]:
+    """flag -> help as `--help` shows it, of `flags` (those `command` generates)."""
     return {
         action.option_strings[0]: rendered_help(parser, action)
         for action in parser._actions
         if action.option_strings
-        and (action.option_strings[0] in FIELDS or action.option_strings[0] in VLLM_ALIASES)
+        and action.option_strings[0] in flags
         and command not in NOT_GENERATED.get(action.option_strings[0], ())
     }
+
+
+def engine_helps(parser, command: str) -> dict[str, str]:
+    return helps(parser, {*FIELDS, *VLLM_ALIASES}, command)
 
 
 def test_every_command_lists_every_engine_option_with_the_same_help():
@@ -58,6 +65,17 @@ def test_every_command_lists_every_engine_option_with_the_same_help():
     # the help is the field's own (defaults appended by the formatter)
     for flag, field in FIELDS.items():
         assert everything[flag].startswith(field.option.help.split("%(")[0]), flag
+
+
+def test_every_server_lists_the_front_options_and_every_command_the_loop_flags():
+    parsers = command_parsers()
+    front = {f.flags[0] for f in option_fields(FrontOptions)}
+    loops = {f.flags[0] for f in option_fields(LoopDefaults)}
+    assert loops < front
+    servers = {name: helps(parser, front) for name, parser in parsers.items() if "serve" in name}
+    assert len(servers) == 4 and set(servers["rlt serve"]) == front
+    assert all(found == servers["rlt serve"] for found in servers.values())
+    assert helps(parsers["rlt generate"], loops) == helps(parsers["rlt serve"], loops)
 
 
 def test_flags_read_back_as_the_options_they_name():

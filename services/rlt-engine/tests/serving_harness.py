@@ -20,13 +20,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import httpx2
 import openai
 import pytest
 import uvicorn
+from msgspec.structs import replace
 from rlt.engine import EngineConfig, LLMEngine
 from rlt.serving.async_engine import AsyncEngine
 from rlt.serving.front_end import uvicorn_config

@@ -78,8 +78,8 @@ class SteadyLoad:
 def test_serve_adds_a_replica_under_load_and_removes_it_when_idle(ray_cluster):
     from ray import serve
     from rlt.engine.config import EngineConfig
-    from rlt.serving.server_options import ServeOptions
     from rlt_ray import RayOptions, build_app
+    from rlt_serve.front_options import ServeOptions
 
     ray_cluster.ensure_nodes("rlt_decode", 2)  # two free `rlt_replica` nodes besides the head
     app = build_app(

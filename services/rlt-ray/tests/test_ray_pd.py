@@ -80,8 +80,8 @@ class PDFleet:
 def pd_fleet(ray_cluster):
     from ray import serve
     from rlt.engine.config import EngineConfig
-    from rlt.serving.server_options import ServeOptions
     from rlt_ray import PDOptions, build_pd_app
+    from rlt_serve.front_options import ServeOptions
 
     ray_cluster.ensure_nodes("rlt_decode", 2)  # an earlier test may have removed a worker
     started = time.monotonic()

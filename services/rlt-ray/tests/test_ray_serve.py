@@ -68,8 +68,8 @@ def fleet(ray_cluster):
     needing the one `rlt_replica` resource of a node."""
     from ray import serve
     from rlt.engine.config import EngineConfig
-    from rlt.serving.server_options import ServeOptions
     from rlt_ray import RayOptions, build_app
+    from rlt_serve.front_options import ServeOptions
 
     started = time.monotonic()
     app = build_app(

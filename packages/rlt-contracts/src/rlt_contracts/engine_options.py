@@ -1,18 +1,8 @@
-"""The engine's options as one tree of structs, each owned by the part that reads it.
-
-    EngineOptions                   the engine core: async_scheduling, cache_dir, live statistics
-    ├── model: ModelConfig          what is loaded and how (rlt.engine.assembly, the front ends)
-    ├── scheduler: SchedulerConfig  batching, admission, memory and exit policy (rlt_scheduler;
-    │                               the runner reads its batch limits)
-    ├── runner: RunnerConfig        device, KV storage, attention, graphs (rlt_runner; start-up)
-    │   └── speculation: SpeculationConfig   read by the runner and the scheduler
-    └── pd: PDConfig                prefill/decode disaggregation (rlt.engine.pd_assembly)
-
-Every option is a field declared once with its help (`rlt_contracts.options`): the flat
-keywords of `EngineConfig.from_options` / `LLM(...)`, the command-line flags
-(rlt_serve.option_flags) and docs/configuration.md's tables all come from these fields. Each
-struct validates itself when it is built (ConfigurationError naming the option).
-"""
+"""The engine's options as one tree of structs, each owned by the part that reads it
+(`EngineOptions`: model, scheduler, runner with its speculation, pd; docs/architecture.md,
+"Configuration"). Every option is a field declared once with its help (`rlt_contracts.options`),
+from which the flat keywords of `LLM(...)`, the flags and docs/configuration.md's tables come;
+each struct validates itself when it is built (ConfigurationError naming the option)."""
 
 from __future__ import annotations
 

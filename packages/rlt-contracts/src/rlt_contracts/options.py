@@ -38,7 +38,10 @@ class Option:
     (public name, when not the field's), `flags` (the command line's spellings, when not
     --name), `metavar`, `choices` (when the type does not say them), `negatable` (a boolean:
     --x / --no-x; default: when the default is True), `positive` (an integer >= 1), `parse`
-    (the value's parser, ValueError when invalid: the flag checks with it too)."""
+    (the value's parser, ValueError when invalid: the flag checks with it too); for the command
+    line only: `env` (an environment variable that gives the flag's default) and
+    `flag_default` (where the command line's default differs from Python's, e.g. a server's
+    exit threshold: the model's own, where Python keeps fixed depth)."""
 
     help: str
     name: str | None = None
@@ -48,6 +51,8 @@ class Option:
     negatable: bool | None = None
     positive: bool = False
     parse: Callable[[str], Any] | None = None
+    env: str | None = None
+    flag_default: Any = ...  # ...: the field's default
 
 
 @dataclass(frozen=True)
@@ -130,18 +135,8 @@ def _nested(root: type, options: Mapping[str, Any], what: str) -> dict[tuple[str
 
 def build_options(root: type[S], options: Mapping[str, Any], *, what: str = "engine") -> S:
     """`root` built from flat options (`option_fields` names), each nested struct from its
-    own; unknown names raise ConfigurationError naming them."""
-    grouped = _nested(root, options, what)
-
-    def build(kind: type, path: tuple[str, ...]) -> Any:
-        values = dict(grouped.get(path, {}))
-        for info in msgspec.structs.fields(kind):
-            sub, _, _ = _split(info.type)
-            if _is_struct(sub) and any(p[: len(path) + 1] == (*path, info.name) for p in grouped):
-                values[info.name] = build(sub, (*path, info.name))
-        return kind(**values)
-
-    return build(root, ())
+    defaults and its own options; unknown names raise ConfigurationError naming them."""
+    return replace_options(root(), options, what=what)
 
 
 def replace_options(tree: S, options: Mapping[str, Any], *, what: str = "engine") -> S:

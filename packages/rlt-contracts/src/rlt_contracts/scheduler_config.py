@@ -1,12 +1,6 @@
-"""`SchedulerConfig`: batching, admission, memory policy and exit policy (caller settings,
-never mutated at run time). Read by the scheduler (rlt_scheduler), which plans each step within
-it, and by the runner, which sizes its rows, decode ticks and prompt chunks by the same limits
-(one struct, so neither copies the other's numbers).
-
-Every field that is an option carries its command-line help (`rlt_contracts.options`); details
-in docs/configuration.md ("Batching", "KV cache", "Scheduling policy and preemption", "Exit
-policy").
-"""
+"""`SchedulerConfig`: batching, admission, memory and exit policy, never mutated at run time;
+read by the scheduler, which plans each step within it, and by the runner, which is sized by
+the same limits (docs/configuration.md; each field's help: `rlt_contracts.options`)."""
 
 from __future__ import annotations
 
@@ -73,13 +67,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """scheduling and batching (docs/configuration.md)
 
     A step holds one token row per decoding request plus prompt-chunk tokens, at most
-    `max_num_batched_tokens`, which must exceed `max_num_seqs` so that prompts always progress.
-    A step that can compute prompts (one is in PREFILL, or a waiting request can start) runs
-    `prefill_step_decode_ticks` ticks, never more than `decode_ticks_per_step` (tick_policy.py).
-    `whole_prompts` is set by the engine, no option: a prompt is computed in one step, never in
-    chunks (a prefix-LM prompt is one bidirectional block); the token budget then holds the
-    longest prompt.
-    """
+    `max_num_batched_tokens` (> `max_num_seqs`, so that prompts progress). `whole_prompts`, set
+    by the engine (no option): a prompt is computed in one step (a prefix-LM block)."""
 
     mode: Annotated[
         SchedulingMode,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import os
 import typing
 from collections.abc import Collection
 from typing import Any
@@ -25,6 +26,9 @@ from rlt_contracts.options import OptionField, option_fields
 from rlt_serve.vllm_flags import add_model_arguments
 
 VLLM_GROUP = "flags from vLLM (docs/serving.md)"
+# engine options of `rlt serve` alone (an instance's PD role): the other commands run whole
+# engines or assign the roles themselves
+INSTANCE_ONLY = ("pd_role",)
 
 
 def json_object(text: str) -> dict:
@@ -75,7 +79,10 @@ def _value_type(field: OptionField):
 def flag_arguments(field: OptionField) -> dict[str, Any]:
     """`add_argument`'s keywords for one option."""
     option = field.option
-    default = field.default.value if isinstance(field.default, enum.Enum) else field.default
+    default = field.default if option.flag_default is ... else option.flag_default
+    default = default.value if isinstance(default, enum.Enum) else default
+    if option.env is not None:
+        default = os.environ.get(option.env, default)
     kwargs: dict[str, Any] = {"dest": field.name, "default": default, "help": option.help}
     if option.metavar:
         kwargs["metavar"] = option.metavar
@@ -87,6 +94,8 @@ def flag_arguments(field: OptionField) -> dict[str, Any]:
             kwargs["action"] = "store_false" if default else "store_true"
     elif field.choices is not None:
         kwargs["choices"] = list(field.choices)
+    elif typing.get_origin(field.type) is tuple:  # repeatable
+        kwargs.update(action="append", default=list(default))
     else:
         kwargs["type"] = _value_type(field)
     return kwargs
@@ -113,10 +122,11 @@ def add_option_flags(
 def add_engine_flags(
     parser: argparse.ArgumentParser,
     *,
-    exclude: Collection[str] = (),
+    exclude: Collection[str] = INSTANCE_ONLY,
     only: Collection[str] | None = None,
 ) -> None:
-    """Every engine option (module doc) and vLLM's aliases of them."""
+    """Every engine option (module doc; not `INSTANCE_ONLY` unless `exclude` says otherwise)
+    and vLLM's aliases of them."""
     add_option_flags(parser, EngineOptions, exclude=exclude, only=only)
     group = parser.add_argument_group(VLLM_GROUP)
     if only is None:
@@ -128,12 +138,17 @@ def add_engine_flags(
     add_model_arguments(group)
 
 
+def options_from_args(args: argparse.Namespace, root: type) -> dict[str, Any]:
+    """The flat options of `root`'s tree that parsed flags give (those the command declares;
+    the rest keep their defaults); a repeated flag's values as a tuple."""
+    found = {f.name: getattr(args, f.name) for f in option_fields(root) if hasattr(args, f.name)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in found.items()}
+
+
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The flat engine options of parsed flags (those the command declares; the rest keep
-    their defaults). vLLM's --enforce-eager turns the decode and prompt graphs off."""
-    options = {
-        f.name: getattr(args, f.name) for f in option_fields(EngineOptions) if hasattr(args, f.name)
-    }
+    """The flat engine options of parsed flags. vLLM's --enforce-eager turns the decode and
+    prompt graphs off."""
+    options = options_from_args(args, EngineOptions)
     if getattr(args, "enforce_eager", False):
         options.update(cuda_graphs=False, prefill_cuda_graphs=False)
     return options

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from typing import Annotated
 
+import msgspec
 from rlt_contracts import (
     DEFAULT_GATE_EXIT_THRESHOLD,
     ConfigurationError,
     ExitSignal,
     InvalidRequestError,
     ModelInfo,
+    Option,
     SamplingParams,
 )
 
@@ -18,17 +20,35 @@ from rlt_serve.request_schemas import ChatCompletionRequest, CompletionRequest, 
 from rlt_serve.structured_output import structured_output_of
 
 
-@dataclass(frozen=True)
-class LoopDefaults:
-    """Loop settings applied when a request leaves them out (the server's --min-loops,
-    --max-loops and --exit-threshold). min_loops None means the model's own
-    (`SamplingParams.resolve_min_loops`); max_loops None means the model's default depth (the
-    checkpoint's count, which the engine applies; at most the model depth, the engine's cap
-    --max-model-loops); exit_threshold None means the model's own default (`for_model`)."""
+class LoopDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """loops (of requests that leave them out)
 
-    min_loops: int | None = None
-    max_loops: int | None = None
-    exit_threshold: float | None = 1.0
+    Each field is an option (rlt_contracts.options, the flags of rlt_serve.option_flags).
+    min_loops None means the model's own (`SamplingParams.resolve_min_loops`); max_loops None
+    means the model's default depth (the checkpoint's count, which the engine applies; at most
+    the model depth, the engine's cap --max-model-loops); exit_threshold None means the
+    model's own default (`for_model`): the command line's, where Python keeps fixed depth."""
+
+    min_loops: Annotated[
+        int | None,
+        Option("loops every token runs before it may exit (default: the model family's own)"),
+    ] = None
+    max_loops: Annotated[
+        int | None,
+        Option(
+            "loops after which every token exits (default: the checkpoint's loop count, at "
+            "most --max-model-loops)"
+        ),
+    ] = None
+    exit_threshold: Annotated[
+        float | None,
+        Option(
+            "exit once the gate's cumulative probability reaches this (1.0 = fixed depth); "
+            f"default: {DEFAULT_GATE_EXIT_THRESHOLD} for a model with an exit gate (1.0 in "
+            "Python's SamplingParams), the fixed depth for one without an exit signal",
+            flag_default=None,
+        ),
+    ] = 1.0
 
     def for_model(self, info: ModelInfo) -> LoopDefaults:
         """These defaults made concrete for the served model, checked against it (else every
@@ -51,7 +71,7 @@ class LoopDefaults:
             ).resolve_max_loops(info.num_loops, info.default_loops or None)
         except InvalidRequestError as exc:
             raise ConfigurationError(exc.field, f"loop default: {exc.message}") from None
-        return replace(self, exit_threshold=threshold)
+        return msgspec.structs.replace(self, exit_threshold=threshold)
 
 
 def check_model(requested: str | None, served_model_name: str) -> None:

@@ -13,11 +13,19 @@ import signal
 import sys
 from collections.abc import Collection, Sequence
 
-from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams
+from msgspec.structs import replace
+from rlt_contracts import DEFAULT_GATE_EXIT_THRESHOLD, RltError, SamplingParams, build_options
+from rlt_serve import LoopDefaults
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_USAGE
-from rlt_serve.listening import check_can_listen, port_number
-from rlt_serve.option_flags import add_engine_flags, engine_options_from_args
+from rlt_serve.front_options import ServeOptions
+from rlt_serve.listening import check_can_listen
+from rlt_serve.option_flags import (
+    add_engine_flags,
+    add_option_flags,
+    engine_options_from_args,
+    options_from_args,
+)
 from rlt_serve.vllm_flags import (
     add_front_arguments,
     check_model_arguments,
@@ -25,17 +33,6 @@ from rlt_serve.vllm_flags import (
 )
 
 from rlt.engine.config import EngineConfig
-
-INSTANCE_ONLY = ("pd_role",)  # engine options of `rlt serve` alone
-
-
-def add_engine_arguments(
-    parser: argparse.ArgumentParser, *, exclude: Collection[str] = INSTANCE_ONLY
-) -> None:
-    """Every engine option as a flag (rlt_serve.option_flags, from the option structs);
-    `pd_role` only on `rlt serve` (an instance's role; the other commands run whole engines
-    or assign the roles themselves)."""
-    add_engine_flags(parser, exclude=exclude)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -73,34 +70,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
-    )
-    add_loop_arguments(group)
-
-
-def add_loop_arguments(group) -> None:
-    """Loop bounds (for `rlt serve`: the defaults of requests that leave them out)."""
-    group.add_argument(
-        "--min-loops",
-        type=int,
-        default=None,
-        help="loops every token runs before it may exit (default: the model family's own)",
-    )
-    group.add_argument(
-        "--max-loops",
-        type=int,
-        default=None,
-        help="loops after which every token exits (default: the checkpoint's loop count, at "
-        "most --max-model-loops)",
-    )
-    # 0.5 for the CLI and the servers (LoopDefaults.for_model); SamplingParams() in Python
-    # keeps 1.0, fixed depth (docs/configuration.md, "Defaults by entry point")
-    group.add_argument(
-        "--exit-threshold",
-        type=float,
-        default=None,
-        help="exit once the gate's cumulative probability reaches this (1.0 = fixed depth); "
-        f"default: {DEFAULT_GATE_EXIT_THRESHOLD} for a model with an exit gate (1.0 in "
-        "Python's SamplingParams), the fixed depth for one without an exit signal",
     )
 
 
@@ -216,65 +185,10 @@ def speculation_summary(stats) -> str:
     )
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from rlt_serve import DEFAULT_MAX_BODY_BYTES
-
-    group = parser.add_argument_group("server")
-    group.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
-    )
-    group.add_argument(
-        "--port", type=port_number, default=8000, help="port to listen on, 0..65535 (0: any free)"
-    )
-    group.add_argument(
-        "--api-key",
-        default=os.environ.get("RLT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)",
-    )
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model name in the API (default: the Hugging Face model id as given, else the "
-        "model directory's name)",
-    )
-    group.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies are refused (HTTP 413)",
-    )
-    group.add_argument(
-        "--allowed-origin",
-        action="append",
-        default=[],
-        help="browser origin allowed to call the API (CORS; repeatable); "
-        "requests from other origins are refused",
-    )
-    group.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=10.0,
-        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM "
-        "before they are aborted",
-    )
-    group.add_argument(
-        "--api-server-count",
-        type=int,
-        default=1,
-        help="front-end processes (HTTP, tokenization, detokenization) sharing the port over "
-        "the one engine-core process",
-    )
-    group.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="level of the server's log lines (rlt's, and uvicorn's unless --uvicorn-log-level)",
-    )
+def add_serve_arguments(parser: argparse.ArgumentParser, *, exclude: Collection[str] = ()) -> None:
+    """The server's options (`ServeOptions`, with its loop defaults) and vLLM's front flags."""
+    add_option_flags(parser, ServeOptions, exclude=exclude)
     add_front_arguments(parser.add_argument_group("server: flags from vLLM (docs/serving.md)"))
-    loops = parser.add_argument_group("loop defaults (requests may override them)")
-    add_loop_arguments(loops)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -305,14 +219,12 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
     """(engine config, serve options, the core if it is spawned before the server's imports);
     `started` gets that core."""
     from rlt_contracts import ConfigurationError
-    from rlt_serve import LoopDefaults
 
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         raise ConfigurationError("model", "give the model directory once (MODEL_DIR or --model)")
     args.model = args.model_dir if args.model_dir is not None else args.model
     resolve_model_argument(args)  # a Hub id: found or downloaded, before torch is imported
     from rlt.engine.assembly import resolve_model_dir
-    from rlt.serving.server_options import ServeOptions
 
     if args.model is None:
         try:
@@ -321,27 +233,11 @@ def _prepare_serving(args: argparse.Namespace, signals, started: list):
             raise ConfigurationError(
                 "model", f"{exc.message}; pass a checkpoint directory: rlt serve MODEL_DIR"
             ) from None
-    if args.api_server_count < 1:
-        raise ConfigurationError("api_server_count", f"must be >= 1, got {args.api_server_count}")
-    if args.max_body_bytes < 1:
-        raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
+    options = build_options(ServeOptions, options_from_args(args, ServeOptions), what="server")
     check_model_sources(args)  # before anything loads: what the model directory lacks
     front = front_settings_from_args(args)  # the chat template read, TLS files loaded
-    check_can_listen(args.host, args.port)  # a taken port fails now, not after the model loads
-    loop_defaults = LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold)
-    options = ServeOptions(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        loop_defaults=loop_defaults,
-        allowed_origins=tuple(args.allowed_origin),
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
-        api_server_count=args.api_server_count,
-        front=front,
-    )
+    check_can_listen(options.host, options.port)  # a taken port fails now, not after loading
+    options = replace(options, front=front)
     config = engine_config_from_args(args)
     core = None
     from rlt.serving.core_process_client import CoreProcess, child_start_method
@@ -372,8 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one JSON object per prompt instead of text (default: off, the text and its "
         "exit depths)",
     )
-    add_engine_arguments(generate)
+    add_engine_flags(generate)
     add_sampling_arguments(generate)
+    add_option_flags(generate, LoopDefaults)
     generate.set_defaults(handler=run_generate)
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     serve.add_argument(
@@ -383,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL_DIR",
         help="checkpoint directory (default: the bundled model)",
     )
-    add_engine_arguments(serve, exclude=())
+    add_engine_flags(serve, exclude=())  # --pd-role too: an instance's role
     add_serve_arguments(serve)
     serve.set_defaults(handler=run_serve)
     commands.add_parser(

@@ -24,12 +24,13 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from rlt_contracts import ConfigurationError, RltError
-from rlt_serve import DEFAULT_MAX_BODY_BYTES, LoopDefaults
+import msgspec
+from rlt_contracts import ConfigurationError, RltError, build_options
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_USAGE
-from rlt_serve.listening import port_number
-from rlt_serve.option_flags import add_engine_flags
+from rlt_serve.front_options import FrontOptions
+from rlt_serve.option_flags import INSTANCE_ONLY, add_engine_flags, add_option_flags
+from rlt_serve.option_flags import options_from_args as flag_options
 from rlt_serve.vllm_flags import (
     add_front_arguments,
     check_model_arguments,
@@ -67,7 +68,7 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     if engine_flags:
-        add_engine_flags(serve, exclude=("pd_role", "device"))
+        add_engine_flags(serve, exclude=(*INSTANCE_ONLY, "device"))
     else:
         add_engine_flags(serve, only=CONSUMED_ENGINE_OPTIONS)
     parser.set_defaults(serve_parser=serve)
@@ -197,68 +198,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between load / health polls of each instance",
     )
 
-    front = parser.add_argument_group("server (the coordinator's front)")
-    front.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind (default: loopback only; 0.0.0.0 for every interface)",
-    )
-    front.add_argument("--port", type=port_number, default=8000, help="0..65535 (0: any free)")
-    front.add_argument(
-        "--api-key",
-        default=os.environ.get("RLT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $RLT_API_KEY)",
-    )
-    front.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model name in the API (default: the model directory's name)",
-    )
-    front.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="larger request bodies are refused (HTTP 413)",
-    )
-    front.add_argument(
-        "--allowed-origin",
-        action="append",
-        default=[],
-        help="browser origin allowed to call the API (CORS; repeatable)",
-    )
-    front.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=defaults.shutdown_timeout,
-        help="seconds in-flight requests may take to finish after SIGINT/SIGTERM",
-    )
-    front.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="level of the coordinator's log lines (and uvicorn's unless --uvicorn-log-level)",
-    )
-    add_front_arguments(front)
-    loops = parser.add_argument_group("loop defaults (requests may override them)")
-    loops.add_argument(
-        "--min-loops",
-        type=int,
-        default=LoopDefaults().min_loops,
-        help="loops every token runs before it may exit (default: the model family's own)",
-    )
-    loops.add_argument(
-        "--max-loops",
-        type=int,
-        default=None,
-        help="loops after which every token exits (default: the model depth)",
-    )
-    loops.add_argument(
-        "--exit-threshold",
-        type=float,
-        default=None,
-        help="exit once the gate's cumulative probability reaches this (default: 0.5 for a "
-        "model with an exit gate, the fixed depth for one without)",
-    )
+    add_option_flags(parser, FrontOptions)  # the front's, as rlt serve's
+    add_front_arguments(parser.add_argument_group("server: flags from vLLM (docs/serving.md)"))
 
 
 def split_model(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -285,7 +226,10 @@ def options_from_args(
     check_model_arguments(args)
     if args.tokenizer is not None and local:  # the instances detokenize with it too
         engine_args = [*engine_args, "--tokenizer", args.tokenizer]
-    return CoordinatorOptions(
+    front = flag_options(args, FrontOptions)
+    options = build_options(CoordinatorOptions, front, what="server")
+    return msgspec.structs.replace(
+        options,
         model=model if model is not None else args.model,
         revision=args.revision,
         download_dir=args.download_dir,
@@ -299,15 +243,6 @@ def options_from_args(
         prefill_credits=args.prefill_credits,
         decode_credits=args.decode_credits,
         replica_credits=args.replica_credits,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        allowed_origins=tuple(args.allowed_origin),
-        loop_defaults=LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold),
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
         instance_api_key=instance_key,
         timeouts=Timeouts(admission=args.admission_timeout, transfer=args.transfer_timeout),
         connect_timeout=args.connect_timeout,

@@ -24,21 +24,17 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import uvicorn
 from fastapi.responses import JSONResponse
 from rlt_contracts import ConfigurationError, FamilyDeclaration, ModelInfo
 from rlt_contracts.pd import PDRole
-from rlt_serve import (
-    DEFAULT_MAX_BODY_BYTES,
-    LOOPBACK_HOSTS,
-    LoopDefaults,
-    build_app,
-    is_loopback,
-)
+from rlt_serve import LOOPBACK_HOSTS, LoopDefaults, build_app, is_loopback
+from rlt_serve.front_options import FrontOptions
 from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
 from rlt_serve.shutdown import (
@@ -62,9 +58,9 @@ HARD_STOP_MARGIN_S = 5.0
 INSTANCES_PATH = "/v1/pd/instances"
 
 
-@dataclass(frozen=True)
-class CoordinatorOptions:
-    """Everything `rlt pd serve` takes (see cli.py for the flags)."""
+class CoordinatorOptions(FrontOptions, frozen=True, kw_only=True):
+    """Everything `rlt pd serve` takes (see cli.py for the flags): the front's options
+    (`FrontOptions`, rlt serve's too), the instances and how they are reached and started."""
 
     # checkpoint directory or Hugging Face model id (tokenizer, config); None: the bundled one
     model: str | None = None
@@ -80,19 +76,9 @@ class CoordinatorOptions:
     prefill_credits: int = 32
     decode_credits: int = 128
     replica_credits: int = 128
-    # front
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    allowed_origins: tuple[str, ...] = ()
-    loop_defaults: LoopDefaults = field(default_factory=LoopDefaults)
-    shutdown_timeout: float = 10.0
-    log_level: str = "info"
     # instances
     instance_api_key: str | None = None
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     connect_timeout: float = 5.0
     poll_interval: float = 1.0
     credit_wait: float = 30.0
@@ -107,7 +93,7 @@ class CoordinatorOptions:
     # vLLM's flags: the tokenizer's directory (front and local instances; None: the model's),
     # and the front's --seed, --chat-template, TLS, uvicorn's log level, its access log
     tokenizer: str | None = None
-    front: FrontSettings = field(default_factory=FrontSettings)
+    front: FrontSettings = msgspec.field(default_factory=FrontSettings)
 
     def instances(self) -> list[Instance]:
         """The local instances (named by role and index) then the listed URLs."""
@@ -147,7 +133,7 @@ class CoordinatorOptions:
         for name in ("num_prefill", "num_decode", "replicas"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("prefill_credits", "decode_credits", "replica_credits", "max_body_bytes"):
+        for name in ("prefill_credits", "decode_credits", "replica_credits"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("poll_interval", "connect_timeout", "startup_timeout", "restart_delay"):

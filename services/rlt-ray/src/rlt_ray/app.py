@@ -169,7 +169,7 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from rlt.engine.config import EngineConfig
-    from rlt.serving.server_options import ServeOptions
+    from rlt_serve.front_options import ServeOptions
 
     from rlt_ray.drain import serve_shutdown_options
     from rlt_ray.ingress import OpenAIIngress

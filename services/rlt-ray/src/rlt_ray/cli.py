@@ -16,7 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from rlt_contracts import ConfigurationError, RltError
+import msgspec
+from rlt_contracts import ConfigurationError, RltError, build_options
 from rlt_serve.cli_help import explain_defaults, parse_command_line
 from rlt_serve.exit_codes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from rlt_serve.shutdown import StopRequested, StopSignals, signal_name
@@ -222,7 +223,8 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlt.cli import add_engine_arguments, add_serve_arguments
+    from rlt.cli import add_serve_arguments
+    from rlt_serve.option_flags import add_engine_flags
 
     parser = argparse.ArgumentParser(
         prog="rlt ray", description="Serve rlt engines as Ray Serve replicas."
@@ -245,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
             help="checkpoint directory (every node must read it) or Hugging Face model id "
             "org/name (default: the bundled model)",
         )
-        add_engine_arguments(sub)
-        add_serve_arguments(sub)
+        add_engine_flags(sub)
+        add_serve_arguments(sub, exclude=("api_server_count",))
         _refuse_front_end_count(sub)
     add_ray_arguments(serve)
     add_pd_arguments(pd_serve)
@@ -255,13 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _refuse_front_end_count(parser: argparse.ArgumentParser) -> None:
     """`rlt serve`'s --api-server-count does not apply here (--ingress-replicas scales the
-    front): taken out of --help; given, it is refused with that advice."""
-    parser.conflict_handler = "resolve"  # a group that replaces rlt serve's declaration
-    try:
-        hidden = parser.add_argument_group()
-    finally:
-        parser.conflict_handler = "error"
-    hidden.add_argument("--api-server-count", type=int, default=1, help=argparse.SUPPRESS)
+    front): not in --help; given, it is refused with that advice."""
+    parser.add_argument("--api-server-count", type=int, default=1, help=argparse.SUPPRESS)
 
 
 def _resources(items: Sequence[str], flag: str = "replica_resource") -> dict[str, float]:
@@ -281,8 +278,8 @@ def _resources(items: Sequence[str], flag: str = "replica_resource") -> dict[str
 def serve_options_from_args(args: argparse.Namespace):
     """rlt's ServeOptions (the front) from `rlt ray serve` / `rlt ray pd serve` flags; sets
     `args.model` from MODEL."""
-    from rlt.serving.server_options import ServeOptions
-    from rlt_serve import LoopDefaults
+    from rlt_serve.front_options import ServeOptions
+    from rlt_serve.option_flags import options_from_args
 
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         raise ConfigurationError("model", "give the model directory once (MODEL or --model)")
@@ -295,20 +292,8 @@ def serve_options_from_args(args: argparse.Namespace):
         raise ConfigurationError("route_prefix", f"must start with '/', got {args.route_prefix!r}")
     if not args.app_name.strip():
         raise ConfigurationError("app_name", "must not be empty")
-    if args.max_body_bytes < 1:
-        raise ConfigurationError("max_body_bytes", f"must be >= 1, got {args.max_body_bytes}")
-    return ServeOptions(
-        front=_front_settings(args),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        loop_defaults=LoopDefaults(args.min_loops, args.max_loops, args.exit_threshold),
-        allowed_origins=tuple(args.allowed_origin),
-        shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level,
-    )
+    options = build_options(ServeOptions, options_from_args(args, ServeOptions), what="server")
+    return msgspec.structs.replace(options, front=_front_settings(args))
 
 
 # vLLM's flags `rlt serve` takes that do not apply here: Ray Serve's HTTP proxy, not a uvicorn

@@ -266,7 +266,7 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from rlt.engine.config import EngineConfig
-    from rlt.serving.server_options import ServeOptions
+    from rlt_serve.front_options import ServeOptions
 
     from rlt_ray.app import replica_engine_config
 

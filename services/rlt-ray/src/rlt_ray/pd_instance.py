@@ -47,7 +47,7 @@ class PDInstanceReplica:
         from rlt.engine.llm_engine import LLMEngine
         from rlt.serving.front_end import uvicorn_config
         from rlt.serving.server import build_server
-        from rlt.serving.server_options import ServeOptions
+        from rlt_serve.front_options import ServeOptions
 
         if config.pd.role != role:
             config = config.with_options(pd_role=role)

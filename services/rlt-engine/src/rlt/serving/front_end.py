@@ -16,6 +16,7 @@ import uvicorn
 from rlt_contracts import ConfigurationError, PDStaticInfo
 from rlt_models import load_tokenizer
 from rlt_serve import LOOPBACK_HOSTS, build_app, is_loopback
+from rlt_serve.front_options import ServeOptions
 from rlt_serve.info_routes import package_version
 from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
@@ -27,7 +28,7 @@ from rlt.engine.startup import StartupClock
 from rlt.serving.core_client import CoreClient
 from rlt.serving.core_process_client import CoreEndpoint, ProcessTransport
 from rlt.serving.pd_control import EnginePDControl
-from rlt.serving.server_options import EXIT_ENGINE_DIED, ServeOptions
+from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 
 def build_front_app(client: CoreClient, tokenizer, options: ServeOptions, pd: PDStaticInfo | None):

@@ -37,6 +37,7 @@ import logging
 
 from rlt_contracts import ConfigurationError
 from rlt_serve import is_loopback
+from rlt_serve.front_options import ServeOptions
 from rlt_serve.shutdown import StopRequested, StopSignals, stopping
 
 from rlt.engine.config import EngineConfig
@@ -50,7 +51,6 @@ from rlt.serving.front_end import (
     run_front_end,
     tokenizer_source,
 )
-from rlt.serving.server_options import ServeOptions
 
 logger = logging.getLogger(__name__)
 

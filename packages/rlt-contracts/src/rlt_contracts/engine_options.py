@@ -321,9 +321,6 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
             "(default: $RLT_CACHE_DIR, else $XDG_CACHE_HOME/rlt, else ~/.cache/rlt; off: none)"
         ),
     ] = None
-    startup_note: Annotated[
-        str | None, Option("a line the engine logs once it has started (default: none)")
-    ] = None
     # the engine core's live statistics line (rlt.engine.stats_log): every server that runs an
     # engine (rlt serve, its PD instances, rlt ray), not LLM
     log_stats: Annotated[

@@ -340,8 +340,6 @@ def build_engine(
         "float8_e4m3fn" if model.quantized_lm_head else model_dtype,
     )
     clock.ready()
-    if config.startup_note:
-        logger.info("start-up note: %s", config.startup_note)
     return EngineParts(
         core=core,
         model=model,

@@ -14,7 +14,6 @@ from rlt_runner.readback import PendingStep
 from rlt_runner.row_record import RowRecord
 from rlt_runner.row_state import DecodeRows
 from rlt_runner.snapshots import SnapshotStore
-from rlt_runner.speculative_program import SpeculationSettings
 
 __all__ = [
     "ActivationProfile",
@@ -28,7 +27,6 @@ __all__ = [
     "PendingStep",
     "RowRecord",
     "SnapshotStore",
-    "SpeculationSettings",
     "plan_kv_blocks",
     "profile_activation_peak",
     "profile_blocks",

@@ -24,6 +24,7 @@ import logging
 import torch
 from rlt_contracts import (
     AttentionBackend,
+    ConfigurationError,
     ExecutionFailure,
     ExecutionIdentity,
     FailedOperation,
@@ -55,7 +56,7 @@ from rlt_runner.row_state import DecodeRows
 from rlt_runner.shared_prefill import SharedPrefillGraphs
 from rlt_runner.snapshots import SnapshotStore
 from rlt_runner.speculative_graphs import SpeculativeGraphs
-from rlt_runner.speculative_program import SpeculativeProgram, speculation_settings
+from rlt_runner.speculative_program import SpeculativeProgram
 from rlt_runner.step_bookkeeping import RECOVERABLE_ERRORS, StepBookkeeping, step_identities
 from rlt_runner.transfers import upload
 
@@ -128,9 +129,13 @@ class ModelRunner:
             config.prefill_cuda_graphs and not config.batch_invariant and not batch.whole_prompts
         )
         prefill_graph_tokens = batch.max_num_batched_tokens if graph_prompts else 0
-        speculation = speculation_settings(
-            config.speculation, max_num_seqs, model.shape.num_loops, max_speculative_rounds
-        )
+        speculation = config.speculation if config.speculation.num_tokens else None
+        if speculation is not None and speculation.draft_loops >= model.shape.num_loops:
+            raise ConfigurationError(
+                "speculative_draft_loops",
+                f"must be below the model's depth {model.shape.num_loops} (drafting with every "
+                f"loop verifies nothing), got {speculation.draft_loops}",
+            )
         shape = model.shape
         self.model = model
         self.attention = attention
@@ -150,7 +155,7 @@ class ModelRunner:
         )
         # A speculative round's verify pass reads K positions past the last valid one (never
         # allocated: their table entries stay the scratch block).
-        lookahead = speculation.num_drafts if speculation is not None else 0
+        lookahead = speculation.num_tokens if speculation is not None else 0
         max_pages = -(-(max_model_len + lookahead) // block_size)
         stage_planes = model.family.kv.stage_planes
         self.rows = DecodeRows(
@@ -195,10 +200,10 @@ class ModelRunner:
                 self.rows,
                 layout=kv_layout,
                 cohort=cohort_decoding,
-                num_drafts=speculation.num_drafts,
+                num_drafts=speculation.num_tokens,
                 draft_loops=speculation.draft_loops,
-                max_slots=min(speculation.max_rows, max_num_seqs),
-                max_rounds=speculation.max_rounds,
+                max_slots=min(speculation.disable_batch_size or max_num_seqs, max_num_seqs),
+                max_rounds=max_speculative_rounds,
                 max_model_len=max_model_len,
             )
         self.snapshots = SnapshotStore()

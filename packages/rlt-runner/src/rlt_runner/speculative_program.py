@@ -43,17 +43,14 @@ depth, logprob fields) and `counts` [rounds, slots, 2] = (accepted, drafted) per
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import torch
 from rlt_contracts import (
     AttentionBackend,
-    ConfigurationError,
     KVLayout,
     KVLayoutSpec,
     LoopedLanguageModel,
     SamplingMode,
-    SpeculationConfig,
     SpeculativeSampler,
 )
 
@@ -74,35 +71,6 @@ from rlt_runner.speculative_state import (
 )
 from rlt_runner.token_state import TokenState
 from rlt_runner.transfers import upload
-
-
-@dataclass(frozen=True)
-class SpeculationSettings:
-    """num_drafts K and draft_loops D of every round; max_rows: most decoding rows a round
-    holds (its buffers' slots); max_rounds: most rounds in one step (its record rings)."""
-
-    num_drafts: int
-    draft_loops: int
-    max_rows: int
-    max_rounds: int
-
-
-def speculation_settings(
-    config: SpeculationConfig, max_num_seqs: int, model_depth: int, max_rounds: int
-) -> SpeculationSettings | None:
-    """A runner's rounds for the engine's speculation options (None: no speculation); the
-    draft depth must be below the model's (ConfigurationError). A round holds the rows that
-    may decode while speculation runs (`disable_batch_size`, at most the runner's rows)."""
-    if not config.num_tokens:
-        return None
-    if config.draft_loops >= model_depth:
-        raise ConfigurationError(
-            "speculative_draft_loops",
-            f"must be below the model's depth {model_depth} (drafting with every loop verifies "
-            f"nothing), got {config.draft_loops}",
-        )
-    rows = min(config.disable_batch_size or max_num_seqs, max_num_seqs)
-    return SpeculationSettings(config.num_tokens, config.draft_loops, rows, max_rounds)
 
 
 class SpeculativeProgram:

@@ -2,9 +2,10 @@
 the CPU: ring:2 and ring:3 equal the dense oracle's ring (tokens and depths) with exits below
 the ring's size (the fill of the planes a token never wrote; ring:2 without them:
 test_engine_matches_oracle.py); ring:2 batched equals serial under the gate's exits, refill
-equals no_refill; ring:4 (as many planes as loops) is last_exited exactly, chunked prefill and prefix
-hits included; what a ring cannot keep is refused at start-up (speculation, prefix caching below
-the depth) or per request (exit-depth scoring); the flag takes what `parse_kv_layout` takes.
+equals no_refill; ring:4 (as many planes as loops) is last_exited exactly, chunked prefill and
+prefix hits included; what a ring cannot keep is refused at start-up (speculation, prefix
+caching below the depth) or per request (exit-depth scoring); the flag takes what
+`parse_kv_layout` takes.
 Huginn-0125's ring against a dense reference: test_huginn_ring_kv.py. Every engine here is
 checked for leaked KV blocks by `llm_factory`."""
 

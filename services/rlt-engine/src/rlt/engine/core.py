@@ -136,18 +136,20 @@ class EngineCore:
         self._last_event = None  # the latest collected step's end-of-work event (CUDA)
         self._pd_deltas: list[RequestOutputDelta] = []
         self._prompt_scoring_refusal = prompt_scoring_refusal(runner.model.family)
-        self._exit_depth_scoring_refusal = runner.model.family.refusal(
-            Feature.EXIT_DEPTH_SCORING
-        ) or (
-            f"exit policy {scheduler.exit_policy.name!r} reads the next-token distribution, "
-            "which exit-depth scoring does not compute"
-            if scheduler.exit_policy.reads_distribution
-            else None
-        ) or (
-            f"kv_layout {runner.layout}: exit-depth scoring runs prompts as decoding does over "
-            "last_exited or shared KV only"
-            if runner.layout.kind is KVLayout.RING
-            else None
+        self._exit_depth_scoring_refusal = (
+            runner.model.family.refusal(Feature.EXIT_DEPTH_SCORING)
+            or (
+                f"exit policy {scheduler.exit_policy.name!r} reads the next-token distribution, "
+                "which exit-depth scoring does not compute"
+                if scheduler.exit_policy.reads_distribution
+                else None
+            )
+            or (
+                f"kv_layout {runner.layout}: exit-depth scoring runs prompts as decoding does over "
+                "last_exited or shared KV only"
+                if runner.layout.kind is KVLayout.RING
+                else None
+            )
         )
 
     # -- requests ------------------------------------------------------------------------------

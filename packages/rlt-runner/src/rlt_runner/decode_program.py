@@ -200,8 +200,10 @@ class DecodeProgram:
         if logits is None:
             finished = hidden
             if self.stage is not None:  # the coda's layers, for the rows that exit
-                exiting = exits.any().to(torch.int32).reshape(1)
-                finished = self._run_stage(self.model.finish, hidden, position, exits, context)
+                exiting = _any_row(exits)
+                finished = self._run_stage(
+                    self.model.finish, hidden, position, exits, context, needed=exiting
+                )
         else:
             rows.exit_logprobs[:B] = torch.where(run[:, None], logprobs, rows.exit_logprobs[:B])
         sampled = self._sample(
@@ -271,14 +273,16 @@ class DecodeProgram:
         previous = torch.where(starting[:, None], uniform, self.rows.exit_logprobs[:B])
         return (previous.exp() * (previous - logprobs)).sum(-1), logprobs
 
-    def _run_stage(self, stage, inputs, position, writes, max_context, **extra) -> torch.Tensor:
+    def _run_stage(
+        self, stage, inputs, position, writes, max_context, needed=None, **extra
+    ) -> torch.Tensor:
         """A family's prelude (`embed`) or coda (`finish`) for rows [0, B) on the stage plane,
         storing KV only for the rows `writes`. The stage is told (`needed`, device int32 [1])
         whether any row runs it, so at a few rows a tick where none does reads none of its
         weights: at one request a token's prelude and coda weights are read once, not in each
         of its loops."""
         batch = self.stage.tick_batch(position.shape[0], position, writes, max_context)
-        needed = writes.any().to(torch.int32).reshape(1)
+        needed = _any_row(writes) if needed is None else needed  # (given: already computed)
         attention = self.attention.bind(self.kv.tensors, batch)
         return stage(inputs, position, attention, needed=needed, **extra)
 
@@ -371,6 +375,11 @@ class DecodeProgram:
         if self.stage is None:  # stage families: token 0's prelude runs in its first tick
             rows.hidden.index_copy_(0, index, self.model.embed(token))
         return record
+
+
+def _any_row(rows: torch.Tensor) -> torch.Tensor:
+    """Device int32 [1]: 1 where some row of the bool `rows` [B] is set (a `needed` flag)."""
+    return rows.any().to(torch.int32).reshape(1)
 
 
 def _record_values(exits, depth, sampled: SampledRows, mode: SamplingMode) -> torch.Tensor:

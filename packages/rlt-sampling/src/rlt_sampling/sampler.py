@@ -1,25 +1,9 @@
 """`Sampler`: logits -> tokens (and logprobs), batched on the device, holding no state.
 
-Pipeline for one batch (every step is a whole-batch tensor op; no per-row Python, no `.item()`):
-
-    adjusted     : logits_processing.adjust_logits(raw)   (only if some row uses min_tokens,
-                   logit_bias or penalties: fp32 copy, min_tokens mask, logit_bias,
-                   repetition / frequency / presence penalties; else the raw logits)
-    greedy rows  : argmax(adjusted)                        (first index on ties)
-    random rows  : scaled   = fp32(adjusted) / temperature
-                   scaled   = min_p mask of scaled         (skipped if no row uses min_p)
-                   filtered = top-k then top-p of scaled   (one sort; skipped if no row filters)
-                   token    = argmax(filtered + Gumbel(seed, counter, v))
-    mixed batch  : torch.where(temperature == 0, greedy token, random token)
-
-This is vLLM's V1 order (min_tokens, logit_bias, penalties, temperature, min_p, top-k/top-p).
-Gumbel-max: argmax_v(l_v + g_v) with i.i.d. standard Gumbel g_v is distributed as softmax(l), so
-the sample is exact for the filtered distribution. The noise is counter-based (`noise.py`): it is
-a pure function of (seed, counter, token id), so a row's token never depends on the other rows,
-the batch order or any generator state, and resuming a preempted request needs only its counter.
-
-Logprobs are log_softmax of the RAW logits in fp32, before every step above (README.md,
-"Contracts").
+vLLM's V1 order (the logits adjustments, temperature, min_p, top-k / top-p), then Gumbel-max
+with counter-based noise (`noise.py`): a row's token is a pure function of its logits, settings,
+seed and counter. Logprobs are log_softmax of the RAW logits in fp32. README.md, "Contracts" and
+"Semantics worth knowing", gives the pipeline and its rules.
 """
 
 from __future__ import annotations
@@ -27,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from rlt_contracts import LogitsAdjustments, SamplingMode, SamplingRow
+from rlt_contracts import SamplingMode, SamplingRow
 
 from rlt_sampling.batch import SamplingBatch
 from rlt_sampling.distribution import adjusted_logits, filtered_logits
@@ -51,36 +35,15 @@ class Sampler:
             torch.compile(counter_gumbel, dynamic=True) if compile_noise else counter_gumbel
         )
 
-    def sample_rows(
-        self,
-        logits: torch.Tensor,
-        *,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        seed: torch.Tensor,
-        counter: torch.Tensor,
-        mode: SamplingMode,
-        min_p: torch.Tensor | None = None,
-        adjustments: LogitsAdjustments | None = None,
-    ) -> SamplerOutput:
-        """The `rlt_contracts.TokenSampler` entry: per-row settings already on the device (e.g.
-        a runner's persistent row buffers), the work to do fixed by `mode` (host flags), so the
-        call launches the same kernels whatever the values: capturable in a CUDA graph.
-        Temperatures in (0, MIN_TEMPERATURE) are raised to it, as `SamplingBatch.build` does.
-        Every row gets `mode.top_logprobs` alternatives; callers trim them per request.
-        min_p (fp32 [N]) is read when `mode.min_p`, `adjustments` when `mode.adjusts_logits`."""
-        batch = SamplingBatch.of_rows(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            counter=counter,
-            mode=mode,
-            min_p=min_p,
-            adjustments=adjustments,
-        )
-        return self.sample(logits, batch)
+    def sample_rows(self, logits: torch.Tensor, *, mode: SamplingMode, **rows) -> SamplerOutput:
+        """The `rlt_contracts.TokenSampler` entry (row keywords: `SamplingBatch.of_rows`): per-row
+        settings already on the device (e.g. a runner's persistent row buffers), the work to do
+        fixed by `mode` (host flags), so the call launches the same kernels whatever the values:
+        capturable in a CUDA graph. Temperatures in (0, MIN_TEMPERATURE) are raised to it, as
+        `SamplingBatch.build` does. Every row gets `mode.top_logprobs` alternatives; callers
+        trim them per request. min_p is read when `mode.min_p`, `adjustments` when
+        `mode.adjusts_logits`."""
+        return self.sample(logits, SamplingBatch.of_rows(mode=mode, **rows))
 
     def state_uniforms(
         self, seed: torch.Tensor, position: torch.Tensor, width: int

@@ -1,18 +1,9 @@
-"""Drafting and verifying tokens for self-speculative decoding (the sampler's side of it).
-
-`propose` draws one draft token per row from the draft logits (the model's first loops) and
-keeps the distribution q it drew from. `verify` receives the target logits of each row's K + 1
-positions and accepts greedy rows' drafts equal to the target's argmax and random rows' by
-rejection sampling (Leviathan et al. 2023, Chen et al. 2023), then emits one more token
-(README.md, "Speculative decoding"), so every emitted token follows the target distribution
-exactly given the tokens before it. A row that drafts nothing emits exactly what
-`Sampler.sample` draws at that output index (the same target stream), which keeps non-drafting
-rows identical to tick-by-tick decoding.
-
-Random streams: every draw is counter-based on (seed, output index) like the sampler's, with
-the output index offset into a separate stream per purpose (`*_STREAM`, added to the counter's
-high word, which no real output index reaches), so drafts, acceptance tests and residual draws
-never reuse the target's noise or each other's.
+"""Drafting and verifying tokens for self-speculative decoding (the sampler's side of it;
+README.md, "Speculative decoding"): `propose` draws one draft per row and keeps the distribution
+q it drew from; `verify` accepts drafts (greedy: equal to the target's argmax; random: rejection
+sampling) and emits one more token, so every emitted token follows the target distribution.
+Each purpose draws from its own counter-based stream (`*_STREAM`, added to the counter's high
+word, which no real output index reaches).
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-ALL_ALLOWED = -1  # an int32 word with every bit set
-
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per row of a bitmask over `vocab_size` tokens."""

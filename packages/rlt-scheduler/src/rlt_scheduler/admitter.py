@@ -1,27 +1,11 @@
 """`Admitter`: moves waiting requests into the running list while a step is built.
 
-Two operations, in `Scheduler.schedule`'s order:
-
-- `preempt_for_priority` (before any row is selected): under the priority policy the best
-  waiting request may suspend strictly lower-priority running ones until it fits.
-- `admit` (after the running requests were scheduled): waiting requests in policy order with
-  bounded bypass. A request that does not fit is deferred and later ones may pass it, but at
-  most `admission_scan_limit` are examined, and once a deferred request has been passed
-  `max_admission_bypasses` times nobody passes it any more (no starvation).
-
-Both skip a request that waits for leading pages a running request is computing
-(`prefix_waits.py`): it is neither examined nor passed over, so it never holds up the requests
-behind it, and it is admitted in its turn once those pages are read back.
-
-A request is admitted when its budget fits (`admission_budget.plan_admission`): a preempted
-one resumes (`preemption.resume`), a new one gets its first blocks, joins the running list
-(`start_admitted`) and, unless a PD decode request waiting for its prompt's KV,
-schedules its first prompt chunk in the same step (`StepPlanner.schedule_prefill_chunk`).
-
-The admitter keeps no state of its own (R02): the queues, configuration, KV port and counters
-belong to `Scheduler`; the deferred list, scan count and the running requests' reserved growth
-(`admission_budget.running_growth`, computed once per call and again after each admission, not once
-per examined request) are local to one `admit` call (R03).
+`preempt_for_priority` (before any row is selected: the best waiting request may suspend
+strictly lower-priority running ones until it fits), then `admit` (waiting requests in policy
+order with bounded bypass: at most `admission_scan_limit` are examined, and a deferred request
+passed `max_admission_bypasses` times is passed no more). Both skip a request that waits for
+pages a running request is computing (`prefix_waits.py`). README.md, "Modules" and "Admission
+budget", gives the rules and what is local to one `admit` call (R03); no state of its own (R02).
 """
 
 from __future__ import annotations
@@ -94,8 +78,7 @@ class Admitter:
             prefix,
             step,
             config=self.config,
-            running=self.queues.running,
-            waiting=self.queues.waiting,
+            queues=self.queues,
             kv=self.kv,
             stats=self.stats,
         )
@@ -194,13 +177,7 @@ class Admitter:
             return False
         if request.preempted:
             return preemption.resume(
-                request,
-                work,
-                step,
-                running=queues.running,
-                waiting=queues.waiting,
-                kv=self.kv,
-                stats=self.stats,
+                request, work, step, queues=queues, kv=self.kv, stats=self.stats
             )
         initial_tokens = initial_allocation_tokens(self.config, request, prefix)
         updates = self.kv.allocate(

@@ -1,16 +1,9 @@
-"""Structured output: the scheduler's side of a request's grammar matcher (R02).
-
-The scheduler owns each constrained request's matcher (`ScheduledRequest.constraint`): it has
-consumed exactly the outputs recorded so far, so preemption and resumption leave it as it is,
-and finishing drops it. A constrained request makes one output per token mask:
-
-- the step that samples token 0 carries the grammar's first mask (`send_token0_mask`);
-- `mask_sent` stays set until that mask's token is recorded (`accept_output`); only then does
-  the next step carry the next mask (`send_mask_if_due`). Steps in flight get no new mask, and
-  the request's output bound is what its current mask still allows (`decode_output_bound`).
-
-Everything here reads or updates one request's mask bookkeeping (`constraint`, `mask_sent`,
-`mask_ticks`) and appends to the step being built; queues and KV are the scheduler's.
+"""Structured output: the scheduler's side of a request's grammar matcher (R02; README.md,
+"Structured output: one token per mask"): the step that samples token 0 carries the first mask
+(`send_token0_mask`), the next mask goes out only once the previous one's token is recorded
+(`send_mask_if_due`, `accept_output`), and the output bound is what the current mask still
+allows (`decode_output_bound`). Everything here reads or updates one request's mask
+bookkeeping (`constraint`, `mask_sent`, `mask_ticks`) and appends to the step being built.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """What a step's decoding rows run: loop ticks, or self-speculative rounds (`DecodeWork`).
 
-Speculation (`SpeculationConfig.num_tokens` K > 0): in a round every decoding row drafts up to
-its K tokens with the model's first loops, verifies them in one pass and emits 1 .. K + 1
-tokens, ending between tokens (rlt-runner README, "Speculative rounds"). The scheduler decides:
-
-- which requests draft (`draft_tokens`): K, or 0 for those whose options a verify pass cannot
-  keep: repetition / frequency / presence penalties (each drafted token would change the next
-  position's penalties) and structured output (its grammar advances on the host, one token per
-  step). A request with 0 drafts still takes part in a round and makes exactly the token a tick
-  would, at the same output index of the same random stream.
-- whether a step speculates (`decode_work`): when more than `SpeculationConfig.disable_batch_size`
-  requests decode, or a request could not start decoding in the previous step because a
-  speculative step was full, the step runs ticks instead (vLLM's disable_by_batch_size: at
-  large batches the verify pass costs more than it saves).
-- how many rounds: none while prompts can be computed (those steps run ticks, as without
-  speculation: `prefill_step_decode_ticks`, by default one; a round costs about
-  (K + 1) D + T - D loops, which would hold every prompt chunk and the time to first token
-  up; measured on an H200 at 32 requests arriving at once: 0.83x end to end with a round per
-  prompt step), else up to
-  `decode_ticks_per_step // model depth`, and never more than a request could use if every
-  draft were accepted: a request with n outputs left, K drafts and r rounds in submitted steps
-  gets at most ceil(n / (K + 1)) - r more. When the submitted steps could already finish every
-  request, the step runs no round: the host waits for their read-back (a round trip) instead of
-  queueing rounds that may only run padding after the last token (measured on an H200 at one
-  request, 128 tokens, K = 3 at alpha 0.9: the pessimistic bound n - r queued a whole 2-round
-  step, 18 ms, after the last token, 4.6% of the decode time). A request that stops early (a
-  stop id) can still leave rounds in flight, as ticks do.
-- ticks, not rounds, when no decoding request can draft in the next round for certain: it
-  drafts 0, or at most one token is left after the fewest tokens the steps in flight surely
-  make. Such a round costs (K + 1) D + T - D loop passes for the token T ticks make (on an
-  H200 at 32 requests, the last token of three requests took one 13 ms round against 7 ms of
-  ticks). A rule that ticked when no request could draft *if every draft in flight were
-  accepted* was tried and reverted: at one request it ticked whole steps where drafts were
-  still useful (3% slower).
+The rules (which requests draft, whether a step speculates, how many rounds) are README.md's
+"Speculative rounds"; the runner's side is rlt-runner's README, "Speculative rounds". Measured
+reasons behind them, on an H200: a round per prompt step ran 0.83x end to end at 32 requests
+arriving at once (a round costs about (K + 1) D + T - D loops and would hold every chunk up);
+queueing rounds past what the submitted steps can already finish ran a 2-round step (18 ms,
+4.6% of decode) after the last token at one request; a round for a request that cannot draft
+took 13 ms against 7 ms of ticks. A rule that ticked when no request could draft *if every
+draft in flight were accepted* ticked whole steps where drafts were still useful (3% slower).
 """
 
 from __future__ import annotations

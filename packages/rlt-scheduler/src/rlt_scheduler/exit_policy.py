@@ -1,20 +1,11 @@
 """Exit policies: when a decoding token stops looping (scheduler-owned decisions, R02, R04).
 
-The scheduler owns the policy; the runner evaluates it on the device, per row and per loop,
-from the `ExitRule` the policy compiles for each request. Policies are named by their rule,
-whose test `rlt_contracts.ExitRuleKind` states: hazard and hazard_delayed (a learned exit gate,
-e.g. Ouro's), latent_diff and latent_diff_delayed (a family whose loops converge, e.g.
-Huginn's; a request without a threshold runs its max_loops), kl and kl_delayed (any family: the
-coda and head run every loop, `reads_distribution`), trace (replays recorded per-token depths;
-the gate is never computed or read) and fixed (every token runs its request's max_loops, for
-families without an exit signal; a request that asks for an adaptive threshold is refused at
-admission).
-
-The names of the first wave, "ouro" and "ouro_delayed", are accepted as aliases
-(`rlt_contracts.POLICY_ALIASES`, the one place outside rlt-models that names a family).
-
-`reads` says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a
-policy the model's family does not produce.
+The scheduler owns the policy; the runner evaluates, on the device, the `ExitRule` the policy
+compiles for each request (the rules' tests: `rlt_contracts.ExitRuleKind`; README.md, "Exit
+policies"). "ouro" and "ouro_delayed" are aliases (`rlt_contracts.POLICY_ALIASES`). `reads`
+says which `ExitSignal` a policy's rules read (None: none), so the engine can refuse a policy
+the model's family does not produce; `reads_distribution`: the rules read the head's
+distribution after every loop (KL).
 """
 
 from __future__ import annotations
@@ -80,7 +71,7 @@ class HazardExitPolicy:
     name = ExitPolicyName.HAZARD.value
     kind = ExitRuleKind.HAZARD
     reads = ExitSignal.GATE
-    reads_distribution = False  # the rule needs the head's distribution after every loop
+    reads_distribution = False
 
     def check_request(self, request_id: str, bounds: LoopBounds, max_tokens: int) -> None:
         return None

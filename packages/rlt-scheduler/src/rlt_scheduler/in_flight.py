@@ -1,11 +1,7 @@
-"""Steps in flight: scheduled steps whose results were not applied yet.
-
-The scheduler may run ahead of the device. For a decoding request the host does not know how
-many tokens the submitted steps made, so it keeps upper bounds: each submitted step adds its
-per-request output bound to `ScheduledRequest.unconfirmed_tokens` and its ticks to the
-request's unconfirmed ticks (which cap the ticks of later steps, `tick_policy.decode_ticks`).
-Applying the step's results (always the oldest first) subtracts them again and adds the ticks
-to `confirmed_ticks`.
+"""Steps in flight: scheduled steps whose results were not applied yet (README.md, "Steps in
+flight"): each submitted step adds its per-request output bounds to `unconfirmed_tokens` and
+its ticks to the request's unconfirmed ticks; applying its results (oldest first) takes them
+back and adds the ticks to `confirmed_ticks`.
 """
 
 from __future__ import annotations

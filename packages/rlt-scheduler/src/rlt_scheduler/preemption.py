@@ -1,14 +1,10 @@
 """Preemption, the scheduler's side (R04): choosing a victim, suspending it, resuming it.
 
-`choose_victim` decides whom to suspend (policy: priority, then blocks held); `suspend` and
-`resume` carry out the queue transition and the logical KV release, and record what the runner
-must do in the step being built (`snapshots` first thing in the step, `restores` before the
-step's work). A suspended request waits to resume exactly where it was: same stage, loops and
-exit state; its grammar matcher is left as it is. Device state (the snapshot itself) is the
-runner's: it saves and restores it, and never chooses a victim or touches the queues.
-
-The scheduler's queues (`running`, `waiting`) and counters are passed in; these functions
-change them only through the transitions named here.
+`choose_victim` decides whom to suspend; `suspend` and `resume` carry out the queue transition
+and the logical KV release, and record what the runner must do in the step being built
+(`snapshots`, `restores`). A suspended request resumes exactly where it was (same stage, loops,
+exit state and grammar matcher); the snapshot itself is the runner's. The scheduler's queues
+and counters are passed in and change only through these transitions (README.md, "Modules").
 """
 
 from __future__ import annotations
@@ -29,10 +25,10 @@ from rlt_scheduler.admission_budget import plan_admission, running_growth
 from rlt_scheduler.constrained import decode_output_bound, send_mask_if_due
 from rlt_scheduler.decode_work import DecodeWork
 from rlt_scheduler.pd_stages import transfer_endpoints
+from rlt_scheduler.request_queues import RequestQueues
 from rlt_scheduler.request_state import ScheduledRequest
 from rlt_scheduler.stats import SchedulerStats
 from rlt_scheduler.step_builder import StepBuilder
-from rlt_scheduler.waiting_queue import WaitingQueue
 
 
 def choose_victim(
@@ -67,8 +63,7 @@ def suspend(
     victim: ScheduledRequest,
     step: StepBuilder,
     *,
-    running: list[ScheduledRequest],
-    waiting: WaitingQueue,
+    queues: RequestQueues,
     kv: KVPort,
     stats: SchedulerStats,
 ) -> None:
@@ -78,9 +73,9 @@ def suspend(
     victim.snapshot_tokens = kv.allocated_tokens(victim.identity)
     victim.resume_stage = victim.stage
     kv.free(victim.identity)
-    running.remove(victim)
+    queues.running.remove(victim)
     victim.stage = RequestStage.WAITING
-    waiting.add(victim)
+    queues.waiting.add(victim)
     stats.preemptions += 1
 
 
@@ -91,8 +86,7 @@ def grow_or_preempt(
     *,
     may_suspend: bool,
     enable_preemption: bool,
-    running: list[ScheduledRequest],
-    waiting: WaitingQueue,
+    queues: RequestQueues,
     kv: KVPort,
     stats: SchedulerStats,
 ) -> bool:
@@ -103,12 +97,12 @@ def grow_or_preempt(
     updates = kv.grow(request.identity, num_tokens)
     if updates is None and enable_preemption:
         victim = choose_victim(
-            running,
-            excluded=step.selected | {request.identity} | transfer_endpoints(running),
+            queues.running,
+            excluded=step.selected | {request.identity} | transfer_endpoints(queues.running),
             held_blocks=kv.held_blocks,
         )
         if victim is not None:
-            suspend(victim, step, running=running, waiting=waiting, kv=kv, stats=stats)
+            suspend(victim, step, queues=queues, kv=kv, stats=stats)
             updates = kv.grow(request.identity, num_tokens)
     if updates is None:
         if not may_suspend:
@@ -117,7 +111,7 @@ def grow_or_preempt(
             raise RuntimeError(
                 f"{request.identity}: KV growth failed although admission reserved it"
             )
-        suspend(request, step, running=running, waiting=waiting, kv=kv, stats=stats)
+        suspend(request, step, queues=queues, kv=kv, stats=stats)
         return False
     if updates:
         step.block_updates.append(RequestBlocks(request.identity, updates))
@@ -130,14 +124,14 @@ def preempt_for_head(
     step: StepBuilder,
     *,
     config: SchedulerConfig,
-    running: list[ScheduledRequest],
-    waiting: WaitingQueue,
+    queues: RequestQueues,
     kv: KVPort,
     stats: SchedulerStats,
 ) -> None:
     """While the head of the queue cannot be admitted (no slot, or its `AdmissionPlan` with
     `prefix` does not fit), suspend strictly lower-priority running requests, worst first;
     stop when none is left to suspend."""
+    running = queues.running
     while len(running) >= config.max_num_seqs or not plan_admission(
         config, kv, head, prefix, running_growth(config, kv, running)
     ).fits(kv.capacity().free_blocks):
@@ -149,7 +143,7 @@ def preempt_for_head(
         )
         if victim is None:
             return
-        suspend(victim, step, running=running, waiting=waiting, kv=kv, stats=stats)
+        suspend(victim, step, queues=queues, kv=kv, stats=stats)
 
 
 def resume(
@@ -157,8 +151,7 @@ def resume(
     work: DecodeWork,
     step: StepBuilder,
     *,
-    running: list[ScheduledRequest],
-    waiting: WaitingQueue,
+    queues: RequestQueues,
     kv: KVPort,
     stats: SchedulerStats,
 ) -> bool:
@@ -177,8 +170,8 @@ def resume(
     updates = kv.allocate(request.identity, tokens, NO_PREFIX)
     if updates is None:
         return False
-    waiting.remove(request)
-    running.append(request)
+    queues.waiting.remove(request)
+    queues.running.append(request)
     request.stage = request.resume_stage
     request.snapshot_tokens = request.resume_stage = None
     step.block_updates.append(RequestBlocks(request.identity, updates))

@@ -2,12 +2,6 @@
 for them instead of computing them a second time (README.md, "Prefix waits: shared pages
 computed once", gives the rule, why half of the prompt, and why nothing deadlocks or starves).
 
-A waiting request W waits for a running request R while R's read-back prompt
-(`computed_prompt_tokens`) covers fewer than the pages W would reuse from it, those pages being
-W's shared leading full pages (inside prompt[:-1], chained keys under W's salt equal to R's,
-`scored_prefix.serves`) holding at least half of W's prompt (2 * shared tokens >= prompt
-length). Never with no prefix cache to publish into, never for a preempted W.
-
 Functions of the requests, the KV port's page keys and the running list the scheduler passes
 in; the only state they write is each request's page keys, computed once on first need
 (`ScheduledRequest.prompt_page_keys`), and never while nothing running has pages to publish.

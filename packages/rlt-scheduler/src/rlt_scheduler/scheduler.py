@@ -7,17 +7,10 @@ The engine drives it with a feedback loop that may run one step ahead of the dev
     scheduler.update_from_output(result)     # results of the oldest submitted step
     deltas = scheduler.take_outputs()        # new tokens per request
 
-Steps are applied in submission order; what a step holds and how steps in flight are bounded
-are README.md's "One step" and "Steps in flight". With `scheduler_delay_factor` > 0 admission
-may wait a little so that prompts arriving close together start in one step
-(`admission_delay.py`).
-
-This module owns the queues (`request_queues.RequestQueues`) and the request table, decides the
-step-building order, and keeps the one cleanup path (`_finish`); the modules it composes are
-README.md's "Modules" table. Each request records when it was queued (add_request), first
-admitted (schedule) and when the results holding its first and latest tokens were applied
-(update_from_output), on the host's time.monotonic() clock; its final delta reports them
-(`RequestTimings`).
+Steps are applied in submission order (README.md, "One step" and "Steps in flight"). This
+module owns the queues and the request table, decides the step-building order and keeps the one
+cleanup path (`_finish`); the modules it composes are README.md's "Modules" table. Request
+timings (`RequestTimings`) are taken on the host's time.monotonic() clock.
 """
 
 from __future__ import annotations
@@ -446,9 +439,7 @@ class Scheduler:
     ) -> None:
         """The one cleanup path of completion, abort and failure (R16)."""
         if request.stage is RequestStage.WAITING:
-            self._queues.waiting.remove(
-                request
-            )  # new, or preempted (its snapshot is dropped below)
+            self._queues.waiting.remove(request)  # new, or preempted
         else:
             self._queues.running.remove(request)
         # PD: a transfer may still write this request's blocks and row (decode side), or read

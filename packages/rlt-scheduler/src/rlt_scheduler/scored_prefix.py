@@ -1,20 +1,8 @@
-"""Prefix reuse for scored prompts (`SamplingParams.prompt_logprobs`, issue 25).
-
-A scored prompt needs every prompt token's score, and a cached page's KV holds no state to score
-its positions with. So the scores travel with the pages: when a scored prompt's pages are
-published, each page keeps a `PageScores` record (rlt-kv holds it next to the page, keyed by
-the page and the token after it, and drops it with the page); a later scored prompt reuses only
-the leading pages whose records fit it (`match_prefix(score_top_n=n)`: at least its n
-alternatives), takes their scores from the records and computes the rest. The shared context of
-a multiple-choice question is then computed once across its choices.
-
-Exit-depth scoring (`score_at_exit_depth`) leaves decode KV in its pages (each position's KV at
-its exit depth; LAST_EXITED: copied into the deeper planes), which differs from prefill's. Its
-pages are published under a salt naming the exit rule (kind, min/max loops, threshold, trace),
-so only prompts scored under the same rule find them, and plain prompts never do.
-
-Pure functions of the request; the scheduler applies them at admission (`take_cached_scores`)
-and at prompt progress (`publish`).
+"""Prefix reuse for scored prompts (`SamplingParams.prompt_logprobs`; README.md, "Scored
+prompts and the prefix cache"): the scores travel with the pages as `PageScores` records, a
+later scored prompt reuses only the leading pages whose records fit it, and exit-depth scoring
+publishes its decode KV under a salt naming its exit rule. Pure functions of the request; the
+scheduler applies them at admission (`take_cached_scores`) and at prompt progress (`publish`).
 """
 
 from __future__ import annotations

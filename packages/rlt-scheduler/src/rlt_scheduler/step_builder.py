@@ -64,16 +64,15 @@ class StepBuilder:
         return max(room, 0)
 
     def add_decode(self, identity: ExecutionIdentity, output_bound: int) -> None:
-        self.decoding.append(identity)
-        self.selected.add(identity)
-        self.output_bounds[identity] = output_bound
-        self.token_budget -= 1
-        if self.loop_budget is not None:
-            self.loop_budget -= 1
+        self._add_row(self.decoding, identity, output_bound)
 
     def add_remote_start(self, identity: ExecutionIdentity, output_bound: int) -> None:
         """A PD decode request whose prompt KV landed: token 0 plus this step's ticks."""
-        self.remote_starts.append(identity)
+        self._add_row(self.remote_starts, identity, output_bound)
+
+    def _add_row(self, rows: list, identity: ExecutionIdentity, output_bound: int) -> None:
+        """One looping row: one token and one token-loop of the budgets."""
+        rows.append(identity)
         self.selected.add(identity)
         self.output_bounds[identity] = output_bound
         self.token_budget -= 1

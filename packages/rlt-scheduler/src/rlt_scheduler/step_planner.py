@@ -1,14 +1,7 @@
-"""`StepPlanner`: fills one step's draft (`StepBuilder`) with the work of running requests.
-
-Per request: a decoding row's ticks or rounds (`schedule_decode`), the next prompt chunk
-(`schedule_prefill_chunk`), a PD decode request whose prompt KV landed (`schedule_remote_start`).
-Each first makes sure the request's blocks cover what the step can write (`ensure_kv`: KV growth,
-preempting a victim where allowed, `preemption.grow_or_preempt`); a request whose blocks cannot
-grow does not run in this step.
-
-The planner keeps no state of its own (R02): configuration, the KV port, counters and the queues
-belong to `Scheduler`, which passes them in once; the draft lives only while one step is built
-(R03) and is passed to every call.
+"""`StepPlanner`: fills one step's draft (`StepBuilder`) with the work of running requests:
+decode rows, prompt chunks and PD remote starts, each after `ensure_kv` made its blocks cover
+what the step can write (preempting where allowed). No state of its own (R02): the draft lives
+while one step is built (R03); configuration, KV port, counters and queues are `Scheduler`'s.
 """
 
 from __future__ import annotations
@@ -135,8 +128,7 @@ class StepPlanner:
             step,
             may_suspend=may_suspend,
             enable_preemption=self.config.enable_preemption,
-            running=self.queues.running,
-            waiting=self.queues.waiting,
+            queues=self.queues,
             kv=self.kv,
             stats=self.stats,
         )

@@ -1,26 +1,13 @@
 """Programmatic dependent launch (PDL): the one switch every rlt Triton kernel reads.
 
-At batch 1 a decode loop is ~280 kernels back to back, each a few microseconds long, and every
-boundary costs a launch gap plus a ramp (the next kernel's CTAs start only once the last CTA of
-the previous one has finished). A kernel launched with the PDL attribute (sm_90 and newer) may
-instead become resident while its predecessor drains. Both kernel packages, rlt-models (norms,
-RoPE, GEMVs, exit gate) and rlt-attention (KV store, split-KV attention), launch their Triton
-kernels so; neither may import the other, so the switch they share is this module's, and one
-`set_enabled` (or `RLT_PDL=0`) turns PDL off for both.
-
-The contract a PDL kernel follows: it takes `USE_PDL: tl.constexpr` and, when it is set,
-executes `GRID_DEPENDENCY_INSTRUCTIONS` (`griddepcontrol.launch_dependents`, letting its own
-successor become resident, and `griddepcontrol.wait`: the previous grid has completed and its
-writes are visible) before it touches memory a previous kernel may write; only weight loads
-may come earlier (weights never change while the engine runs). It is launched with
-`launch_options(use_pdl)`. Each kernel package turns the instructions into its Triton helper
-(`wait_for_prior_grid`, in `grid_dependency.py`) and decides per tensor whether its device can
-take PDL (`MIN_CAPABILITY`); this module holds no torch and no Triton.
-
-On by default: `RLT_PDL` unset or anything but "0" asks for PDL (read once, at import);
-`set_enabled(False)` turns it off for later launches (A/B measurements), `set_enabled(None)`
-returns to the environment's choice. Never under the Triton interpreter (`TRITON_INTERPRET=1`),
-which knows no launch attributes. Graphs captured earlier keep the launches they recorded.
+A kernel launched with the PDL attribute (sm_90 and newer) may become resident while its
+predecessor drains (at batch 1 a decode loop is ~280 kernels back to back). Both kernel
+packages (rlt-models, rlt-attention) launch so; neither may import the other, so their shared
+switch lives here (README.md, `dependent_launch`). A PDL kernel takes `USE_PDL: tl.constexpr`
+and, when set, executes `GRID_DEPENDENCY_INSTRUCTIONS` before it touches memory a previous
+kernel may write (only weight loads may come earlier), and is launched with
+`launch_options(use_pdl)`. On by default (`RLT_PDL`, read at import; `set_enabled` overrides
+it), never under the Triton interpreter; graphs captured earlier keep what they recorded.
 """
 
 from __future__ import annotations

@@ -18,10 +18,8 @@ class EngineRequest(msgspec.Struct, frozen=True):
     kv_transfer: PD only (see rlt_contracts.pd): on a decode instance, wait for the prompt's KV
       from a prefill instance; on a prefill instance, compute the prompt and push its KV.
     sibling_group: a hint that requests carrying the same group name share their prompt (the
-      n choices of one prompt); kept with the request across front ends and PD. The scheduler
-      does not need it: with prefix caching any waiting request whose leading pages (at least
-      half of its prompt) a running request is computing waits until they are published and
-      reuses them (rlt-scheduler's prefix waits), which covers a group. None: no group.
+      n choices of one prompt), kept across front ends and PD; the scheduler no longer reads
+      it (its prefix waits cover a group). None: no group.
     """
 
     request_id: str

@@ -6,35 +6,9 @@ the scheduler hands the runner, once, the request's `DecodeRule`: its exit polic
 (`ExitRule`) plus its stop conditions. The scheduler keeps owning the policy; the device only
 evaluates it, so several loops and tokens run without a host round trip.
 
-The runner executes one step in this order, which every consumer may rely on:
-
-1. `snapshots`: preempted requests' device state (rows and KV pages) is saved to host memory
-   and their rows freed; their blocks may be reused by later work of this same step.
-2. `released`: rows (and any snapshot) of finished / aborted requests are dropped.
-3. `new_requests` and `restores` get rows, `block_updates` are applied, then restored requests
-   get their saved state back in their new blocks, then `token_masks` (structured output) are
-   written into their rows.
-4. `prefill`: prompt chunks at full depth. A chunk with `completes_prompt` sends its last
-   position straight to coda: token 0 is sampled at full depth (output index 0) and, unless it
-   ends the request, the row starts decoding (its successor's loop 1 may run in this step).
-   `remote_starts` (PD decode) get the same coda for the state a prefill instance wrote; a
-   `prefill_only` request (PD prefill) keeps its final state for transfer instead.
-5. `decode_ticks` ticks. In every tick each decoding row runs one loop at its own depth (rows at
-   different depths share the tick). After the loop the device applies the row's `DecodeRule`;
-   a row that exits gets its LAST_EXITED finalization copies, the LM head and the sampler, and
-   its token is recorded with its exit depth. It then stops (stop token or max_tokens) or embeds
-   the token and starts its successor's loop 1 in the next tick ("refill"); with cohort
-   decoding (no_refill) it waits until no row of the batch is looping, then all waiting rows
-   start together.
-   Or, instead of ticks, `speculative_rounds` rounds of self-speculative decoding (0.1.7): in a
-   round every decoding row drafts up to `DecodeRule.num_speculative_tokens` tokens with the
-   model's first loops, verifies them and its own current token in one multi-position pass at
-   every position's own exit depth, and keeps the longest accepted prefix plus one token; every
-   row ends a round between tokens (rlt-runner README, "Speculative rounds").
-6. One read-back of everything recorded (`ModelRunnerOutput`).
-
-Positions are 0-based token positions: the prompt occupies [0, P); generated token i is fed back
-at position P + i. Loop indices are 1-based (loop 1 .. T). A position never changes across loops.
+The runner executes a step in a fixed order every consumer may rely on: README.md, "The step
+order (`SchedulerOutput`)". Positions are 0-based token positions (the prompt occupies [0, P);
+generated token i is fed back at position P + i); loop indices are 1-based (loop 1 .. T).
 """
 
 from __future__ import annotations

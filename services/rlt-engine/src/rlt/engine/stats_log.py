@@ -1,40 +1,14 @@
 """Live engine statistics: one INFO line every `stats_interval_s` seconds while the engine has
 work (vLLM's periodic stats line), written by the engine core's loop (`CoreLoop`), so once per
-engine however many front ends it has:
-
-    engine: prompt throughput 812 tok/s, generation throughput 1,904 tok/s, 12 running,
-    0 waiting, KV 31%, prefix hits 40%, loops per token 2.6 (58% exited early)
+engine however many front ends it has. docs/serving.md, "Live engine statistics", gives the
+line's figures, its windows and where it is logged.
 
 Every number comes from host counters the engine keeps anyway (`EngineCore.stats()`, the
 scheduler's `loop_mix()`), read once per line: nothing is added to the step loop but a clock
-read and two comparisons, and nothing waits for the device.
-
-- prompt / generation throughput: the window's change of `prompt_tokens` (prompt positions
-  computed, prefix-cache hits excluded) and `generation_tokens`, over the window's busy span;
-- running / waiting and KV (used / total blocks): gauges when the line is written;
-- prefix hits: hit / looked-up prompt tokens in the window ("n/a" when none was looked up,
-  e.g. prefix caching off);
-- loops per token: `decode_loops` / decoded tokens in the window (tokens 1.. of a request;
-  token 0 comes from prefill at full depth), and the share of those tokens that exited before
-  their request's `max_loops` ("n/a" without decoded tokens);
-- only when they happened in the window: preemptions, and the share of speculative drafts
-  accepted.
-
-Timing. A window opens when a step runs while none is open, and its line is due
-`interval_s` later. A step that finds the line due writes it; the window goes on if work
-remains. An engine that went idle before then is woken by its transport at the due time
-(`seconds_until_due`), so the window in which work ended gets its line too; after it nothing
-is written until work comes again. Rates are over the busy span: from the window's start to
-now, or to its last step when the engine went idle (a 2 s burst reads as 2 s of work, not
-spread over the interval).
-
-    work:    |#### #########|##########  |           |######
-    lines:   |     due ---->L      due ->L  (idle)    |   ...
-             window 1        window 2    no window
-
-The line is logged at INFO under `rlt.engine.stats`, whose level is INFO unless the user set
-one, so `--log-level warning` (and PD instances, which run at warning) still show it; only
-`log_stats=False` (`--disable-log-stats`) turns it off.
+read and two comparisons, and nothing waits for the device. A window opens when a step runs
+while none is open and its line is due `interval_s` later; an engine that went idle before
+then is woken by its transport at the due time (`seconds_until_due`). Rates are over the busy
+span (from the window's start to now, or to its last step when the engine went idle).
 """
 
 from __future__ import annotations

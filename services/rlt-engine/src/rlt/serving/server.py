@@ -8,27 +8,13 @@
 both use the same `CoreClient`, `CoreLoop` and messages. A front end (the app, uvicorn,
 `DrainingServer`) is `rlt.serving.front_end`'s, shared with the supervisor.
 
-Shutdown follows `rlt_serve.shutdown` (one policy for every rlt server): `rlt serve` installs
-a `StopSignals` before the core starts. A stop signal during start-up stops it (the core is
-killed: nothing runs yet) and `rlt serve` exits 0. While serving, `DrainingServer` routes the
-signals to a `ServerDrain`: the first stops accepting connections and gives the requests in
-flight `shutdown_timeout` seconds, then shuts the core down, which aborts whatever still runs:
-each of those requests still ends properly (a stream sends its last chunk with finish_reason
-"abort" and `[DONE]`, a plain request answers 200 with what it has). Should a handler hang
-anyway, uvicorn cancels it after `HARD_STOP_MARGIN_S` more seconds. Then the app's lifespan
-shutdown runs (the client shutdown again: a no-op once the core stopped), and `serve()`
-returns 0. A launcher's copy of the signal (`uv run`, systemd) is not a second signal.
-
-A second SIGINT or SIGTERM skips the rest of the grace period: the engine aborts what still
-runs at once, and every request still ends properly (JSON bodies, streams with their last
-chunk and `[DONE]`); `serve()` then returns 128 + that signal's number (130 for SIGINT, 143
-for SIGTERM) to say the drain was cut short. A third signal stops at once (connections are
-dropped; still no traceback).
-
-If the core process dies, every in-flight request ends with an error (a JSON 5xx body, or an
-error event in a stream), /health fails, and the server exits with `EXIT_ENGINE_DIED` once
-those answers went out; a supervisor (systemd, Kubernetes) restarts it. If the front end dies,
-the core sees its parent's pipe close and exits too: no process is left behind.
+Shutdown follows `rlt_serve.shutdown` (one policy for every rlt server; docs/serving.md,
+"Shutdown", gives the answers and exit codes): `rlt serve` installs a `StopSignals` before the
+core starts, so a stop signal during start-up kills the core (nothing runs yet) and exits 0;
+while serving, `DrainingServer` routes the signals to a `ServerDrain`, and a handler that still
+hangs is cancelled `HARD_STOP_MARGIN_S` after the grace period. If the core process dies the
+server exits with `EXIT_ENGINE_DIED` once the in-flight answers went out; if the front end
+dies, the core sees its parent's pipe close and exits too.
 """
 
 from __future__ import annotations

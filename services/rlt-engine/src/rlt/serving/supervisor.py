@@ -5,25 +5,16 @@
       |-- front end 0 .. N-1            uvicorn on the one shared listening socket (the kernel
                                         hands each new connection to one of them)
 
-The supervisor waits on every child's sentinel:
-- a front end dies: the core is told (`CoreClientGone`), aborts that front end's requests and
-  frees their KV; a new front end takes its place on the same socket.
-- the core dies: every front end sees its liveness pipe close, ends its in-flight requests
-  with errors and exits; the supervisor then exits with `EXIT_ENGINE_DIED`.
-Each scrape of /metrics, whichever front end answers it, shows the whole server: the front
-ends share a prometheus-client multi-process directory (`front_end_metrics`).
+The supervisor waits on every child's sentinel: a dead front end is reported to the core
+(`CoreClientGone`) and replaced on the same socket; a dead core makes every front end exit and
+then the supervisor, with `EXIT_ENGINE_DIED` (docs/serving.md, "Processes and failures").
 
-Signals follow `rlt_serve.shutdown` (the policy of every rlt server; `rlt serve` installed it
-before this starts). While the core starts, a stop signal kills it and the command exits 0.
-Once the front ends start, every signal the supervisor counts (a launcher's duplicate is not
-counted) is forwarded to each front end, which drains as `rlt serve` does (the first), ends
-its requests at once (the second); a third kills them. The front ends leave the terminal's
-process group, so that they get each signal once, from the supervisor; each starts with the
-signals blocked (`StopSignals.spawning`), so a signal sent while it starts is held until its
-own policy is installed, never lost and never a traceback. Front ends still running
+Signals follow `rlt_serve.shutdown`: every signal the supervisor counts is forwarded to each
+front end, which drains as `rlt serve` does. The front ends leave the terminal's process
+group, so that they get each signal once, from the supervisor, and start with the signals
+blocked (`StopSignals.spawning`) until their own policy is installed. Front ends still running
 `FRONT_END_STOP_MARGIN_S` after the grace period are killed; the core is then stopped by
-closing its parent pipe (it aborts what is left and exits). No zmq (nor any other lazy import)
-runs on the way out.
+closing its parent pipe. No zmq (nor any other lazy import) runs on the way out.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 # versions (the image has torch, triton, numpy, transformers 5.17, tokenizers, ...; no
 # registry). transformers is carried at uv.lock's version too: the image's 5.17 may lack
 # HrmText / Dory (benchmarks/transformers_generate.py); 5.24's own needs are in the image at
-# versions it accepts (huggingface_hub 1.33.0 >= 1.31, tokenizers 0.23.2 in [0.23.1, 0.24),
-# safetensors 0.8.0 >= 0.8.0, regex, typer, tqdm, pyyaml, numpy, packaging).
+# versions it accepts (tokenizers 0.23.2 in [0.23.1, 0.24), safetensors 0.8.0 >= 0.8.0, regex,
+# typer, tqdm, pyyaml, numpy, packaging). huggingface_hub is carried at uv.lock's 2.4.0: the
+# image's 1.33.0 is below rlt-models' pin (>=2.4) and asks the Hub for a cached commit offline.
 # tools/h200_run.sh installs them there; pass `.whl` in the device call's carry.
 #
 # `bash tools/fetch_device_wheels.sh ray` fills .whlray/ instead (carry `.whl` and
@@ -33,7 +34,7 @@ if [ "${1:-}" = ray ]; then
 else
   names="msgspec fastapi starlette opentelemetry-api pydantic pydantic-core annotated-types
   typing-inspection uvicorn openai httpx2 httpcore2 truststore jiter sniffio anyio
-  typing-extensions xgrammar apache-tvm-ffi pyzmq transformers"
+  typing-extensions xgrammar apache-tvm-ffi pyzmq transformers huggingface-hub"
   dest=.whl
 fi
 pins=$(python3 - $names <<'PY'

@@ -73,6 +73,17 @@ def build_requests(
     )
 
 
+# the flags a result records as they were given (vLLM's keys): before its request_rate, after it
+FLAGS_BEFORE_RATE = (
+    "num_prompts num_warmups dataset_name dataset_path random_input_len random_output_len "
+    "random_range_ratio random_prefix_len sharegpt_output_len"
+).split()
+FLAGS_AFTER_RATE = (
+    "arrival burstiness burst_size max_concurrency seed temperature top_p ignore_eos "
+    "exit_threshold min_loops max_loops"
+).split()
+
+
 def result_metadata(
     args, endpoint: Endpoint, model: str, rate: float, date: str, tokenizer_id: str | None
 ) -> dict:
@@ -86,27 +97,9 @@ def result_metadata(
         "endpoint": endpoint.path,
         "model_id": model,
         "tokenizer_id": tokenizer_id,
-        "num_prompts": args.num_prompts,
-        "num_warmups": args.num_warmups,
-        "dataset_name": args.dataset_name,
-        "dataset_path": args.dataset_path,
-        "random_input_len": args.random_input_len,
-        "random_output_len": args.random_output_len,
-        "random_range_ratio": args.random_range_ratio,
-        "random_prefix_len": args.random_prefix_len,
-        "sharegpt_output_len": args.sharegpt_output_len,
+        **{key: getattr(args, key) for key in FLAGS_BEFORE_RATE},
         "request_rate": rate_label(rate) if math.isinf(rate) else rate,
-        "arrival": args.arrival,
-        "burstiness": args.burstiness,
-        "burst_size": args.burst_size,
-        "max_concurrency": args.max_concurrency,
-        "seed": args.seed,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "ignore_eos": args.ignore_eos,
-        "exit_threshold": args.exit_threshold,
-        "min_loops": args.min_loops,
-        "max_loops": args.max_loops,
+        **{key: getattr(args, key) for key in FLAGS_AFTER_RATE},
     }
 
 

@@ -4,8 +4,10 @@ vLLM"; docs/configuration.md, "Defaults by entry point").
 - Two real `rlt serve` processes: one with --ssl-keyfile/--ssl-certfile (a self-signed
   certificate made here), --seed, --chat-template (a file), --tokenizer (the model directory
   then holds no tokenizer), --enforce-eager, --trust-remote-code, --tensor-parallel-size 1 and
-  --disable-log-requests, answered over https only; one with --uvicorn-log-level warning,
-  whose output keeps rlt's INFO lines and loses uvicorn's.
+  --disable-log-requests, answered over https only, and benchmarked there by `rlt bench serve`
+  with each of vLLM's options (the certificate trusted through SSL_CERT_FILE, as vLLM's client
+  trusts it); one with --uvicorn-log-level warning, whose output keeps rlt's INFO lines and
+  loses uvicorn's.
 - Refusals before anything starts: --tensor-parallel-size 2 (naming what exists instead),
   --ssl-keyfile without a certificate, a --chat-template that is neither file nor template, a
   --tokenizer directory without a tokenizer; an unknown flag prints the subcommand's usage.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import ipaddress
+import json
 import os
 import pty
 import shutil
@@ -127,8 +130,46 @@ class Served:
         self.reader.join(timeout=10)
 
 
+def bench_over_https(url: str, cert: str, tokenizer, tmp_path, capsys, monkeypatch) -> None:
+    """`rlt bench serve` with each of vLLM's options against the https server at `url`: its
+    certificate trusted through SSL_CERT_FILE alone, as vLLM's client trusts it (no
+    --trust-env); without it, the certificate is refused. Each run's JSON has vLLM's keys."""
+    from test_bench_serve_vllm_options import VLLM_KEYS, conversation, latency_keys
+
+    tmp_path.mkdir()
+    sharegpt = tmp_path / "sharegpt.json"
+    reply = "It was the best of times, it was the worst of times, it was the age of wisdom."
+    sharegpt.write_text(json.dumps([conversation("Tell me of Emma.", reply, cid="a")]))
+    base = ["bench", "serve", "--base-url", url, "--disable-tqdm", "--save-result"]
+    base += ["--result-dir", str(tmp_path), "--num-prompts", "2"]
+    runs = {
+        "chat.json": "--backend openai-chat --dataset-name sharegpt --sharegpt-output-len 4 "
+        f"--dataset-path {sharegpt} --tokenizer {tokenizer} --num-warmups 1 "
+        "--percentile-metrics ttft,e2el --metric-percentiles 50,99",
+        "completions.json": "--backend openai --random-input-len 6 --random-prefix-len 4 "
+        "--random-output-len 3 --ignore-eos",
+    }
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    assert main([*base, "--result-filename", "refused.json"]) != 0
+    assert "CERTIFICATE_VERIFY_FAILED" in capsys.readouterr().err
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    for name, flags in runs.items():
+        assert main([*base, "--result-filename", name, *flags.split()]) == 0, capsys.readouterr()
+    chat = json.loads((tmp_path / "chat.json").read_text())
+    assert (chat["backend"], chat["endpoint"]) == ("openai-chat", "/v1/chat/completions")
+    assert (chat["completed"], chat["num_warmups"], chat["output_lens"]) == (2, 1, [4, 4])
+    for key in VLLM_KEYS + latency_keys("ttft", (50, 99)) + latency_keys("e2el", (50, 99)):
+        assert key in chat, key
+    assert "p50_tpot_ms" not in chat
+    plain = json.loads((tmp_path / "completions.json").read_text())
+    assert (plain["backend"], plain["endpoint"]) == ("openai", "/v1/completions")
+    assert (plain["completed"], plain["input_lens"], plain["random_prefix_len"]) == (2, [10] * 2, 4)
+    assert all(key in plain for key in VLLM_KEYS)
+
+
 @pytest.mark.slow
-def test_rlt_serve_takes_vllms_flags(tmp_path):
+def test_rlt_serve_takes_vllms_flags(tmp_path, capsys, monkeypatch):
     model, tokenizer = tmp_path / "model", tmp_path / "tokenizer"
     model.mkdir()
     tokenizer.mkdir()
@@ -164,6 +205,8 @@ def test_rlt_serve_takes_vllms_flags(tmp_path):
             ids = https.post("/tokenize", json={"messages": messages}).json()["tokens"]
             rendered = https.post("/detokenize", json={"tokens": ids}).json()["prompt"]
             assert rendered == "<<user>> Hello\n<<assistant>> "  # --chat-template's file
+        url = f"https://127.0.0.1:{port}"
+        bench_over_https(url, cert, tokenizer, tmp_path / "bench", capsys, monkeypatch)
         with pytest.raises(httpx.TransportError):  # TLS only: plain HTTP gets no answer
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         server.stop()

@@ -15,24 +15,50 @@ SDK's exception types, so measuring and error kinds (`request.send_request`) are
 `body` takes the SDK's keyword arguments (`extra_body` is merged in, as the SDK does). A chunk
 has `choices` (each with `text`, `delta.content`, `finish_reason`, and `model_extra`: the
 choice's fields, so rlt's `exit_depths` is there) and `usage` (or None). Connections come from
-`openai.DefaultAsyncHttpxClient` (up to 1,000, as the SDK's), with its timeout and proxies.
+`openai.DefaultAsyncHttpxClient` (up to 1,000, as the SDK's), with its timeout and proxies
+(`--trust-env`). An https server's certificate is checked against `SSL_CERT_FILE` /
+`SSL_CERT_DIR` when set, with or without `--trust-env`, as `vllm bench serve`'s client (aiohttp
+on OpenSSL's defaults) does: a server with a self-signed certificate is benchmarked with
+`SSL_CERT_FILE=cert.pem`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import ssl
 from types import SimpleNamespace
 from typing import Any
 
 import httpx2 as httpx  # what `openai.DefaultAsyncHttpxClient` is built on (openai >= 3)
 import openai
+from rlt_contracts import ConfigurationError
+
+CERTIFICATE_VARIABLES = ("SSL_CERT_FILE", "SSL_CERT_DIR")
+
+
+def trusted_certificates() -> ssl.SSLContext | bool:
+    """httpx's `verify`: the authorities of `SSL_CERT_FILE` / `SSL_CERT_DIR` when either is set
+    (httpx reads them only when it also takes proxies from the environment), else httpx's
+    default (True). One that does not load is a `ConfigurationError`."""
+    given = {name: os.environ[name] for name in CERTIFICATE_VARIABLES if os.environ.get(name)}
+    if not given:
+        return True
+    try:
+        return ssl.create_default_context(
+            cafile=given.get("SSL_CERT_FILE"), capath=given.get("SSL_CERT_DIR")
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(tuple(given), f"cannot load the certificates: {exc}") from None
 
 
 class WireClient:
     def __init__(self, api_base: str, *, api_key: str, timeout: float, trust_env: bool) -> None:
         self._base = api_base.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"}
-        self._http = openai.DefaultAsyncHttpxClient(trust_env=trust_env, timeout=timeout)
+        self._http = openai.DefaultAsyncHttpxClient(
+            trust_env=trust_env, timeout=timeout, verify=trusted_certificates()
+        )
         self.completions = SimpleNamespace(create=self._creator("/completions"))
         chat = SimpleNamespace(create=self._creator("/chat/completions"))
         self.chat = SimpleNamespace(completions=chat)

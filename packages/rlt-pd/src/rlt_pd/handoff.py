@@ -118,27 +118,19 @@ def plan_handoff(
     first_sequence: int = 0,
     final: bool = True,
 ) -> HandoffPlan:
-    """Plan the KV + hidden-state writes of one admission from P's blocks into D's blocks.
+    """Plan the KV + hidden-state writes of one admission, or of one prefill chunk of it,
+    from P's blocks into D's (README.md, "Planning": layout, block tables, valid range,
+    descriptor order, partitions, chunks). Raises ValueError on inconsistent input.
 
-    source_tables / destination_tables: one block table per plane (T for LAST_EXITED, 1 for
-        SHARED), mapping logical page i (positions [i*B, (i+1)*B)) to a block id on P / D.
-    valid_tokens: exclusive end of the positions to send (the prompt length on P).
-    region: P's KV geometry; destination_region: D's (default: the same). Their per-token
-        geometry must match; strides and pool sizes may differ.
+    source_tables / destination_tables: one block table per plane, on P / D.
+    first_token / valid_tokens: the positions to send, [first_token, valid_tokens) (positions
+        before first_token are D's cached prefix).
+    region / destination_region: P's / D's KV geometry (default: the same); the per-token
+        geometry must match.
     hidden_state_bytes: size of the final prompt token's hidden state (d_model * dtype bytes).
-    first_token: inclusive start; positions before it are already valid on D (its cached
-        prefix) and are skipped. Default 0.
     transfer_chunk_bytes / max_descriptors: per-partition limits on bytes and writes.
-    first_sequence: number of the first partition (chunk-incremental planning: P plans each
-        prefill chunk's positions [first_token, valid_tokens) on its own, continuing the
-        sequence numbers of the previous chunks). Default 0.
-    final: whether this plan ends the admission. Only a final plan writes the hidden state
-        (in its last partition); a non-final chunk plan has no partition when it has no bytes.
-
-    Full pages become whole-block ranges, partial pages only their valid tokens, each per layer;
-    ranges contiguous on both sides merge; ranges larger than a chunk are split. Descriptor order
-    is key then value, layer ascending, plane ascending, page ascending. Raises ValueError on
-    inconsistent input.
+    first_sequence: the first partition's number (a chunk continues the previous chunks').
+    final: whether this plan ends the admission; only a final plan writes the hidden state.
     """
     dst_region = region if destination_region is None else destination_region
     if not region.same_geometry(dst_region):

@@ -1,17 +1,12 @@
 """A NIXL agent whose progress thread sleeps when there is nothing to progress.
 
-NIXL's Python API (`nixl._api.nixl_agent`, 1.5) builds the agent's C++ config itself and pins
-its progress-thread delay (`pthrDelay`) at 0 µs: the thread then polls UCX without pause, one
-CPU core per agent even when no transfer is in flight (measured on the 2-core development
-machine: 1.00 CPU-seconds per second idle). Given a delay, the thread rests between progress
-passes: 0.03 CPU-seconds per second idle at 100 µs and at 1,000 µs alike, and a transfer takes
-no millisecond longer at 1,000 µs (so it wakes on UCX's events, not only when the delay ends).
-`benchmarks/pd_transfer.py --progress-delay-us 0,100,1000` measures both (rlt-pd README).
-
-The delay is set by handing the API's constructor a config class that keeps `pthrDelay` at our
-value (the binding's class, subclassed, for the duration of one constructor call under a lock).
-Where the binding has no such field (another NIXL version), the agent is built with NIXL's own
-config and a warning says that its progress thread polls without pause.
+NIXL's Python API (`nixl._api.nixl_agent`, 1.5) pins its progress-thread delay (`pthrDelay`)
+at 0 µs: the thread polls UCX without pause, one CPU core per agent even when idle (measured
+with a delay: README.md, "Its agent's thread"). The delay is set by handing the API's
+constructor a config class that keeps `pthrDelay` at our value (the binding's class,
+subclassed, for the duration of one constructor call under a lock). Where the binding has no
+such field (another NIXL version), the agent is built with NIXL's own config and a warning
+says that its progress thread polls without pause.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """`KVSender`: P's worker-side connector. Pushes each prefill chunk's KV into D's blocks as
 numbered partitions, then the hidden state and the commit; paces writes by in-flight bytes;
 reports per transfer when P may free its blocks. Pure (no torch): it drives a `Transport`.
-
-Used from the engine loop (one thread): `start` when a request with a `HandoffTarget` is admitted,
-`send_chunk` after each prefill chunk (its device work complete, or pass `ready` to gate the
-chunk's partitions on e.g. its CUDA event's `query`), `poll` once per step, `cancel` on P's own
-abort. README.md, "P: `KVSender`", gives the in-flight bound, the outcomes (DONE, FAILED,
-CANCELLED: each reported once, each meaning P may free the request's blocks), when P sends
-`drained` and the tombstones that keep an early cancel's answer true.
+Driven from the engine loop (one thread); README.md, "P: `KVSender`", gives the calls, the
+in-flight bound, the outcomes, `drained` and the tombstones.
 """
 
 from __future__ import annotations
@@ -160,10 +155,9 @@ class KVSender:
     # -- engine calls --------------------------------------------------------------------------
 
     def start(self, target: HandoffTarget) -> bool:
-        """Register a transfer to `target` (D must be connected to the transport: raises
-        PDTransportError otherwise; ValueError for a target whose tables do not fit D's pool).
-        Returns False, registering nothing, for a transfer id cancelled before it started (D
-        already released its blocks: abort the request)."""
+        """Register a transfer to `target` (PDTransportError if D is not connected, ValueError
+        if its tables do not fit D's pool). False, registering nothing, for a transfer id
+        cancelled before it started (D already released its blocks: abort the request)."""
         self._expire_tombstones()
         tid = target.transfer_id
         if tid in self._tombstones:
@@ -192,18 +186,13 @@ class KVSender:
         ready: Callable[[], bool] | None = None,
     ) -> bool:
         """Queue positions [start, end) of the prompt (P's block tables, one per plane) and post
-        what the in-flight bound allows.
-
-        Chunks must leave no gap: `start` may not lie beyond the first position not sent yet
-        (initially `target.first_token`: D's cached prefix is never sent, so chunks below it
-        may be skipped or passed, and a chunk may start anywhere in [0, first_token]);
-        positions already sent are not sent again. A prefix cached on P is one chunk like the
-        others. The chunk ending at `prompt_length` is final: it needs `final_hidden_row` (P's
-        row holding the last prompt token's hidden state, written to `target.hidden_row`), and
-        the commit follows its partitions.
-        `ready`: polled before the chunk's partitions are posted (e.g. a CUDA event's `query`);
-        None means the chunk's device work is complete. Returns False (and queues nothing) for
-        a transfer that was cancelled, failed or already reported.
+        what the in-flight bound allows. Chunks leave no gap: `start` is at most the first
+        position not sent yet (initially `target.first_token`); positions already sent are not
+        sent again. The chunk ending at `prompt_length` is final and gives `final_hidden_row`
+        (P's row, written to `target.hidden_row`); the commit follows its partitions.
+        `ready`: polled before the chunk's partitions are posted (e.g. a CUDA event's `query`;
+        None: the device work is complete). Returns False (queuing nothing) for a transfer
+        that was cancelled, failed or already reported. README.md, "P: `KVSender`".
         """
         state = self._transfers.get(transfer_id)
         if state is None or state.stopped:
@@ -324,11 +313,8 @@ class KVSender:
     def _pump(self) -> None:
         """Post queued entries in FIFO order within the in-flight bound; per transfer in order
         (an entry waits behind its transfer's not-ready ones, the commit behind everything).
-
-        When the bound stops a partition, the writes the transport finished meanwhile are
-        accounted first (`_harvest`), so queued partitions go as soon as there is room, not
-        only at the next `poll()` (once per engine step: with a bound smaller than a step's
-        KV, P would otherwise post at most one bound's worth per step)."""
+        When the bound stops a partition, the writes finished meanwhile are accounted first
+        (`_harvest`), not only at the next `poll()` (README.md, "In-flight bound")."""
         limit = self._config.max_inflight_bytes
 
         def fits(size: int) -> bool:
@@ -400,7 +386,7 @@ class KVSender:
         for tid, state in list(self._transfers.items()):
             if state.inflight and not state.write_expired:
                 continue
-            if state.failure is not None or state.cancelled:
+            if state.stopped:
                 if not state.write_expired:
                     self._send(state.peer, Drained(tid))
                 if state.failure is not None:

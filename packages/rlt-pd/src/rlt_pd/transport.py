@@ -1,16 +1,9 @@
 """`KVTransport`: one NIXL agent (UCX backend) per engine, over the runner's KV pool and
 hidden-state rows. Implements `rlt_pd.transport_api.Transport` for the connectors.
 
-README.md, "Transport", gives the memory it registers (the runner's `PDMemory`; CPU as DRAM,
-CUDA as VRAM), the handshake, and how a partition is posted as one NIXL transfer (so that its
-notification covers all of its bytes): index lists into the prepared lists (descriptors.py)
-when every range is whole blocks on both sides, explicit descriptors when a range is
-token-exact, why, and what each costs. The transport keeps a reference to the memory's owner
-until `close()` deregistered it (a registered address must not dangle).
-
-Failures never raise from `write`/`poll`: a NIXL exception or an ERR state becomes a failed
-handle with the reason. A sender's DONE only means the local side finished; the target learns
-that bytes landed from the notification.
+README.md, "Transport", gives the registered memory, the handshake, how a partition is posted
+as one NIXL transfer (prepared indices or explicit descriptors) and what completion means.
+Failures never raise from `write`/`poll`: they become failed handles with the reason.
 """
 
 from __future__ import annotations
@@ -62,14 +55,10 @@ def _as_str(name: bytes | str) -> str:
 class KVTransport:
     """NIXL endpoint of one engine (P or D). Not thread-safe: call it from one thread.
 
-    name: this agent's name (unique among the engines that connect to each other).
-    memory: the runner's declared KV pool and hidden rows (one device).
-    compatibility: what the peer must match; its geometry fields are checked against `memory`
-        here (ValueError on a mismatch).
-    owner: the object that keeps `memory` allocated, referenced until `close()`.
-    backend_params: UCX backend parameters overriding NIXL's defaults (e.g. num_workers).
-    progress_delay_us: the longest wait of the agent's progress thread between passes when
-        nothing progresses (`rlt_pd.nixl_agent`; 0 = NIXL's own, which polls without pause).
+    name: unique among the engines that connect to each other. memory: the runner's declared
+    KV pool and hidden rows, which `compatibility`'s geometry must describe (ValueError);
+    `owner` keeps it allocated until `close()`. backend_params: UCX parameters over NIXL's
+    defaults. progress_delay_us: `rlt_pd.nixl_agent` (README.md, "Its agent's thread").
     """
 
     def __init__(
@@ -109,13 +98,12 @@ class KVTransport:
 
         try:
             agent = make_agent(name, progress_delay_us)
-            if "UCX" not in agent.get_plugin_list():
-                raise PDTransportError(
-                    f"NIXL has no UCX plugin here (plugins: {agent.get_plugin_list()})"
-                )
-            params = dict(agent.get_plugin_params("UCX"))
-            params.update(backend_params or {})
-            agent.create_backend("UCX", params)
+            plugins = agent.get_plugin_list()
+            if "UCX" not in plugins:
+                raise PDTransportError(f"NIXL has no UCX plugin here (plugins: {plugins})")
+            agent.create_backend(
+                "UCX", {**agent.get_plugin_params("UCX"), **(backend_params or {})}
+            )
         except PDTransportError:
             raise
         except Exception as error:
@@ -154,10 +142,6 @@ class KVTransport:
     @property
     def hidden_state_bytes(self) -> int:
         return self._extent.hidden_row_bytes
-
-    @property
-    def compatibility(self) -> PDCompatibility:
-        return self._compatibility
 
     @property
     def closed(self) -> bool:
@@ -220,9 +204,8 @@ class KVTransport:
 
     def connect(self, peer_metadata: bytes) -> str:
         """Check compatibility (PDCompatibilityError naming every mismatching field), load the
-        peer's agent metadata, open the connection now (the first transfer would otherwise pay
-        for it) and prepare the peer's descriptor list. Returns the peer's name. Reconnecting a
-        known name (a restarted peer) replaces the old connection."""
+        peer's agent metadata, connect now and prepare the peer's descriptor list (README.md,
+        "Handshake"). Returns the peer's name; a known name's old connection is replaced."""
         local = self._describe()
         peer = TransportMetadata.decode(peer_metadata)
         check_compatibility(local, peer)
@@ -295,12 +278,6 @@ class KVTransport:
         self._closed = True
         self._agent = None
         self._owner = None
-
-    def __enter__(self) -> KVTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- transfers -----------------------------------------------------------------------------
 

@@ -40,14 +40,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     check_model(body.model, ctx.served_model_name)
     check_supported(body)
     info = ctx.model_info
-    prompt = chat_prompt(
-        body.messages,
-        ctx.tokenizer,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs,
-        chat_template=ctx.chat_template,
-    )
+    prompt = chat_prompt(body, ctx.tokenizer, ctx.chat_template)
     echoed = _echoed_text(body)
     check_prompt(prompt, info, param="messages")
     max_tokens_field = (
@@ -90,9 +83,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     want_ids = body.return_token_ids
 
     if not body.stream:
-        async with generation:
-            await generation.collect()
-        failure = generation.failure()
+        failure = await generation.collect()
         if failure is not None:
             return failure.response()
         final = generation.final_choices()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from rlt_contracts import ConfigurationError
 
@@ -54,25 +54,28 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def chat_prompt(
-    messages: list[ChatMessage],
-    tokenizer: Tokenizer,
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    chat_template: str | None = None,
-) -> list[int]:
-    """Render `messages` with the model's chat template (or `chat_template`, the server's
-    --chat-template) and tokenize the result."""
+class ChatFields(Protocol):
+    """The chat fields of a request (/v1/chat/completions', /tokenize's)."""
+
+    messages: list[ChatMessage]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: Mapping[str, Any] | None
+
+
+def chat_prompt(body: ChatFields, tokenizer: Tokenizer, chat_template: str | None) -> list[int]:
+    """Render `body.messages` with the model's chat template (or `chat_template`, the server's
+    --chat-template) under the request's options and tokenize the result."""
+    add_generation_prompt = body.add_generation_prompt
+    continue_final_message = body.continue_final_message
     if add_generation_prompt and continue_final_message:
         raise invalid(
             "continue_final_message",
             "continue_final_message: cannot be combined with add_generation_prompt=true (set "
             "add_generation_prompt to false to continue the final message)",
         )
-    conversation = build_conversation(messages, tokenizer, chat_template)
-    kwargs = dict(chat_template_kwargs or {})
+    conversation = build_conversation(body.messages, tokenizer, chat_template)
+    kwargs = dict(body.chat_template_kwargs or {})
     for name in kwargs:
         if name in RESERVED_TEMPLATE_KWARGS:
             param = f"chat_template_kwargs.{name}"

@@ -78,9 +78,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     want_ids = body.return_token_ids
 
     if not body.stream:
-        async with generation:
-            await generation.collect()
-        failure = generation.failure()
+        failure = await generation.collect()
         if failure is not None:
             return failure.response()
         choices = []
@@ -127,9 +125,13 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-    def response_of(choice: CompletionChoice) -> CompletionResponse:
+    def response_of(*choices: CompletionChoice, usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(
-            id=response_id, created=created, model=ctx.served_model_name, choices=[choice]
+            id=response_id,
+            created=created,
+            model=ctx.served_model_name,
+            choices=list(choices),
+            usage=usage,
         )
 
     opening = [
@@ -181,13 +183,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
     def closing() -> Iterable[CompletionResponse]:
         if include_usage:
-            yield CompletionResponse(
-                id=response_id,
-                created=created,
-                model=ctx.served_model_name,
-                choices=[],
-                usage=_usage(generation, info.num_loops, scoring_only),
-            )
+            yield response_of(usage=_usage(generation, info.num_loops, scoring_only))
 
     return stream_generation(generation, opening=opening, chunks=chunk, closing=closing)
 

@@ -1,29 +1,11 @@
 """Running the engine requests of one HTTP request (shared by both endpoints).
 
-One HTTP request becomes one engine request per generated sequence: `best_of` (default `n`)
-per prompt. `Generation` submits them together (one `submit_many` when the client is a
-`BatchSubmitter`: all are queued or none), merges their delta streams, keeps per-choice totals
-for the final response and the metrics, and guarantees cleanup: whatever way the HTTP request
-ends (normal end, client disconnect, task cancellation, error), every engine request that has
-not finished is cancelled so its KV blocks are freed.
-
-Client disconnects are watched from before the submission to the end of the generation: a
-client that leaves while its prompts are being submitted has every accepted one cancelled as
-soon as the submission returns (a client without `submit_many` stops being fed its remaining
-prompts at once).
-
-Sequences of one prompt (n or best_of > 1):
-
-- Random streams: with a request `seed`, sequence j of every prompt samples with seed
-  `(seed + j) mod 2**63` (vLLM's derivation), so the same request with the same seed gives the
-  same sequences whatever else runs; without a seed each draws its own. Greedy sequences are
-  identical (as in vLLM).
-- Prompt KV: the sequences of one prompt are submitted together (with one `sibling_group`);
-  with prefix caching the engine computes the prompt once and the others wait for its pages
-  and reuse them (prefix waits, rlt-scheduler README).
-- best_of > n: every sequence asks the engine for the sampled token's log-probability
-  (`logprobs=0` unless the client asked for more; never returned unless asked) and the n with
-  the highest cumulative log-probability are returned, best first (`final_choices`).
+`Generation` submits one engine request per generated sequence (`best_of`, default `n`, per
+prompt) together (one `submit_many` for a `BatchSubmitter`: all or none), merges their delta
+streams and keeps per-choice totals. However the HTTP request ends (finished, client gone,
+cancelled, failed), every engine request that has not finished is cancelled, its KV freed;
+a client disconnect is watched from before the submission (README.md, "Why the ordering
+matters"). Seeds, shared prompt KV and best_of's ranking: docs/serving.md, "Several choices".
 """
 
 from __future__ import annotations
@@ -58,12 +40,9 @@ from rlt_serve.response_schemas import LoopUsage, Usage
 
 @runtime_checkable
 class FinalOutputs(Protocol):
-    """Optional `EngineClient` capability the front end uses for non-streaming responses
-    (vLLM's RequestOutputKind.FINAL_ONLY): `stream_final` claims a submitted request like
-    `stream`, but yields one delta, once the request ended, holding its whole output (tokens,
-    exit depths, text, logprobs, prompt scores, finish, timings). The reader is woken once per
-    choice instead of once per engine step. Clients without it are read with `stream` and the
-    deltas are accumulated here (the same result)."""
+    """Optional `EngineClient` capability for non-streaming responses (vLLM's FINAL_ONLY):
+    `stream_final` yields one delta holding the whole output once the request ended (README.md,
+    "Contracts"); without it the deltas of `stream` are accumulated here (the same result)."""
 
     def stream_final(self, request_id: str) -> AsyncIterator[RequestOutputDelta]: ...
 
@@ -107,8 +86,7 @@ class Generation:
 
     request: the HTTP request, whose client disconnect cancels everything (None: not watched).
     n / best_of: sequences returned / generated per prompt (best_of None means n).
-    final_only: the response is built once every choice finished (not streamed): with a
-      `FinalOutputs` client each choice's output arrives as one delta when it ended.
+    final_only: not streamed (a `FinalOutputs` client then sends one delta per choice).
     """
 
     def __init__(
@@ -229,23 +207,26 @@ class Generation:
                 yield self._apply(self.choices[index], delta), delta
         self._record_finish()
 
-    async def collect(self) -> None:
-        async for _ in self.deltas():
-            pass
+    async def collect(self) -> APIError | None:
+        """A non-streaming response: submit, read every delta to the end, then `failure()`."""
+        async with self:
+            async for _ in self.deltas():
+                pass
+        return self.failure()
 
     def _apply(self, choice: Choice, delta: RequestOutputDelta) -> Choice:
         now = time.monotonic()
-        if delta.token_ids and self._final:
-            self._observe_final_tokens(delta, now)
-            choice.last_token_time = now
-        elif delta.token_ids:
-            self._metrics.observe_tokens(
-                delta.exit_depths,
-                tokens_before=len(choice.token_ids),
-                last_token_time=choice.last_token_time,
-                start=self._start,
-                now=now,
-            )
+        if delta.token_ids:
+            if self._final:
+                self._observe_final_tokens(delta, now)
+            else:
+                self._metrics.observe_tokens(
+                    delta.exit_depths,
+                    tokens_before=len(choice.token_ids),
+                    last_token_time=choice.last_token_time,
+                    start=self._start,
+                    now=now,
+                )
             choice.last_token_time = now
         choice.tokens.extend(delta)
         if delta.text:
@@ -267,11 +248,9 @@ class Generation:
         return choice
 
     def _observe_final_tokens(self, delta: RequestOutputDelta, now: float) -> None:
-        """Token metrics of a FINAL delta (every token at once, at `now`). The first token's
-        arrival is dated back by the engine's first -> last token time (its timings, one
-        clock; the transport's delay is the same for both), so the time to first token stays
-        what a stream would have shown; the later tokens share the gap evenly (as the tokens of
-        one streamed delta do). Without timings every token counts as arriving now."""
+        """Token metrics of a FINAL delta (every token at once, at `now`): the first token is
+        dated back by the engine's first -> last token time, the later ones share that gap
+        (docs/serving.md, "Metrics"); without timings every token arrives now."""
         timings = delta.timings
         decode_s = 0.0
         if timings is not None and None not in (timings.first_token, timings.last_token):
@@ -309,10 +288,9 @@ class Generation:
 
     async def abort_open_choices(self, ended: set[int]) -> list[tuple[Choice, RequestOutputDelta]]:
         """End every choice whose last chunk did not go out (`ended`: the indexes of those whose
-        did): its engine request is cancelled if it runs (KV freed), and it gets finish_reason
-        "abort" and an empty final delta to build its last chunk from. A choice whose engine
-        request finished but whose final chunk failed to build is aborted too: its client never
-        received the end. Nothing is counted in the metrics: no engine result arrived."""
+        did, even if its engine request finished): its engine request is cancelled if it runs,
+        and it gets finish_reason "abort" and an empty final delta for its last chunk. Nothing
+        is counted in the metrics: no engine result arrived."""
         await self._cancel_unfinished()
         ends = []
         empty_columns = dict.fromkeys(requested_columns(self.sampling), ())

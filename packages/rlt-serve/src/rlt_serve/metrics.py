@@ -1,31 +1,11 @@
-"""Prometheus metrics of one server (GET /metrics, text exposition format).
+"""Prometheus metrics of one server (GET /metrics, text exposition format): docs/serving.md,
+"Metrics", lists them, what each observes and where the several front ends of one engine
+keep theirs (`PROMETHEUS_MULTIPROC_DIR`).
 
-Names follow vLLM's (v1) `vllm:` metrics under an `rlt:` prefix where vLLM has one; every
-metric carries a `model_name` label. docs/serving.md lists them all.
-
-Each app owns its registry (several apps in one process never share counters). Engine gauges and
-counters are read from one `EngineClient.stats()` snapshot at scrape time (nothing is computed
-per step). Per-request histograms are observed by the HTTP layer as deltas reach it:
-
-- what a client sees (TTFT, inter-token latency, end-to-end latency) on the frontend's
-  time.monotonic(), from the moment the handler submits the request (after parsing and
-  tokenizing) to the moment a delta reaches the handler;
-- engine phases (queue, prefill, decode, inference time) from the `RequestTimings` on the final
-  delta: differences of the engine host's time.monotonic() stamps, which the scheduler takes when
-  it queues and first admits a request and when it applies a step's results (the engine is
-  asynchronous: the results of step n are applied after step n + 1 was submitted);
-- loops: the exit depth of every decoded token (token 0 comes from prefill and is excluded).
-
-Per-request histograms count each engine request (one per prompt/choice) whose final delta the
-handler reads; a request whose client went away first is not observed (it still counts in
-`rlt:http_requests_total{outcome="abort"}` and the engine counters).
-
-Several front ends (processes) of one engine: where `PROMETHEUS_MULTIPROC_DIR` is set (the
-`rlt serve --api-server-count N` supervisor sets a fresh directory), prometheus-client keeps the
-HTTP layer's counters and histograms in files there and a scrape of any front end sums every
-front end's (`MultiProcessCollector`; a dead front end's counts stay in the sums). The engine's
-gauges and counters are the core's own, not per front end: they are read fresh from the core
-at each scrape (`StatsRefresh`), never summed.
+Each app owns its registry. Engine gauges and counters are read from one
+`EngineClient.stats()` snapshot at scrape time; per-request histograms are observed by the
+HTTP layer as deltas reach it (client-side latencies on the front end's clock, engine phases
+from the final delta's `RequestTimings`).
 """
 
 from __future__ import annotations
@@ -69,11 +49,6 @@ class StatsRefresh(Protocol):
     `stats()` is always current needs none."""
 
     async def refresh_stats(self) -> None: ...
-
-
-def multiprocess_dir() -> str | None:
-    """The directory of a multi-process server's metrics, or None (one process)."""
-    return os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
 
 
 def mark_front_end_gone(pid: int, directory: str) -> None:
@@ -165,23 +140,19 @@ class _EngineCollector(Collector):
                 "Recurrent loops run for decoded tokens (token 0, from prefill, excluded).",
                 stats.decode_loops,
             ),
+            "spec_decode_num_drafts": (
+                "Speculative rounds (per request) that drafted tokens.",
+                stats.spec_drafts,
+            ),
+            "spec_decode_num_draft_tokens": (
+                "Draft tokens proposed by speculative decoding.",
+                stats.spec_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Draft tokens the verify pass accepted.",
+                stats.spec_accepted_tokens,
+            ),
         }
-        counters.update(
-            {
-                "spec_decode_num_drafts": (
-                    "Speculative rounds (per request) that drafted tokens.",
-                    stats.spec_drafts,
-                ),
-                "spec_decode_num_draft_tokens": (
-                    "Draft tokens proposed by speculative decoding.",
-                    stats.spec_draft_tokens,
-                ),
-                "spec_decode_num_accepted_tokens": (
-                    "Draft tokens the verify pass accepted.",
-                    stats.spec_accepted_tokens,
-                ),
-            }
-        )
         for name, (doc, value) in counters.items():
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             family.add_metric(labels, value)
@@ -217,7 +188,8 @@ class ServingMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self._engine_collector = _EngineCollector(client, is_alive, self.model_name)
-        self._multiprocess_dir = multiprocess_dir()
+        # a multi-process server's metrics directory, or None (one process)
+        self._multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
         if self._multiprocess_dir is not None:
             _file_backed_values()
 

@@ -1,18 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models (responses:
-response_schemas.py).
-
-FastAPI publishes these in its OpenAPI schema, so the schema is exactly what the server
-validates.
-
-Validation policy (see docs/serving.md):
-- Types are strict: "5" is not an integer and true is not a number.
-- Fields the OpenAI API defines but that change nothing here (user, metadata, store, ...) are
-  accepted and ignored. Fields whose non-default value we cannot honour (suffix, tools,
-  response formats other than text, ...) are accepted only at their neutral value; anything else
-  answers 400 naming the field.
-- Fields nobody defines answer 400 "Unrecognized request argument supplied: NAME".
-- An explicit `null` means "unset": the field takes its default (many clients send null for
-  options they do not set).
+response_schemas.py); FastAPI publishes them in its OpenAPI schema, so the schema is exactly
+what the server validates. Validation policy (strict types, neutral values, unknown fields,
+null means the default): docs/serving.md, "Request fields".
 """
 
 from __future__ import annotations

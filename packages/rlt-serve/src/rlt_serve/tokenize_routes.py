@@ -69,14 +69,7 @@ def add_tokenize_routes(
         if body.prompt is not None and body.messages is not None:
             raise invalid("messages", "messages: give either prompt or messages, not both")
         if body.messages is not None:
-            tokens = chat_prompt(
-                body.messages,
-                ctx.tokenizer,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-                chat_template=ctx.chat_template,
-            )
+            tokens = chat_prompt(body, ctx.tokenizer, ctx.chat_template)
         else:
             try:
                 tokens = list(

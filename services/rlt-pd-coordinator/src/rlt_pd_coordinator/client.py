@@ -1,27 +1,10 @@
 """`PDEngineClient`: the `EngineClient` of a group of engine instances, over HTTP.
 
-PD mode, per request (see README.md for the timeline):
-
-  submit   take a credit on the least loaded prefill instance P and decode instance D, open
-           D's generate stream (role decode, a fresh transfer id, P's agent) and wait for its
-           answer: a validation error is raised from submit exactly as a single engine would
-           (400 / 429); an unreachable or unavailable D is skipped for the next one.
-  task     wait for D's `target` line (admission timeout), POST P's generate (role prefill,
-           that target), then stream D's deltas into the request's queue. P must report
-           `done` and D its first delta within the transfer timeout.
-  stream   yields the queued deltas: D's own, so token ids, text, logprobs and `exit_depths`
-           are exactly a single engine's.
-  cancel   cancels the task, which closes both connections (each instance then aborts the
-           request; D cancels the transfer with P) and ends the stream with "abort".
-
-Router mode (replicas of role none) is the same without P: one generate stream per request
-on the least loaded replica.
-
-Failures end the request's stream, naming the instance and what happened (README.md,
-"Contracts"): an instance lost mid-request raises `EngineDeadError` from `stream()` (503; only
-that request fails: /health follows the cluster, `unavailable()`), anything else ends the
-stream with a final delta whose `error` says it (500). An instance that could not be reached or
-whose connection broke is marked unreachable until a poll finds it again.
+Per request (README.md, "One request, worked example"): `submit` opens D's generate stream
+(an unreachable D is skipped for the next one; D's validation error is raised as a single
+engine's), a task hands D's target to P and queues D's deltas, `stream` yields them unchanged,
+`cancel` closes both connections. Router mode is the same without P. Failures end the
+request's stream naming the instance (README.md, "Contracts").
 """
 
 from __future__ import annotations
@@ -39,11 +22,11 @@ from rlt_contracts import (
     EngineRequest,
     EngineStats,
     FinishReason,
-    InvalidRequestError,
     ModelInfo,
     RequestOutputDelta,
 )
 from rlt_contracts.pd import HandoffTarget, KVTransferParams, PDRole
+from rlt_serve.request_table import RequestTable
 
 from rlt_pd_coordinator.cluster import Cluster, Instance
 from rlt_pd_coordinator.wire import (
@@ -105,6 +88,13 @@ class _Flow:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def body(self, role: PDRole, target: HandoffTarget | None = None) -> GenerateBody:
+        """The generate call of `role`'s instance (naming P's agent once P is chosen)."""
+        p = self.prefill
+        agent = p.info.agent if p is not None and p.info else None
+        params = KVTransferParams(role, self.transfer_id, prefill_agent=agent, target=target)
+        return GenerateBody(self.request, params)
+
 
 @dataclass
 class _Counters:
@@ -128,7 +118,7 @@ class PDEngineClient:
         self.cluster = cluster
         self._model_info = model_info
         self.timeouts = timeouts or Timeouts()
-        self._flows: dict[str, _Flow] = {}
+        self._flows: RequestTable[_Flow] = RequestTable()
         self._counters = _Counters()
         self._shutting_down = False
         self._shutdown_done = False
@@ -173,11 +163,7 @@ class PDEngineClient:
     async def submit(self, request: EngineRequest) -> None:
         if self._shutting_down:
             raise EngineDeadError("the coordinator is shutting down")
-        existing = self._flows.get(request.request_id)
-        if existing is not None and not existing.finished:
-            raise InvalidRequestError(
-                "request_id", f"request {request.request_id!r} is already in flight"
-            )
+        self._flows.check_free(request.request_id)
         flow = _Flow(request, transfer_id=uuid.uuid4().hex)
         self._flows[request.request_id] = flow
         try:
@@ -185,8 +171,7 @@ class PDEngineClient:
         except BaseException as exc:
             await self._close(flow)
             self._release(flow)
-            if self._flows.get(request.request_id) is flow:
-                del self._flows[request.request_id]
+            self._flows.forget(request.request_id, flow)
             if isinstance(exc, _InstanceLost):
                 raise EngineDeadError(str(exc)) from None
             raise
@@ -195,13 +180,7 @@ class PDEngineClient:
         flow.task = asyncio.create_task(self._run(flow), name=f"rlt-pd-{request.request_id}")
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
-        flow = self._flows.get(request_id)
-        if flow is None or flow.claimed:
-            raise InvalidRequestError(
-                "request_id", f"no submitted, unclaimed request {request_id!r} to stream"
-            )
-        flow.claimed = True
-        return self._deltas(flow)
+        return self._deltas(self._flows.claim(request_id))
 
     async def cancel(self, request_id: str) -> None:
         flow = self._flows.get(request_id)
@@ -228,9 +207,8 @@ class PDEngineClient:
         for flow in flows:
             if flow.started:  # (one not started yet sees _shutting_down when it starts)
                 flow.task.cancel()
-        tasks = [f.task for f in flows]
-        if tasks:
-            await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+        if flows:
+            await asyncio.wait([f.task for f in flows], timeout=CANCEL_WAIT_S)
         await self.cluster.close()
 
     # -- submit: open the output instance's stream --------------------------------------------
@@ -241,17 +219,13 @@ class PDEngineClient:
         while True:
             output = await self.cluster.acquire(self.cluster.output_role, exclude=tried)
             flow.decode = output
-            params = KVTransferParams(role=PDRole.NONE, transfer_id=flow.transfer_id)
+            role = PDRole.NONE
             if self.mode == "pd":
+                role = PDRole.DECODE
                 if flow.prefill is None:
                     flow.prefill = await self.cluster.acquire(PDRole.PREFILL)
-                params = KVTransferParams(
-                    role=PDRole.DECODE,
-                    transfer_id=flow.transfer_id,
-                    prefill_agent=flow.prefill.info.agent if flow.prefill.info else None,
-                )
             try:
-                response = await self._open(output, GenerateBody(flow.request, params))
+                response = await self._open(output, flow.body(role))
             except InstanceUnavailableError as exc:
                 logger.warning("request %s: %s; trying another instance", flow.request_id, exc)
                 self.cluster.release(output)
@@ -320,7 +294,7 @@ class PDEngineClient:
             # its consumer left (`cancel`) or the coordinator shuts down (`shutdown`, after the
             # drain's grace period): the request ends as `rlt serve` ends it then, with
             # finish_reason "abort" after what it generated (a 200 with the partial text)
-            self._finish(flow, error=None, log=False)
+            self._finish(flow, error=None)
         except _FlowFailure as exc:
             self._finish(flow, error=str(exc), lost=isinstance(exc, _InstanceLost))
         except Exception as exc:  # noqa: BLE001 - a bug here must still end the stream
@@ -333,9 +307,9 @@ class PDEngineClient:
             except Exception:  # noqa: BLE001 - the stream failed already; nothing to add
                 pass
             self._release(flow)
-            self._finish(flow, error=None, log=False)
-            if flow.cancelled and self._flows.get(flow.request_id) is flow:
-                del self._flows[flow.request_id]  # its consumer left: nobody reads the rest
+            self._finish(flow, error=None)
+            if flow.cancelled:  # its consumer left: nobody reads the rest
+                self._flows.forget(flow.request_id, flow)
 
     async def _handoff(self, flow: _Flow, lines: AsyncIterator[StreamLine]) -> None:
         d, p = flow.decode, flow.prefill
@@ -356,13 +330,8 @@ class PDEngineClient:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(prefill, decode, return_exceptions=True)
-        if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-            logger.warning(
-                "request %s: %s after %s started decoding",
-                flow.request_id,
-                prefill.exception(),
-                d,
-            )
+        if prefill.done() and not prefill.cancelled() and (error := prefill.exception()):
+            logger.warning("request %s: %s after %s started decoding", flow.request_id, error, d)
 
     async def _first_line(self, flow: _Flow, lines) -> HandoffTarget | None:
         d = flow.decode
@@ -431,16 +400,10 @@ class PDEngineClient:
 
     async def _prefill(self, flow: _Flow, p: Instance, target: HandoffTarget) -> None:
         """P's side of the handoff: returns once P reported `done`."""
-        params = KVTransferParams(
-            role=PDRole.PREFILL,
-            transfer_id=flow.transfer_id,
-            prefill_agent=p.info.agent if p.info else None,
-            target=target,
-        )
         response: httpx.Response | None = None
         try:
             try:
-                response = await self._open(p, GenerateBody(flow.request, params))
+                response = await self._open(p, flow.body(PDRole.PREFILL, target))
             except (InstanceUnavailableError, _InstanceLost) as exc:
                 raise _InstanceLost(f"the KV handoff failed: {exc}") from None
             except _FlowFailure as exc:
@@ -516,14 +479,12 @@ class PDEngineClient:
             else:
                 self._counters.finished_requests += 1
 
-    def _finish(
-        self, flow: _Flow, *, error: str | None, log: bool = True, lost: bool = False
-    ) -> None:
+    def _finish(self, flow: _Flow, *, error: str | None, lost: bool = False) -> None:
         """End the stream with a final "abort" delta (carrying `error`) unless it ended;
         `lost`: an instance went away, so the stream raises `EngineDeadError(error)` instead."""
         if flow.finished:
             return
-        if error and log:
+        if error:
             logger.warning("request %s failed: %s", flow.request_id, error)
         if lost and error:
             flow.lost = EngineDeadError(error)
@@ -552,8 +513,7 @@ class PDEngineClient:
         finally:
             if not flow.finished:
                 await self.cancel(flow.request_id)
-            if self._flows.get(flow.request_id) is flow:
-                del self._flows[flow.request_id]
+            self._flows.forget(flow.request_id, flow)
 
     # -- cleanup ------------------------------------------------------------------------------
     async def _close(self, flow: _Flow) -> None:

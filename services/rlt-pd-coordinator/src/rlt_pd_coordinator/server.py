@@ -1,18 +1,9 @@
 """The coordinator process: instances (started or connected), the OpenAI front, shutdown.
 
-`Coordinator.start()`: start the local instances (if any) while the tokenizer loads, admit
-every instance (roles, compatibility, connections), build rlt-serve's app over a
-`PDEngineClient`. `serve()` runs it under uvicorn. `close()` aborts what is in flight, stops
-the children and closes the connections.
-
-`run(options)` does all of it in the main thread under the stop-signal policy of every rlt
-server (`rlt_serve.shutdown`; a launcher's duplicate of a signal is not a second one):
-SIGINT / SIGTERM during startup stop the children and return 0; while serving, the front
-drains the requests in flight for up to `shutdown_timeout` seconds, then aborts the rest
-(each answers as under `rlt serve`: 200 with its partial text and finish_reason "abort", a
-stream's last chunk and `[DONE]`), the children are stopped and `run` returns 0. A second
-signal aborts the requests at once (`run` returns 128 + it); one while the children stop
-kills them.
+`Coordinator.start()` starts the local instances while the tokenizer loads, admits every
+instance and builds the front; `serve()` runs it under uvicorn; `close()` aborts what is in
+flight and stops the children. `run(options)` does all of it under the stop-signal policy of
+every rlt server (`rlt_serve.shutdown`; README.md, "Supervision").
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ import uvicorn
 from fastapi.responses import JSONResponse
 from rlt_contracts import ConfigurationError, FamilyDeclaration, ModelInfo
 from rlt_contracts.pd import PDRole
-from rlt_serve import LOOPBACK_HOSTS, LoopDefaults, build_app, is_loopback
+from rlt_serve import LOOPBACK_HOSTS, build_app, is_loopback
 from rlt_serve.front_options import FrontOptions
 from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
@@ -56,6 +47,7 @@ logger = logging.getLogger("rlt_pd_coordinator")
 
 HARD_STOP_MARGIN_S = 5.0
 INSTANCES_PATH = "/v1/pd/instances"
+CREDITS = ("prefill_credits", "decode_credits", "replica_credits")
 
 
 class CoordinatorOptions(FrontOptions, frozen=True, kw_only=True):
@@ -120,22 +112,17 @@ class CoordinatorOptions(FrontOptions, frozen=True, kw_only=True):
                 "run either prefill/decode instances or plain replicas, not both",
             )
         if self.mode == "pd":
-            if not (self.num_prefill or self.prefill_urls):
-                raise ConfigurationError(
-                    ("num_prefill", "prefill_url"), "PD needs at least one prefill instance"
-                )
-            if not (self.num_decode or self.decode_urls):
-                raise ConfigurationError(
-                    ("num_decode", "decode_url"), "PD needs at least one decode instance"
-                )
+            for role in ("prefill", "decode"):
+                if not (getattr(self, f"num_{role}") or getattr(self, f"{role}_urls")):
+                    raise ConfigurationError(
+                        (f"num_{role}", f"{role}_url"), f"PD needs at least one {role} instance"
+                    )
         elif not router:
             raise ConfigurationError(("replicas", "url"), "the router needs at least one replica")
-        for name in ("num_prefill", "num_decode", "replicas"):
-            if getattr(self, name) < 0:
-                raise ConfigurationError(name, f"must be >= 0, got {getattr(self, name)}")
-        for name in ("prefill_credits", "decode_credits", "replica_credits"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("num_prefill", "num_decode", "replicas") + CREDITS:
+            least = 1 if name in CREDITS else 0
+            if getattr(self, name) < least:
+                raise ConfigurationError(name, f"must be >= {least}, got {getattr(self, name)}")
         for name in ("poll_interval", "connect_timeout", "startup_timeout", "restart_delay"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
@@ -195,13 +182,6 @@ def resolve_model(
     local_dir = source.local_dir.resolve()
     check_model_dir(local_dir)  # before any instance starts: everything the directory lacks
     return replace(source, local_dir=local_dir)
-
-
-def resolve_model_dir(
-    model: str | None, *, revision: str | None = None, download_dir: str | None = None
-) -> Path:
-    """`resolve_model`'s checkpoint directory."""
-    return resolve_model(model, revision=revision, download_dir=download_dir).local_dir
 
 
 def model_facts(
@@ -309,35 +289,24 @@ def build_model_info(
     )
 
 
-def build_front(
-    client: PDEngineClient,
-    tokenizer: Any,
-    *,
-    served_model_name: str | None,
-    api_key: str | None,
-    max_body_bytes: int,
-    loop_defaults: LoopDefaults,
-    host: str,
-    allowed_origins: tuple[str, ...] = (),
-    front: FrontSettings | None = None,
-):
+def build_front(client: PDEngineClient, tokenizer: Any, options: FrontOptions):
     """The coordinator's HTTP front over `client`: rlt-serve's app (the OpenAI routes, health
-    from `client.unavailable`) plus `GET /v1/pd/instances`. `host` is where the front listens
-    (a loopback host turns the Host-header guard on); `front`: --seed and --chat-template
-    (rlt_serve.vllm_flags). Used by `Coordinator` and by rlt-ray's
-    PD ingress, which hosts the same front inside a Ray Serve deployment."""
+    from `client.unavailable`) plus `GET /v1/pd/instances`. `options`: the front's (with
+    `front`, vLLM's --seed and --chat-template: `CoordinatorOptions` or rlt-ray's
+    `ServeOptions`; rlt-ray's PD ingress hosts the same front in a Ray Serve deployment)."""
+    front: FrontSettings = options.front
     app = build_app(
         client,
-        served_model_name=served_model_name or client.model_info().name,
+        served_model_name=options.served_model_name or client.model_info().name,
         tokenizer=tokenizer,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        loop_defaults=loop_defaults,
-        allowed_hosts=LOOPBACK_HOSTS if is_loopback(host) else None,
-        allowed_origins=allowed_origins,
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+        loop_defaults=options.loop_defaults,
+        allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+        allowed_origins=options.allowed_origins,
         engine_error=client.unavailable,
-        chat_template=front.chat_template if front else None,
-        default_seed=front.default_seed if front else None,
+        chat_template=front.chat_template,
+        default_seed=front.default_seed,
     )
 
     async def instances_view() -> JSONResponse:
@@ -431,17 +400,7 @@ class Coordinator:
             self.supervisor.watch()
         self.cluster.start_polling()
         self.client = PDEngineClient(self.cluster, info, timeouts=options.timeouts)
-        self.app = build_front(
-            self.client,
-            tokenizer,
-            served_model_name=options.served_model_name,
-            api_key=options.api_key,
-            max_body_bytes=options.max_body_bytes,
-            loop_defaults=options.loop_defaults,
-            host=options.host,
-            allowed_origins=options.allowed_origins,
-            front=options.front,
-        )
+        self.app = build_front(self.client, tokenizer, options)
         counts = {r: len(self.cluster.of_role(r)) for r in PDRole}
         logger.info(
             "coordinator ready (%s mode: %d prefill, %d decode, %d replicas)",

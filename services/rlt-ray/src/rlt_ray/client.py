@@ -32,13 +32,13 @@ from rlt_contracts import (
     EngineRequest,
     EngineStats,
     FinishReason,
-    InvalidRequestError,
     ModelInfo,
     OverloadedError,
     RequestOutputDelta,
     RltError,
     raise_wire_error,
 )
+from rlt_serve.request_table import RequestTable
 
 from rlt_ray.wire import Accepted, Finished, Rejected, sum_stats
 
@@ -67,7 +67,7 @@ class RayEngineClient:
         self._handle = handle.options(stream=True)
         self._model_info = model_info
         self.submit_timeout_s = submit_timeout_s
-        self._flows: dict[str, _Flow] = {}
+        self._flows: RequestTable[_Flow] = RequestTable()
         self._replica_stats: dict[str, EngineStats] = {}
         self._stopping = False
 
@@ -90,11 +90,7 @@ class RayEngineClient:
     async def submit(self, request: EngineRequest) -> None:
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
-        existing = self._flows.get(request.request_id)
-        if existing is not None and not existing.finished:
-            raise InvalidRequestError(
-                "request_id", f"request {request.request_id!r} is already in flight"
-            )
+        self._flows.check_free(request.request_id)
         last_error: BaseException | None = None
         for _ in range(SUBMIT_ATTEMPTS):
             generator = self._handle.generate.remote(request)
@@ -128,13 +124,7 @@ class RayEngineClient:
         raise ReplicaLostError(f"engine replicas were lost before accepting: {last_error}")
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutputDelta]:
-        flow = self._flows.get(request_id)
-        if flow is None or flow.claimed:
-            raise InvalidRequestError(
-                "request_id", f"no submitted, unclaimed request {request_id!r} to stream"
-            )
-        flow.claimed = True
-        return self._deltas(flow)
+        return self._deltas(self._flows.claim(request_id))
 
     async def cancel(self, request_id: str) -> None:
         flow = self._flows.get(request_id)
@@ -176,8 +166,7 @@ class RayEngineClient:
         finally:
             if not flow.finished:
                 flow.generator.cancel()  # the reader left: the replica aborts the request
-            if self._flows.get(flow.request.request_id) is flow:
-                del self._flows[flow.request.request_id]
+            self._flows.forget(flow.request.request_id, flow)
 
     def _aborted(self, flow: _Flow) -> RequestOutputDelta:
         """The final delta of a flow that shutdown() ended: an abort, what it generated kept."""

@@ -173,18 +173,7 @@ class PDIngress:
     def _front(self):
         from rlt_pd_coordinator import build_front
 
-        s = self.serve_options
-        return build_front(
-            self.client,
-            self.tokenizer,
-            served_model_name=s.served_model_name,
-            api_key=s.api_key,
-            max_body_bytes=s.max_body_bytes,
-            loop_defaults=s.loop_defaults,
-            host=s.host,
-            allowed_origins=s.allowed_origins,
-            front=s.front,
-        )
+        return build_front(self.client, self.tokenizer, self.serve_options)
 
     # -- membership ---------------------------------------------------------------------------
     def sync(self) -> None:

@@ -12,7 +12,7 @@ import socket
 
 import uvicorn
 
-from rlt_ray.replicas import _location, replica_tag
+from rlt_ray.replicas import _location, engine_load, replica_tag
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,6 @@ class PDInstanceReplica:
         logger.info("%s replica %s serves at %s", role, self.tag, self.url)
 
     def _report(self) -> dict:
-        stats = self.client.stats()
         pd = self.engine.parts.pd if self.engine.parts is not None else None
         return {
             "url": self.url,
@@ -80,11 +79,7 @@ class PDInstanceReplica:
             # transfers pending in this engine's handoff port (read from the engine thread's
             # connectors without a lock: a snapshot, exact once the engine is idle)
             "pd_busy": bool(pd.port.busy) if pd is not None else False,
-            "ongoing": len(self.client.live_request_ids()),
-            "running": stats.running_requests,
-            "waiting": stats.waiting_requests,
-            "kv_blocks_free": stats.kv_blocks_free,
-            "kv_blocks_total": stats.kv_blocks_total,
+            **engine_load(self.client),
             **self.where,
         }
 

@@ -1,29 +1,13 @@
 """`EngineReplica`: one rlt engine in one Ray Serve replica (an actor process).
 
 With `engine_process` (`--engine-process`) the engine runs as under `rlt serve`: its core is
-a process of its own that this one starts and owns (`CoreProcess`, ZeroMQ, `CoreClient`: the
-front end's half, which detokenizes the deltas), so Ray's streaming of every chunk through
-this process never competes with the engine loop for the GIL. Without it (the default), an
-`LLMEngine` whose core loop runs on a thread of this process, reached through `AsyncEngine`
-(the same `CoreClient` over a thread). Either way the client lives on the replica's asyncio
-loop. If the core process dies, the health check fails and Ray replaces the replica; if the
-replica's process dies, the core sees its parent gone and exits. The replica offers the
-ingress four calls and Ray two hooks:
-
-- `generate(request)`: a stream; first `Accepted` or `Rejected` (the submit's answer), then
-  the engine's deltas unchanged, then `Finished` with the engine's statistics
-  (`rlt_ray.wire`). When the caller goes away (the client disconnected, the ingress cancelled
-  the Ray call), the request is aborted in the engine, which frees its KV blocks.
-- `model_info()`, `stats()`.
-- `check_health()` (Ray, every `health_check_period_s`): raises once the engine is dead, so
-  Ray replaces the replica; a replica is routed to only after its constructor returned and
-  its first health check passed.
-- `record_routing_stats()` (Ray, every `request_routing_stats_period_s`): the load the router
-  reads (its requests not ended, the engine's running / waiting, KV blocks), the prefix-cache
-  counters, and where the replica runs (process id, Ray node id).
-
-State it owns: the engine (KV pool, prefix cache, requests). Nothing survives the process:
-a replica that Ray restarts starts with an empty cache and no requests.
+a process of its own that this one starts and owns (`CoreProcess`, ZeroMQ, `CoreClient`), so
+Ray's streaming of every chunk through this process never competes with the engine loop for
+the GIL. Without it (the default), an `LLMEngine` whose core loop runs on a thread of this
+process, reached through `AsyncEngine`. Either way the client lives on the replica's asyncio
+loop. The calls it offers the ingress (`generate`, a stream of `rlt_ray.wire` events around
+the engine's deltas; `model_info`, `stats`) and Ray (`check_health`, `record_routing_stats`)
+are README.md's "Contracts" and "State and who writes it"; nothing survives its process.
 """
 
 from __future__ import annotations
@@ -64,6 +48,20 @@ def _location() -> dict:
     except Exception:  # noqa: BLE001 - not inside Ray
         pass
     return where
+
+
+def engine_load(client) -> dict:
+    """The load a replica reports: its requests that have not ended, counted by the replica
+    itself (fresh; the engine's running / waiting gauges are as of its last step and can lag
+    when idle), the engine's running and waiting requests, and its KV blocks."""
+    stats = client.stats()
+    return {
+        "ongoing": len(client.live_request_ids()),
+        "running": stats.running_requests,
+        "waiting": stats.waiting_requests,
+        "kv_blocks_free": stats.kv_blocks_free,
+        "kv_blocks_total": stats.kv_blocks_total,
+    }
 
 
 def _tokenizer_or_none(model_dir: str):
@@ -153,13 +151,7 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         stats = self.client.stats()
         return {
-            # requests here that have not ended, counted by this replica itself (fresh; the
-            # engine's running/waiting gauges are as of its last step and can lag when idle)
-            "ongoing": len(self.client.live_request_ids()),
-            "running": stats.running_requests,
-            "waiting": stats.waiting_requests,
-            "kv_blocks_free": stats.kv_blocks_free,
-            "kv_blocks_total": stats.kv_blocks_total,
+            **engine_load(self.client),
             "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
             "prefix_cache_queried_tokens": stats.prefix_cache_queried_tokens,
             **self.where,

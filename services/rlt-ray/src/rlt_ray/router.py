@@ -15,19 +15,13 @@ back to later ranks. This class only translates:
 Ray ships this class by value (cloudpickle), so this module holds no state of its own: the
 routers of a process are found through `rlt_ray.registry`.
 
-Its own state: requests in flight per replica, counted from Ray's `on_send_request` (one was
-sent there) to `on_request_completed` (it ended: finished, failed or cancelled); reservations,
-one per decision not yet followed by its send (Ray routes several requests concurrently and
-may probe queue lengths between deciding and sending: without them a burst would be decided
-against counts that miss its own earlier requests); and the policy's prefix tables. A send
-consumes the oldest reservation on its replica; a reservation never consumed (the replica
-refused, Ray sent the request elsewhere) expires after `RESERVATION_S`. A replica that died
-or left (`update_replicas`) loses all of it.
-
-The prefix is recorded when the choice is made: should the request end up elsewhere, the
-table holds one wrong guess, costing at most a cache miss later.
-
-Calls other than `generate` (model_info, stats) are ranked least loaded and not recorded.
+Its own state (README.md, "Routing, with numbers"): requests in flight per replica (Ray's
+`on_send_request` .. `on_request_completed`), reservations (a decision not yet followed by its
+send: Ray routes several requests concurrently, so without them a burst would be decided
+against counts that miss its own earlier requests; one never consumed expires after
+`RESERVATION_S`) and the policy's prefix tables, recorded when the choice is made. A replica
+that died or left (`update_replicas`) loses all of it. Calls other than `generate`
+(model_info, stats) are ranked least loaded and not recorded.
 """
 
 from __future__ import annotations

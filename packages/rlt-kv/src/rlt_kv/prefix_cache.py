@@ -1,17 +1,9 @@
-"""Content-addressed cache of full prompt pages, shared across requests at every plane.
-
-Page i of a prompt is keyed by a chained SHA-256: key_i = H(key_{i-1} || tokens of page i as
-little-endian int64), so a key names the page's tokens AND everything before them. An entry
-holds one physical block per storage plane (all depths, all layers) and one reference on each.
-Unreferenced entries (only the cache holds their blocks) are evicted oldest-first (LRU).
-
-A salt starts the chain at another root: pages whose KV differs from prefill's for the same
-tokens (a prompt run at exit depth, salted with its exit rule) are found only by lookups with
-the same salt. Entries may carry the prompt scores of their positions (score_records.py); those
-go when the entry goes.
-
-Only pages fully inside `prompt[:-1]` are ever published: the final prompt token must be
-recomputed because its hidden state, which the cache does not keep, feeds coda (R18, R24).
+"""Content-addressed cache of full prompt pages, shared across requests at every plane
+(README.md, "Prefix cache"): page i is keyed by a chained SHA-256, key_i = H(key_{i-1} ||
+tokens of page i as little-endian int64), started from another root under a salt; an entry
+holds one block per plane and one reference on each, and its score records go with it.
+Unreferenced entries are evicted oldest-first (LRU). Only pages inside `prompt[:-1]` are
+published: the final prompt token's hidden state, which the cache does not keep, feeds coda.
 """
 
 from __future__ import annotations

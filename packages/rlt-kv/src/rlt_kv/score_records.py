@@ -1,21 +1,8 @@
-"""`ScoreRecords`: the prompt scores of cached prompt pages, host memory bounded in bytes.
-
-A scored prompt (`SamplingParams.prompt_logprobs`) needs, besides the KV of the positions it
-reuses, the scores those positions produced: the KV alone cannot give them back (it holds no
-state to score). A record holds one page's scores (`rlt_contracts.PageScores`) and is keyed by
-(page key, next token): the page's last position scores the token after the page, which the
-page key does not name. A multiple-choice question whose context ends exactly on a page
-boundary therefore finds its last context page with another choice's next token, and
-recomputes that one page; every earlier page is shared.
-
-Records live only next to a cached page: `PrefixCache` drops a page's records when it evicts
-or clears the page. They are also bounded in bytes (`max_bytes`; a record is kept packed in
-typed arrays, 8 bytes per log-probability, exact, and 4 per token id, rank or depth): past the
-bound the least recently used records go, the pages'
-KV stays (a scored prompt then recomputes from the first page without a record).
-
-State owned here, written only through `PrefixCache` / `KVCacheManager`: the packed records,
-their LRU order, the per-page index and the byte count.
+"""`ScoreRecords`: the prompt scores of cached prompt pages, host memory bounded in bytes
+(README.md, "Score records and salted pages"). A record holds one page's `PageScores`, keyed
+by (page key, next token), packed in typed arrays (exact); it goes with its page and, past
+`max_bytes`, least recently used first. State owned here, written only through `PrefixCache`
+/ `KVCacheManager`: the packed records, their LRU order, the per-page index and the byte count.
 """
 
 from __future__ import annotations

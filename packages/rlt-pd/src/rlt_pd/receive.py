@@ -1,18 +1,10 @@
-"""D-side receive state of one handoff: which partitions arrived, when D may activate, and when
-cancelled destination pages may be released.
+"""D-side receive state of one handoff: which partitions arrived, when D may activate
+(`complete`: the commit and every partition it counts, not cancelled) and when cancelled
+destination pages may be released (`safe_to_release`: cancelled and P confirmed drained);
+README.md, "Planning", Evidence and Identity.
 
-Evidence each transition needs (R18, R20):
-
-    complete          commit(count) received AND every sequence 0..count-1 arrived AND not
-                      cancelled. Commit alone only says P finished *posting*; writes may still be
-                      in flight, so it is never completion by itself.
-    safe_to_release   cancel() was called AND the sender confirmed that no write to this
-                      allocation is pending or can start (P released after its writes drained).
-                      Arrived notifications are not enough: P may not have posted every partition.
-
-Every inbound message carries the admission identity; a message for another identity (a request
-id reused after cancellation, R17) is reported STALE and changes nothing. A message no correct
-sender can produce raises `HandoffProtocolError`; the anchor fails the whole engine on those.
+A message for another identity (a request id reused after cancellation, R17) is reported
+STALE and changes nothing; one no correct sender can produce raises `HandoffProtocolError`.
 """
 
 from __future__ import annotations

@@ -295,17 +295,10 @@ def _static_file(name: str) -> bytes:
 
 
 class _SameOriginIsNoOrigin:
-    """Treat a request whose Origin is the server's own (scheme://Host) as carrying no Origin.
-
-    Browsers send Origin on every POST, same-origin ones included, so without this the
-    playground page could not call the API it was served with: the Origin guard refuses any
-    Origin not listed with --allowed-origin. A page can only have the server's own origin if it
-    came from this server, or through DNS rebinding (a foreign name resolving to this server).
-    So this is enabled only where rebinding gains nothing: when the Host header is checked
-    (bound to loopback: a rebinding page's Host is its own name and answers 403), or when an
-    API key is required (such a page never has the key). Otherwise (a public bind without a
-    key) browser pages still need --allowed-origin.
-    """
+    """Treat a request whose Origin is the server's own (scheme://Host) as carrying no Origin,
+    so that the playground page can call the API it was served with. Enabled only where DNS
+    rebinding gains nothing: the Host header is checked (loopback) or an API key is required
+    (docs/serving.md, "The playground page", Guards)."""
 
     def __init__(self, app: ASGIApp, *, enabled: bool) -> None:
         self.app = app

@@ -7,14 +7,8 @@ their arguments parsed into objects, are passed on). A template that never menti
 silently dropping them.
 
 The template is the tokenizer's own unless the server was given one (`--chat-template`:
-`build_app(chat_template=...)`, passed here for every rendering).
-
-Rendering options (both chat completions and POST /tokenize):
-  add_generation_prompt: end with the assistant turn's opening (default true).
-  continue_final_message: leave the final message open (no closing tokens) so the model
-    continues it; excludes add_generation_prompt.
-  chat_template_kwargs: extra template variables; names of the template call's own
-    parameters are refused.
+`build_app(chat_template=...)`, passed here for every rendering). The request's rendering
+options (`ChatFields`) are described with their fields (request_schemas.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure a request can cause maps to one `APIError` here, so handlers raise and never
-build error bodies themselves:
-
-  400 invalid_request_error  malformed JSON, wrong types, unknown fields, invalid values
-                             (`param` names the field; pydantic's errors: validation_errors.py)
-  401 authentication_error   missing or wrong API key            (code invalid_api_key)
-  403 permission_error       cross-origin browser request or foreign Host header
-  404 invalid_request_error  unknown model                       (code model_not_found)
-  413 invalid_request_error  body larger than --max-body-bytes   (code request_too_large)
-  415 invalid_request_error  body is not JSON
-  429 rate_limit_error       the engine's waiting queue is full  (code overloaded; Retry-After)
-  500 internal_error         a bug, or the engine failed on this request
-  503 service_unavailable    the engine is dead or shutting down (code engine_unavailable)
+build error bodies themselves; the statuses, types and codes: docs/serving.md, "Errors"
+(pydantic's validation errors: validation_errors.py).
 """
 
 from __future__ import annotations

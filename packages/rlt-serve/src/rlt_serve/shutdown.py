@@ -1,35 +1,18 @@
-"""How every rlt server reads SIGINT and SIGTERM: one drain per shutdown.
+"""How every rlt server reads SIGINT and SIGTERM: one drain per shutdown (what each signal
+does and the exit codes: docs/serving.md, "Shutdown").
 
 `rlt serve` (and its front-end supervisor for `--api-server-count N`), `rlt pd serve` and Ray's
 commands install one `StopSignals` in the main thread before they start anything, and call
 `finish()` when they are done (after a stop by signal, later copies are then ignored: a
 launcher's copy must not kill the exiting interpreter). Every signal it counts moves the
-shutdown one *stage* on; what a stage does depends on the phase the command is in, which it
-states with `acting(action)`:
+shutdown one *stage* on (1: stop the start-up or drain; 2: end what still runs at once,
+exit `FORCED_EXIT_BASE` + the signal; 3+: stop at once); what a stage does depends on the
+phase the command is in, which it states with `acting(action)`.
 
-    stage 1  (the first signal)   start-up: stop it (`StopRequested` unwinds the start-up, the
-                                  children are stopped, exit 0); serving: drain (stop accepting,
-                                  let in-flight requests finish within --shutdown-timeout, then
-                                  end the rest with finish_reason "abort"), exit 0
-    stage 2  (a second signal)    end what still runs at once, as cleanly (final chunks,
-                                  `[DONE]`, JSON bodies), exit `forced_exit_code` (128 + it)
-    stage 3+                      stop at once (open connections dropped; a supervisor
-                                  kills its front ends, a command stopping its children kills
-                                  them), same exit code
-
-Exit codes: `EXIT_OK` (0) after a stop by signal, at any point of start-up or serving;
-`FORCED_EXIT_BASE` + the signal's number (130 for SIGINT, 143 for SIGTERM) when a second
-signal cut the drain short. (The other outcomes' codes: `rlt_serve.exit_codes`.)
-
-Duplicates: one stop can arrive as two signals. `uv run` (the README's launcher) forwards its
-own copy of a SIGINT that the whole process group already received when it has no terminal
-(systemd, supervisors, CI, `kill -INT -- -PGID`), about 200 ms later (uv waits that long
-before it forwards); a SIGTERM to the group reaches rlt once directly and once through uv.
-Counting those as "a second signal" cut every drain short. So a signal that arrives within
-`DUPLICATE_WINDOW_S` (1 s) of the last one counted, SIGINT or SIGTERM alike, is a duplicate
-and is ignored (logged). A person's genuine second signal comes after they saw the first one
-handled (the log says so), well beyond a second; two presses of Ctrl-C within one second count
-once, which costs only another press.
+Duplicates: `uv run` forwards its own copy of a SIGINT the whole process group already
+received (about 200 ms later), and a SIGTERM to the group reaches rlt once directly and once
+through uv. So a signal within `DUPLICATE_WINDOW_S` (1 s) of the last one counted, SIGINT or
+SIGTERM alike, is a duplicate and is ignored (logged).
 
 Why a time window and not the sender's pid: Python's handlers do not see `si_pid`; only
 `signal.sigwaitinfo` does, which needs SIGINT and SIGTERM blocked in every thread, and a

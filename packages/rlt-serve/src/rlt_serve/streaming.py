@@ -1,18 +1,10 @@
 """Server-sent events: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
 
-A stream that fails after it started ends exactly like a finished one, plus one error event:
-
-    ... chunks ...
-    one last chunk per choice still open, with finish_reason "abort" and nothing new
-    the usage chunk (with stream_options.include_usage): what was generated until then
-    data: {"error": {"message", "type", "param", "code"}}   (the openai client raises it)
-    data: [DONE]
-
-whatever failed: the engine died (503 `engine_unavailable`), failed on this request (500
-`internal_error`), or a bug in this process while building a chunk (500 `internal_error`,
-logged with its traceback). The error event and `[DONE]` always go out, even when the choice
-or usage chunks cannot be built (the same bug); the server keeps serving other requests, and
-the generation's engine requests that did not finish are cancelled (their KV freed).
+A stream that fails after it started ends exactly like a finished one (each open choice's last
+chunk with finish_reason "abort", the usage chunk if asked for), plus one error event before
+`[DONE]`, whatever failed (README.md, the end of "Worked example"; docs/serving.md, "What a
+client sees when something fails"). The error event and `[DONE]` always go out, even when the
+choice or usage chunks cannot be built.
 """
 
 from __future__ import annotations

@@ -190,9 +190,9 @@ def test_empty_batches_and_cpu_tensors_without_the_interpreter(monkeypatch):
     assert ngpt_ops.gated_unit(x, x, ones, impl="triton").shape == (0, 48)
     assert ngpt_ops.unit_interpolate(x, x, ones, keep_h=True, impl="triton")[0].shape == (0, 48)
     assert ngpt_ops.scaled_silu_unit(x, ones[:24], ones[:24], 24, impl="triton").shape == (0, 24)
-    from rlt_models import ngpt_kernels
+    from rlt_models import fused_kernels
 
-    monkeypatch.setattr(ngpt_kernels, "INTERPRETED", False)
+    monkeypatch.setattr(fused_kernels, "INTERPRETED", False)
     with pytest.raises(ValueError, match="need CUDA tensors"):
         ngpt_ops.unit_norm(torch.zeros(2, 8), impl="triton")
     with pytest.raises(ValueError, match="impl must be one of"):

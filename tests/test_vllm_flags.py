@@ -1,5 +1,5 @@
-"""vLLM's habitual flags and help that explains itself (issue 41; docs/serving.md, "Flags from
-vLLM"; docs/configuration.md, "Defaults by entry point").
+"""vLLM's habitual flags (issue 41; docs/serving.md, "Flags from vLLM"); help, `--version`, the
+progress bar and each entry point's defaults: test_command_help.py.
 
 - Two real `rlt serve` processes: one with --ssl-keyfile/--ssl-certfile (a self-signed
   certificate made here), --seed, --chat-template (a file), --tokenizer (the model directory
@@ -14,33 +14,25 @@ vLLM"; docs/configuration.md, "Defaults by entry point").
 - `rlt pd serve` takes the front flags (the settings it hands its front, the engine flags and
   --tokenizer its instances get) and refuses -tp 2; `rlt ray` takes --seed and
   --chat-template and refuses TLS.
-- Every option of every command (rlt, rlt pd, rlt ray) shows its default and a meaning;
-  `rlt --version` lists the distributions; `rlt generate` shows a progress bar on a terminal
-  only.
 """
 
 from __future__ import annotations
 
 import datetime
-import fcntl
 import ipaddress
 import json
 import os
-import pty
 import shutil
 import ssl
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 
 import httpx
 import pytest
-from rlt.cli import build_parser, engine_config_from_args, main, run_generate
+from rlt.cli import build_parser, engine_config_from_args, main
 from rlt.engine.assembly import DEFAULT_MODEL_DIR
-from rlt_serve.cli_help import commands, explain_defaults, undocumented_options
 from rlt_serve.exit_codes import EXIT_USAGE
 from serving_harness import free_port
 
@@ -332,96 +324,6 @@ def test_an_unknown_flag_prints_the_subcommands_usage(argv, command, capsys):
 def test_tensor_parallel_size_1_is_a_flag_not_the_model_directory():
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "1"])
     assert (args.model_dir, args.tensor_parallel_size) == (None, 1)
-
-
-# -- help that explains itself -------------------------------------------------------------------
-
-
-def every_command():
-    """(command words, parser) of rlt, rlt pd and (when installed) rlt ray."""
-    from rlt_pd_coordinator.cli import build_parser as pd_parser
-
-    roots = [(("rlt",), build_parser()), (("rlt", "pd"), pd_parser())]
-    try:
-        from rlt_ray.cli import build_parser as ray_parser
-    except ImportError:  # rlt-ray (and Ray) not installed
-        pass
-    else:
-        roots.append((("rlt", "ray"), ray_parser()))
-    for prefix, root in roots:
-        for path, parser in commands(explain_defaults(root)):
-            yield " ".join((*prefix, *path)), parser
-
-
-def test_every_option_of_every_command_shows_its_default_and_meaning():
-    walked = {name: undocumented_options(parser) for name, parser in every_command()}
-    assert {"rlt generate", "rlt serve", "rlt bench serve", "rlt pd serve"} <= set(walked)
-    assert {name: found for name, found in walked.items() if found} == {}
-
-
-def test_help_shows_the_defaults(capsys):
-    with pytest.raises(SystemExit):
-        main(["serve", "--help"])
-    shown = " ".join(capsys.readouterr().out.split())
-    for text in (
-        "port to listen on, 0..65535 (0: any free) (default: 8000)",
-        "--block-size BLOCK_SIZE token positions per KV block (default: 16)",
-        "(default: off)",
-        "--seed SEED seed of every request that gives none",
-    ):
-        assert text in shown
-
-
-def test_version_lists_the_distributions(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--version"])
-    assert exit_.value.code == 0
-    lines = capsys.readouterr().out.splitlines()
-    names = [line.split()[0] for line in lines[:-1]]
-    assert names[0] == "rlt" and {"rlt-contracts", "rlt-serve", "rlt-scheduler"} <= set(names)
-    assert lines[-1].startswith("with python ") and " torch " in lines[-1]
-
-
-# -- rlt generate's progress bar -----------------------------------------------------------------
-
-GENERATE = ["generate", "--device", "cpu", "--dtype", "float32", "--max-tokens", "6"]
-
-
-def test_generate_shows_a_progress_bar_on_a_terminal(monkeypatch, capsys):
-    leader, follower = pty.openpty()
-    # a terminal of 120 columns (a new pseudo-terminal has 0: tqdm would draw an empty bar)
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    shown: list[bytes] = []
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # the terminal's other end closed
-                return
-            if not chunk:
-                return
-            shown.append(chunk)
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    with os.fdopen(follower, "w", buffering=1) as terminal:
-        monkeypatch.setattr(sys, "stderr", terminal)
-        assert run_generate(build_parser().parse_args([*GENERATE, "It is", "My dear"])) == 0
-    reader.join(timeout=10)
-    os.close(leader)
-    bar = b"".join(shown).decode(errors="replace")
-    assert "generating: 100%" in bar and "2/2" in bar, bar
-    assert " tokens, " in bar and "tok/s" in bar, bar
-    assert "exit depths:" in capsys.readouterr().out
-
-
-def test_generate_in_a_pipe_shows_no_progress_bar(capsys):
-    assert main([*GENERATE, "--trust-remote-code", "It is", "My dear"]) == 0
-    captured = capsys.readouterr()
-    assert "generating" not in captured.err
-    assert "rlt: note: --trust-remote-code changes nothing" in captured.err
-    assert captured.out.count("exit depths:") == 2
 
 
 # -- rlt pd serve and rlt ray: where the flags apply -------------------------------------------

@@ -21,12 +21,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     Token fields:
       max_tokens: number of tokens to generate (>= 1), including token 0 produced by prefill.
-      temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+      temperature: 0 means greedy (argmax); > 0 scales logits before sampling. Default 0,
+        as `rlt generate`'s; an HTTP request that omits it gets 1.0, OpenAI's
+        (docs/configuration.md, "Defaults by entry point").
       top_p: nucleus mass in (0, 1]; 1 keeps the whole distribution.
       top_k: -1 keeps every token; k >= 1 keeps the k most likely.
-      seed: seed of this request's private random stream; None draws one from OS entropy at
-        admission (the resolved seed is reported back). The stream never depends on other
-        requests in the batch.
+      seed: seed of this request's private random stream (default 0); None draws one from OS
+        entropy at admission (the resolved seed is reported back). The stream never depends
+        on other requests in the batch.
       stop: strings that end generation; the matched string is not included in the text
         (unless `include_stop_str_in_output`).
       stop_token_ids: token ids that end generation with finish reason "stop", even if
@@ -89,7 +91,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         engine's loop cap, `max_model_loops`); None (0.3.2): the model's default depth
         (the checkpoint's loop count; `resolve_max_loops`).
       exit_threshold: exit after loop k once 1 - prod_{j<=k}(1 - sigmoid(gate_j)) >= threshold,
-        in [0, 1]; 1.0 means a fixed depth of `max_loops` (adaptive exit disabled).
+        in [0, 1]; 1.0 means a fixed depth of `max_loops` (adaptive exit disabled). Default
+        1.0: in Python a gated model exits early only when asked; `rlt generate` and the
+        servers default to 0.5 for such a model (`--exit-threshold`).
       priority: admission priority for the "priority" scheduling policy; lower runs first.
 
     Structured output:

@@ -69,7 +69,9 @@ class LLM:
         """Generate for every prompt; returns finished outputs in input order.
 
         prompts: a string, a list of strings, or a list of token-id lists.
-        sampling_params: one for all prompts, or one per prompt.
+        sampling_params: one for all prompts, or one per prompt (default: `SamplingParams()`,
+          greedy at the fixed depth: temperature 0, exit_threshold 1.0; `rlt generate` and
+          the servers default to exit_threshold 0.5, docs/configuration.md).
         use_tqdm: show a progress bar on stderr: finished requests, and the tokens generated
           so far with their rate (default: when there are more than 8 prompts; `rlt generate`
           shows it when stderr is a terminal).

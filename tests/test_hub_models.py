@@ -14,7 +14,7 @@ processes with `HF_HOME` and `HF_HUB_OFFLINE=1` (huggingface_hub reads them when
 - An id that is not in the cache fails in under 5 s with exit 2 and one line, for each of
   the three commands (CPU time; wall time scaled by the machine's load).
 - `LLM("org/name", revision=<commit>, download_dir=<cache>)` loads that snapshot, named
-  `org/name`.
+  `org/name`; `LLM(directory, tokenizer="org/tok")` takes the tokenizer from the cache.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from pathlib import Path
 import httpx
 import pytest
 from rlt import LLM, SamplingParams
+from rlt_models.errors import ModelSourceError
 from rlt_serve.exit_codes import EXIT_USAGE
 
 COMMIT_MAIN = "3" * 40
@@ -226,6 +228,31 @@ def test_llm_loads_an_id_at_a_commit_under_its_name(hf_home, tiny_checkpoint):
         by_directory.token_ids,
         by_directory.exit_depths,
     )
+
+
+def test_llm_takes_a_tokenizer_by_id(tmp_path):
+    """`LLM(model, tokenizer="org/tok")`: the tokenizer's files from the cache, for a checkpoint
+    directory that holds none; text in, the same text out as the complete model directory."""
+    from rlt.engine.assembly import DEFAULT_MODEL_DIR
+
+    bare, tokenizer_files = tmp_path / "bare", tmp_path / "tokenizer"
+    bare.mkdir()
+    tokenizer_files.mkdir()
+    for file in DEFAULT_MODEL_DIR.iterdir():
+        if file.is_file():
+            weights = file.name in ("config.json", "model.safetensors")
+            shutil.copy(file, bare if weights else tokenizer_files)
+    cache = tmp_path / "hub"
+    write_hub_cache(cache, "org/tok", {COMMIT_MAIN: tokenizer_files}, {"main": COMMIT_MAIN})
+    options = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(bare, tokenizer="org/tok", download_dir=cache, **options) as llm:
+        by_id = llm.generate(["It is a truth"], params)[0]
+    with LLM(DEFAULT_MODEL_DIR, **options) as llm:
+        whole = llm.generate(["It is a truth"], params)[0]
+    assert (by_id.prompt_token_ids, by_id.text) == (whole.prompt_token_ids, whole.text)
+    with pytest.raises(ModelSourceError, match="tokenizer: 'org/absent' is neither"):
+        LLM(bare, tokenizer="org/absent", download_dir=cache, **options)
 
 
 def test_the_command_line_pins_the_snapshot_for_every_process_it_starts(hf_home):

@@ -51,8 +51,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: Annotated[
         str | Path | None,
         Option(
-            "directory of the tokenizer to use instead of the checkpoint's (vLLM's; default: "
-            "the checkpoint's own)"
+            "directory of the tokenizer to use instead of the checkpoint's, or a Hugging Face "
+            "model id (its main, in --download-dir's cache) (vLLM's; default: the checkpoint's "
+            "own)"
         ),
     ] = None
     hf_overrides: Annotated[

@@ -24,7 +24,8 @@ from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
 from rlt_models.model_dir import check_model_dir, check_tokenizer_dir
-from rlt_models.model_source import ModelSource, resolve_model_source
+from rlt_models.model_source import TOKENIZER_FILE_PATTERNS as TOKENIZER_FILES
+from rlt_models.model_source import ModelSource, is_hub_id, resolve_model_source
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
     FP8,
@@ -126,12 +127,21 @@ def resolve_model_dir(
     ).local_dir
 
 
-def resolve_tokenizer_dir(tokenizer: str | Path | None) -> Path | None:
+def resolve_tokenizer_dir(
+    tokenizer: str | Path | None, *, download_dir: str | Path | None = None
+) -> Path | None:
     """The directory of a tokenizer given apart from the checkpoint (EngineConfig.tokenizer,
-    --tokenizer), checked to hold one; None when none was given (the checkpoint's is used)."""
+    --tokenizer): a directory, or a Hugging Face model id's `main` snapshot of its tokenizer
+    files in the cache `download_dir`, checked to hold one; None when none was given (the
+    checkpoint's is used)."""
     if tokenizer is None:
         return None
     path = Path(tokenizer).expanduser()
+    if not path.exists() and is_hub_id(str(tokenizer)):
+        source = resolve_model_source(
+            tokenizer, download_dir=download_dir, option="tokenizer", file_patterns=TOKENIZER_FILES
+        )
+        path = source.local_dir
     check_tokenizer_dir(path)
     return path
 
@@ -158,7 +168,7 @@ def build_engine(
     wanted = config.model
     source = resolve_model(wanted.model, revision=wanted.revision, download_dir=wanted.download_dir)
     model_dir = source.local_dir
-    tokenizer_dir = resolve_tokenizer_dir(wanted.tokenizer)
+    tokenizer_dir = resolve_tokenizer_dir(wanted.tokenizer, download_dir=wanted.download_dir)
     tokenizer_source = tokenizer_dir or model_dir
     device = resolve_device(config.runner.device)
     if model is None:

@@ -186,7 +186,7 @@ def test_command_line_model_engine_flags_devices_and_keys(tmp_path):
         "4",
     )
     assert options.devices == ("cuda:0", "cuda:1", "cuda:2")
-    assert options.decode_credits == 8 and options.instance_api_key  # a random key
+    assert options.coordination.decode_credits == 8 and options.instance_api_key  # a random key
     names = [(i.name, i.role, i.local) for i in options.instances()]
     assert names == [
         ("prefill-0", "prefill", True),

@@ -30,7 +30,12 @@ from fake_engine import (
 )
 from rlt_contracts import ConfigurationError
 from rlt_contracts.pd import PDRole
-from rlt_pd_coordinator import Coordinator, CoordinatorOptions, InstanceState, Timeouts
+from rlt_pd_coordinator import (
+    CoordinationOptions,
+    Coordinator,
+    CoordinatorOptions,
+    InstanceState,
+)
 from rlt_serve import LoopDefaults
 
 KEY = "instance-key"
@@ -57,10 +62,12 @@ def pd_group(*, prefill=1, decode=1, replicas=0, engines=None, **options):
             mode="router" if urls["none"] else "pd",
             instance_api_key=KEY,
             log_level="warning",
-            poll_interval=0.2,
             loop_defaults=LoopDefaults(min_loops=1, exit_threshold=0.5),
         )
-        settings.update(options)
+        paced = {k: options.pop(k) for k in CoordinationOptions.__struct_fields__ if k in options}
+        settings.update(
+            options, coordination=CoordinationOptions(**{"poll_interval": 0.2, **paced})
+        )
         coordinator = Coordinator(
             CoordinatorOptions(**settings), tokenizer=CharTokenizer(), model_info=FAKE_MODEL_INFO
         )
@@ -285,7 +292,7 @@ def test_prefill_dying_mid_transfer_fails_the_request_and_the_next_uses_the_surv
 
 
 def test_a_hung_prefill_times_out_and_both_connections_close():
-    with pd_group(timeouts=Timeouts(admission=5, transfer=0.5)) as (running, http, servers):
+    with pd_group(admission_timeout=5, transfer_timeout=0.5) as (running, http, servers):
         (p,), (d,) = by_role(servers, "prefill"), by_role(servers, "decode")
         p.engine.behaviour.prefill_failure = "hang"
         start = time.monotonic()
@@ -306,7 +313,7 @@ def test_a_handoff_slower_than_the_http_read_timeout_completes_and_nobody_is_unr
     admission and transfer timeouts bound those waits, not the HTTP client's read timeout
     (for the info / models / connect calls). A handoff longer than it failed with "lost the
     connection" and marked both healthy instances unreachable."""
-    with pd_group(timeouts=Timeouts(admission=5, transfer=5)) as (running, http, servers):
+    with pd_group(admission_timeout=5, transfer_timeout=5) as (running, http, servers):
         (p,) = by_role(servers, "prefill")
         cluster = running.coordinator.client.cluster
         cluster.http.timeout = httpx.Timeout(connect=5, read=0.2, write=5, pool=None)
@@ -317,7 +324,7 @@ def test_a_handoff_slower_than_the_http_read_timeout_completes_and_nobody_is_unr
 
 
 def test_decode_that_never_admits_times_out():
-    with pd_group(timeouts=Timeouts(admission=0.4, transfer=5)) as (running, http, servers):
+    with pd_group(admission_timeout=0.4, transfer_timeout=5) as (running, http, servers):
         (p,), (d,) = by_role(servers, "prefill"), by_role(servers, "decode")
         d.engine.behaviour.decode_failure = "never_admit"
         response = complete(http)

@@ -93,7 +93,8 @@ def test_every_command_line_builds_its_options(argv):
         assert options.resources == {"rlt_gpu": 1.0}
         assert placement == Placement("auto", "rlt-a", "/a", 1)
     if argv is PD_FLAGS:
-        assert (options.num_prefill, options.num_decode, options.prefill_credits) == (1, 2, 4)
+        coordination = options.coordination
+        assert (options.num_prefill, options.num_decode, coordination.prefill_credits) == (1, 2, 4)
         assert options.decode_resources == {"d": 1.0}
         assert placement.app_name == "rlt-pd" and placement.route_prefix == "/"
     assert config.pd.role == "none"

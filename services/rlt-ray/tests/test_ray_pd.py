@@ -80,6 +80,7 @@ class PDFleet:
 def pd_fleet(ray_cluster):
     from ray import serve
     from rlt.engine.config import EngineConfig
+    from rlt_pd_coordinator import CoordinationOptions
     from rlt_ray import PDOptions, build_pd_app
     from rlt_serve.front_options import ServeOptions
 
@@ -95,11 +96,11 @@ def pd_fleet(ray_cluster):
             prefill_resources={"rlt_prefill": 1},
             decode_resources={"rlt_decode": 1},
             ingress_resources={"rlt_head": 1},
-            admission_timeout_s=30,
-            transfer_timeout_s=30,
             # (each period wakes every replica and the ingress: on a loaded 2-core machine
             # short ones slow everything else)
-            poll_interval_s=1.0,
+            coordination=CoordinationOptions(
+                admission_timeout=30, transfer_timeout=30, poll_interval=1.0
+            ),
             discovery_period_s=0.5,
             health_check_period_s=2,
             health_check_timeout_s=30,

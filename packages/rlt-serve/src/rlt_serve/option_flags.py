@@ -1,6 +1,9 @@
 """Command-line flags generated from option structs (`rlt_contracts.options`): one flag per
 field, with the field's name (or its declared vLLM spelling), type, default, help and choices;
-one argument group per struct, titled by the first line of its docstring.
+one argument group per struct, titled by the first line of its docstring. A tuple field is
+repeatable (each flag one item) unless its `parse` reads the whole tuple from one value (a
+command split like a shell's); a dict field with `parse` is repeatable too, each flag one
+(key, value) item (e.g. NAME=AMOUNT; without `parse`, one JSON object).
 
 `add_engine_flags(parser)` gives a command every engine option (`rlt_contracts.EngineOptions`)
 plus vLLM's aliases of them (--enforce-eager; --trust-remote-code, --tensor-parallel-size:
@@ -94,7 +97,9 @@ def flag_arguments(field: OptionField) -> dict[str, Any]:
             kwargs["action"] = "store_false" if default else "store_true"
     elif field.choices is not None:
         kwargs["choices"] = list(field.choices)
-    elif typing.get_origin(field.type) is tuple:  # repeatable
+    elif typing.get_origin(field.type) is dict and option.parse is not None:  # repeatable items
+        kwargs.update(action="append", default=list(default.items()), type=_value_type(field))
+    elif typing.get_origin(field.type) is tuple and option.parse is None:  # repeatable
         kwargs.update(action="append", default=list(default))
     else:
         kwargs["type"] = _value_type(field)
@@ -140,9 +145,16 @@ def add_engine_flags(
 
 def options_from_args(args: argparse.Namespace, root: type) -> dict[str, Any]:
     """The flat options of `root`'s tree that parsed flags give (those the command declares;
-    the rest keep their defaults); a repeated flag's values as a tuple."""
-    found = {f.name: getattr(args, f.name) for f in option_fields(root) if hasattr(args, f.name)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in found.items()}
+    the rest keep their defaults); a repeated flag's values as a tuple (a dict's items as the
+    dict)."""
+    found = {}
+    for field in option_fields(root):
+        if hasattr(args, field.name):
+            value = getattr(args, field.name)
+            if isinstance(value, list):
+                value = (dict if typing.get_origin(field.type) is dict else tuple)(value)
+            found[field.name] = value
+    return found
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -7,13 +7,15 @@ processes and restarts them; `rlt pd serve` (cli.py) wires it all. See README.md
 
 from rlt_pd_coordinator.client import PDEngineClient, Timeouts
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance, InstanceState
-from rlt_pd_coordinator.server import Coordinator, CoordinatorOptions, build_front
+from rlt_pd_coordinator.options import CoordinationOptions, CoordinatorOptions
+from rlt_pd_coordinator.server import Coordinator, build_front
 from rlt_pd_coordinator.supervisor import StartupError, Supervisor, SupervisorOptions
 from rlt_pd_coordinator.wire import InstanceError, InstanceUnavailableError
 
 __all__ = [
     "Cluster",
     "ClusterOptions",
+    "CoordinationOptions",
     "Coordinator",
     "CoordinatorOptions",
     "Instance",

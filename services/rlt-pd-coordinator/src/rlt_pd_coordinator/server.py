@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import uvicorn
 from fastapi.responses import JSONResponse
 from rlt_contracts import ConfigurationError, FamilyDeclaration, ModelInfo
@@ -36,9 +35,10 @@ from rlt_serve.shutdown import (
 )
 from rlt_serve.vllm_flags import FrontSettings
 
-from rlt_pd_coordinator.client import PDEngineClient, Timeouts
+from rlt_pd_coordinator.client import PDEngineClient
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
-from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, Supervisor, SupervisorOptions
+from rlt_pd_coordinator.options import CoordinatorOptions
+from rlt_pd_coordinator.supervisor import Supervisor, SupervisorOptions
 
 if TYPE_CHECKING:
     from rlt_models.model_source import ModelSource
@@ -47,99 +47,6 @@ logger = logging.getLogger("rlt_pd_coordinator")
 
 HARD_STOP_MARGIN_S = 5.0
 INSTANCES_PATH = "/v1/pd/instances"
-CREDITS = ("prefill_credits", "decode_credits", "replica_credits")
-
-
-class CoordinatorOptions(FrontOptions, frozen=True, kw_only=True):
-    """Everything `rlt pd serve` takes (see cli.py for the flags): the front's options
-    (`FrontOptions`, rlt serve's too), the instances and how they are reached and started."""
-
-    # checkpoint directory or Hugging Face model id (tokenizer, config); None: the bundled one
-    model: str | None = None
-    revision: str | None = None  # with a model id: the branch, tag or commit (None: main)
-    download_dir: str | None = None  # with a model id: the Hugging Face cache to use
-    mode: str = "pd"  # "pd" or "router"
-    num_prefill: int = 0
-    num_decode: int = 0
-    replicas: int = 0
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    replica_urls: tuple[str, ...] = ()
-    prefill_credits: int = 32
-    decode_credits: int = 128
-    replica_credits: int = 128
-    # instances
-    instance_api_key: str | None = None
-    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
-    connect_timeout: float = 5.0
-    poll_interval: float = 1.0
-    credit_wait: float = 30.0
-    # local children
-    command: tuple[str, ...] = DEFAULT_COMMAND
-    engine_args: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ()
-    instance_log_level: str = "warning"
-    startup_timeout: float = 600.0
-    stop_timeout: float = 15.0
-    restart_delay: float = 1.0
-    # vLLM's flags: the tokenizer's directory (front and local instances; None: the model's),
-    # and the front's --seed, --chat-template, TLS, uvicorn's log level, its access log
-    tokenizer: str | None = None
-    front: FrontSettings = msgspec.field(default_factory=FrontSettings)
-
-    def instances(self) -> list[Instance]:
-        """The local instances (named by role and index) then the listed URLs."""
-        made: list[Instance] = []
-        groups = (
-            (PDRole.PREFILL, self.num_prefill, self.prefill_urls, self.prefill_credits),
-            (PDRole.DECODE, self.num_decode, self.decode_urls, self.decode_credits),
-            (PDRole.NONE, self.replicas, self.replica_urls, self.replica_credits),
-        )
-        for role, count, urls, credits in groups:
-            prefix = "replica" if role is PDRole.NONE else str(role)
-            for index in range(count):
-                made.append(Instance(f"{prefix}-{index}", role, "", credits, local=True))
-            for index, url in enumerate(urls, start=count):
-                made.append(Instance(f"{prefix}-{index}", role, url.rstrip("/"), credits))
-        return made
-
-    def check(self) -> None:
-        pd = self.num_prefill or self.num_decode or self.prefill_urls or self.decode_urls
-        router = self.replicas or self.replica_urls
-        if pd and router:
-            raise ConfigurationError(
-                ("num_prefill/num_decode/prefill_url/decode_url", "replicas/url"),
-                "run either prefill/decode instances or plain replicas, not both",
-            )
-        if self.mode == "pd":
-            for role in ("prefill", "decode"):
-                if not (getattr(self, f"num_{role}") or getattr(self, f"{role}_urls")):
-                    raise ConfigurationError(
-                        (f"num_{role}", f"{role}_url"), f"PD needs at least one {role} instance"
-                    )
-        elif not router:
-            raise ConfigurationError(("replicas", "url"), "the router needs at least one replica")
-        for name in ("num_prefill", "num_decode", "replicas") + CREDITS:
-            least = 1 if name in CREDITS else 0
-            if getattr(self, name) < least:
-                raise ConfigurationError(name, f"must be >= {least}, got {getattr(self, name)}")
-        for name in ("poll_interval", "connect_timeout", "startup_timeout", "restart_delay"):
-            if getattr(self, name) <= 0:
-                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("admission", "transfer"):
-            if getattr(self.timeouts, name) <= 0:
-                raise ConfigurationError(
-                    f"{name}_timeout", f"must be > 0, got {getattr(self.timeouts, name)}"
-                )
-        if self.credit_wait < 0:
-            raise ConfigurationError("credit_wait", f"must be >= 0, got {self.credit_wait}")
-        local = self.num_prefill + self.num_decode + self.replicas
-        if (self.engine_args or self.devices) and not local:
-            raise ConfigurationError(
-                "engine flags",
-                "engine flags (" + " ".join(self.engine_args or ("--device",)) + ") only apply "
-                "to local instances, and none is started here",
-            )
 
 
 def bundled_model_dir() -> Path | None:
@@ -348,8 +255,8 @@ class Coordinator:
                 mode=options.mode,
                 api_key=options.instance_api_key,
                 connect_timeout=options.connect_timeout,
-                poll_interval=options.poll_interval,
-                credit_wait=options.credit_wait,
+                poll_interval=options.coordination.poll_interval,
+                credit_wait=options.coordination.credit_wait,
             ),
         )
         self.supervisor: Supervisor | None = None
@@ -399,7 +306,7 @@ class Coordinator:
         if self.supervisor is not None:
             self.supervisor.watch()
         self.cluster.start_polling()
-        self.client = PDEngineClient(self.cluster, info, timeouts=options.timeouts)
+        self.client = PDEngineClient(self.cluster, info, timeouts=options.coordination.timeouts)
         self.app = build_front(self.client, tokenizer, options)
         counts = {r: len(self.cluster.of_role(r)) for r in PDRole}
         logger.info(

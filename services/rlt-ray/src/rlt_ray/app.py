@@ -11,10 +11,10 @@ replica, Ray's measure of queue length: queued at the replica plus running).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from rlt_contracts import ConfigurationError
+import msgspec
+from rlt_contracts import ConfigurationError, Option
 
 from rlt_ray.policy import POLICIES
 
@@ -22,23 +22,104 @@ INGRESS_NAME = "RltIngress"
 ENGINE_NAME = "RltEngine"
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    """How the engine replicas are deployed and routed (engine options live in EngineConfig,
-    HTTP options in rlt's ServeOptions).
+def resource_amount(text: str) -> tuple[str, float]:
+    """One custom Ray resource of a repeatable NAME=AMOUNT flag (AMOUNT > 0): the flags of
+    the resources fields (`--replica-resource`, `--prefill-resource`, `--decode-resource`)."""
+    name, sep, amount = text.partition("=")
+    try:
+        value = float(amount)
+    except ValueError:
+        value = -1.0
+    if not sep or not name or value <= 0:
+        raise ValueError(f"expected NAME=AMOUNT with AMOUNT > 0, got {text!r}")
+    return name, value
+
+
+def resource_flag(help: str, name: str) -> Option:
+    """The flag of a custom-Ray-resources field: --NAME NAME=AMOUNT, repeatable."""
+    return Option(help, name=name, metavar="NAME=AMOUNT", parse=resource_amount)
+
+
+class DeploymentOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What both Ray commands take (each field an option of `rlt ray serve` and `rlt ray pd
+    serve`, rlt_contracts.options): the cluster and the app's name and route, which the command
+    reads (`rlt_ray.runner`, not the app builders), and what each engine replica asks Ray for
+    and how Ray checks it.
+
+    num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA (device "cuda", or "auto"
+      on a cluster with GPUs), else 0.
+    num_cpus: CPUs Ray reserves per replica (scheduling only; torch threads are not limited).
+    max_replicas_per_node: spread replicas over nodes (None: no limit; per deployment).
+    ingress_resources: custom Ray resources each ingress replica needs (keep the HTTP front
+      off the GPU nodes, or on the head).
+    graceful_shutdown_timeout_s: the commands' --shutdown-timeout.
+    """
+
+    address: Annotated[
+        str | None,
+        Option(
+            "Ray cluster to join ('auto': the one this node belongs to; host:port); default: "
+            "$RAY_ADDRESS if set, else a private local cluster that stops with the command"
+        ),
+    ] = None
+    app_name: Annotated[
+        str,
+        Option(
+            "the Serve application's name on the cluster (refused if it runs one of that "
+            "name already); default: rlt"
+        ),
+    ] = "rlt"
+    route_prefix: Annotated[
+        str, Option("the route the API is served under (e.g. /rlt: http://HOST:PORT/rlt/v1/...)")
+    ] = "/"
+    num_gpus: Annotated[
+        float | None,
+        Option(
+            "GPUs each engine replica asks Ray for (default: 1 when the engine runs on CUDA, "
+            "else 0)",
+            flags=("--num-gpus-per-replica",),
+        ),
+    ] = None
+    num_cpus: Annotated[
+        float, Option("CPUs each engine replica asks Ray for", flags=("--num-cpus-per-replica",))
+    ] = 1.0
+    max_replicas_per_node: Annotated[
+        int | None, Option("most engine replicas Ray places on one node (default: no limit)")
+    ] = None
+    health_check_period_s: Annotated[
+        float, Option("seconds between Ray Serve's health checks of a replica")
+    ] = 10.0
+    health_check_timeout_s: Annotated[
+        float, Option("seconds a health check may take before the replica counts as unhealthy")
+    ] = 30.0
+    ingress_resources: dict[str, float] = msgspec.field(default_factory=dict)
+    graceful_shutdown_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        for name, value, minimum in (
+            ("max_replicas_per_node", self.max_replicas_per_node, 1),
+            ("num_cpus", self.num_cpus, 0),
+            ("num_gpus", self.num_gpus, 0),
+        ):
+            if value is not None and value < minimum:
+                raise ConfigurationError(name, f"must be >= {minimum}, got {value}")
+        for name in ("health_check_period_s", "health_check_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
+
+
+class RayOptions(DeploymentOptions, frozen=True, kw_only=True):
+    """Ray (services/rlt-ray/README.md)
+
+    How the engine replicas of `rlt ray serve` are deployed and routed (engine options live in
+    EngineConfig, HTTP options in rlt's ServeOptions; the shared ones: `DeploymentOptions`).
 
     replicas: engine replicas (fixed), unless min_replicas/max_replicas are given: then Serve
       autoscales between them, aiming at `target_ongoing_requests` per replica, averaged over
       `autoscale_look_back_s`; it adds replicas after the target was exceeded for
       `upscale_delay_s` and removes them after `downscale_delay_s` below it (Serve's defaults:
       30 s, 30 s, 600 s).
-    num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA (device "cuda", or "auto"
-      on a cluster with GPUs), else 0.
-    num_cpus: CPUs Ray reserves per replica (scheduling only; torch threads are not limited).
     resources: custom Ray resources each replica needs (pin replicas to labelled nodes).
-    max_replicas_per_node: spread replicas over nodes (None: no limit).
-    ingress_resources: custom Ray resources each ingress replica needs (keep the HTTP front
-      off the GPU nodes, or on the head).
     router: round_robin, least_loaded or prefix_affinity (rlt_ray.policy), with its
       load_factor / load_slack bound and the block size prefixes are hashed in (None: the
       engine's block size).
@@ -50,54 +131,86 @@ class RayOptions:
       H200 the option did not change throughput, docs/results.md).
     """
 
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 16.0
-    autoscale_look_back_s: float = 30.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    num_gpus: float | None = None
-    num_cpus: float = 1.0
-    resources: dict[str, float] = field(default_factory=dict)
-    max_replicas_per_node: int | None = None
-    ingress_resources: dict[str, float] = field(default_factory=dict)
-    router: str = "prefix_affinity"
-    load_factor: float = 1.25
-    load_slack: int = 1
+    replicas: Annotated[int, Option("engine replicas")] = 1
+    min_replicas: Annotated[
+        int | None,
+        Option("autoscale from this many (with --max-replicas; default: none, --replicas fixed)"),
+    ] = None
+    max_replicas: Annotated[
+        int | None,
+        Option("autoscale up to this many (with --min-replicas; default: none, --replicas fixed)"),
+    ] = None
+    target_ongoing_requests: Annotated[
+        float, Option("autoscaling target: ongoing (queued + running) requests per replica")
+    ] = 16.0
+    autoscale_look_back_s: Annotated[
+        float, Option("autoscaling: window the load is averaged over")
+    ] = 30.0
+    upscale_delay_s: Annotated[
+        float, Option("autoscaling: load above target this long adds replicas")
+    ] = 30.0
+    downscale_delay_s: Annotated[
+        float, Option("autoscaling: below target this long removes them")
+    ] = 600.0
+    router: Annotated[
+        str,
+        Option(
+            "how requests are spread over replicas (default: prefix_affinity)", choices=POLICIES
+        ),
+    ] = "prefix_affinity"
+    load_factor: Annotated[
+        float,
+        Option(
+            "prefix_affinity's load bound: a replica takes a request by affinity only while "
+            "its load stays <= ceil(factor x mean load) + --load-slack"
+        ),
+    ] = 1.25
+    load_slack: Annotated[
+        int, Option("requests a replica may take by affinity above --load-factor's bound")
+    ] = 1
+    resources: Annotated[
+        dict[str, float],
+        resource_flag("custom Ray resource each replica needs (repeatable)", "replica_resource"),
+    ] = msgspec.field(default_factory=dict)
+    ingress_replicas: Annotated[
+        int, Option("replicas of the HTTP front (tokenization and routing; CPU only)")
+    ] = 1
+    max_ongoing_requests: Annotated[int, Option("per replica")] = 1024
+    routing_stats_period_s: Annotated[
+        float, Option("how often each replica reports its load to the router")
+    ] = 1.0
+    submit_timeout_s: Annotated[
+        float, Option("seconds the front waits for an engine replica to take a request")
+    ] = 60.0
+    engine_process: Annotated[
+        bool,
+        Option(
+            "each replica's engine core in a process of its own, as under `rlt serve` "
+            "(default: on a thread of the replica's process)",
+            negatable=True,
+        ),
+    ] = False
     block_size: int | None = None
-    max_ongoing_requests: int = 1024
-    ingress_replicas: int = 1
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    routing_stats_period_s: float = 1.0
-    submit_timeout_s: float = 60.0
-    graceful_shutdown_timeout_s: float = 10.0
-    engine_process: bool = False
 
     def validate(self) -> None:
         def positive(name: str, value, minimum=1) -> None:
             if value is not None and value < minimum:
                 raise ConfigurationError(name, f"must be >= {minimum}, got {value}")
 
+        super().validate()
         positive("replicas", self.replicas)
         positive("ingress_replicas", self.ingress_replicas)
         positive("max_ongoing_requests", self.max_ongoing_requests)
-        positive("max_replicas_per_node", self.max_replicas_per_node)
         positive("min_replicas", self.min_replicas, 0)
         positive("max_replicas", self.max_replicas)
         positive("load_slack", self.load_slack, 0)
         positive("block_size", self.block_size)
-        positive("num_cpus", self.num_cpus, 0)
-        positive("num_gpus", self.num_gpus, 0)
         for name in ("upscale_delay_s", "downscale_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigurationError(name, f"must be >= 0, got {getattr(self, name)}")
         for name in (
             "target_ongoing_requests",
             "autoscale_look_back_s",
-            "health_check_period_s",
-            "health_check_timeout_s",
             "routing_stats_period_s",
             "submit_timeout_s",
         ):

@@ -14,16 +14,17 @@ agent: a new handoff generation), never the old one come back.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from rlt_contracts import ConfigurationError
+import msgspec
+from rlt_contracts import ConfigurationError, Option
+from rlt_pd_coordinator.options import CoordinationOptions
 
 from rlt_ray import registry
+from rlt_ray.app import DeploymentOptions, resource_flag
 from rlt_ray.drain import Drainer, serve_shutdown_options, watch
 from rlt_ray.pd_instance import PDInstanceReplica
 
@@ -34,21 +35,18 @@ PREFILL_NAME = "RltPrefill"
 DECODE_NAME = "RltDecode"
 
 
-@dataclass(frozen=True)
-class PDOptions:
-    """How the prefill and decode replicas are deployed and coordinated (engine options live
-    in EngineConfig, HTTP options in rlt's ServeOptions).
+class PDOptions(DeploymentOptions, frozen=True, kw_only=True):
+    """Ray PD (services/rlt-ray/README.md)
+
+    How the prefill and decode replicas of `rlt ray pd serve` are deployed and coordinated
+    (engine options live in EngineConfig, HTTP options in rlt's ServeOptions; the options of
+    both Ray commands: `DeploymentOptions`).
 
     num_prefill / num_decode: replicas of each role.
-    num_gpus: GPUs per replica; None: 1 when the engine runs on CUDA, else 0.
-    num_cpus: CPUs Ray reserves per replica (scheduling only).
     prefill_resources / decode_resources: custom Ray resources each replica of that role
       needs: label nodes (`ray start --resources '{"rlt_prefill": 4}'`) to pin each role to its
       nodes. Without them Serve spreads replicas over the nodes (best effort).
-    max_replicas_per_node: per deployment (None: no limit).
-    ingress_resources: custom Ray resources of the ingress (e.g. keep it on the head).
-    prefill_credits / decode_credits, admission_timeout_s, transfer_timeout_s, credit_wait_s,
-      poll_interval_s: the coordinator's (`rlt pd serve --prefill-credits ...`).
+    coordination: the coordinator's credits and timeouts (`rlt pd serve --prefill-credits ...`).
     discovery_period_s: how often replicas report their URL and load to the ingress's
       membership routers, and how often the ingress applies what they report.
     startup_timeout_s: how long the ingress waits for a first prefill and decode instance to
@@ -57,49 +55,39 @@ class PDOptions:
       random one; it travels in the deployments' arguments).
     """
 
-    num_prefill: int = 1
-    num_decode: int = 1
-    num_gpus: float | None = None
-    num_cpus: float = 1.0
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
-    max_replicas_per_node: int | None = None
-    ingress_resources: dict[str, float] = field(default_factory=dict)
-    prefill_credits: int = 32
-    decode_credits: int = 128
-    admission_timeout_s: float = 60.0
-    transfer_timeout_s: float = 120.0
-    credit_wait_s: float = 30.0
-    poll_interval_s: float = 1.0
-    discovery_period_s: float = 1.0
+    num_prefill: Annotated[int, Option("prefill replicas")] = 1
+    num_decode: Annotated[int, Option("decode replicas")] = 1
+    prefill_resources: Annotated[
+        dict[str, float],
+        resource_flag(
+            "custom Ray resource each prefill replica needs (pin them to labelled nodes)",
+            "prefill_resource",
+        ),
+    ] = msgspec.field(default_factory=dict)
+    decode_resources: Annotated[
+        dict[str, float],
+        resource_flag("custom Ray resource each decode replica needs", "decode_resource"),
+    ] = msgspec.field(default_factory=dict)
+    coordination: CoordinationOptions = msgspec.field(default_factory=CoordinationOptions)
+    discovery_period_s: Annotated[
+        float, Option("how often replicas report their URL and load, and the ingress applies it")
+    ] = 1.0
+    instance_api_key: Annotated[
+        str | None,
+        Option(
+            "API key of the instances' HTTP servers (default: a random one)",
+            env="RLT_INSTANCE_API_KEY",
+        ),
+    ] = None
     startup_timeout_s: float = 600.0
-    instance_api_key: str | None = None
     max_ongoing_requests: int = 1024
-    health_check_period_s: float = 10.0
-    health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 10.0
 
     def validate(self) -> None:
-        for name in ("num_prefill", "num_decode", "prefill_credits", "decode_credits"):
+        super().validate()
+        for name in ("num_prefill", "num_decode"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
-            raise ConfigurationError(
-                "max_replicas_per_node", f"must be >= 1, got {self.max_replicas_per_node}"
-            )
-        for name in ("num_cpus", "num_gpus", "credit_wait_s"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigurationError(name, f"must be >= 0, got {value}")
-        for name in (
-            "admission_timeout_s",
-            "transfer_timeout_s",
-            "poll_interval_s",
-            "discovery_period_s",
-            "startup_timeout_s",
-            "health_check_period_s",
-            "health_check_timeout_s",
-        ):
+        for name in ("discovery_period_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(name, f"must be > 0, got {getattr(self, name)}")
 
@@ -125,7 +113,7 @@ class PDIngress:
         download_dir: str | None = None,
     ) -> None:
         from rlt_contracts.pd import PDRole
-        from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient, Timeouts
+        from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient
         from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model
 
         self.options = options
@@ -136,8 +124,8 @@ class PDIngress:
             ClusterOptions(
                 mode="pd",
                 api_key=options.instance_api_key,
-                poll_interval=options.poll_interval_s,
-                credit_wait=options.credit_wait_s,
+                poll_interval=options.coordination.poll_interval,
+                credit_wait=options.coordination.credit_wait,
             ),
         )
         self.known: dict[str, Any] = {}  # Ray replica id -> the cluster's Instance
@@ -153,13 +141,7 @@ class PDIngress:
         self.cluster.start_polling()
         model_name = serve_options.served_model_name or source.name
         info = build_model_info(model_dir, model_name, self.cluster.instances)
-        self.client = PDEngineClient(
-            self.cluster,
-            info,
-            timeouts=Timeouts(
-                admission=options.admission_timeout_s, transfer=options.transfer_timeout_s
-            ),
-        )
+        self.client = PDEngineClient(self.cluster, info, timeouts=options.coordination.timeouts)
         self._handles = (prefill, decode)  # keep the routers alive
         self.drainer: Drainer | None = None
         self._watching = (
@@ -181,7 +163,8 @@ class PDIngress:
         reported its URL), remove what Ray no longer lists."""
         from rlt_pd_coordinator import Instance
 
-        credits = {"prefill": self.options.prefill_credits, "decode": self.options.decode_credits}
+        coordination = self.options.coordination
+        credits = {"prefill": coordination.prefill_credits, "decode": coordination.decode_credits}
         live: set[str] = set()
         for role, deployment in self.roles:
             router = registry.find(deployment)
@@ -268,7 +251,7 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
         "rlt ray pd serve sets each deployment's role: leave --pd-role out",
     )
     key = options.instance_api_key or secrets.token_urlsafe(24)
-    options = dataclasses.replace(options, instance_api_key=key)
+    options = msgspec.structs.replace(options, instance_api_key=key)
     router_config = RequestRouterConfig(
         request_router_class="rlt_ray.router:MembershipRouter",
         request_routing_stats_period_s=options.discovery_period_s,

@@ -14,7 +14,17 @@ from typing import Any
 
 from rlt_contracts import ExitSignal, FamilyDeclaration, KVPlan, LoopedModelShape, StagePlan
 
-from rlt_models.config_fields import HF_METADATA_KEYS, read_raw_config
+from rlt_models.config_fields import (
+    HF_METADATA_KEYS,
+    TORCH_DTYPES,
+    attention_heads,
+    check_heads,
+    eos_ids,
+    llama_shape,
+    read_raw_config,
+    require_fields,
+    require_model_type,
+)
 from rlt_models.errors import ModelConfigError
 
 MODEL_TYPE = "ouro"
@@ -57,46 +67,24 @@ class OuroConfig:
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "total_ut_steps",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelConfigError(name, f"must be a positive integer, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(
-                ("num_attention_heads", "num_key_value_heads"),
-                "attention heads must be a multiple of key/value heads",
-            )
-        if self.head_dim % 2:
-            raise ModelConfigError(
-                "head_dim", f"rotary embedding needs an even head_dim, got {self.head_dim}"
-            )
+        require_fields(
+            self,
+            ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps",
+             "max_position_embeddings"),
+        )  # fmt: skip
+        check_heads(self)
         if not self.rms_norm_eps > 0:
             raise ModelConfigError("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ModelConfigError("rope_theta", f"must be > 0, got {self.rope_theta}")
-        if self.torch_dtype not in ("bfloat16", "float16", "float32"):
+        if self.torch_dtype not in TORCH_DTYPES:
             raise ModelConfigError("torch_dtype", f"unsupported dtype {self.torch_dtype!r}")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
         """Parse a config.json mapping; raise `ModelConfigError` naming any bad field."""
-        if not isinstance(raw, dict):
-            raise ModelConfigError("config.json", "must hold a JSON object")
-        model_type = raw.get("model_type")
-        if model_type != MODEL_TYPE:
-            raise ModelConfigError(
-                "model_type", f"expected {MODEL_TYPE!r}, got {model_type!r}: not an Ouro checkpoint"
-            )
+        require_model_type(raw, MODEL_TYPE)
         _reject_unsupported(raw)
         known = (
             {f for f in cls.__dataclass_fields__}
@@ -110,44 +98,23 @@ class OuroConfig:
                 tuple(unknown),
                 "unknown config field(s); rlt cannot tell whether they change the model",
             )
-        missing = [
-            name
-            for name in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "max_position_embeddings",
-            )
-            if name not in raw
-        ]
+        missing = [name for name in _REQUIRED if name not in raw]
         if missing:
             raise ModelConfigError(tuple(missing), "required field(s) missing")
-        heads = raw["num_attention_heads"]
-        hidden = raw["hidden_size"]
-        head_dim = raw.get("head_dim") or (
-            hidden // heads if isinstance(heads, int) and heads else 0
-        )
-        eos = raw.get("eos_token_id", 0)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
-            raise ModelConfigError(
-                "eos_token_id", f"must be a token id or a list of ids, got {eos!r}"
-            )
+        heads, kv_heads, head_dim = attention_heads(raw)
         return cls(
             vocab_size=raw["vocab_size"],
-            hidden_size=hidden,
+            hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             total_ut_steps=raw.get("total_ut_steps", 4),
             max_position_embeddings=raw["max_position_embeddings"],
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta", 1_000_000.0)),
-            eos_token_id=eos_ids,
+            eos_token_id=eos_ids(raw),
             early_exit_threshold=float(raw.get("early_exit_threshold", 1.0)),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         )
@@ -194,17 +161,7 @@ class OuroConfig:
         }
 
     def shape(self) -> LoopedModelShape:
-        return LoopedModelShape(
-            num_layers=self.num_hidden_layers,
-            num_loops=self.total_ut_steps,
-            hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            eos_token_ids=self.eos_token_id,
-        )
+        return llama_shape(self, self.num_hidden_layers, self.total_ut_steps)
 
     def tied_tensors(self) -> dict[str, str]:
         """Ouro's head is untied: no tensor may be left out."""
@@ -235,6 +192,15 @@ class OuroConfig:
         return self.num_hidden_layers * per_layer + 2 * v * d + d + d + 1
 
 
+# Fields config.json must hold (the others have defaults or are derived).
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 # Keys checked by `_reject_unsupported` (accepted only at their neutral value).
 _CHECKED_KEYS = frozenset(
     {

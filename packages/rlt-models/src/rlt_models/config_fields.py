@@ -1,14 +1,19 @@
-"""Checks every family's config parser shares: each failure is a `ModelConfigError` naming the
-field, so a checkpoint rlt cannot run exactly is never loaded silently."""
+"""What every family's config shares: checks whose failure is a `ModelConfigError` naming the
+field, so a checkpoint rlt cannot run exactly is never loaded silently, and the engine's shape of
+a config with Llama's field names."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from rlt_contracts import LoopedModelShape
+
 from rlt_models.errors import ModelConfigError
+from rlt_models.loop_cap import ENGINE_FIELD
 
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
 # Keys transformers writes into every config.json that do not change a model's computation
@@ -41,15 +46,78 @@ def require_model_type(raw: Any, expected: str) -> None:
         raise ModelConfigError("model_type", f"expected {expected!r}, got {model_type!r}")
 
 
-def require_fields(config: Any, names: Iterable[str]) -> None:
-    """Each named attribute of `config` is a positive integer."""
+def check_keys(
+    raw: Mapping[str, Any],
+    config_class: type,
+    *,
+    model_type: str,
+    architecture: str,
+    ignored: Iterable[str],
+    neutral: Mapping[str, Any],
+    not_read: Iterable[str] = (),
+) -> None:
+    """config.json names the family's `model_type`, and each key is a field of `config_class`
+    (less the engine's loop cap and `not_read`), metadata, `ignored`, or an option of `neutral`
+    at its value (`reject_enabled`)."""
+    require_model_type(raw, model_type)
+    names = {f.name for f in fields(config_class)} - {ENGINE_FIELD, *not_read}
+    reject_enabled(raw, neutral, names | HF_METADATA_KEYS | set(ignored), family=architecture)
+
+
+def require_fields(config: Any, names: Iterable[str], *, minimum: int = 1) -> None:
+    """Each named attribute of `config` is an integer >= `minimum` (a positive one by default;
+    None: missing)."""
     missing = [name for name in names if getattr(config, name) is None]
     if missing:
         raise ModelConfigError(tuple(missing), "required field(s) missing")
     for name in names:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelConfigError(name, f"must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ModelConfigError(name, f"must be {what}, got {value!r}")
+
+
+def check_heads(config: Any) -> None:
+    """Query heads a multiple of the key/value heads (GQA), an even head_dim (RoPE)."""
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ModelConfigError(
+            ("num_attention_heads", "num_key_value_heads"),
+            "attention heads must be a multiple of key/value heads",
+        )
+    if config.head_dim % 2:
+        raise ModelConfigError("head_dim", f"RoPE needs an even head_dim, got {config.head_dim}")
+
+
+def attention_heads(raw: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """(heads, key/value heads, head_dim) of a Llama-style config.json: the key/value heads
+    default to the heads, head_dim to hidden_size / heads (0 where that cannot be computed)."""
+    heads, hidden = raw.get("num_attention_heads"), raw.get("hidden_size")
+    derived = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+    return heads, raw.get("num_key_value_heads") or heads, raw.get("head_dim") or derived
+
+
+def tied_head(tied: bool, embedding: str = "model.embed_tokens.weight") -> dict[str, str]:
+    """`tied_tensors()` of a family whose head may be tied to its embedding."""
+    return {"lm_head.weight": embedding} if tied else {}
+
+
+def llama_shape(
+    config: Any, num_layers: int, num_loops: int, *, num_kv_heads: int = 0, state_size: int = 0
+) -> LoopedModelShape:
+    """The engine's shape of a config with Llama's field names (its key/value heads
+    `num_key_value_heads` unless `num_kv_heads` says)."""
+    return LoopedModelShape(
+        num_layers=num_layers,
+        num_loops=num_loops,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=num_kv_heads or config.num_key_value_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        eos_token_ids=config.eos_token_id,
+        state_size=state_size,
+    )
 
 
 def disabled(value: Any) -> bool:

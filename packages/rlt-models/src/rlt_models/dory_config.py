@@ -31,31 +31,31 @@ from rlt_contracts import (
 )
 
 from rlt_models.config_fields import (
-    HF_METADATA_KEYS,
+    check_heads,
+    check_keys,
     eos_ids,
-    reject_enabled,
+    llama_shape,
     require_fields,
-    require_model_type,
+    tied_head,
     torch_dtype_name,
 )
 from rlt_models.errors import ModelConfigError
 from rlt_models.loop_cap import ENGINE_FIELD
+from rlt_models.weights import attention_shapes, mlp_shapes, projection_sources
 
 MODEL_TYPE = "dory"
 ARCHITECTURE = "DoryForCausalLM"
 SLIDING, FULL = "sliding_attention", "full_attention"
 KV_MODES = ("per_loop", "last_loop")
 
-_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
-    {
-        "attention_dropout",
-        "num_hidden_layers",
-        "layer_types",
-        "rope_parameters",
-        "n_input_layers",
-        "n_recurrent_layers",
-        "n_output_layers",
-    }
+_IGNORED_KEYS = (
+    "attention_dropout",
+    "num_hidden_layers",
+    "layer_types",
+    "rope_parameters",
+    "n_input_layers",
+    "n_recurrent_layers",
+    "n_output_layers",
 )
 _NEUTRAL = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 _UNSUPPORTED = (
@@ -94,23 +94,11 @@ class DoryConfig:
     def __post_init__(self) -> None:
         require_fields(
             self,
-            (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "n_recurrent_layers",
-                "n_recurrent_loops",
-                "max_position_embeddings",
-                "sliding_window",
-            ),
-        )
-        for name in ("n_input_layers", "n_output_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ModelConfigError(name, f"must be an integer >= 0, got {value!r}")
+            ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "n_recurrent_layers", "n_recurrent_loops",
+             "max_position_embeddings", "sliding_window"),
+        )  # fmt: skip
+        require_fields(self, ("n_input_layers", "n_output_layers"), minimum=0)
         if len(self.layer_types) != self.num_layers:
             raise ModelConfigError(
                 "layer_types",
@@ -120,13 +108,7 @@ class DoryConfig:
         unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
         if unknown:
             raise ModelConfigError("layer_types", f"unknown layer type(s) {unknown}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(
-                ("num_attention_heads", "num_key_value_heads"),
-                "attention heads must be a multiple of key/value heads",
-            )
-        if self.head_dim % 2:
-            raise ModelConfigError("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        check_heads(self)
         if self.recurrent_kv_cache_mode not in KV_MODES:
             raise ModelConfigError(
                 "recurrent_kv_cache_mode",
@@ -143,9 +125,10 @@ class DoryConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DoryConfig:
-        require_model_type(raw, MODEL_TYPE)
-        known = ({f.name for f in fields(cls)} - {ENGINE_FIELD}) | _IGNORED_KEYS
-        reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
+        check_keys(
+            raw, cls, model_type=MODEL_TYPE, architecture=ARCHITECTURE, ignored=_IGNORED_KEYS,
+            neutral=_NEUTRAL,
+        )  # fmt: skip
         counts = {
             key: raw.get(key, default)
             for key, default in (
@@ -219,7 +202,7 @@ class DoryConfig:
         return out
 
     def tied_tensors(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+        return tied_head(self.tie_word_embeddings)
 
     @property
     def stage_layers(self) -> int:
@@ -231,19 +214,9 @@ class DoryConfig:
         return self.max_model_loops or 2 * self.n_recurrent_loops
 
     def shape(self) -> LoopedModelShape:
-        return LoopedModelShape(
-            # one block holds a plane's slots: the recurrent layers', or the stage plane's
-            num_layers=max(self.n_recurrent_layers, self.stage_layers),
-            num_loops=self.loop_cap,
-            hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            eos_token_ids=self.eos_token_id,
-            state_size=2 * self.hidden_size,
-        )
+        # one block holds a plane's slots: the recurrent layers', or the stage plane's
+        layers = max(self.n_recurrent_layers, self.stage_layers)
+        return llama_shape(self, layers, self.loop_cap, state_size=2 * self.hidden_size)
 
     def declaration(self) -> FamilyDeclaration:
         per_loop = self.recurrent_kv_cache_mode == "per_loop"
@@ -317,28 +290,14 @@ def hub_tensor_name(name: str) -> str:
 def checkpoint_tensor_shapes(config: DoryConfig) -> dict[str, tuple[int, ...]]:
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}"
-        shapes.update(
-            {
-                f"{p}.self_attn.q_proj.weight": (q, d),
-                f"{p}.self_attn.k_proj.weight": (kv, d),
-                f"{p}.self_attn.v_proj.weight": (kv, d),
-                f"{p}.self_attn.gate_proj.weight": (q, d),
-                f"{p}.self_attn.o_proj.weight": (d, q),
-                f"{p}.self_attn.sqk": (q,),
-                f"{p}.self_attn.s_gate": (q,),
-                f"{p}.mlp.gate_proj.weight": (f, d),
-                f"{p}.mlp.up_proj.weight": (f, d),
-                f"{p}.mlp.down_proj.weight": (d, f),
-                f"{p}.mlp.suv_gate": (f,),
-                f"{p}.mlp.suv_up": (f,),
-                f"{p}.lambda_1": (d,),
-                f"{p}.lambda_2": (d,),
-            }
-        )
+        shapes.update(attention_shapes(config, p, gate=True))
+        shapes.update({f"{p}.self_attn.sqk": (q,), f"{p}.self_attn.s_gate": (q,)})
+        shapes.update(mlp_shapes(config, p))
+        shapes.update({f"{p}.mlp.suv_gate": (f,), f"{p}.mlp.suv_up": (f,)})
+        shapes.update({f"{p}.lambda_1": (d,), f"{p}.lambda_2": (d,)})
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
     shapes["lm_head.logit_scale"] = (v,)
@@ -349,12 +308,7 @@ def parameter_sources(config: DoryConfig) -> dict[str, tuple[str, ...]]:
     sources: dict[str, tuple[str, ...]] = {"embed_tokens": ("model.embed_tokens.weight",)}
     for i in range(config.num_layers):
         hf, rt = f"model.layers.{i}", f"layers.{i}"
-        sources[f"{rt}.qkvg_proj"] = tuple(
-            f"{hf}.self_attn.{p}_proj.weight" for p in ("q", "k", "v", "gate")
-        )
-        sources[f"{rt}.o_proj"] = (f"{hf}.self_attn.o_proj.weight",)
-        sources[f"{rt}.gate_up_proj"] = (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight")
-        sources[f"{rt}.down_proj"] = (f"{hf}.mlp.down_proj.weight",)
+        sources.update(projection_sources(hf, rt, fused_qkv="qkvg", mlp=""))
         for name in ("self_attn.sqk", "self_attn.s_gate", "mlp.suv_gate", "mlp.suv_up"):
             sources[f"{rt}.{name.split('.')[1]}"] = (f"{hf}.{name}",)
         sources[f"{rt}.lambda_1"] = (f"{hf}.lambda_1",)

@@ -43,11 +43,11 @@ from torch import nn
 from rlt_models import fused_ops
 from rlt_models.attention_layer import fused_linear
 from rlt_models.config_fields import (
-    HF_METADATA_KEYS,
+    check_keys,
     eos_ids,
-    reject_enabled,
+    llama_shape,
     require_fields,
-    require_model_type,
+    tied_head,
     torch_dtype_name,
 )
 from rlt_models.errors import ModelConfigError
@@ -59,16 +59,14 @@ from rlt_models.looped_model import LoopedModelBase
 MODEL_TYPE = "hrm_text"
 ARCHITECTURE = "HrmTextForCausalLM"
 
-_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
-    {
-        "attention_dropout",
-        "L_bp_cycles",  # training-only gradient routing
-        "num_hidden_layers",  # inflated: num_layers_per_stack is the real count
-        "initializer_range",  # read for the default embedding_scale
-        "rope_parameters",
-        "rope_theta",
-        "quantization_config",  # read by rlt_models.fp8_checkpoint
-    }
+_IGNORED_KEYS = (
+    "attention_dropout",
+    "L_bp_cycles",  # training-only gradient routing
+    "num_hidden_layers",  # inflated: num_layers_per_stack is the real count
+    "initializer_range",  # read for the default embedding_scale
+    "rope_parameters",
+    "rope_theta",
+    "quantization_config",  # read by rlt_models.fp8_checkpoint
 )
 _NEUTRAL = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 _UNSUPPORTED = ((Feature.SHARED_KV, "its KV keeps a slot per stack pass of each loop"),)
@@ -103,18 +101,9 @@ class HrmTextConfig:
     def __post_init__(self) -> None:
         require_fields(
             self,
-            (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_layers_per_stack",
-                "num_attention_heads",
-                "head_dim",
-                "H_cycles",
-                "L_cycles",
-                "max_position_embeddings",
-            ),
-        )
+            ("vocab_size", "hidden_size", "intermediate_size", "num_layers_per_stack",
+             "num_attention_heads", "head_dim", "H_cycles", "L_cycles", "max_position_embeddings"),
+        )  # fmt: skip
         if self.head_dim % 2:
             raise ModelConfigError("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
 
@@ -124,9 +113,10 @@ class HrmTextConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> HrmTextConfig:
-        require_model_type(raw, MODEL_TYPE)
-        known = (set(cls.__dataclass_fields__) - {ENGINE_FIELD}) | _IGNORED_KEYS
-        reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
+        check_keys(
+            raw, cls, model_type=MODEL_TYPE, architecture=ARCHITECTURE, ignored=_IGNORED_KEYS,
+            neutral=_NEUTRAL,
+        )  # fmt: skip
         h_cycles, l_cycles = raw.get("H_cycles", 2), raw.get("L_cycles", 3)
         # num_hidden_layers is inflated in saved configs (and stale after an H_cycles or
         # L_cycles override): num_layers_per_stack is the real count when present
@@ -171,7 +161,7 @@ class HrmTextConfig:
         return out
 
     def tied_tensors(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+        return tied_head(self.tie_word_embeddings)
 
     @property
     def model_depth(self) -> int:
@@ -179,18 +169,11 @@ class HrmTextConfig:
         return self.max_model_loops or self.H_cycles
 
     def shape(self) -> LoopedModelShape:
-        return LoopedModelShape(
-            num_layers=self.num_layers_per_stack * self.passes_per_loop,
-            num_loops=self.model_depth,
-            hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_attention_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            eos_token_ids=self.eos_token_id,
+        layers = self.num_layers_per_stack * self.passes_per_loop
+        return llama_shape(
+            self, layers, self.model_depth, num_kv_heads=self.num_attention_heads,
             state_size=2 * self.hidden_size,
-        )
+        )  # fmt: skip
 
     def declaration(self) -> FamilyDeclaration:
         per_stack = self.num_layers_per_stack

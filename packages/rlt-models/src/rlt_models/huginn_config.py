@@ -23,7 +23,7 @@ huginn.py); "zero" starts at zero; other kinds are refused by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,16 +36,8 @@ from rlt_contracts import (
     StagePlan,
 )
 
-from rlt_models.config_fields import (
-    HF_METADATA_KEYS,
-    eos_ids,
-    reject_enabled,
-    require_fields,
-    require_model_type,
-    torch_dtype_name,
-)
+from rlt_models.config_fields import check_keys, eos_ids, require_fields, torch_dtype_name
 from rlt_models.errors import ModelConfigError
-from rlt_models.loop_cap import ENGINE_FIELD
 
 MODEL_TYPE = "huginn_raven"
 ARCHITECTURE = "RavenForCausalLM"
@@ -63,19 +55,17 @@ _TRAINING_SETTINGS = {
     "padding_multiple": 4096,
     "sampling_scheme": "poisson-lognormal-filling",
 }
-_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
-    {
-        *_TRAINING_SETTINGS,
-        "test_time_noise_type",  # read only with test_time_noise > 0 (refused)
-        # derived by the authors' config (checked or read below)
-        "n_layers",
-        "effective_expected_depth",
-        "num_key_value_heads",
-        "head_dim",
-        "padded_vocab_size",
-        "init_values",
-        "tie_word_embeddings",
-    }
+_IGNORED_KEYS = (
+    *_TRAINING_SETTINGS,
+    "test_time_noise_type",  # read only with test_time_noise > 0 (refused)
+    # derived by the authors' config (checked or read below)
+    "n_layers",
+    "effective_expected_depth",
+    "num_key_value_heads",
+    "head_dim",
+    "padded_vocab_size",
+    "init_values",
+    "tie_word_embeddings",
 )
 # The release's modules: any other value is a model rlt does not implement.
 _NEUTRAL = {
@@ -123,20 +113,10 @@ class HuginnConfig:
     def __post_init__(self) -> None:
         require_fields(
             self,
-            (
-                "vocab_size",
-                "n_embd",
-                "n_heads",
-                "n_layers_in_recurrent_block",
-                "intermediate_size",
-                "mean_recurrence",
-                "block_size",
-            ),
-        )
-        for name in ("n_layers_in_prelude", "n_layers_in_coda"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ModelConfigError(name, f"must be an integer >= 0, got {value!r}")
+            ("vocab_size", "n_embd", "n_heads", "n_layers_in_recurrent_block",
+             "intermediate_size", "mean_recurrence", "block_size"),
+        )  # fmt: skip
+        require_fields(self, ("n_layers_in_prelude", "n_layers_in_coda"), minimum=0)
         if self.n_embd % self.n_heads or (self.n_embd // self.n_heads) % 2:
             raise ModelConfigError(
                 ("n_embd", "n_heads"),
@@ -160,9 +140,10 @@ class HuginnConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> HuginnConfig:
-        require_model_type(raw, MODEL_TYPE)
-        known = ({f.name for f in fields(cls)} - {ENGINE_FIELD, "embed_scale"}) | _IGNORED_KEYS
-        reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
+        check_keys(
+            raw, cls, model_type=MODEL_TYPE, architecture=ARCHITECTURE, ignored=_IGNORED_KEYS,
+            neutral=_NEUTRAL, not_read=("embed_scale",),
+        )  # fmt: skip
         n_embd, n_heads = raw.get("n_embd", 5280), raw.get("n_heads", 55)
         if isinstance(n_embd, int) and isinstance(n_heads, int) and n_heads > 0:
             for key, derived in (("num_key_value_heads", n_heads), ("head_dim", n_embd // n_heads)):

@@ -34,31 +34,32 @@ from torch import nn
 from rlt_models import fused_ops
 from rlt_models.attention_layer import ProjectedAttentionLayer, fused_linear, run_fused_layers
 from rlt_models.config_fields import (
-    HF_METADATA_KEYS,
+    attention_heads,
+    check_heads,
+    check_keys,
     eos_ids,
-    reject_enabled,
+    llama_shape,
     require_fields,
-    require_model_type,
+    tied_head,
     torch_dtype_name,
 )
-from rlt_models.errors import ModelConfigError
 from rlt_models.fp8_linear import project
 from rlt_models.layers import DEFAULT_OPS, ModelOps, RMSNorm
 from rlt_models.loop_cap import ENGINE_FIELD
 from rlt_models.looped_model import LoopedModelBase
+from rlt_models.weights import attention_shapes, mlp_shapes, projection_sources
 
 MODEL_TYPE = "nanbeige"
 ARCHITECTURE = "NanbeigeForCausalLM"
 
-# Keys that do not change the computation (metadata, training-only settings).
-_IGNORED_KEYS = HF_METADATA_KEYS | frozenset(
-    {
-        "initializer_range",
-        "attention_dropout",
-        "pretraining_tp",
-        "quantization_config",  # read by rlt_models.fp8_checkpoint
-    }
+# Keys that do not change the computation (training-only settings), besides HF metadata.
+_IGNORED_KEYS = (
+    "initializer_range",
+    "attention_dropout",
+    "pretraining_tp",
+    "quantization_config",  # read by rlt_models.fp8_checkpoint
 )
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 # Options accepted only at their disabled value (`reject_enabled`), whatever their spelling.
 _NEUTRAL = {
     "hidden_act": "silu",
@@ -94,43 +95,26 @@ class NanbeigeConfig:
     def __post_init__(self) -> None:
         require_fields(
             self,
-            (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "num_loops",
-                "max_position_embeddings",
-            ),
-        )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(
-                ("num_attention_heads", "num_key_value_heads"),
-                "attention heads must be a multiple of key/value heads",
-            )
-        if self.head_dim % 2:
-            raise ModelConfigError("head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+            ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "num_loops",
+             "max_position_embeddings"),
+        )  # fmt: skip
+        check_heads(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
-        require_model_type(raw, MODEL_TYPE)
-        known = ({f.name for f in fields(cls)} - {ENGINE_FIELD}) | _IGNORED_KEYS
-        reject_enabled(raw, _NEUTRAL, known, family=ARCHITECTURE)
-        heads = raw.get("num_attention_heads")
-        hidden = raw.get("hidden_size")
-        head_dim = raw.get("head_dim") or (
-            hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
-        )
+        check_keys(
+            raw, cls, model_type=MODEL_TYPE, architecture=ARCHITECTURE, ignored=_IGNORED_KEYS,
+            neutral=_NEUTRAL,
+        )  # fmt: skip
+        heads, kv_heads, head_dim = attention_heads(raw)
         return cls(
             vocab_size=raw.get("vocab_size"),
-            hidden_size=hidden,
+            hidden_size=raw.get("hidden_size"),
             intermediate_size=raw.get("intermediate_size"),
             num_hidden_layers=raw.get("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             num_loops=raw.get("num_loops", 1),
             max_position_embeddings=raw.get("max_position_embeddings"),
@@ -159,7 +143,7 @@ class NanbeigeConfig:
 
     def tied_tensors(self) -> dict[str, str]:
         """Tensors a checkpoint may leave out because they equal another (tied head)."""
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+        return tied_head(self.tie_word_embeddings)
 
     @property
     def model_depth(self) -> int:
@@ -167,17 +151,7 @@ class NanbeigeConfig:
         return self.max_model_loops or self.num_loops
 
     def shape(self) -> LoopedModelShape:
-        return LoopedModelShape(
-            num_layers=self.num_hidden_layers,
-            num_loops=self.model_depth,
-            hidden_size=self.hidden_size,
-            num_heads=self.num_attention_heads,
-            num_kv_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            eos_token_ids=self.eos_token_id,
-        )
+        return llama_shape(self, self.num_hidden_layers, self.model_depth)
 
     def declaration(self) -> FamilyDeclaration:
         loop_input = (
@@ -201,25 +175,12 @@ class NanbeigeConfig:
 
 def checkpoint_tensor_shapes(config: NanbeigeConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold (Llama names) with its shape."""
-    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
+    d, v = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        shapes.update(
-            {
-                f"{p}.self_attn.q_proj.weight": (q, d),
-                f"{p}.self_attn.k_proj.weight": (kv, d),
-                f"{p}.self_attn.v_proj.weight": (kv, d),
-                f"{p}.self_attn.o_proj.weight": (d, q),
-                f"{p}.mlp.gate_proj.weight": (f, d),
-                f"{p}.mlp.up_proj.weight": (f, d),
-                f"{p}.mlp.down_proj.weight": (d, f),
-                f"{p}.input_layernorm.weight": (d,),
-                f"{p}.post_attention_layernorm.weight": (d,),
-            }
-        )
+        shapes.update(attention_shapes(config, p) | mlp_shapes(config, p))
+        shapes.update({f"{p}.{norm}.weight": (d,) for norm in _NORMS})
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -231,15 +192,8 @@ def parameter_sources(config: NanbeigeConfig) -> dict[str, tuple[str, ...]]:
     sources: dict[str, tuple[str, ...]] = {"embed_tokens": ("model.embed_tokens.weight",)}
     for i in range(config.num_hidden_layers):
         hf, rt = f"model.layers.{i}", f"layers.{i}"
-        sources[f"{rt}.qkv_proj"] = tuple(f"{hf}.self_attn.{p}_proj.weight" for p in "qkv")
-        sources[f"{rt}.o_proj"] = (f"{hf}.self_attn.o_proj.weight",)
-        sources[f"{rt}.mlp.gate_up_proj"] = (
-            f"{hf}.mlp.gate_proj.weight",
-            f"{hf}.mlp.up_proj.weight",
-        )
-        sources[f"{rt}.mlp.down_proj"] = (f"{hf}.mlp.down_proj.weight",)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sources[f"{rt}.{norm}.weight"] = (f"{hf}.{norm}.weight",)
+        sources.update(projection_sources(hf, rt))
+        sources.update({f"{rt}.{norm}.weight": (f"{hf}.{norm}.weight",) for norm in _NORMS})
     sources["norm.weight"] = ("model.norm.weight",)
     sources["lm_head"] = (config.tied_tensors().get("lm_head.weight", "lm_head.weight"),)
     return sources

@@ -13,6 +13,8 @@ processes with `HF_HOME` and `HF_HUB_OFFLINE=1` (huggingface_hub reads them when
   snapshot's directory and reporting the same name.
 - An id that is not in the cache fails in under 5 s with exit 2 and one line, for each of
   the three commands (CPU time; wall time scaled by the machine's load).
+- Online, against a local Hub (hub_server.py), an id is downloaded with a progress bar,
+  only the files rlt reads, and then found offline.
 - `LLM("org/name", revision=<commit>, download_dir=<cache>)` loads that snapshot, named
   `org/name`; `LLM(directory, tokenizer="org/tok")` takes the tokenizer from the cache.
 """
@@ -212,6 +214,37 @@ def test_an_unknown_id_fails_in_under_5_s_with_one_line(hf_home, argv):
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def test_an_id_is_downloaded_with_progress_then_found_offline(tmp_path):
+    """Online (a local Hub at HF_ENDPOINT, hub_server.py): `rlt generate --model org/name`
+    downloads the snapshot into an empty HF_HOME with huggingface_hub's progress bar on stderr,
+    fetching only the files rlt reads (no PyTorch .bin, nothing in subfolders, no code);
+    then, with HF_HUB_OFFLINE=1, the same id is found in the cache without asking the Hub."""
+    from hub_server import HubRepository, hub_server
+    from rlt.engine.assembly import DEFAULT_MODEL_DIR
+
+    files = {f.name: f.read_bytes() for f in DEFAULT_MODEL_DIR.iterdir() if f.is_file()}
+    unread = {name: b"x" for name in ("pytorch_model.bin", "original/model.safetensors", "x.py")}
+    repository = HubRepository("org/name", COMMIT_MAIN, {**files, **unread})
+    home = tmp_path / "hf_home"
+    argv = ["generate", "--model", "org/name", *ENGINE, *GENERATE, "It is"]
+    with hub_server(repository) as endpoint:
+        env = {**offline_env(home), "HF_ENDPOINT": endpoint}
+        del env["HF_HUB_OFFLINE"], env["TRANSFORMERS_OFFLINE"]
+        env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+        command = [sys.executable, "-m", "rlt.cli", *argv]
+        online = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        asked = len(repository.requests)
+        offline = rlt(home, *argv)
+    assert len(repository.requests) == asked  # offline: the Hub is not asked again
+    resolve = f"/resolve/{COMMIT_MAIN}/"
+    fetched = {line.split(resolve)[1] for line in repository.requests if resolve in line}
+    assert fetched == set(files)
+    assert "100%" in online.stderr and f"{len(files)}/{len(files)}" in online.stderr, online.stderr
+    snapshot = home / "hub" / "models--org--name" / "snapshots" / COMMIT_MAIN
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(files)
+    assert generated(online) == generated(offline)
 
 
 def test_llm_loads_an_id_at_a_commit_under_its_name(hf_home, tiny_checkpoint):

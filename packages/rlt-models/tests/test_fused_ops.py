@@ -16,7 +16,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from rlt_models import (  # noqa: E402
     DenseCausalAttention,
@@ -36,27 +35,6 @@ EPS = 1e-6
 
 if fused_ops.triton_unavailable_reason() is not None:
     pytest.skip(fused_ops.triton_unavailable_reason(), allow_module_level=True)
-
-
-@pytest.fixture
-def faithful_bf16(monkeypatch):
-    """Make the interpreter's fp32 -> bf16 conversion round to nearest even (as GPUs do)."""
-    if DEVICE == "cuda":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = getattr(interpreter, "_convert_float", None)
-    if convert is None:
-        pytest.skip("this Triton's interpreter has no _convert_float to make bf16-faithful")
-
-    def round_to_nearest_even(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return convert(data, input_dtype, output_dtype, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", round_to_nearest_even)
 
 
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))

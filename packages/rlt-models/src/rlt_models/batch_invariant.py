@@ -1,22 +1,12 @@
-"""Batch-invariant versions of the model's batch-sensitive ops (`OuroModel.batch_invariant`).
-
-"Batch-invariant" means: a row's output depends only on that row's input (and the weights),
-bitwise, never on how many rows the call has, what the other rows hold, or where the row sits.
-README.md, "Batch-invariant mode", says which plain torch ops break that on this project's CPU
-build (`F.linear` picks its kernel by the row count; fp32 sigmoid / silu round by flat
-position) and what replaces them here:
-
-- `linear(x, w)`: on the CPU, rows in fixed blocks of `ROW_BLOCK` (the last one zero-padded),
-  each block one GEMM of the same shape [ROW_BLOCK, K] x [K, N], hence one kernel and one
-  reduction order (on this 2-core CPU an 8-row block costs about 2.7x a one-row GEMV and 1.3x a
-  plain 8-row GEMM, bundled model's shapes, bf16); on CUDA an M-tiled Triton matmul whose tile
-  configuration never depends on M, without split-K (`fixed_row_blocks` where Triton is
-  missing).
-- `silu` / `sigmoid`: written with `torch.exp`, whose SIMD and scalar paths agree here (tested),
-  computed in fp32 and rounded once (as `F.silu` on bf16 does).
-
-The values differ from the non-invariant path by rounding (about 1 ulp per op): batch-invariant
-mode is its own numerics, equal to itself across batches, not to the default path.
+"""Batch-invariant versions of the model's batch-sensitive ops (`OuroModel.batch_invariant`): a
+row's output depends only on that row's input (and the weights), bitwise. README.md,
+"Batch-invariant mode", says which plain torch ops break that and what replaces them here:
+`linear` (on the CPU fixed blocks of `ROW_BLOCK` rows, the last zero-padded: on this 2-core CPU
+an 8-row block costs about 2.7x a one-row GEMV and 1.3x a plain 8-row GEMM, bundled model's
+shapes, bf16; on CUDA the fixed-tile Triton matmul, `fixed_row_blocks` where Triton is missing)
+and `silu` / `sigmoid` (through `torch.exp` in fp32, rounded once, as `F.silu` on bf16 does).
+The values differ from the default path by rounding (about 1 ulp per op): the mode is its own
+numerics.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""FP8 weights: float8_e4m3fn with one fp32 scale per output channel.
-
-A projection W [N, K] is stored as Q [N, K] float8_e4m3fn and s [N] fp32 with
-s_n = max_k |W_nk| / 448 (448 = the largest e4m3fn value) and Q_nk = round(W_nk / s_n): every
-row uses the whole fp8 range, and W ~ diag(s) Q. Rows are independent, so quantizing the fused
-[q; k; v] (or [gate; up]) rows equals quantizing q, k and v alone and concatenating.
+"""FP8 weights: float8_e4m3fn with one fp32 scale per output channel (README.md, "FP8 weights":
+the format, s_n = max_k |W_nk| / 448, and why the bytes sit in integer buffers).
 
 `Fp8Projection` holds one such weight. Its reference product (`forward`) dequantizes to the
 activation dtype and calls the given linear (F.linear, the small-batch GEMV or the batch-
 invariant GEMM): on the CPU in fp32 this is exactly the model whose weights are the dequantized
 values, which is what the tests compare against. On CUDA the engine's projections run the
 kernels of `fp8_linear` instead (weight-only GEMV, W8A8), chosen by measurement.
-
-The bytes live in buffers of integer dtype (uint8 for Q, int32 for the bits of s), so a
-`model.to(dtype)` can never round them; `.to(device)` moves them as usual.
 """
 
 from __future__ import annotations

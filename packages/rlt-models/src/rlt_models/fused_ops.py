@@ -1,8 +1,5 @@
-"""Fused elementwise ops of the Ouro layer: a torch reference and a Triton kernel for each.
-
-The fused layer path (`OuroDecoderLayer.forward_fused`) keeps the un-normed residual stream and
-the next sublayer's normed input side by side, so a layer is 4 GEMMs, `rotary_qk_`, attention,
-2 `add_rms_norm` and `silu_mul` instead of dozens of small eager kernels.
+"""Fused elementwise ops of the Ouro layer: a torch reference and a Triton kernel for each
+(README.md, "Fused decode path": the layer's sequence of ops, `impl` and the measurements).
 
 Numerics (ouro-model-spec.md 3.3-3.5, identical to the eager modules in `layers.py`):
 - `rms_norm`: fp32 mean of squares, x * rsqrt(ms + eps) in fp32, cast to x's dtype, then
@@ -14,12 +11,8 @@ Numerics (ouro-model-spec.md 3.3-3.5, identical to the eager modules in `layers.
 - `silu_mul`: silu(gate) rounded to act dtype, times up, rounded (`F.silu(gate) * up`).
 - `exit_gate`: sigmoid(h . w + b) in fp32 from the act-dtype state (the eager gate's
   `sigmoid(F.linear(h.float(), w, b))`; the kernel's dot sums in its own order).
-
-Every op takes `impl`: "torch" runs the reference (exactly the eager numerics), "triton" the
-kernel (CUDA tensors, or CPU tensors when TRITON_INTERPRET=1 was set before the first Triton
-call), "auto" the kernel when the tensor is on CUDA and Triton imports, else the reference.
-The Triton kernels agree with the references up to the order of the fp32 mean-of-squares sum
-and fast exp/sqrt: equal in most elements, at most an ulp of the act dtype apart otherwise.
+The kernels (`fused_kernels.py`, imported lazily) agree with the references up to the order of
+the fp32 mean-of-squares sum and fast exp/sqrt: equal in most elements, at most an ulp apart.
 """
 
 from __future__ import annotations
@@ -56,7 +49,9 @@ def triton_unavailable_reason() -> str | None:
 
 
 def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
-    """ "triton" or "torch" for `impl` applied to `tensor` (see the module doc)."""
+    """ "triton" or "torch" for `impl` applied to `tensor`: "auto" is Triton for a CUDA tensor
+    when Triton imports; "triton" takes CPU tensors only when TRITON_INTERPRET=1 was set before
+    the first Triton call (tests)."""
     if impl == "auto":
         return "triton" if tensor.is_cuda and _load_kernels() is not None else "torch"
     if impl == "triton":
@@ -78,20 +73,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm_reference(
-    residual: torch.Tensor,
-    delta: torch.Tensor,
-    delta_weight: torch.Tensor | None,
-    out_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if delta_weight is None:  # pre-norm layers add the sublayer's output as it is
-        new_residual = residual + delta
-    else:
-        new_residual = residual + rms_norm_reference(delta, delta_weight, eps)
-    return new_residual, rms_norm_reference(new_residual, out_weight, eps)
-
-
 def rotary_qk_reference_(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -104,17 +85,6 @@ def rotary_qk_reference_(
     heads = rotated.view(qkv.shape[0], num_heads + num_kv_heads, head_dim)
     heads.copy_(apply_rotary(heads, cos, sin))
     return qkv
-
-
-def exit_gate_reference(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
-) -> torch.Tensor:
-    return torch.sigmoid(F.linear(hidden.float(), weight[None, :], bias).squeeze(-1))
-
-
-def silu_mul_reference(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
-    gate, up = gate_up.split(intermediate_size, dim=-1)
-    return F.silu(gate) * up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +112,12 @@ def add_rms_norm(
     """(new_residual, normed) [N, d]: new_residual = residual + rms_norm(delta, delta_weight)
     (residual + delta when delta_weight is None: a pre-norm layer), normed =
     rms_norm(new_residual, out_weight). Fresh tensors; the inputs are not modified."""
-    if resolve_impl(impl, residual) == "torch":
-        return add_rms_norm_reference(residual, delta, delta_weight, out_weight, eps)
-    return _kernels.add_rms_norm(residual, delta, delta_weight, out_weight, eps)
+    if resolve_impl(impl, residual) == "triton":
+        return _kernels.add_rms_norm(residual, delta, delta_weight, out_weight, eps)
+    if delta_weight is not None:
+        delta = rms_norm_reference(delta, delta_weight, eps)
+    new_residual = residual + delta
+    return new_residual, rms_norm_reference(new_residual, out_weight, eps)
 
 
 def rotary_qk_(
@@ -166,9 +139,10 @@ def rotary_qk_(
 
 def silu_mul(gate_up: torch.Tensor, intermediate_size: int, *, impl: str = "auto") -> torch.Tensor:
     """gate_up [N, 2F] (gate, then up) -> silu(gate) * up [N, F] in gate_up's dtype."""
-    if resolve_impl(impl, gate_up) == "torch":
-        return silu_mul_reference(gate_up, intermediate_size)
-    return _kernels.silu_mul(gate_up, intermediate_size)
+    if resolve_impl(impl, gate_up) == "triton":
+        return _kernels.silu_mul(gate_up, intermediate_size)
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    return F.silu(gate) * up
 
 
 def exit_gate(
@@ -176,6 +150,6 @@ def exit_gate(
 ) -> torch.Tensor:
     """hidden [N, d] (act dtype), weight [d] and bias [1] fp32 -> sigmoid(h . w + b) [N] fp32:
     one kernel instead of a cast, a GEMV and a sigmoid."""
-    if resolve_impl(impl, hidden) == "torch":
-        return exit_gate_reference(hidden, weight, bias)
-    return _kernels.exit_gate(hidden, weight, bias)
+    if resolve_impl(impl, hidden) == "triton":
+        return _kernels.exit_gate(hidden, weight, bias)
+    return torch.sigmoid(F.linear(hidden.float(), weight[None, :], bias).squeeze(-1))

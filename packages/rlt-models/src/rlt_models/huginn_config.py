@@ -14,10 +14,8 @@ fields it is built from. What the authors' model reads decides the meaning here:
   ignored; module choices (`block_class_name`, `injection_type`, ...) must hold the release's
   value and test-time noise must be off, or loading fails naming the key.
 
-Initial state: the release says `state_init: "like-init"`, a random draw (truncated normal, std
-sqrt(2 / (5 n_embd)) cut at 3 std, times sqrt(n_embd)), which rlt draws per token from its
-request's seed and position (the declaration's `random_initial_state`; module doc of
-huginn.py); "zero" starts at zero; other kinds are refused by name.
+Initial state (`state_init`): the release's "like-init" (a random draw per token: huginn.py's
+module doc; the declaration's `random_initial_state`) or "zero"; other kinds are refused by name.
 """
 
 from __future__ import annotations

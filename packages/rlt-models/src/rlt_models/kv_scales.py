@@ -1,24 +1,16 @@
-"""Per-layer scales of an fp8 KV cache: read from the checkpoint, or calibrated at load.
+"""Per-layer scales of an fp8 KV cache: read from the checkpoint, or calibrated at load on the
+bundled sample text (README.md's FP8 section, "fp8 KV scales": the names and the calibration).
 
-An fp8 cache stores x / s_l as float8_e4m3fn (largest value 448) for layer l, one key scale and
-one value scale per layer, shared by every loop plane: Ouro's layers are shared across loops, so
-the keys a layer writes at loop 1 and at loop 4 come from the same weights, and one scale lets
-LAST_EXITED finalization, prefix caching and PD transfers copy planes as raw bytes.
-
-- **Checkpoint**: `model.layers.{l}.self_attn.k_scale` / `v_scale` (scalars, as vLLM's
-  compressed-tensors fp8 KV checkpoints carry them) are used as given, for every layer or none.
-- **Calibrated** otherwise: the model runs `token_ids` (the engine passes the bundled sample
-  text through the checkpoint's tokenizer) at full depth through a dense attention that records
-  max |k| and max |v| per layer over every loop; a family with stage layers
-  (`KVPlan.stage_layers`: Huginn, Dory) also runs its prelude (`embed`) and coda (`finish`)
-  through it, and since its stage plane's slot l shares scale l with the loop planes' slot l (one
-  scale per slot, so every plane copies as raw bytes), s_l covers both; s_l = the power of two at
-  or above
-  HEADROOM * max / 448. A power of two makes dequantization exact and the result independent of
-  last-bit differences between devices (a PD pair calibrates to the same scales, and the
-  handshake compares them); HEADROOM = 2 leaves room for values the calibration text did not
-  produce at the cost of one exponent step of the 15 below the largest (e4m3 keeps 3 mantissa
-  bits at every normal exponent, so precision is unchanged).
+One key and one value scale per layer, shared by every loop plane: a layer's weights are shared
+across loops, and one scale lets LAST_EXITED finalization, prefix caching and PD transfers copy
+planes as raw bytes. A family with stage layers (`KVPlan.stage_layers`: Huginn, Dory) also
+calibrates through its prelude (`embed`) and coda (`finish`): its stage plane's slot l shares
+scale l with the loop planes' slot l, so s_l covers both. s_l = the power of two at or above
+HEADROOM * max / 448: a power of two makes dequantization exact and the result independent of
+last-bit differences between devices (a PD pair calibrates to the same scales, and the
+handshake compares them); HEADROOM = 2 leaves room for values the calibration text did not
+produce at the cost of one exponent step of the 15 below the largest (e4m3 keeps 3 mantissa
+bits at every normal exponent, so precision is unchanged).
 """
 
 from __future__ import annotations

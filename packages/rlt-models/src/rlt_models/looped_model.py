@@ -2,20 +2,9 @@
 
 A family's model subclasses it and adds its layers and `recurrent_step` (one loop of its
 recurrent block); the runner sees only the `LoopedLanguageModel` protocol and the family's
-declaration (`model.family`).
-
-`fused_path` selects how `recurrent_step` runs (a plain attribute, settable at any time):
-- "auto" (default): the fused path with Triton kernels when the hidden state is on CUDA and
-  Triton imports; otherwise the eager path (CPU keeps the eager numerics and speed).
-- "triton": always the fused path with Triton kernels (on CPU only under TRITON_INTERPRET=1).
-- "torch": the fused path with the torch reference ops (bit-identical to eager; for tests).
-- "off": always the eager path (e.g. to compare fused vs unfused on CUDA).
-
-`batch_invariant` (a plain attribute, default False): every op whose result could depend on
-the other rows of the call runs in its batch-invariant form (`rlt_models.batch_invariant`):
-GEMMs (projections, LM head, exit gate), fp32 sigmoid/silu, and RoPE's cos/sin (looked up in
-the per-position table). Attention is the bound `LayerAttention`'s business: the engine builds
-it batch-invariant too.
+declaration (`model.family`). The plain attributes `fused_path` ("auto", "triton", "torch",
+"off": README.md, "Fused decode path") and `batch_invariant` (README.md, "Batch-invariant
+mode"; attention is the bound `LayerAttention`'s business) select how the model computes.
 """
 
 from __future__ import annotations

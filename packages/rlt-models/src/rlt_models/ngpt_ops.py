@@ -1,9 +1,6 @@
-"""Fused row-wise ops of the nGPT layer (Dory): a torch reference and a Triton kernel for each.
-
-An nGPT layer keeps its state on the unit sphere, so its elementwise work is unit norms,
-learned per-channel scales and interpolations around four GEMMs and the attention. Eager torch
-spends about 60 small kernels a layer on them; `NGPTLayer.forward_fused` spends five (README.md,
-"Dory's fused nGPT path", shows the layer's sequence of GEMMs and these ops).
+"""Fused row-wise ops of the nGPT layer (Dory): a torch reference and a Triton kernel for each
+(README.md, "Dory's fused nGPT path": the layer's sequence of GEMMs and these ops, numerics and
+measurements).
 
 unit(x) = x / sqrt(sum(x^2) + 1e-6) over the last dim: fp32 statistics, the product in fp32,
 cast back to x's dtype (transformers' DoryL2Norm). Everything else is in the activation dtype
@@ -12,11 +9,9 @@ once to the act dtype, sigmoid and silu are computed in fp32 from the act-dtype 
 rounded once (torch's bf16 ops on CUDA and CPU do that too).
 
 Every op takes `impl` as `rlt_models.fused_ops` does ("auto" / "triton" / "torch"). The "torch"
-references ARE the eager code (`NGPTLayer.forward` computes the same expressions on the same
-tensors): bit-identical. The kernels (`ngpt_kernels.py`, imported lazily) round at the same
-places; they differ by the order of the fp32 sum of squares and by fast exp / sqrt, so an
-output is at most an ulp of the act dtype away from the reference where the two agree on their
-inputs (tests/test_ngpt_ops.py checks each op against that bound).
+references are the eager layer's expressions on the same tensors: bit-identical. The kernels
+(`ngpt_kernels.py`, imported lazily) round at the same places; they differ by the order of the
+fp32 sum of squares and by fast exp / sqrt (tests/test_ngpt_ops.py bounds each op).
 """
 
 from __future__ import annotations
@@ -71,33 +66,6 @@ def qk_heads(
     )
 
 
-def qk_unit_rope_scale_reference_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale):
-    q, k, _, _ = qk_heads(qkvg, heads, kv_heads, head_dim)
-    rotated_q = apply_rotary(unit_reference(q), cos, sin) * q_scale.view(heads, head_dim)
-    rotated_k = apply_rotary(unit_reference(k), cos, sin)
-    q.copy_(rotated_q)
-    k.copy_(rotated_k)
-    return q, k
-
-
-def gated_unit_reference(out, gate, gate_scale):
-    return unit_reference(out * torch.sigmoid(gate * gate_scale))
-
-
-def unit_interpolate_reference(x, raw, rate):
-    h = x + rate * (unit_reference(raw) - x)
-    return h, unit_reference(h)
-
-
-def scaled_silu_unit_reference(gate_up, gate_scale, up_scale, intermediate_size):
-    gate, up = gate_up.split(intermediate_size, dim=-1)
-    return unit_reference(F.silu(gate * gate_scale) * (up * up_scale))
-
-
-def unit_add_unit_reference(h, other):
-    return unit_reference(unit_reference(h) + other)
-
-
 # ---------------------------------------------------------------------------------------------
 # dispatching ops. Inputs [N, width] address rows by their stride (the last dim contiguous);
 # outputs are fresh contiguous tensors in the inputs' dtype unless the op says otherwise.
@@ -113,7 +81,9 @@ def unit_add_unit(h: torch.Tensor, other: torch.Tensor, *, impl: str = "auto") -
     """unit(unit(h) + other) [N, d]: a loop's input h = unit(h) + inject, unit-normed as the
     first layer reads it (the sum itself is not kept: the layer reads only its unit)."""
     kernels = _triton_kernels(impl, h)
-    return unit_add_unit_reference(h, other) if kernels is None else kernels.unit_add_unit(h, other)
+    if kernels is None:
+        return unit_reference(unit_reference(h) + other)
+    return kernels.unit_add_unit(h, other)
 
 
 def qk_unit_rope_scale_(
@@ -131,10 +101,14 @@ def qk_unit_rope_scale_(
     k head unit-normed, rotated by cos/sin [N, D] (split-half, `apply_rotary`), q multiplied by
     `q_scale` [H D]. Returns the views q [N, H, D] and k [N, Hkv, D]; v and gate untouched."""
     kernels = _triton_kernels(impl, qkvg)
-    if kernels is None:
-        return qk_unit_rope_scale_reference_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale)
-    kernels.qk_unit_rope_scale_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale)
     q, k, _, _ = qk_heads(qkvg, heads, kv_heads, head_dim)
+    if kernels is None:
+        rotated_q = apply_rotary(unit_reference(q), cos, sin) * q_scale.view(heads, head_dim)
+        rotated_k = apply_rotary(unit_reference(k), cos, sin)
+        q.copy_(rotated_q)
+        k.copy_(rotated_k)
+    else:
+        kernels.qk_unit_rope_scale_(qkvg, cos, sin, heads, kv_heads, head_dim, q_scale)
     return q, k
 
 
@@ -145,7 +119,7 @@ def gated_unit(
     projection's input norm; gate_scale [H D] is (s_gate * its scale)^2."""
     kernels = _triton_kernels(impl, out)
     if kernels is None:
-        return gated_unit_reference(out, gate, gate_scale)
+        return unit_reference(out * torch.sigmoid(gate * gate_scale))
     return kernels.gated_unit(out, gate, gate_scale)
 
 
@@ -158,8 +132,8 @@ def unit_interpolate(
     unit(h))."""
     kernels = _triton_kernels(impl, x)
     if kernels is None:
-        h, y = unit_interpolate_reference(x, raw, rate)
-        return (h if keep_h else None), y
+        h = x + rate * (unit_reference(raw) - x)
+        return (h if keep_h else None), unit_reference(h)
     return kernels.unit_interpolate(x, raw, rate, keep_h)
 
 
@@ -175,5 +149,6 @@ def scaled_silu_unit(
     [N, F]: the nGPT MLP's activation and the down projection's input norm."""
     kernels = _triton_kernels(impl, gate_up)
     if kernels is None:
-        return scaled_silu_unit_reference(gate_up, gate_scale, up_scale, intermediate_size)
+        gate, up = gate_up.split(intermediate_size, dim=-1)
+        return unit_reference(F.silu(gate * gate_scale) * (up * up_scale))
     return kernels.scaled_silu_unit(gate_up, gate_scale, up_scale, intermediate_size)

@@ -5,20 +5,12 @@ Token positions, and therefore RoPE phases, do not change across loops. Attentio
 the `LayerAttention` the caller binds, so the same model runs over paged KV (rlt-runner) or a
 dense per-sequence cache (`DenseCausalAttention`).
 
-Two execution paths compute the same loop (`OuroModel.fused_path`):
-- eager (`OuroDecoderLayer.forward`): the modules of `layers.py`, one torch op at a time.
-- fused (`OuroDecoderLayer.forward_fused`): the residual stream and the next sublayer's normed
-  input travel together; a layer is qkv GEMM -> `rotary_qk_` -> attention -> o GEMM ->
-  `add_rms_norm` -> gate_up GEMM -> `silu_mul` -> down GEMM -> `add_rms_norm` (whose second norm
-  is the next layer's input norm, or the end-of-loop norm after the last layer), with the
-  elementwise ops of `fused_ops` (Triton kernels on CUDA); its exit gate is one kernel
-  (`fused_ops.exit_gate`). (Computing silu_mul inside the down projection's one-row GEMV
-  instead, one kernel less per layer, made decode ~10% slower on an H200: each of its 1,024
-  CTAs recomputed the whole 5,632-wide input.)
-
-`OuroModel.batch_invariant` swaps the ops whose results can depend on the batch (the GEMMs, the
-fp32 sigmoid/silu, RoPE's cos/sin) for those of `rlt_models.batch_invariant`, so that a row's
-values depend only on its own token, position and attention context.
+Two execution paths compute the same loop (`OuroModel.fused_path`): eager
+(`OuroDecoderLayer.forward`, the modules of `layers.py`) and fused
+(`OuroDecoderLayer.forward_fused`, the ops of `fused_ops`; README.md, "Fused decode path", gives
+a layer's sequence). (Computing silu_mul inside the down projection's one-row GEMV instead, one
+kernel less per layer, made decode ~10% slower on an H200: each of its 1,024 CTAs recomputed the
+whole 5,632-wide input.) `OuroModel.batch_invariant`: README.md, "Batch-invariant mode".
 """
 
 from __future__ import annotations

@@ -204,50 +204,25 @@ def launch(
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     pdl = grid_dependency.enabled(x)
+    grid = (triton.cdiv(n, config.block_n),)
+    # out: a placeholder for a flag or scales the kernel does not read
+    flag, scales = (out if needed is None else needed), (out if scale is None else scale)
+    constants = dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl,
+        PREDICATED=needed is not None, SCALED=scale is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options(pdl),
+    )  # fmt: skip
     if config.single_row:
         if rows != 1:
             raise ValueError(f"the single-row kernel takes 1 row, got {rows}")
-        _single_row_linear_kernel[(triton.cdiv(n, config.block_n),)](
-            x,
-            weight,
-            out,
-            n,
-            k,
-            weight.stride(0),
-            out if needed is None else needed,
-            out if scale is None else scale,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            USE_PDL=pdl,
-            PREDICATED=needed is not None,
-            SCALED=scale is not None,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **launch_options(pdl),
+        _single_row_linear_kernel[grid](
+            x, weight, out, n, k, weight.stride(0), flag, scales, **constants
         )
-        return out
-    _small_rows_linear_kernel[(triton.cdiv(n, config.block_n),)](
-        x,
-        weight,
-        out,
-        rows,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        out if needed is None else needed,
-        out if scale is None else scale,
-        BLOCK_M=16,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        USE_PDL=pdl,
-        PREDICATED=needed is not None,
-        SCALED=scale is not None,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **launch_options(pdl),
-    )
+    else:
+        _small_rows_linear_kernel[grid](
+            x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), flag,
+            scales, BLOCK_M=16, **constants,
+        )  # fmt: skip
     return out
 
 

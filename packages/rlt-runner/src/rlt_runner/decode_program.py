@@ -1,27 +1,10 @@
 """`DecodeProgram`: one decode tick for rows [0, B), entirely on the device.
 
-A tick, for every active row at once (rows at different loop depths mix):
-
-    loop      one recurrent step at the row's plane (LAST_EXITED: plane = loop - 1; RING of K:
-              (loop - 1) mod K) and position; the loop's key/value is stored at the row's slot
-              of that plane
-    exit      the row's exit rule on the new state (exit_rules.decide_exits)
-    finalize  LAST_EXITED: an exit at loop e copies the position's KV into planes e..T-1 (RING:
-              into planes e..K-1 when e < K, the planes it never wrote)
-    coda      LM head + sampler for every row (rows that did not exit are discarded: a fixed
-              shape keeps the tick capturable as one CUDA graph). With the Triton tick kernels
-              the exit decision comes first and the head is told (`coda(needed=...)`) whether
-              any row exits, so at 1-16 rows its 201 MB weight read (Ouro-1.4B) is skipped in
-              the ticks where nobody exits (three in four at fixed depth 4)
-    commit    exited rows record (token, depth[, logprobs]) in the ring at this tick's index
-              and, in a penalized mode, count their token in `logits_state.output_counts`; a
-              row stops when its token is a stop id or max_tokens is reached, else its token is
-              embedded (prelude) and starts loop 1 in the next tick; other rows keep their state
-
-Nothing is read back and no host value depends on device data, so K ticks can be queued (or
-replayed as graphs) back to back. Rows that are not active (free, prefilling, finished, parked,
-held by structured output) compute garbage that is never kept: their KV write goes to the
-scratch slot, their attention reads one key, and every state update is masked.
+README.md, "Worked example 1", walks through a tick: one loop at each row's plane, the exit
+rule, the LAST_EXITED finalization copies, the coda and sampler for every row (a fixed shape, so
+the tick is one CUDA graph; with the Triton tick kernels the head is told whether any row exits),
+and the commit. Nothing is read back, so K ticks queue back to back; rows that are not active
+compute garbage that is never kept (scratch-slot writes, one key read, masked updates).
 
 A family with stage layers (Dory, Huginn: `KVPlan.stage_layers`, stage_plane.py) also runs, in
 the same tick, its prelude for the rows whose token starts (before the loop) and its coda's
@@ -81,8 +64,6 @@ class DecodeProgram:
         layout: KVLayoutSpec,
         cohort: bool,
         max_ticks: int,
-        max_context: int,
-        fused_tick: bool | None = None,
         random_initial_state: bool = True,
         distribution_exits: bool = False,
     ) -> None:
@@ -99,7 +80,6 @@ class DecodeProgram:
         self.cohort = cohort
         self.depth = model.shape.num_loops
         self.block_size = kv.block_size
-        self.max_context = max_context
         device = rows.device
         num_rows = rows.hidden.shape[0]
         self.query_start = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
@@ -118,15 +98,15 @@ class DecodeProgram:
             else None
         )
         self.distribution_exits = distribution_exits
-        if fused_tick is None:  # the fused bookkeeping runs no stage layers and the hazard
-            # and trace rules only (not the latent-change or KL rules)
-            fused_tick = (
-                device.type == "cuda"
-                and tick_kernels.available()
-                and self.stage is None
-                and model.family.exit_signal is not ExitSignal.LATENT_CHANGE
-                and not distribution_exits
-            )
+        # the fused bookkeeping runs no stage layers and the hazard and trace rules only (not the
+        # latent-change or KL rules)
+        fused_tick = (
+            device.type == "cuda"
+            and tick_kernels.available()
+            and self.stage is None
+            and model.family.exit_signal is not ExitSignal.LATENT_CHANGE
+            and not distribution_exits
+        )
         self.kernels = tick_kernels.TickKernels(self) if fused_tick else None
 
     def begin_step(self) -> None:
@@ -151,7 +131,7 @@ class DecodeProgram:
         run = rows.active[:B] & ~rows.parked[:B] & ~rows.held[:B]
         loop_index = rows.loops[:B] + 1
         position = rows.position[:B]
-        plane = torch.clamp(self._plane(loop_index), max=rows.loop_planes - 1)
+        plane = torch.clamp(self.layout.plane_of_loop(loop_index), max=rows.loop_planes - 1)
         pages = rows.block_tables.shape[-1]
         tables = rows.block_tables[:B].gather(1, plane.view(B, 1, 1).expand(B, 1, pages)).squeeze(1)
         page = torch.clamp(position // self.block_size, max=pages - 1)
@@ -286,9 +266,6 @@ class DecodeProgram:
         attention = self.attention.bind(self.kv.tensors, batch)
         return stage(inputs, position, attention, needed=needed, **extra)
 
-    def _plane(self, loop_index: torch.Tensor) -> torch.Tensor:
-        return self.layout.plane_of_loop(loop_index)
-
     def _finalize_kv(self, B, exits, loop_index, page, offset, own_slot) -> None:
         """LAST_EXITED: a token that exits at loop e < T gets its plane e-1 KV copied into
         planes e..T-1, so later queries at any deeper loop read its last version. RING of K
@@ -309,21 +286,11 @@ class DecodeProgram:
         self, hidden, index, counter, mode: SamplingMode, needed=None, logits=None
     ) -> SampledRows:
         """Sample from the head's logits of `hidden` (or from `logits`, already computed)."""
-        rows = self.rows
-        optional = {}  # passed only when the mode reads them
-        if mode.min_p:
-            optional["min_p"] = rows.min_p[index]
-        if mode.adjusts_logits:
-            optional["adjustments"] = rows.adjustments(index)
         return self.sampler.sample_rows(
             self.model.coda(hidden, needed=needed) if logits is None else logits,
-            temperature=rows.temperature[index],
-            top_k=rows.top_k[index],
-            top_p=rows.top_p[index],
-            seed=rows.seed[index],
             counter=counter,
             mode=mode,
-            **optional,
+            **self.rows.sampling_keywords(index, mode),
         )
 
     def _stop_hit(self, token_ids, index, outputs) -> torch.Tensor:
@@ -332,7 +299,7 @@ class DecodeProgram:
         return stop_token | (outputs >= rows.max_tokens[index])
 
     def _record(self, B, exits, loop_index, sampled: SampledRows, mode: SamplingMode) -> None:
-        values = _record_values(exits, loop_index, sampled, mode)
+        values = record_values(exits, loop_index, sampled, mode)
         self.ring.narrow(1, 0, B).narrow(2, 0, values.shape[1]).index_copy_(
             0, self.tick_index, values[None]
         )
@@ -360,7 +327,7 @@ class DecodeProgram:
         if depths is None:
             depths = torch.full_like(prompt_lengths, self.depth)
         everyone = torch.ones_like(stops)
-        record = _record_values(everyone, depths, sampled, mode)
+        record = record_values(everyone, depths, sampled, mode)
         if mode.penalized:
             rows.logits_state.count_outputs(index, token, torch.ones_like(stops))
         rows.token.index_copy_(0, index, token)
@@ -382,16 +349,17 @@ def _any_row(rows: torch.Tensor) -> torch.Tensor:
     return rows.any().to(torch.int32).reshape(1)
 
 
-def _record_values(exits, depth, sampled: SampledRows, mode: SamplingMode) -> torch.Tensor:
-    """[B, columns] fp64: token (-1 where no exit), depth (0 where no exit)[, logprob fields]."""
+def record_values(exits, depth, sampled, mode: SamplingMode) -> torch.Tensor:
+    """[..., columns] fp64 of the entries [...] (rows, or a round's slots x positions): token (-1
+    where no exit), depth (0 where no exit)[, logprob fields] of `sampled`'s tokens."""
     columns = [
-        torch.where(exits, sampled.token_ids, -1).to(torch.float64)[:, None],
-        torch.where(exits, depth, 0).to(torch.float64)[:, None],
+        torch.where(exits, sampled.token_ids, -1).to(torch.float64)[..., None],
+        torch.where(exits, depth, 0).to(torch.float64)[..., None],
     ]
     if mode.top_logprobs is not None:
         columns += [
-            sampled.logprobs.to(torch.float64)[:, None],
+            sampled.logprobs.to(torch.float64)[..., None],
             sampled.top_token_ids.to(torch.float64),
             sampled.top_logprobs.to(torch.float64),
         ]
-    return torch.cat(columns, dim=1)
+    return torch.cat(columns, dim=-1)

@@ -1,15 +1,11 @@
 """Prompt chunks run as decoding would run them (`SamplingParams.score_at_exit_depth`).
 
-Every prompt position runs loops under its request's exit rule (the row's `DecodeRule.exit`:
-HAZARD, DELAYED_HAZARD or TRACE, with min/max loops and threshold; hazard product in fp64 from
-the fp32 gate, as a decode tick does) and stops at the loop where it fires, its exit state
-then scoring the next prompt token. The pass is `PositionLoops` (position_loops.py), shared
-with a speculative round's verify: depth-major under LAST_EXITED, position by position under
-SHARED; README.md, "Prompt chunks at exit depth", says why each equals decoding and works an
-example. Earlier chunks of the same prompt ran the same way, and so did the pages of a
-prefix-cache hit (published under the same exit rule's salt), so chunking and reuse change
-nothing. Each position's TRACE entry is its position (the output index a decode fed the prompt
-from position 0 would give it). Eager only: scoring steps run no prefill graph.
+Every prompt position loops under its request's exit rule and stops where it fires, its exit
+state then scoring the next prompt token; README.md, "Prompt chunks at exit depth", says why the
+`PositionLoops` passes equal decoding and works an example. Earlier chunks of the same prompt
+ran the same way, and so did the pages of a prefix-cache hit (published under the same exit
+rule's salt), so chunking and reuse change nothing. Each position's TRACE entry is its position
+(the output index a decode fed the prompt from position 0 would give it). Eager only.
 """
 
 from __future__ import annotations
@@ -62,14 +58,7 @@ def run_at_exit_depth(
 
 def _depth_major(loops: PositionLoops, chunks, gate: bool) -> list[ExitDepthStates]:
     rows, block_size = loops.rows, loops.kv.block_size
-    groups = PrefillGroups(
-        rows,
-        [row for row, _, _, _ in chunks],
-        [start for _, start, _, _ in chunks],
-        [len(tokens) for _, _, tokens, _ in chunks],
-        [t for _, _, tokens, _ in chunks for t in tokens],
-        block_size=block_size,
-    )
+    groups = PrefillGroups.of_chunks(rows, chunks, block_size=block_size)
     tables = rows.block_tables[groups.row_index, :, : groups.pages]  # [G, planes, pages]
     state = TokenState.fresh(
         loops.model.embed(groups.token_ids), groups.positions, groups.positions
@@ -87,12 +76,8 @@ def _depth_major(loops: PositionLoops, chunks, gate: bool) -> list[ExitDepthStat
         gate=gate,
         max_context=groups.max_context_len,
     )
-    results, first = [], 0
-    for _, _, tokens, _ in chunks:
-        last = first + len(tokens)
-        results.append(ExitDepthStates(state.hidden[first:last], state.depth[first:last]))
-        first = last
-    return results
+    sizes = [len(tokens) for _, _, tokens, _ in chunks]
+    return list(map(ExitDepthStates, state.hidden.split(sizes), state.depth.split(sizes)))
 
 
 def _position_by_position(loops: PositionLoops, chunks, gate: bool) -> list[ExitDepthStates]:

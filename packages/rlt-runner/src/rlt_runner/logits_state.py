@@ -7,25 +7,14 @@ frequency / presence penalty, min_tokens) are not here: `DecodeRows` uploads the
 of a row's parameters.
 
 Lazily allocated, once, when the first request that needs them gets a row (then kept for the
-runner's life, so CUDA graphs that read them stay valid); until then None. Sizes at S = 256
-rows and Ouro's V = 151,936: counts 155.6 MB, prompt mask 38.9 MB, stop mask 38.9 MB, bias
-table 0.9 MB, token bitmask 4.9 MB (the KV pool sizing counts them: the profiling run turns
-every feature on):
-  output_counts [S, V] int32   occurrences of each token in the row's outputs (penalties);
-                               zeroed at activation, +1 per output in the tick's commit and
-                               for token 0 in `start_rows`; saved and restored by snapshots
-  prompt_mask [S, V] bool      the token occurs in the prompt (repetition_penalty); written at
-                               activation from the whole prompt (`NewRequestData`)
-  bias_token_ids [S, K] int64, bias_values [S, K] fp32 (K = 300): the logit_bias entries,
-                               padded with (0, 0.0); every activated row's entries are rewritten
+runner's life, so CUDA graphs that read them stay valid); until then None. README.md says who
+writes each ("Responsibility and state") and gives their sizes ("Snapshots and memory"):
+  output_counts [S, V] int32   occurrences of each token in the row's outputs (penalties)
+  prompt_mask [S, V] bool      the token occurs in the whole prompt (repetition_penalty)
+  bias_token_ids, bias_values [S, K = 300]: the logit_bias entries, padded with (0, 0.0)
   stop_mask [S, V] bool        the rule's stop ids and the model's EOS ids, also under
                                ignore_eos (vLLM's all_stop_token_ids): min_tokens masks them
-                               while outputs < min_tokens; written at activation
-  token_bitmask [S, ceil(V / 32)] int32: structured output's allowed tokens (-1 words: every
-                               token); allocated when the first constrained request gets a row,
-                               every new row's words are reset to -1 once it exists; written by
-                               `write_token_masks`; saved and restored by snapshots of
-                               constrained requests
+  token_bitmask [S, ceil(V / 32)] int32: structured output's allowed tokens (-1 words: all)
 Rows of requests that do not use a feature keep stale values there; their neutral scalars
 (penalties 1 / 0 / 0, min_tokens 0) make them inert.
 """

@@ -1,14 +1,11 @@
 """KV pool sizing from a profiling run (the Worker role of the RFC): no formula reserve.
 
 Before the KV pool exists, a throw-away runner with a tiny pool executes the heaviest shapes
-the engine will ever run: the largest prefill chunk at full depth (token 0 of it sampled with
-every sampling feature on), a decode tick over every row in the most expensive sampling mode
-and, with speculation, a speculative round over the most rows a round holds in that mode
-(which also allocates the draft distributions). The peak bytes each allocates above the
-resident state, plus the runner's own persistent buffers, are what the pool must leave free.
-Decode ticks and rounds run as CUDA graphs in one memory pool (one replays at a time: the
-larger of their peaks) that stays allocated while prefill runs eagerly next to it, so the
-prefill and decode peaks are added.
+the engine will ever run (README.md, "Snapshots and memory"): the largest prefill chunk, a decode
+tick over every row in the most expensive sampling mode and, with speculation, a speculative
+round over the most rows a round holds. Decode ticks and rounds run as CUDA graphs in one memory
+pool (one replays at a time: the larger of their peaks) that stays allocated while prefill runs
+eagerly next to it, so the prefill and decode peaks are added to the runner's own buffers.
 
 The device's memory is counted as torch sees it: bytes held by live tensors are used; bytes the
 caching allocator keeps but no tensor uses (e.g. left by an engine that was shut down) are free;
@@ -149,6 +146,19 @@ def profile_activation_peak(
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
 
+    def peak_of_first_tokens(requests, released, **work) -> int:
+        """The peak of a step that runs 1-token prompts `requests` and then `work`."""
+        return peak_of(
+            SchedulerOutput(
+                step_id=-1,
+                new_requests=tuple(n for n, _ in requests),
+                block_updates=tuple(b for _, b in requests),
+                released=released,
+                prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in requests),
+                **work,
+            )
+        )
+
     def measure() -> tuple[int, int]:
         nonlocal next_block
         big, big_blocks = request(0, prefill_tokens)
@@ -163,34 +173,14 @@ def profile_activation_peak(
             )
         )
         small = [request(1 + i, 1) for i in range(rows)]
-        decode = peak_of(
-            SchedulerOutput(
-                step_id=-1,
-                new_requests=tuple(n for n, _ in small),
-                block_updates=tuple(b for _, b in small),
-                released=(big.identity,),
-                prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in small),
-                decode_ticks=1,
-            )
-        )
+        decode = peak_of_first_tokens(small, (big.identity,), decode_ticks=1)
         released = tuple(n.identity for n, _ in small)
         if speculation is not None:  # in the blocks the released decode rows held
             next_block = after_big
             count = min(rows, speculation.max_slots)
             drafting = [request(1 + rows + i, 1) for i in range(count)]
-            decode = max(
-                decode,
-                peak_of(
-                    SchedulerOutput(
-                        step_id=-1,
-                        new_requests=tuple(n for n, _ in drafting),
-                        block_updates=tuple(b for _, b in drafting),
-                        released=released,
-                        prefill=tuple(PrefillChunk(n.identity, 0, (1,), True) for n, _ in drafting),
-                        speculative_rounds=1,
-                    )
-                ),
-            )
+            rounds = peak_of_first_tokens(drafting, released, speculative_rounds=1)
+            decode = max(decode, rounds)
             released = tuple(n.identity for n, _ in drafting)
         runner.collect(runner.submit(SchedulerOutput(step_id=0, released=released)))
         return prefill, decode

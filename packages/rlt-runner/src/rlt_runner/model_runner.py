@@ -1,20 +1,11 @@
 """`ModelRunner`: executes `SchedulerOutput`s on the device and reports `ModelRunnerOutput`s.
 
 Submission and completion are separate calls (R18): `submit(step)` queues all of a step's device
-work (bookkeeping uploads, prefill, token 0 of completed prompts, K decode ticks, one read-back
-copy) and returns at once with a `PendingStep`; `collect(pending)` waits for that step's copy and
-parses it. The engine submits step n + 1 before it collects step n, so the host schedules while
-the device computes. On the CPU both are synchronous, with identical results.
-
-Inside a step nothing waits for the device: uploads are pinned and non-blocking, block tables
-and per-row parameters are written by small index copies, decode ticks are CUDA-graph replays
-(or eager calls of the same code), and snapshot copies are queued in stream order.
-
-Failures (R04): the step's bookkeeping runs inside the step's failure handling
-(`bookkeeping.StepBookkeeping`). A failed snapshot or restore loses only its request; anything
-else that raises fails the step for every request it touched. Either way the named requests'
-rows and snapshots are dropped at once, the `ModelRunnerOutput` names them (`failures`), the
-scheduler aborts them, and later steps skip work for them until their release arrives.
+work (bookkeeping uploads, prefill, token 0 of completed prompts, K decode ticks or speculative
+rounds, one read-back copy) and returns at once with a `PendingStep`; `collect(pending)` waits
+for that step's copy and parses it. Inside a step nothing waits for the device; on the CPU both
+calls are synchronous, with identical results. Failures are reported, never raised (README.md,
+"Failure protocol"; step_bookkeeping.py).
 """
 
 from __future__ import annotations
@@ -109,19 +100,17 @@ class ModelRunner:
         distribution_exits: bool = False,
         max_speculative_rounds: int = 1,
     ) -> None:
-        """`config`: the engine's runner options (KV layout and block size, CUDA graphs,
-        initial state, speculation); `batch`: the scheduler's limits the runner is sized for
-        (`max_num_seqs` rows, `decode_ticks_per_step` ticks, prompt chunks of
-        `prefill_chunk_size` in steps of `max_num_batched_tokens`, cohorts under no_refill).
-        `kv_scales`: the KV cache is float8_e4m3fn with these per-layer scales (else it has
-        `dtype`). With `config.cuda_graphs`, decode ticks (and SHARED prefill waves) run as
-        CUDA graphs; with `prefill_cuda_graphs` too, prompt steps up to the token budget (not
-        for batch-invariant engines or whole prompts). With speculation, steps may run up to
-        `max_speculative_rounds` rounds (the sampler must then be a `SpeculativeSampler`).
-        A family that declares a random initial state draws it per token from its request's
-        seed and position unless `initial_state` is "zero". `trace_capacity`: depths per row a
-        trace exit rule holds; `distribution_exits`: the exit policy reads the next-token
-        distribution every loop (the KL rules)."""
+        """README.md, "Contracts", gives the arguments; `batch` sizes the runner (rows, decode
+        ticks, prompt chunks, cohorts under no_refill). `kv_scales`: the KV cache is
+        float8_e4m3fn with these per-layer scales (else it has `dtype`). With
+        `config.cuda_graphs`, decode ticks (and SHARED prefill waves) run as CUDA graphs; with
+        `prefill_cuda_graphs` too, prompt steps up to the token budget (not for batch-invariant
+        engines or whole prompts). With speculation, steps may run up to
+        `max_speculative_rounds` rounds (the sampler must then be a `SpeculativeSampler`). A
+        family that declares a random initial state draws it per token from its request's seed
+        and position unless `initial_state` is "zero". `trace_capacity`: depths per row a trace
+        exit rule holds; `distribution_exits`: the exit policy reads the next-token distribution
+        every loop (the KL rules)."""
         kv_layout, block_size, max_num_seqs = config.layout, config.block_size, batch.max_num_seqs
         cohort_decoding = batch.mode is SchedulingMode.NO_REFILL
         max_decode_ticks = batch.decode_ticks_per_step
@@ -182,7 +171,6 @@ class ModelRunner:
             layout=kv_layout,
             cohort=cohort_decoding,
             max_ticks=max_decode_ticks,
-            max_context=max_pages * block_size,
             random_initial_state=config.initial_state == "random",
             distribution_exits=distribution_exits,
         )

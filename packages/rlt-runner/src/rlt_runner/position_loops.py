@@ -1,25 +1,12 @@
 """`PositionLoops`: model calls over many token positions, each stopping at its own exit depth.
 
-Two passes need the same thing: a speculative round's draft and verify
-(speculative_program.py), and prompt scoring at each position's exit depth
-(exit_depth_prefill.py). Each token carries a `TokenState` (loops run, hazard survival,
-delayed exit, exited flag and depth, its position's KV slot in every plane); around every model
-call a bookkeeping object (`loop_bookkeeping.TorchBookkeeping`, or the fused
+Shared by a speculative round's draft and verify (speculative_program.py) and prompt scoring at
+each position's exit depth (exit_depth_prefill.py). Each token carries a `TokenState`; around
+every model call a bookkeeping object (`loop_bookkeeping.TorchBookkeeping`, or the fused
 `speculative_kernels.SpeculativeKernels`) says which tokens run the loop and where they write,
-then applies their exit rules (`exit_rules.apply_exit_rules`), copies the KV of tokens that exit
-at e < T into planes e..T-1 (LAST_EXITED) and advances the rest.
-
-Two shapes of pass:
-
-    depth_major   loop j for every token at once: groups of consecutive positions (one
-                  attention group of several queries each), all reading plane j - 1. A token
-                  that exited earlier still sits in its group as a query (its result is
-                  discarded, its KV write goes to the scratch slot); the positions after it read
-                  its deeper planes, which its exit's copies filled before this loop ran: exactly
-                  what decoding leaves there. Valid for LAST_EXITED only (SHARED's one plane
-                  would show later positions a version decoding never shows them).
-    one_position  one token per group (a decode tick's shape), each at its own next loop up to
-                  a cap: SHARED's position-by-position passes, and the draft.
+then applies their exit rules, copies the KV of tokens that exit at e < T into planes e..T-1
+(LAST_EXITED) and advances the rest. Passes are `depth_major` (LAST_EXITED only) or
+`one_position`; README.md, "Prompt chunks at exit depth", says why each equals decoding.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ those steps run eagerly).
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 import torch
 from rlt_contracts import (
@@ -66,9 +67,7 @@ class PrefillGroups:
         block_size: int,
     ) -> None:
         ends = [s + n for s, n in zip(starts, lengths, strict=True)]
-        query_start = [0]
-        for n in lengths:
-            query_start.append(query_start[-1] + n)
+        query_start = [0, *accumulate(lengths)]
         positions = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
         group_of_query = [g for g, n in enumerate(lengths) for _ in range(n)]
         ints = upload(
@@ -85,6 +84,18 @@ class PrefillGroups:
         self.max_context_len = max(ends)
         self.pages = (self.max_context_len - 1) // block_size + 1
         self.last_query = meta[2] - 1  # [S] packed index of each group's last query
+
+    @classmethod
+    def of_chunks(cls, rows: DecodeRows, chunks, *, block_size: int) -> PrefillGroups:
+        """One group per chunk (row, start_position, token_ids, completes_prompt)."""
+        return cls(
+            rows,
+            [row for row, _, _, _ in chunks],
+            [start for _, start, _, _ in chunks],
+            [len(tokens) for _, _, tokens, _ in chunks],
+            [t for _, _, tokens, _ in chunks for t in tokens],
+            block_size=block_size,
+        )
 
     def batch(self, plane: int, *, causal: bool = True) -> PagedAttentionBatch:
         tables = self.rows.block_tables[self.row_index, plane, : self.pages]
@@ -143,14 +154,7 @@ def run_prefill(
 def _depth_major(
     model, attention, kv, rows, layout, chunks, keep_states, loops, state_uniforms=None
 ) -> dict:
-    groups = PrefillGroups(
-        rows,
-        [row for row, _, _, _ in chunks],
-        [start for _, start, _, _ in chunks],
-        [len(tokens) for _, _, tokens, _ in chunks],
-        [t for _, _, tokens, _ in chunks for t in tokens],
-        block_size=kv.block_size,
-    )
+    groups = PrefillGroups.of_chunks(rows, chunks, block_size=kv.block_size)
     causal = model.family.prompt_mask is not PromptMask.PREFIX_LM  # prompts come whole then
     stage = rows.stage_plane  # the prelude's and coda's KV (stage_plane.py)
     if stage is None:
@@ -170,23 +174,26 @@ def _depth_major(
         query_loops = upload(per_query, torch.int64, rows.device)
     for loop in range(1, max(loops) + 1):
         batch = groups.batch(layout.plane_of_loop(loop), causal=causal)
-        if query_loops is not None:  # queries past their request's loops write nothing
-            done = query_loops < loop
-            batch = replace(
-                batch, write_slots=torch.where(done, kv.scratch_slot, batch.write_slots)
-            )
-        bound = attention.bind(kv.tensors, batch)
-        computed, _ = model.recurrent_step(hidden, groups.positions, bound, compute_gate=False)
-        hidden = computed if query_loops is None else torch.where(done[:, None], hidden, computed)
+        done = None if query_loops is None else query_loops < loop
+        hidden = _loop(model, attention, kv, hidden, groups.positions, batch, done)
     if query_loops is not None and layout.fills_unreached_planes and rows.loop_planes > 1:
         _copy_into_deeper_planes(kv, groups, query_loops, rows.loop_planes)
     if stage is not None:  # every position's coda KV; the states the head reads
         hidden = model.finish(hidden, groups.positions, stage_attention)
     _keep_final_states(rows, groups, hidden, [done for _, _, _, done in chunks])
-    starts = [0]
-    for _, _, tokens, _ in chunks:
-        starts.append(starts[-1] + len(tokens))
-    return {i: hidden[starts[i] : starts[i + 1]] for i in keep_states}
+    states = hidden.split([len(tokens) for _, _, tokens, _ in chunks])
+    return {i: states[i] for i in keep_states}
+
+
+def _loop(model, attention, kv, hidden, positions, batch, done) -> torch.Tensor:
+    """One loop of every query; the queries `done` (past their request's loops; None: none)
+    write nothing and keep their state."""
+    if done is not None:
+        batch = replace(batch, write_slots=torch.where(done, kv.scratch_slot, batch.write_slots))
+    computed, _ = model.recurrent_step(
+        hidden, positions, attention.bind(kv.tensors, batch), compute_gate=False
+    )
+    return computed if done is None else torch.where(done[:, None], hidden, computed)
 
 
 def _copy_into_deeper_planes(kv, groups: PrefillGroups, query_loops, planes: int) -> None:
@@ -224,16 +231,8 @@ def _position_by_position(model, attention, kv, rows, chunks, keep_states, loops
         mixed = min(wave_loops) < max(wave_loops)
         stops = upload(wave_loops, torch.int64, rows.device) if mixed else None
         for loop in range(1, max(wave_loops) + 1):
-            batch = groups.batch(0)
-            if stops is not None:  # rows past their request's loops write nothing
-                done = stops < loop
-                batch = replace(
-                    batch, write_slots=torch.where(done, kv.scratch_slot, batch.write_slots)
-                )
-            computed, _ = model.recurrent_step(
-                hidden, groups.positions, attention.bind(kv.tensors, batch), compute_gate=False
-            )
-            hidden = computed if stops is None else torch.where(done[:, None], hidden, computed)
+            done = None if stops is None else stops < loop
+            hidden = _loop(model, attention, kv, hidden, groups.positions, groups.batch(0), done)
         last = [done and offset == len(tokens) - 1 for _, _, tokens, done in wave]
         _keep_final_states(rows, groups, hidden, last)
         in_wave = [i for i, c in enumerate(chunks) if offset < len(c[2])]

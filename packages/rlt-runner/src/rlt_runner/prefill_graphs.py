@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import accumulate
 
 import torch
 from rlt_contracts import AttentionBackend, KVLayoutSpec, LoopedLanguageModel, PagedAttentionBatch
@@ -109,11 +110,8 @@ class PrefillGraphs:
         token_ids = [t for _, _, tokens, _ in chunks for t in tokens]
         positions = [s + i for _, s, tokens, _ in chunks for i in range(len(tokens))]
         group_of = [g for g, (_, _, tokens, _) in enumerate(chunks) for _ in tokens]
-        ends, query_end, total = [], [], 0
-        for _, start, tokens, _ in chunks:
-            total += len(tokens)
-            ends.append(start + len(tokens))
-            query_end.append(total)
+        ends = [start + len(tokens) for _, start, tokens, _ in chunks]
+        query_end = list(accumulate(len(tokens) for _, _, tokens, _ in chunks))
         gpad = groups - len(chunks)
         kept = [(g, row) for g, (row, _, _, done) in enumerate(chunks) if done]
         host = [
@@ -123,7 +121,7 @@ class PrefillGraphs:
             [1] * num_tokens + [0] * pad,
             [row for row, _, _, _ in chunks] + [0] * gpad,
             ends + [0] * gpad,
-            query_end + [total] * gpad,
+            query_end + [num_tokens] * gpad,
             [row for _, row in kept] + [query_end[g] - 1 for g, _ in kept],
         ]
         flat = [v for column in host for v in column]

@@ -7,13 +7,9 @@ Rows are attributed to the request that owned them when the step was submitted (
 whose identity carries the generation), so a late result never reaches a request that reuses
 the id or the row (R17).
 
-Progress points (R18) are kept apart: `submit` queues prompt chunks (`queued_progress`:
-submission, no evidence of anything); the step's `StepCompletion` says what establishes that its
-device work finished (an event recorded after all of it, on CUDA, whether or not anything is
-read back; or a device that ran it synchronously, the CPU); `finish_readback` reports
-`PrefillProgress` only once that evidence holds (device completion), and handing the output to
-the scheduler is delivery. A step with queued chunks and no evidence is an error, never a
-report.
+Progress points (R18; README.md, "Progress points"): `finish_readback` reports the queued prompt
+chunks (`queued_progress`) only once the step's `StepCompletion` evidence holds; a step with
+queued chunks and no evidence is an error, never a report.
 """
 
 from __future__ import annotations

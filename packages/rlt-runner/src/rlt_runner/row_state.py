@@ -20,12 +20,9 @@ every tick (nobody else writes them):
                        next token mask (set on output if `hold_after_output`, cleared by
                        `apply_token_masks`); a held row neither loops nor samples
   hold_after_output [S] bool: the rule's `one_output_per_step`
-  rule_kind, min_loops, max_loops, threshold, trace [S, T], max_tokens, stop_ids [S, C],
-  speculative_tokens:  the request's `DecodeRule` (stop_ids padded with -1;
-                       speculative_tokens = its drafts per speculative round)
-  temperature, top_k, top_p, seed: its sampling parameters
-  repetition_penalty, frequency_penalty, presence_penalty, min_p [S] fp32, min_tokens [S]:
-                       the logits adjustments and min_p (neutral: 1, 0, 0, 0, 0)
+  rule_kind .. speculative_tokens, temperature .. min_tokens: the request's `DecodeRule` and
+                       sampling parameters (stop_ids [S, C] padded with -1; speculative_tokens:
+                       drafts per round; the adjustments' neutral values 1, 0, 0, 0, 0)
   block_tables [S, planes, pages] int32: physical block of every page of every plane; pages not
                        allocated point at the scratch block, so a stray write never lands in a
                        block some other request holds.
@@ -45,6 +42,7 @@ from rlt_contracts import (
     ExecutionIdentity,
     ExitRuleKind,
     LogitsAdjustments,
+    SamplingMode,
 )
 
 from rlt_runner.logits_state import LogitsState
@@ -272,18 +270,32 @@ class DecodeRows:
             token_bitmask=rows_of(state.token_bitmask),
         )
 
+    def sampling_keywords(self, index: slice | torch.Tensor, mode: SamplingMode) -> dict:
+        """The sampler's per-row keywords for rows `index` (views for a slice, gathered copies
+        for a tensor); min_p and the logits adjustments only in a mode that reads them."""
+        keywords = {
+            "temperature": self.temperature[index],
+            "top_k": self.top_k[index],
+            "top_p": self.top_p[index],
+            "seed": self.seed[index],
+        }
+        if mode.min_p:
+            keywords["min_p"] = self.min_p[index]
+        if mode.adjusts_logits:
+            keywords["adjustments"] = self.adjustments(index)
+        return keywords
+
     def _traces(self, records: list[RowRecord]) -> list[list[int]]:
         rows = []
         for record in records:
-            depths = list(record.rule.exit.trace_depths[: self.trace_capacity])
-            if record.rule.exit.kind is ExitRuleKind.TRACE and len(
-                record.rule.exit.trace_depths
-            ) > (self.trace_capacity):
+            rule, capacity = record.rule.exit, self.trace_capacity
+            if rule.kind is ExitRuleKind.TRACE and len(rule.trace_depths) > capacity:
                 raise ValueError(
-                    f"{record.identity}: trace of {len(record.rule.exit.trace_depths)} depths "
-                    f"exceeds the runner's trace capacity {self.trace_capacity}"
+                    f"{record.identity}: trace of {len(rule.trace_depths)} depths "
+                    f"exceeds the runner's trace capacity {capacity}"
                 )
-            rows.append(depths + [record.rule.exit.max_loops] * (self.trace_capacity - len(depths)))
+            depths = list(rule.trace_depths[:capacity])
+            rows.append(depths + [rule.max_loops] * (capacity - len(depths)))
         return rows
 
     # -- structured output ---------------------------------------------------------------------

@@ -1,10 +1,9 @@
 """SHARED-layout prefill waves as CUDA graphs.
 
-Under SHARED a prompt advances one position at a time through every loop, because position p
-at loop 1 reads position p - 1 at its final depth (prefill.py). A wave (one position of every
-prompt chunk in the step, all loops) is a decode-shaped call: one query per row, written to
-plane 0. Run eagerly it costs the host ~300 launches per loop for every position; here each
-wave is one graph replay, so a long SHARED prompt runs at the GPU's speed, not the host's.
+Under SHARED a prompt advances one position at a time through every loop (prefill.py). A wave
+(one position of every prompt chunk in the step, all loops) is a decode-shaped call: one query
+per row, written to plane 0. Eagerly it costs the host ~300 launches per loop and position;
+as one graph replay a long SHARED prompt runs at the GPU's speed, not the host's.
 
 One graph per wave width (the decode graphs' buckets: powers of two up to the row count), all
 captured up front into the decode graphs' memory pool (one graph replays at a time). Its inputs

@@ -1,14 +1,10 @@
-"""Accepting a speculative round (the end of `SpeculativeProgram.round`): the coda of every
-position at its exit depth, the sampler's `verify_rows` (or, in the benchmarks, the forced
-accepted counts), then the round's effects:
-
-    emitted   the accepted drafts and one more token, cut after the first stop id or when
-              max_tokens is reached (a row that is not live emits nothing)
-    records   (token or -1, exit depth[, logprobs]) at ring rows round * (K + 1) + i, and
-              (accepted, drafted) in `counts`, for the step's one read-back
-    counts    output counts of the emitted tokens (penalized modes)
-    rows      live rows continue at position p + emitted with the last token embedded and a
-              fresh exit state (loops 0), or stop; other rows get their own values back
+"""Accepting a speculative round (the end of `SpeculativeProgram.round`; README.md,
+"Speculative rounds"): the coda of every position at its exit depth, the sampler's
+`verify_rows` (or, in the benchmarks, the forced accepted counts), then the round's effects:
+the emitted tokens (the accepted drafts and one more, cut after the first stop id or at
+max_tokens; none for a row that is not live), their records and output counts, and the rows'
+new state (live rows continue at position p + emitted with the last token embedded and a fresh
+exit state, or stop; other rows get their own values back).
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from __future__ import annotations
 import torch
 from rlt_contracts import SamplingMode
 
-from rlt_runner.decode_program import record_columns
+from rlt_runner.decode_program import record_columns, record_values
 from rlt_runner.speculative_state import RoundState, Slots
 
 
@@ -36,7 +32,7 @@ def accept_round(program: RoundState, slots: Slots, mode: SamplingMode) -> None:
         counter=slots.outputs,
         mode=mode,
         accepted_override=override,
-        **program.sampling_of(index, mode),
+        **rows.sampling_keywords(index, mode),
     )
     tokens, offsets = result.token_ids, program.offsets
     is_stop = (tokens[:, :, None] == rows.stop_ids[index][:, None, :]).any(dim=2)
@@ -46,7 +42,7 @@ def accept_round(program: RoundState, slots: Slots, mode: SamplingMode) -> None:
     last = torch.where(ends.any(dim=1), ends.to(torch.int32).argmax(dim=1), result.accepted)
     count = torch.where(slots.live, last + 1, 0)
     kept = offsets < count[:, None]
-    _record(program, n, kept, tokens, result, mode)
+    _record(program, n, kept, result, mode)
     program.counts.narrow(1, 0, n).index_copy_(
         0,
         program.round_index,
@@ -85,17 +81,7 @@ def _commit(program: RoundState, slots: Slots, final, count, stopped) -> None:
     put(rows.held, rows.hold_after_output[index], carry_on)
 
 
-def _record(program: RoundState, n: int, kept, tokens, result, mode) -> None:
-    columns = [
-        torch.where(kept, tokens, -1).to(torch.float64)[..., None],
-        torch.where(kept, program.depths[:n], 0).to(torch.float64)[..., None],
-    ]
-    if mode.top_logprobs is not None:
-        columns += [
-            result.logprobs.to(torch.float64)[..., None],
-            result.top_token_ids.to(torch.float64),
-            result.top_logprobs.to(torch.float64),
-        ]
-    values = torch.cat(columns, dim=2).transpose(0, 1)  # [width, n, columns]
+def _record(program: RoundState, n: int, kept, result, mode) -> None:
+    values = record_values(kept, program.depths[:n], result, mode).transpose(0, 1)  # [K + 1, n, c]
     target = program.round_index * program.width + program.offsets
     program.ring.narrow(1, 0, n).narrow(2, 0, record_columns(mode)).index_copy_(0, target, values)

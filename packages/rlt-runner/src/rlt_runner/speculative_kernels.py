@@ -1,10 +1,7 @@
 """Triton kernels of a speculative round's per-loop bookkeeping (CUDA; TRITON_INTERPRET=1 on CPU).
 
-The torch code of `PositionLoops` (`one_position`, `run_loop`, the bookkeeping's `_finalize`,
-`TokenState.advance`, `apply_exit_rules`) is the reference. Written as whole-batch tensor ops it
-launches about 40 tiny kernels around every model call of a draft or verify loop, each a few
-microseconds inside a graph and none of them a programmatic dependent launch, while the model
-call itself is ~1.1 ms. These three kernels do the same work:
+The torch bookkeeping (loop_bookkeeping.py) is the reference; README.md, "Speculative rounds",
+says what the kernels replace and what they saved. They do the same work:
 
   prepare  one program per token, before the model call: whether it runs this loop, its loop
            index, its KV write slot (the scratch slot when it does not run); for a draft loop
@@ -14,10 +11,10 @@ call itself is ~1.1 ms. These three kernels do the same work:
            `tick_kernels.exit_rule`), the token's state advanced in place
            (hidden, loops, survival, pending, exited, depth) and, under LAST_EXITED, the
            (source, target) slot pairs of its finalization copies (-1: none)
-  copy     `tick_kernels._copy_kernel` over those pairs
+  copy     `tick_kernels.launch_copies` over those pairs
 
-Bool state is passed as uint8 views (same memory). The kernels write the `TokenState` tensors in
-place, so the program gives them tensors of their own (never a strided view of its buffers).
+The kernels write the `TokenState` tensors in place, so the program gives them tensors of their
+own (never a strided view of its buffers).
 """
 
 from __future__ import annotations
@@ -117,16 +114,13 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         token = tl.program_id(0)
-        run = tl.load(run_ptr + token) != 0
-        loop_index = tl.load(loop_index_ptr + token)
-        survival = tl.load(survival_ptr + token)
-        pending = tl.load(pending_ptr + token)
-        exits, survival_new, pending_new = exit_rule(
+        run, loop_index, survival, pending, exits, survival_new, pending_new = exit_rule(
             token,
-            loop_index,
-            survival,
-            pending,
-            tl.load(output_index_ptr + token),
+            run_ptr,
+            loop_index_ptr,
+            survival_ptr,
+            pending_ptr,
+            output_index_ptr,
             gate_ptr,
             kind_ptr,
             min_loops_ptr,
@@ -136,7 +130,6 @@ if triton is not None:
             trace_capacity,
             HAS_GATE,
         )
-        exits = exits & run
         tl.store(survival_ptr + token, tl.where(run, survival_new, survival))
         tl.store(pending_ptr + token, tl.where(run, pending_new, pending))
         tl.store(loops_ptr + token, tl.where(run, loop_index, tl.load(loops_ptr + token)))
@@ -160,12 +153,7 @@ if triton is not None:
                 tl.store(hidden_ptr + token * hidden_size + cols, computed, mask=inside)
 
 
-def available() -> bool:
-    return triton is not None
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.uint8)
+available = tick_kernels.available
 
 
 def _check_dense(state) -> None:
@@ -226,8 +214,8 @@ class SpeculativeKernels:
         count = state.loops.shape[0]
         verify = tables is None
         _prepare_kernel[(count,)](
-            _bytes(on),
-            _bytes(state.exited),
+            tick_kernels.uint8_view(on),
+            tick_kernels.uint8_view(state.exited),
             state.loops,
             state.position,
             state.kv_slots,
@@ -260,7 +248,7 @@ class SpeculativeKernels:
             state.pending,
             state.loops,
             state.depth,
-            _bytes(state.exited),
+            tick_kernels.uint8_view(state.exited),
             state.output_index,
             rules.kind,
             rules.min_loops,
@@ -280,14 +268,4 @@ class SpeculativeKernels:
             BLOCK_D=min(triton.next_power_of_2(hidden_size), 1024),
         )
         if rows.num_planes > 1:
-            key, value = program.kv.tensors.key_cache, program.kv.tensors.value_cache
-            kv_width = key.shape[-2] * key.shape[-1]
-            tick_kernels._copy_kernel[(count * (rows.num_planes - 1), key.shape[0])](
-                key,
-                value,
-                self.copy_src,
-                self.copy_dst,
-                key.shape[1] * key.shape[2],
-                kv_width,
-                BLOCK_W=min(triton.next_power_of_2(kv_width), 2048),
-            )
+            tick_kernels.launch_copies(program.kv, self.copy_src, self.copy_dst, count)

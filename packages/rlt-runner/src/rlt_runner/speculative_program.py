@@ -89,11 +89,7 @@ class SpeculativeProgram:
         max_slots: int,
         max_rounds: int,
         max_model_len: int,
-        fused_bookkeeping: bool | None = None,
     ) -> None:
-        """fused_bookkeeping: the per-loop bookkeeping in Triton kernels
-        (speculative_kernels.py) instead of torch ops (loop_bookkeeping.py); None = on
-        CUDA when Triton is there."""
         depth = model.shape.num_loops
         if not 1 <= draft_loops < depth:
             raise ValueError(f"draft_loops must be in [1, {depth - 1}], got {draft_loops}")
@@ -145,9 +141,9 @@ class SpeculativeProgram:
         self.position_loops = PositionLoops(
             model, attention, kv, rows, max_position=max_model_len - 1
         )
-        if fused_bookkeeping is None:
-            fused_bookkeeping = device.type == "cuda" and speculative_kernels.available()
-        if fused_bookkeeping:  # buffers for every position of a round: max_slots x (K + 1)
+        # the per-loop bookkeeping in Triton kernels on CUDA (else loop_bookkeeping.py's torch
+        # ops), with buffers for every position of a round: max_slots x (K + 1)
+        if device.type == "cuda" and speculative_kernels.available():
             self.bookkeeping = speculative_kernels.SpeculativeKernels(self)
 
     @property
@@ -265,7 +261,7 @@ class SpeculativeProgram:
                 self.model.coda(state.hidden),
                 counter=state.output_index,
                 mode=mode,
-                **self.sampling_of(slots.index, mode),
+                **rows.sampling_keywords(slots.index, mode),
             )
             token = proposal.token_ids
             if proposal.probabilities is not None:
@@ -345,21 +341,6 @@ class SpeculativeProgram:
         self.round_index += 1
 
     # -- helpers -------------------------------------------------------------------------------
-    def sampling_of(self, index: torch.Tensor, mode: SamplingMode) -> dict:
-        """The sampler's per-row keywords for rows `index` in `mode`."""
-        rows = self.rows
-        params = dict(
-            temperature=rows.temperature[index],
-            top_k=rows.top_k[index],
-            top_p=rows.top_p[index],
-            seed=rows.seed[index],
-        )
-        if mode.min_p:
-            params["min_p"] = rows.min_p[index]
-        if mode.adjusts_logits:
-            params["adjustments"] = rows.adjustments(index)
-        return params
-
     def draft_probabilities_buffer(self) -> torch.Tensor:
         """[L, K, V] fp32 draft distributions, allocated on first use."""
         if self.draft_probabilities is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from rlt_contracts import LoopedLanguageModel, SamplingMode, SpeculativeSampler
+from rlt_contracts import LoopedLanguageModel, SpeculativeSampler
 
 from rlt_runner.exit_rules import ExitRules
 from rlt_runner.row_state import DecodeRows
@@ -50,8 +50,6 @@ class RoundState(Protocol):
     counts: torch.Tensor  # [R + 2, L, 2] fp64: (accepted, drafted)
     round_index: torch.Tensor  # [1] int64
     forced_accepted: torch.Tensor  # [R + 2, L] int64
-
-    def sampling_of(self, index: torch.Tensor, mode: SamplingMode) -> dict: ...
 
     def draft_probabilities_buffer(self) -> torch.Tensor: ...
 

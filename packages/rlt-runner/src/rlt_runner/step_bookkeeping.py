@@ -2,22 +2,9 @@
 rows, block-table growth and restores, in the contract's order, and what happens when one fails.
 
 The scheduler decides (victims, admissions, releases); this module executes the decisions and
-reports each outcome. Failure protocol:
-
-- A victim's snapshot that raises (e.g. pinned host memory exhausted) loses only that victim:
-  its row (and any partial snapshot) is dropped, so it can never run on blocks the scheduler has
-  already handed to others, and a `SNAPSHOT` failure names it; the step goes on for everyone
-  else. The scheduler aborts the victim with the error (it cannot resume: its blocks are gone).
-- A restore that raises loses only the resumed request the same way (`RESTORE` failure).
-- A shared operation that raises (row releases, row assignment, the block-table upload) fails
-  the whole step: the caller names every request the step touched (`STEP` failure) and calls
-  `lose` for them.
-
-A lost identity holds no row and no snapshot here. Steps the scheduler built before it learned
-of the failure may still name it (a chunk, a restore, growth, a remote start); that work is
-skipped (`is_live`) until the scheduler's release of the identity arrives, which ends its
-tracking. Nothing leaks: every lost identity is aborted by the scheduler, and an abort always
-queues its release.
+reports each outcome. README.md, "Failure protocol", says who each failure loses, what the rest
+of the step does and how a lost identity's later work is skipped (`is_live`) until the
+scheduler's release ends its tracking.
 """
 
 from __future__ import annotations
@@ -62,9 +49,9 @@ class StepBookkeeping:
         return frozenset(self._lost)
 
     def apply(self, step: SchedulerOutput) -> list[ExecutionFailure]:
-        """Snapshots, releases, new and restored rows, block-table growth, restores, token
-        masks (structured output). Returns the
-        failures of single requests; a shared operation that fails raises (the step fails)."""
+        """Snapshots, releases, new and restored rows, block-table growth, restores, token masks
+        (structured output). Returns the failures of single requests; a shared operation that
+        fails raises (the step fails)."""
         failures = [self._save(identity) for identity in step.snapshots if self.is_live(identity)]
         self.rows.release(list(step.released))
         for identity in step.released:

@@ -9,18 +9,16 @@ kernels do the same work:
             rows (structured output) do not run
   decide    one program per row, after the loop and before the coda: the exit rule (HAZARD /
             DELAYED_HAZARD / TRACE, hazard product in fp64) into `exits`, `survival_new`,
-            `pending_new`; `coda_flag` raised when some row exits (the LM head, 201 MB of
-            weight at Ouro-1.4B, is skipped in ticks where it stays 0)
+            `pending_new`; `coda_flag` raised when some row exits (README.md, "Worked example
+            1": the LM head reads no weight in ticks where it stays 0)
   commit    one program per row: stop rule, ring record (token, depth[, logprobs]), the
             exited token's output count (penalized modes: `output_counts[row, token] += 1`),
             every progress field, the LAST_EXITED copy slots, and the row's next hidden state
             (the embedded new token, the loop's output, or unchanged)
   copy      one program per (row, target plane, layer): the LAST_EXITED finalization copies
 
-A RING layout of K planes (`KVLayoutSpec`) takes plane (loop - 1) mod K in prepare; its copies
-(into the planes a token that stops at loop e < K never wrote) are LAST_EXITED's over K planes.
-
-Bool row buffers are passed as uint8 views (same memory).
+A RING layout of K planes takes plane (loop - 1) mod K in prepare; its copies are LAST_EXITED's
+over K planes. Bool row buffers are passed as uint8 views (same memory).
 """
 
 from __future__ import annotations
@@ -107,10 +105,11 @@ if triton is not None:
     @triton.jit
     def exit_rule(
         index,
-        loop_index,
-        survival,
-        pending,
-        output_index,
+        run_ptr,
+        loop_index_ptr,
+        survival_ptr,
+        pending_ptr,
+        output_index_ptr,
         gate_ptr,
         kind_ptr,
         min_loops_ptr,
@@ -120,9 +119,15 @@ if triton is not None:
         trace_capacity,
         HAS_GATE: tl.constexpr,
     ):
-        """Entry `index`'s exit rule after loop `loop_index` (HAZARD / DELAYED_HAZARD / TRACE,
-        hazard product in fp64): (exits, survival after the loop, pending exit after it). The
-        tick's and the speculative round's decide kernels both call it."""
+        """Entry `index`'s exit rule after its loop (HAZARD / DELAYED_HAZARD / TRACE, hazard
+        product in fp64): (runs, loop index, survival and pending exit before the loop, exits
+        (only where it ran), survival and pending exit after it). The tick's and the
+        speculative round's decide kernels both call it."""
+        run = tl.load(run_ptr + index) != 0
+        loop_index = tl.load(loop_index_ptr + index)
+        survival = tl.load(survival_ptr + index)
+        pending = tl.load(pending_ptr + index)
+        output_index = tl.load(output_index_ptr + index)
         kind = tl.load(kind_ptr + index)
         at_max = loop_index >= tl.load(max_loops_ptr + index)
         delayed_exit = at_max | ((pending > 0) & (loop_index >= pending))
@@ -145,7 +150,7 @@ if triton is not None:
         exits = tl.where(
             kind == 0, hazard_exit, tl.where(kind == 1, delayed_exit, loop_index >= trace_depth)
         )
-        return exits, survival_new, pending_new
+        return run, loop_index, survival, pending, exits & run, survival_new, pending_new
 
     @triton.jit
     def _decide_kernel(
@@ -168,16 +173,13 @@ if triton is not None:
         HAS_GATE: tl.constexpr,
     ):
         row = tl.program_id(0)
-        run = tl.load(run_ptr + row) != 0
-        loop_index = tl.load(loop_index_ptr + row)
-        survival = tl.load(survival_ptr + row)
-        pending = tl.load(pending_ptr + row)
-        exits, survival_new, pending_new = exit_rule(
+        _, _, _, _, exits, survival_new, pending_new = exit_rule(
             row,
-            loop_index,
-            survival,
-            pending,
-            tl.load(outputs_ptr + row),
+            run_ptr,
+            loop_index_ptr,
+            survival_ptr,
+            pending_ptr,
+            outputs_ptr,
             gate_ptr,
             kind_ptr,
             min_loops_ptr,
@@ -187,7 +189,6 @@ if triton is not None:
             trace_capacity,
             HAS_GATE,
         )
-        exits = exits & run
         tl.store(exits_ptr + row, exits.to(tl.uint8))
         tl.store(survival_new_ptr + row, survival_new)
         tl.store(pending_new_ptr + row, pending_new)
@@ -356,8 +357,25 @@ if triton is not None:
                 tl.store(value_ptr + (base + target) * width + cols, v, mask=inside)
 
 
-def _bool_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def uint8_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A bool buffer as the kernels take it (same memory)."""
     return tensor.view(torch.uint8)
+
+
+def launch_copies(kv, copy_src: torch.Tensor, copy_dst: torch.Tensor, entries: int) -> None:
+    """`_copy_kernel` over the (source, target) slot pairs of `entries` rows or tokens, each
+    with `planes - 1` pairs ([entries, planes - 1] int64, -1: no copy), in every layer."""
+    key, value = kv.tensors.key_cache, kv.tensors.value_cache
+    width = key.shape[-2] * key.shape[-1]
+    _copy_kernel[(entries * copy_src.shape[1], key.shape[0])](
+        key,
+        value,
+        copy_src,
+        copy_dst,
+        key.shape[1] * key.shape[2],
+        width,
+        BLOCK_W=min(triton.next_power_of_2(width), 2048),
+    )
 
 
 class TickKernels:
@@ -387,9 +405,9 @@ class TickKernels:
     def prepare(self, num_rows: int) -> None:
         program, rows = self.program, self.program.rows
         _prepare_kernel[(1,)](
-            _bool_bytes(rows.active),
-            _bool_bytes(rows.parked),
-            _bool_bytes(rows.held),
+            uint8_view(rows.active),
+            uint8_view(rows.parked),
+            uint8_view(rows.held),
             rows.loops,
             rows.position,
             rows.block_tables,
@@ -461,10 +479,10 @@ class TickKernels:
             rows.survival,
             rows.pending_exit,
             rows.outputs,
-            _bool_bytes(rows.active),
-            _bool_bytes(rows.parked),
-            _bool_bytes(rows.held),
-            _bool_bytes(rows.hold_after_output),
+            uint8_view(rows.active),
+            uint8_view(rows.parked),
+            uint8_view(rows.held),
+            uint8_view(rows.hold_after_output),
             rows.max_tokens,
             rows.stop_ids,
             rows.block_tables,
@@ -492,19 +510,5 @@ class TickKernels:
         )
 
     def copy(self, num_rows: int) -> None:
-        program, rows = self.program, self.program.rows
-        if rows.num_planes <= 1:
-            return
-        key, value = program.kv.tensors.key_cache, program.kv.tensors.value_cache
-        layers = key.shape[0]
-        width = key.shape[-2] * key.shape[-1]
-        num_slots = key.shape[1] * key.shape[2]
-        _copy_kernel[(num_rows * (rows.num_planes - 1), layers)](
-            key,
-            value,
-            self.copy_src,
-            self.copy_dst,
-            num_slots,
-            width,
-            BLOCK_W=min(triton.next_power_of_2(width), 2048),
-        )
+        if self.program.rows.num_planes > 1:
+            launch_copies(self.program.kv, self.copy_src, self.copy_dst, num_rows)

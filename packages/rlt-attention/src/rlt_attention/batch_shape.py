@@ -74,15 +74,10 @@ def check_layer_inputs(views: SlotViews, num_rows: int, query, key, value) -> No
 def check_window(
     window: int | None, batch: PagedAttentionBatch, max_context_len: int
 ) -> int | None:
-    """A layer call's sliding window W (`LayerAttention`'s `window`): a query at position p sees
-    keys p - W + 1 .. p. Returns None for the whole context: `window` None, or a W of at least
-    `max_context_len` (no position p < max_context_len loses a key to it, so the call takes the
-    unwindowed path and its numbers). Host ints only (no sync).
-
-    Raises ValueError for a window that is not an int >= 1, and for a window over bidirectional
-    groups (`batch.causal` False): a prefix-LM prompt sees its whole context, and no family
-    windows one.
-    """
+    """A layer call's sliding window W (README.md, "Sliding window"), or None for the whole
+    context: `window` None, or a W of at least `max_context_len`, which hides no key (the call
+    takes the unwindowed path). Host ints only (no sync). ValueError for a window that is not
+    an int >= 1 or one over bidirectional groups (`batch.causal` False)."""
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:

@@ -1,11 +1,10 @@
 """Optional adapter to flash-attn 2's paged-KV forward: `flash_attn_with_kvcache` for decode,
 `flash_attn_varlen_func` for prefill and mixed calls (README.md, "Backends and capabilities",
-has its limits, its window mapping and how it is built and tested; checked against flash-attn
-2.8.3.post2's sources). Selection never picks it under "auto"; it is used only when asked for by
-name and when `import flash_attn` succeeds and both functions take a `block_table` (a
-capability probe, not a version check, R13).
+has its limits, its causal and window mapping and how it is built and tested; checked against
+flash-attn 2.8.3.post2's sources). Selection never picks it under "auto"; it is used only when
+asked for by name and when `import flash_attn` succeeds and both functions take a `block_table`
+(a capability probe, not a version check, R13).
 
-How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`):
 - KV: one layer of the runner's cache, [num_blocks, block_size, Hkv, D], is flash-attn's paged
   k/v cache as is (no copy); block tables are int32 with a unit last stride. Only the first
   ceil(max_context_len / block_size) table columns are passed (a view): the decode kernel
@@ -14,11 +13,8 @@ How the contract maps onto flash-attn 2 (paged KV is flash-attn's `block_table`)
   cache_seqlens=context_lengths, block_table=...)`, its KV splits chosen from the SM count
   (`num_splits=0`; a constructor argument overrides it). One query per group: no causal mask.
 - Other calls: `flash_attn_varlen_func(q [N, H, D], cu_seqlens_q=query_start, cu_seqlens_k=
-  [0, cumsum(context_lengths)], causal=True, block_table=...)`: its bottom-right causal mask is
-  this contract's "queries are the last q_len positions of the context", and with a block table
-  only the context lengths (the differences of cu_seqlens_k) matter.
-- A layer's sliding `window` W is `window_size=(W - 1, 0)` in both calls; without a window the
-  argument is not passed.
+  [0, cumsum(context_lengths)], causal=True, block_table=...)`; with a block table only the
+  context lengths (the differences of cu_seqlens_k) matter.
 """
 
 from __future__ import annotations
@@ -32,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
-from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs, check_window
-from rlt_attention.kv_store import SlotViews, slot_views, store_kv
+from rlt_attention.batch_shape import BatchShape, check_batch
+from rlt_attention.bound_attention import StoreThenAttend
+from rlt_attention.kv_store import SlotViews, slot_views
 
 FLASH_ATTN_CAPABILITIES = AttentionCapabilities(
     name="flash_attn",
@@ -129,7 +126,7 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-class _FlashAttnBoundAttention:
+class _FlashAttnBoundAttention(StoreThenAttend):
     """Per-call attention: borrowed KV tensors + the call's flash-attn arguments (built in bind,
     on the device, without a host sync)."""
 
@@ -142,13 +139,10 @@ class _FlashAttnBoundAttention:
         batch: PagedAttentionBatch,
         shape: BatchShape,
     ) -> None:
+        super().__init__(views, batch, shape)
         self._api = api
         self._num_splits = num_splits
         self._kv_cache = kv_cache
-        self._views = views
-        self._batch = batch
-        self._write_slots = batch.write_slots
-        self._shape = shape
         # Decode-only: every group one query row (flash_attn_with_kvcache's fixed q length 1).
         self._decode = shape.max_query_len == 1 and shape.num_rows == shape.num_groups
         self._block_table = _int32(batch.block_tables[:, : max(shape.pages_read, 1)])
@@ -159,23 +153,9 @@ class _FlashAttnBoundAttention:
                 torch.cumsum(batch.context_lengths, 0, dtype=torch.int32), (1, 0)
             )
 
-    def __call__(
-        self,
-        layer_index: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        """`rlt_contracts.LayerAttention` on cuda fp16/bf16: query [N, H, D], key/value
-        [N, Hkv, D] -> [N, H, D] in query's dtype (`window`: a sliding-window layer's W)."""
-        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        window = check_window(window, self._batch, self._shape.max_context_len)
+    def _attend(self, layer_index: int, query: torch.Tensor, window: int | None) -> torch.Tensor:
+        """cuda fp16/bf16 only (`window`: a sliding-window layer's W)."""
         windowed = {} if window is None else {"window_size": (window - 1, 0)}
-        store_kv(self._views, layer_index, self._write_slots, key, value)
-        if self._shape.num_rows == 0:
-            return torch.empty_like(query)
         key_cache = self._kv_cache.key_cache[layer_index]  # [num_blocks, block_size, Hkv, D]
         value_cache = self._kv_cache.value_cache[layer_index]
         q = query.to(key_cache.dtype)

@@ -34,10 +34,6 @@ class SlotViews:
     def fp8(self) -> bool:
         return self.key_scale is not None
 
-    @property
-    def num_slots(self) -> int:
-        return int(self.key_slots.shape[1])
-
 
 def slot_views(kv_cache: KVCacheTensors) -> SlotViews:
     """Validate the cache layout and return slot-major views of it.
@@ -57,9 +53,7 @@ def slot_views(kv_cache: KVCacheTensors) -> SlotViews:
     if key_cache.dtype != value_cache.dtype or key_cache.device != value_cache.device:
         raise ValueError("key/value caches must share dtype and device")
     scales = (kv_cache.key_scale, kv_cache.value_scale)
-    if (key_cache.dtype == FP8) != (scales[0] is not None) or (scales[0] is None) != (
-        scales[1] is None
-    ):
+    if any((key_cache.dtype == FP8) != (scale is not None) for scale in scales):
         raise ValueError(
             f"a {FP8} cache needs key and value scales, and only such a cache has them"
         )

@@ -69,15 +69,10 @@ AUTO_PREFERENCE: tuple[str, ...] = ("triton", "torch")
 
 @dataclass(frozen=True)
 class BackendSelection:
-    """Outcome of selection: the constructed backend, its name, and the reasoning.
-
-    rejected maps every other known backend to the reasons it was not chosen (a fresh dict per
-    selection, for reporting only).
-    cuda_graphs: decode ticks with this backend can be captured as CUDA graphs (requested and
-      declared by the backend); False when they were not requested.
-    warning: None, or (graphs requested, backend cannot be captured) what runs instead: decode
-      ticks run eagerly, and why this backend was chosen anyway.
-    """
+    """Outcome of selection (README.md, "Selection"): the constructed backend, its name, the
+    reasoning, the reasons every other known backend was not chosen (a fresh dict, for
+    reporting only), whether decode ticks can be captured as CUDA graphs (requested and
+    declared), and a warning when graphs were requested but cannot be captured."""
 
     backend: AttentionBackend
     name: str
@@ -104,10 +99,8 @@ def unmet(name: str, requirements: AttentionRequirements) -> list[UnmetRequireme
 def _unmet_sliding_window(
     capabilities: AttentionCapabilities, requirements: AttentionRequirements
 ) -> list[UnmetRequirement]:
-    """`requirements.sliding_window` (contracts 0.3.1) is a hard requirement, met only by a
-    backend declaring `supports_sliding_window`; `unmet_requirements` of rlt-contracts 0.3.1
-    does not check it, so selection does (the reason names the option to change: `model`, as
-    the family's other attention needs; and the requirement, `sliding_window`)."""
+    """`requirements.sliding_window`, a hard requirement that rlt-contracts 0.3.1's
+    `unmet_requirements` does not check (README.md, "Selection")."""
     if not requirements.sliding_window or capabilities.supports_sliding_window:
         return []
     return [

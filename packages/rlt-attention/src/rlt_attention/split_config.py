@@ -21,15 +21,12 @@ SMALL_GRID = 64
 # the CUDA cores (`split_decode_vector.py`; only for one query row per (group, kv head)).
 PRODUCTS = ("rows_by_keys", "keys_by_rows", "vector")
 # An fp8 cache's large-grid key step (block_n, num_warps, num_stages, product): its keys and
-# values are widened in registers, so the kernel is bound by that per-element work rather than
-# by memory; with keys as the products' rows the widened tiles feed the tensor cores from
-# registers. Best of 28 on an H200 at 128 rows x 1,100 keys (24 layers): 5.92 ms per loop
-# against 6.28 for the best rows-by-keys step (128, 4, 4) and 6.45 for bf16
-# (benchmarks/fp8_kv_attention_sweep.py, benchmarks/results/fp8_h200/keys_as_rows_1a31911/).
-# Environment overrides, read at import (sweeps): RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE =
-# "block_n,num_warps,num_stages[,product 0|1|2]" (an index into PRODUCTS) for the fp8 /
-# model-dtype cache's large grid (keys by rows did not pay for bf16: 7.45 ms at best). A vector
-# step applies only where a tile would hold one row; elsewhere that cache keeps keys by rows.
+# values are widened in registers, so that per-element work bounds the kernel, not memory (the
+# sweeps behind the `vector` step: README.md, "fp8 KV"; docs/results.md). Environment overrides,
+# read at import (sweeps): RLT_FP8_SPLIT_DECODE / RLT_SPLIT_DECODE = "block_n,num_warps,
+# num_stages[,product 0|1|2]" (an index into PRODUCTS) for the fp8 / model-dtype cache's large
+# grid. A vector step applies only where a tile would hold one row; elsewhere that cache keeps
+# keys by rows.
 FP8_SPLIT_ENV = "RLT_FP8_SPLIT_DECODE"
 SPLIT_ENV = "RLT_SPLIT_DECODE"
 FP8_LARGE_GRID_STEP = (16, 1, 2, "vector")
@@ -85,18 +82,14 @@ def choose_splits(
     captured with full-width tables keeps a fixed grid). `num_splits` / `block_n` override the
     heuristic (tests; `block_n` a power of two >= 16).
 
-    Heuristic (head_dim <= 128, from H200 sweeps over all 24 layers' KV of Ouro-1.4B at a ~1.1K
-    context, `benchmarks/small_batch_sweep.py` at 9d2bf4f):
-    - up to SMALL_GRID unsplit programs (groups x kv heads: 1-4 decode rows of 16 kv heads):
-      about 6 programs per SM in short splits (16 keys per step and 2 warps up to 32
-      programs, else 32 keys and 4 warps), 2 pipeline stages; the nearest swept configurations were
-      2-9% faster per layer call than the rule below at 1-4 rows;
-    - otherwise ceil(2 * sm_count / programs) splits of 64-key steps and 4 warps.
-    Splits are capped at MAX_SPLITS and at one key step each. `queries_per_group`: the call's
-    max_query_len (a group's q queries x G heads are the tile's rows). `kv_fp8`: the large
-    grid takes FP8_LARGE_GRID_STEP's key step, warps, stages and product instead (the
-    model-dtype cache takes RLT_SPLIT_DECODE's when it is set); a `vector` product needs one
-    row per tile and no in-kernel store or merge (`stores_in_kernel`), else keys by rows."""
+    Heuristic (head_dim <= 128; README.md, "Backends and capabilities", gives the rule and the
+    sweeps behind it): up to SMALL_GRID programs (groups x kv heads) many short splits, else
+    ceil(2 * sm_count / programs) splits of 64-key steps; capped at MAX_SPLITS and at one key
+    step each. `queries_per_group`: the call's max_query_len (a group's q queries x G heads are
+    the tile's rows). `kv_fp8`: the large grid takes FP8_LARGE_GRID_STEP's key step, warps,
+    stages and product instead (the model-dtype cache takes RLT_SPLIT_DECODE's when it is set);
+    a `vector` product needs one row per tile and no in-kernel store or merge
+    (`stores_in_kernel`), else keys by rows."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     programs = max(1, num_groups * num_kv_heads)
     small_grid = programs <= SMALL_GRID and block_d <= 128

@@ -2,15 +2,12 @@
 (decode rows) or a few (max_query_len x G <= `triton_backend.SPLIT_TILE_ROWS`: the positions a
 speculative round verifies).
 
-The split kernel runs a (group, kv head, split) grid, split s covering keys [s * L, min((s + 1)
-* L, context_len)) with L computed on the device, and writes an fp32 partial per query row and
-head (running max, sum of exponentials, unnormalised accumulator); the combine kernel merges
-the splits into the output. The rows of the `tl.dot` tile are the group's (query, head) pairs,
-so each key is loaded once for all of them. With one split the split kernel writes the output
-itself; num_splits is a function of bind-time host ints only, so a CUDA graph captured with
-full-width block tables keeps a fixed grid. README.md ("Backends and capabilities", "Split-KV
-for groups of a few queries") gives L, the causal mask, sliding windows (a split that sees no
-key of a row writes an empty partial, weighed 0) and the optional in-kernel store and merge.
+The split kernel runs a (group, kv head, split) grid and writes an fp32 partial per query row
+and head (running max, sum of exponentials, unnormalised accumulator), or, with one split, the
+output itself; the combine kernel merges the partials. The tile's rows are the group's (query,
+head) pairs, so each key is loaded once for all of them. README.md ("Backends and
+capabilities", "Split-KV for groups of a few queries") gives the split ranges, the causal mask,
+sliding windows and the optional in-kernel store and merge.
 
 Importing this module decorates the kernels: on a machine without CUDA set TRITON_INTERPRET=1
 before importing it to run them (slowly) on CPU tensors.
@@ -25,7 +22,7 @@ import triton
 import triton.language as tl
 from rlt_contracts.dependent_launch import launch_options
 
-from rlt_attention import grid_dependency
+from rlt_attention import grid_dependency, triton_kernel
 from rlt_attention.grid_dependency import wait_for_prior_grid
 from rlt_attention.split_config import SplitConfig
 from rlt_attention.split_decode_vector import split_decode_vector_kernel
@@ -421,16 +418,25 @@ def launch_split_decode_attention(
         )
     store_new = new_key is not None
     fused_combine = tickets is not None and not direct
-    # the arguments both split kernels take, in their order
+    # the arguments both split kernels take
     tensors = (out, partial_max, partial_sum, partial_acc, query, key_cache, value_cache)
     tensors += (block_tables, query_start, context_lengths)
-    scales = (
-        query if key_scale is None else key_scale,
-        query if value_scale is None else value_scale,
-    )
+    scales = triton_kernel.scale_arguments(query, key_scale, value_scale)
     scalars = (head_dim**-0.5 * math.log2(math.e), num_splits)
-    strides = (*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3])
-    strides += (*value_cache.stride()[:3], block_tables.stride(0))
+    strides = triton_kernel.read_strides(query, out, key_cache, value_cache, block_tables)
+    options = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=split.block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=split.block_n,
+        DIRECT_OUTPUT=direct,
+        USE_PDL=pdl,
+        KV_FP8=key_scale is not None,
+        WINDOW=window or 0,
+        num_warps=split.num_warps,
+        num_stages=split.num_stages,
+        **launch_options(pdl),
+    )
     if split.product == "vector":
         if queries_per_group * (num_heads // kv_heads) != 1 or store_new or tickets is not None:
             raise ValueError(
@@ -438,30 +444,14 @@ def launch_split_decode_attention(
                 "store or merge"
             )
         split_decode_vector_kernel[(num_groups, kv_heads, num_splits)](
-            *tensors,
-            *scales,
-            *scalars,
-            *strides,
-            HEAD_DIM=head_dim,
-            BLOCK_D=split.block_d,
-            PAGE_SIZE=page_size,
-            BLOCK_N=split.block_n,
-            DIRECT_OUTPUT=direct,
-            USE_PDL=pdl,
-            KV_FP8=key_scale is not None,
-            WINDOW=window or 0,
-            num_warps=split.num_warps,
-            num_stages=split.num_stages,
-            **launch_options(pdl),
+            *tensors, *scales, *scalars, *strides, **options
         )
         if not direct:
             _launch_combine(out, partial_max, partial_sum, partial_acc, query_start, 1, split, pdl)
         return
     if store_new:
-        if new_key.stride(-1) != 1:
-            new_key = new_key.contiguous()
-        if new_value.stride(-1) != 1:
-            new_value = new_value.contiguous()
+        new_key = triton_kernel.unit_last_stride(new_key)
+        new_value = triton_kernel.unit_last_stride(new_value)
     else:
         new_key = new_value = write_slots = query  # unused
     _split_decode_kernel[(num_groups, kv_heads, num_splits)](
@@ -475,24 +465,14 @@ def launch_split_decode_attention(
         *strides,
         *new_key.stride()[:2],
         *new_value.stride()[:2],
-        HEAD_DIM=head_dim,
-        BLOCK_D=split.block_d,
-        PAGE_SIZE=page_size,
         QUERIES_PER_KV=num_heads // kv_heads,
         QUERIES_PER_GROUP=queries_per_group,
         BLOCK_M=split.block_m,
-        BLOCK_N=split.block_n,
-        DIRECT_OUTPUT=direct,
         STORE_NEW=store_new,
         FUSED_COMBINE=fused_combine,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        USE_PDL=pdl,
-        KV_FP8=key_scale is not None,
         KEYS_AS_ROWS=split.product == "keys_by_rows",
-        WINDOW=window or 0,
-        num_warps=split.num_warps,
-        num_stages=split.num_stages,
-        **launch_options(pdl),
+        **options,
     )
     if direct or fused_combine:
         return

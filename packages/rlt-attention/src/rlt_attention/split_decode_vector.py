@@ -1,11 +1,6 @@
 """Split-KV decode attention for one query row per (group, kv head), without tensor cores: the
-`vector` product of `SplitConfig` (README.md, "Backends and capabilities", fp8 KV: why and what
-it measured).
-
-Each key step computes its scores as a multiply-and-sum over the head dim on the CUDA cores and
-accumulates p V into a [BLOCK_N, D] fp32 tile that is summed over the keys once, after the loop;
-the sum of exponentials is likewise kept per key lane, so the running max is the loop's only
-reduction across warps. The partials (or, with one split, the output) have the layout of the
+`vector` product of `SplitConfig` (README.md, "Backends and capabilities", fp8 KV: what it does,
+why and what it measured). Its partials (or, with one split, the output) have the layout of the
 tensor-core kernel, so the same combine kernel merges them. With a sliding window W the splits
 cover only the row's last W positions, all of which it sees: no mask beyond the split's range.
 

@@ -2,12 +2,9 @@
 
 `bind` turns the batch metadata into padded index tensors once per model call; each layer call
 then does a fixed sequence of device ops (store, gather, two matmuls, softmax, unpad) with no
-host sync. Memory per layer is O(S * Cmax * Hkv * D) for the gathered keys/values plus
-O(S * H * Qmax * Cmax) fp32 scores (Cmax = max_context_len, Qmax = max_query_len): this is the
-reference and fallback backend, not the fast path. `TorchPagedAttention(batch_invariant=True)`
-computes every query row on its own (`BatchInvariantAttention`). A sliding window's index
-tensors are built on the first call with that W and kept for the bound call's other layers
-(README.md, "Backends and capabilities").
+host sync: the reference and fallback backend, not the fast path (README.md, "Backends and
+capabilities", gives its memory and its window index). `TorchPagedAttention(batch_invariant=
+True)` computes every query row on its own (`BatchInvariantAttention`).
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import torch
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
 from rlt_attention.batch_shape import BatchShape, check_batch
+from rlt_attention.bound_attention import StoreThenAttend
 from rlt_attention.kv_store import SlotViews, dequantized, slot_views
-from rlt_attention.torch_bound import BoundTorchAttention
 from rlt_attention.torch_invariant import BatchInvariantAttention
 
 TORCH_CAPABILITIES = AttentionCapabilities(
@@ -155,7 +152,7 @@ class TorchPagedAttention:
         return _TorchBoundAttention(views, batch, shape, build_padded_group_index(batch, shape))
 
 
-class _TorchBoundAttention(BoundTorchAttention):
+class _TorchBoundAttention(StoreThenAttend):
     """Per-call attention: borrowed KV views + precomputed indices, valid for this call only."""
 
     def __init__(
@@ -177,11 +174,8 @@ class _TorchBoundAttention(BoundTorchAttention):
         return self._windowed_index[window]
 
     def _attend(self, layer_index: int, query: torch.Tensor, window: int | None) -> torch.Tensor:
-        num_groups, max_q, max_ctx = (
-            self._shape.num_groups,
-            self._shape.max_query_len,
-            self._shape.max_context_len,
-        )
+        num_groups, max_q = self._shape.num_groups, self._shape.max_query_len
+        max_ctx = self._shape.max_context_len
         _, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
         queries_per_kv = num_heads // kv_heads

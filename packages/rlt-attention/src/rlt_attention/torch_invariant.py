@@ -7,8 +7,8 @@ import torch
 from rlt_contracts import PagedAttentionBatch
 
 from rlt_attention.batch_shape import BatchShape
+from rlt_attention.bound_attention import StoreThenAttend
 from rlt_attention.kv_store import SlotViews, dequantized
-from rlt_attention.torch_bound import BoundTorchAttention
 
 # Batch-invariant mode: key positions per bmm step. A multiple of 64, so that the elementwise
 # exp over [rows, heads, keys] never has a SIMD tail whose position depends on the batch.
@@ -18,21 +18,16 @@ KEY_CHUNK = 64
 QUERY_BLOCK = 8
 
 
-class BatchInvariantAttention(BoundTorchAttention):
+class BatchInvariantAttention(StoreThenAttend):
     """Per-call attention in which every query row is computed as it would be alone.
 
-    Every piece of math has one shape for every call (README.md, "Batch-invariant mode", says why
-    the default path's padded shapes break invariance, and what this costs): each group's query
-    rows in blocks of QUERY_BLOCK (the last one padded; every row keeps its own causal limit);
-    scores as one `bmm` of [QUERY_BLOCK * G, D] x [D, KEY_CHUNK] elements per (block, kv head,
-    chunk of key positions by absolute position); an exact max; exp over a tensor whose size is a
-    multiple of 64 (no SIMD tail); one `bmm` of p with the values and a column of ones (the softmax
-    denominator in the same reduction), summed over chunks in chunk order; then output =
-    numerator / denominator in the query dtype. Positions a row does not see have p = 0 and finite
-    values (keys/values outside the context are zeroed, so NaN in unread slots cannot reach the
-    output): they add exact zeros, so neither the other rows of its chunk nor the call's longest
-    context change a row's sums. A sliding window (`_masks_for`) only hides more positions. Every
-    bmm operand is made contiguous (a view's strides change the kernel; measured).
+    Every piece of math has one shape for every call: each group's query rows in blocks of
+    QUERY_BLOCK, scores as one `bmm` of [QUERY_BLOCK * G, D] x [D, KEY_CHUNK] elements per
+    (block, kv head, chunk of key positions by absolute position), an exact max, and one `bmm`
+    of p with the values and a column of ones (the softmax denominator), summed over chunks in
+    chunk order. README.md, "Batch-invariant mode", says why a row's sums then depend on nothing
+    else in the call (a sliding window, `_masks_for`, only hides more positions) and what it
+    costs. Every bmm operand is made contiguous (a view's strides change the kernel; measured).
 
     Memory: O(blocks * Cmax * Hkv * D) gathered keys/values plus O(blocks * QUERY_BLOCK * H *
     Cmax) fp32 scores (Cmax rounded up to KEY_CHUNK); blocks <= groups + N / QUERY_BLOCK (a
@@ -49,9 +44,8 @@ class BatchInvariantAttention(BoundTorchAttention):
         query_start = batch.query_start.to(torch.int64)
         query_lengths = query_start[1:] - query_start[:-1]
         context_lengths = batch.context_lengths.to(torch.int64)
-        first_block = torch.cumsum(-(-query_lengths // QUERY_BLOCK), 0) - (
-            -(-query_lengths // QUERY_BLOCK)
-        )
+        group_blocks = -(-query_lengths // QUERY_BLOCK)
+        first_block = torch.cumsum(group_blocks, 0) - group_blocks
         rows = torch.arange(num_rows, device=device)
         group_of_row = torch.searchsorted(query_start[1:].contiguous(), rows, right=True)
         index_in_group = rows - query_start[group_of_row]

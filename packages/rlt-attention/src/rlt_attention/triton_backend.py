@@ -1,14 +1,11 @@
 """Triton paged attention backend (cuda): a store kernel + the online-softmax read kernel(s).
 
-`bind` only validates shapes and picks the tile configuration; every layer call launches one
-store kernel (keys and values at write_slots) and the read kernel(s), whose grids depend on
-bind-time host ints only and whose metadata (query_start, context_lengths, block_tables,
-write_slots) is read on the device: calls whose groups have at most a few queries
-(max_query_len x G <= SPLIT_TILE_ROWS) use the split-KV pair, longer prefill chunks the tiled
-kernel. That is why `supports_cuda_graphs` is declared: a graph captured for a given (S, N,
-max_query_len, max_context_len) replays correctly when the runner rewrites those metadata
-tensors in place. README.md, "Backends and capabilities", gives the split counts and how
-sliding windows (a compile-time constant of the read kernels) change them.
+`bind` only validates shapes and picks the tile configuration; every layer call launches the
+store kernel and the read kernel(s), whose grids depend on bind-time host ints only and whose
+metadata is read on the device, so a captured graph replays correctly after the runner
+rewrites that metadata in place (`supports_cuda_graphs`). Calls whose groups have at most a few
+queries (max_query_len x G <= SPLIT_TILE_ROWS) use the split-KV pair, longer prefill chunks the
+tiled kernel (README.md, "Backends and capabilities").
 """
 
 from __future__ import annotations
@@ -18,7 +15,8 @@ import functools
 import torch
 from rlt_contracts import AttentionCapabilities, KVCacheTensors, PagedAttentionBatch
 
-from rlt_attention.batch_shape import BatchShape, check_batch, check_layer_inputs, check_window
+from rlt_attention.batch_shape import BatchShape, check_batch
+from rlt_attention.bound_attention import BoundAttention
 from rlt_attention.kv_store import SlotViews, slot_views
 
 try:
@@ -69,17 +67,13 @@ class TritonPagedAttention:
     `split_kv=False` serves decode-only calls with the tiled kernel too; `num_splits` forces the
     split count of decode-only calls (tests, tuning; default: `split_config.choose_splits`).
     `fused_decode=True` stores the new keys and values inside the split kernel and merges the
-    partials in its last split (atomic ticket; its only state is one zeroed int32 per (group, kv
-    head) per call shape, reused by every call and graph); `store_in_split=True` moves only the
-    store. Both measured slower on an H200, so both are off by default (README.md).
+    partials in its last split (an atomic ticket: one zeroed int32 per (group, kv head) per call
+    shape); `store_in_split=True` moves only the store. Both measured slower: off by default.
+    `batch_invariant=True` serves every call with the tiled kernel at one fixed tile, never the
+    split-KV pair (README.md, "Batch-invariant mode").
 
     On CPU tensors it runs only when TRITON_INTERPRET=1 was set before this package was imported
     (the interpreter is for tests: slow, and bf16 `tl.dot` is wrong there).
-
-    `batch_invariant=True` serves every call with the tiled kernel at one fixed tile
-    (BATCH_INVARIANT_BLOCK_M x BATCH_INVARIANT_BLOCK_N), never the split-KV pair, whose split count
-    depends on the number of groups; README.md, "Batch-invariant mode", says why a row's result
-    then never depends on its neighbours, with or without a sliding window.
     """
 
     capabilities = TRITON_CAPABILITIES
@@ -154,7 +148,7 @@ class TritonPagedAttention:
         )
 
 
-class _TritonBoundAttention:
+class _TritonBoundAttention(BoundAttention):
     """Per-call attention: borrows the runner's KV tensors and the batch metadata for this call."""
 
     def __init__(
@@ -171,12 +165,10 @@ class _TritonBoundAttention:
         num_splits: int | None,
         tickets: torch.Tensor | None,
     ) -> None:
+        super().__init__(views, batch, shape)
         self._kv_cache = kv_cache
-        self._views = views
-        self._batch = batch
         # The kernel indexes block-table rows with a unit column stride.
         self._block_tables = batch.block_tables.contiguous()
-        self._shape = shape
         self._block_m = block_m
         self._block_n = block_n
         self._split_decode = split_decode
@@ -185,19 +177,7 @@ class _TritonBoundAttention:
         self._tickets = tickets
         self._sm_count = _sm_count(kv_cache.key_cache.device) if split_decode else 0
 
-    def __call__(
-        self,
-        layer_index: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        """`rlt_contracts.LayerAttention`: query [N, H, D], key/value [N, Hkv, D] -> output
-        [N, H, D] in query's dtype (`window`: a sliding-window layer's W, or None)."""
-        check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
-        window = check_window(window, self._batch, self._shape.max_context_len)
+    def _run(self, layer_index: int, query, key, value, window: int | None) -> torch.Tensor:
         store_in_split = self._store_in_split
         views = self._views
         scales = {}
@@ -215,25 +195,21 @@ class _TritonBoundAttention:
                 value,
                 **scales,
             )
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+        query = triton_kernel.unit_last_stride(query)
         out = torch.empty_like(query)
         _, num_heads, head_dim = query.shape
         kv_heads = self._views.key_slots.shape[2]
         queries = self._shape.max_query_len
         few = queries == 1 or queries * (num_heads // kv_heads) <= SPLIT_TILE_ROWS
+        batch, kv = self._batch, self._kv_cache  # both launchers' positional arguments:
+        tensors = (out, query, kv.key_cache[layer_index], kv.value_cache[layer_index])
+        tensors += (self._block_tables, batch.query_start, batch.context_lengths)
         if self._split_decode and few and self._batch.causal:
             keys_read = self._shape.max_context_len  # the most keys a group's queries see
             if window is not None:
                 keys_read = min(keys_read, window + self._shape.max_query_len - 1)
             split_decode_kernel.launch_split_decode_attention(
-                out,
-                query,
-                self._kv_cache.key_cache[layer_index],
-                self._kv_cache.value_cache[layer_index],
-                self._block_tables,
-                self._batch.query_start,
-                self._batch.context_lengths,
+                *tensors,
                 split=split_config.choose_splits(
                     num_groups=self._shape.num_groups,
                     num_kv_heads=kv_heads,
@@ -257,13 +233,7 @@ class _TritonBoundAttention:
             )
             return out
         triton_kernel.launch_paged_attention(
-            out,
-            query,
-            self._kv_cache.key_cache[layer_index],
-            self._kv_cache.value_cache[layer_index],
-            self._block_tables,
-            self._batch.query_start,
-            self._batch.context_lengths,
+            *tensors,
             max_query_len=self._shape.max_query_len,
             tiles=triton_kernel.choose_tiles(
                 max_query_len=self._shape.max_query_len,

@@ -1,20 +1,11 @@
-"""Triton read-side kernel of paged attention: online softmax over the pages of each group.
+"""Triton tiled kernel of paged attention (prefill and mixed calls), online softmax over the
+pages of each group, and the store kernel shared by every Triton path.
 
-One program handles one (group, query tile, kv head). Its BLOCK_M rows are BLOCK_Q consecutive
-queries of the group times the G = H / Hkv query heads that share the kv head, so the keys and
-values of a page are loaded once for all G heads (decode rows fill the tile with heads, prefill
-chunks with queries). Query i of a group sits at position context_len - q_len + i and sees keys
-at positions <= its own; keys are loaded BLOCK_N positions at a time through the block table
-(any block size: each key looks up its own page). Scores and the running softmax are fp32.
-With a sliding window W (`WINDOW` > 0, a compile-time constant) a row at position p also loses
-the keys <= p - W, and the key loop starts at the BLOCK_N-aligned step holding the tile's first
-visible key (see the kernel).
-
-Every size the launch depends on is a host int of the bound call (S, max_query_len, H, Hkv, D):
-nothing is read back from the device, and the loop bound over keys is read on the device.
-
-Decode-only calls use the split-KV kernels of `split_decode_kernel` instead. This module also
-holds the store kernel shared by both paths.
+One program handles one (group, query tile, kv head); its rows are BLOCK_Q queries times the
+G query heads sharing the kv head, so a page's keys and values are loaded once for all of them.
+README.md, "Backends and capabilities", gives the tile, the causal limit, the sliding-window key
+walk and why every launch size is a host int of the bound call (no read-back). Decode-only calls
+use the split-KV kernels of `split_decode_kernel` instead.
 
 Importing this module decorates the kernel: on a machine without CUDA set TRITON_INTERPRET=1
 before importing it to run the kernel (slowly) on CPU tensors.
@@ -211,6 +202,27 @@ def choose_tiles(
     return TileConfig(block_m, block_m // queries_per_kv, block_n, block_d, num_warps)
 
 
+def unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied only where its last dim is strided (the kernels index it densely)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def scale_arguments(placeholder: torch.Tensor, key_scale, value_scale) -> tuple[torch.Tensor, ...]:
+    """The kernels' key_scale_ptr and value_scale_ptr: an fp8 cache's layer scales, or (unread
+    without KV_FP8) `placeholder`."""
+    return (
+        placeholder if key_scale is None else key_scale,
+        placeholder if value_scale is None else value_scale,
+    )
+
+
+def read_strides(query, out, key_cache, value_cache, block_tables) -> tuple[int, ...]:
+    """The read kernels' stride arguments, in their order: query and output (row, head), key and
+    value cache (block, offset, head), block table (group)."""
+    strides = (*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3])
+    return (*strides, *value_cache.stride()[:3], block_tables.stride(0))
+
+
 def launch_paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -255,20 +267,9 @@ def launch_paged_attention(
         block_tables,
         query_start,
         context_lengths,
-        query if key_scale is None else key_scale,
-        query if value_scale is None else value_scale,
+        *scale_arguments(query, key_scale, value_scale),
         head_dim**-0.5 * math.log2(math.e),
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        block_tables.stride(0),
+        *read_strides(query, out, key_cache, value_cache, block_tables),
         num_query_tiles,
         HEAD_DIM=head_dim,
         BLOCK_D=tiles.block_d,
@@ -384,10 +385,7 @@ def launch_store_kv(
     num_rows, kv_heads, head_dim = key.shape
     if num_rows == 0:
         return
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
+    key, value = unit_last_stride(key), unit_last_stride(value)
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(kv_heads), max(1, 4096 // block_d))
     pdl = grid_dependency.enabled(key)
@@ -397,8 +395,7 @@ def launch_store_kv(
         key_slots,
         value_slots,
         write_slots,
-        key if key_scale is None else key_scale,
-        key if value_scale is None else value_scale,
+        *scale_arguments(key, key_scale, value_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),

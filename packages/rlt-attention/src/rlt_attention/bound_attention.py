@@ -1,5 +1,6 @@
-"""The layer call shared by the torch backend's two modes: check the inputs and the window, store
-the call's keys/values at their write slots, then attend (`_attend`, the mode's math)."""
+"""The layer call every backend's bound attention shares: check the inputs and the window, then
+the backend's store and read (`_run`); `StoreThenAttend` stores the call's keys/values at their
+write slots with `kv_store.store_kv`, then attends (`_attend`, the backend's math)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from rlt_attention.batch_shape import BatchShape, check_layer_inputs, check_wind
 from rlt_attention.kv_store import SlotViews, store_kv
 
 
-class BoundTorchAttention:
-    """A `LayerAttention` valid for one call: stores the layer's new keys/values at the write
-    slots, then `_attend` (the subclass's math) reads the borrowed KV views."""
+class BoundAttention:
+    """A `LayerAttention` valid for one call: it borrows the KV views and the batch metadata."""
 
     def __init__(self, views: SlotViews, batch: PagedAttentionBatch, shape: BatchShape) -> None:
         self._views = views
@@ -32,6 +32,14 @@ class BoundTorchAttention:
         [N, H, D] in query's dtype (`window`: a sliding-window layer's W, or None)."""
         check_layer_inputs(self._views, self._shape.num_rows, query, key, value)
         window = check_window(window, self._batch, self._shape.max_context_len)
+        return self._run(layer_index, query, key, value, window)
+
+    def _run(self, layer_index: int, query, key, value, window: int | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StoreThenAttend(BoundAttention):
+    def _run(self, layer_index: int, query, key, value, window: int | None) -> torch.Tensor:
         store_kv(self._views, layer_index, self._batch.write_slots, key, value)
         if self._shape.num_rows == 0:
             return torch.empty_like(query)

@@ -10,7 +10,8 @@ processes with `HF_HOME` and `HF_HUB_OFFLINE=1` (huggingface_hub reads them when
   directory generates (and not what main does).
 - `rlt serve org/name` serves the model as `org/name` (its default served name, as vLLM's);
   `rlt pd serve org/name --revision v1 --replicas 1` too, its instance started on the v1
-  snapshot's directory and reporting the same name.
+  snapshot's directory and reporting the same name; `rlt pd serve org/bare --tokenizer org/tok`
+  (a checkpoint without tokenizer files, the tokenizer by id) serves the complete model's text.
 - An id that is not in the cache fails in under 5 s with exit 2 and one line, for each of
   the three commands (CPU time; wall time scaled by the machine's load).
 - Online, against a local Hub (hub_server.py), an id is downloaded with a progress bar,
@@ -263,9 +264,9 @@ def test_llm_loads_an_id_at_a_commit_under_its_name(hf_home, tiny_checkpoint):
     )
 
 
-def test_llm_takes_a_tokenizer_by_id(tmp_path):
-    """`LLM(model, tokenizer="org/tok")`: the tokenizer's files from the cache, for a checkpoint
-    directory that holds none; text in, the same text out as the complete model directory."""
+def split_bundled_model(tmp_path: Path) -> tuple[Path, Path]:
+    """The bundled model's files in two directories: a checkpoint without tokenizer files
+    (config and weights) and the tokenizer alone."""
     from rlt.engine.assembly import DEFAULT_MODEL_DIR
 
     bare, tokenizer_files = tmp_path / "bare", tmp_path / "tokenizer"
@@ -275,6 +276,15 @@ def test_llm_takes_a_tokenizer_by_id(tmp_path):
         if file.is_file():
             weights = file.name in ("config.json", "model.safetensors")
             shutil.copy(file, bare if weights else tokenizer_files)
+    return bare, tokenizer_files
+
+
+def test_llm_takes_a_tokenizer_by_id(tmp_path):
+    """`LLM(model, tokenizer="org/tok")`: the tokenizer's files from the cache, for a checkpoint
+    directory that holds none; text in, the same text out as the complete model directory."""
+    from rlt.engine.assembly import DEFAULT_MODEL_DIR
+
+    bare, tokenizer_files = split_bundled_model(tmp_path)
     cache = tmp_path / "hub"
     write_hub_cache(cache, "org/tok", {COMMIT_MAIN: tokenizer_files}, {"main": COMMIT_MAIN})
     options = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
@@ -303,3 +313,41 @@ def test_the_command_line_pins_the_snapshot_for_every_process_it_starts(hf_home)
     assert args.tokenizer == str(snapshots / COMMIT_MAIN)  # a tokenizer's id: its main
     config = engine_config_from_args(args)
     assert (config.model.model, config.model.revision) == (str(snapshots / COMMIT_V1), None)
+
+
+def test_rlt_pd_serve_takes_a_weights_only_id_and_its_tokenizer_by_id(tmp_path):
+    """`rlt pd serve org/bare --tokenizer org/tok --replicas 1`: a checkpoint id without tokenizer
+    files (not refused for lacking them, as `rlt serve` does not) and the tokenizer by another id,
+    each resolved once by the coordinator; its instance gets the two snapshots' directories; text
+    in, the same text and loops out as the complete model in-process. An unknown tokenizer id
+    fails in one line before any instance starts."""
+    from rlt.engine.assembly import DEFAULT_MODEL_DIR
+
+    bare, tokenizer_files = split_bundled_model(tmp_path)
+    home = tmp_path / "hf_home"
+    for hub_id, files in (("org/bare", bare), ("org/tok", tokenizer_files)):
+        write_hub_cache(home / "hub", hub_id, {COMMIT_MAIN: files}, {"main": COMMIT_MAIN})
+    snapshots = {
+        name: home / "hub" / f"models--org--{name}" / "snapshots" / COMMIT_MAIN
+        for name in ("bare", "tok")
+    }
+    prompt, loops = "It is a truth", {"exit_threshold": 0.5}
+    argv = ["pd", "serve", "org/bare", "--tokenizer", "org/tok", "--replicas", "1", *ENGINE]
+    with server(home, *argv) as (http, process):
+        body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0, **loops}
+        response = http.post("/v1/completions", json={"model": "org/bare", **body})
+        assert response.status_code == 200, response.text
+        (served,) = response.json()["choices"]
+    started = [line for line in process.stdout.read().splitlines() if "started replica-0" in line]
+    assert f"rlt.cli serve {snapshots['bare']} " in started[0]
+    assert f"--tokenizer {snapshots['tok']}" in started[0]  # the snapshot, never the id again
+    options = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
+    with LLM(DEFAULT_MODEL_DIR, **options) as llm:
+        whole = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, **loops))[0]
+    assert (served["text"], served["exit_depths"]) == (whole.text, list(whole.exit_depths))
+
+    done = rlt(home, "pd", "serve", "org/bare", "--tokenizer", "org/absent", "--replicas", "1")
+    assert done.returncode == EXIT_USAGE, done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if "error" in line]
+    assert error.startswith("rlt pd: error: tokenizer: 'org/absent' is neither"), done.stderr
+    assert "started" not in done.stderr

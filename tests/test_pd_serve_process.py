@@ -61,7 +61,7 @@ def test_cli_supervises_children_restarts_a_killed_prefill_and_stops_on_ctrl_c(t
             str(port),
             "--engine-command",
             fake,
-            "--fake-prefill-delay",  # an engine flag: passed through to the children
+            "--fake-prefill-delay",  # unknown to rlt pd serve: --engine-command's, passed on
             "0.6",
             "--restart-delay",
             "0.2",

@@ -10,9 +10,10 @@ progress bar and each entry point's defaults: test_command_help.py.
   loses uvicorn's.
 - Refusals before anything starts: --tensor-parallel-size 2 (naming what exists instead),
   --ssl-keyfile without a certificate, a --chat-template that is neither file nor template, a
-  --tokenizer directory without a tokenizer; an unknown flag prints the subcommand's usage.
+  --tokenizer directory without a tokenizer; an unknown flag prints the subcommand's usage
+  (`rlt pd serve`'s too, before any instance starts).
 - `rlt pd serve` takes the front flags (the settings it hands its front, the engine flags and
-  --tokenizer its instances get) and refuses -tp 2; `rlt ray` takes --seed and
+  --tokenizer it resolves for its instances) and refuses -tp 2; `rlt ray` takes --seed and
   --chat-template and refuses TLS.
 """
 
@@ -310,6 +311,8 @@ def test_bad_flag_values_are_refused_with_the_flag_named(
         (["serve", "--no-such-flag", "1"], "rlt serve"),
         (["generate", "It is", "--no-such-flag"], "rlt generate"),
         (["bench", "serve", "--no-such-flag"], "rlt bench serve"),
+        (["pd", "serve", "--no-such-flag"], "rlt pd serve"),  # not hidden by a missing role
+        (["pd", "serve", "--replicas", "1", "--no-such-flag"], "rlt pd serve"),  # none starts
     ],
 )
 def test_an_unknown_flag_prints_the_subcommands_usage(argv, command, capsys):
@@ -347,9 +350,10 @@ def test_rlt_pd_serve_takes_the_front_flags(tmp_path):
         "ssl_keyfile": key,
         "ssl_certfile": cert,
     }
+    # engine flags pass to the local instances; --tokenizer too, once the coordinator resolved
+    # it (a Hub id to its snapshot: test_hub_models.py)
     assert options.tokenizer == str(DEFAULT_MODEL_DIR)
-    # engine flags pass to the local instances, with the tokenizer they detokenize with
-    assert options.engine_args == ("--enforce-eager", "--tokenizer", str(DEFAULT_MODEL_DIR))
+    assert options.engine_args == ("--enforce-eager",)
 
 
 def test_rlt_pd_serve_refuses_tensor_parallelism(capsys):

@@ -33,6 +33,7 @@ from rlt_pd_coordinator.wire import (
     error_from_response,
     line_decoder,
 )
+from rlt_serve.exit_codes import EXIT_USAGE
 
 
 def body(message, *, param=None, code=None) -> bytes:
@@ -218,6 +219,30 @@ def test_command_line_refusals(argv, message):
 
     with pytest.raises(ConfigurationError, match=message):
         Coordinator(parse(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["serve", "--bogus"], "--bogus"),  # before "PD needs at least one prefill instance"
+        (["serve", "--replicas", "1", "--bogus", "x"], "--bogus x"),
+        (["serve", "m", "--num-prefill", "1", "--num-decode", "1", "m2"], "m2"),
+    ],
+)
+def test_an_unknown_argument_is_refused_with_the_usage_of_rlt_pd_serve(argv, unknown, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    assert exit_.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rlt pd serve [MODEL] ")
+    assert err.endswith(f"rlt pd serve: error: unrecognized arguments: {unknown}\n")
+
+
+def test_another_engine_command_gets_the_flags_rlt_pd_serve_does_not_know():
+    argv = ["serve", "--replicas", "1", "--engine-command", "my-engine --x", "--dtype", "float32"]
+    options = parse([*argv, "--my-flag", "3"])
+    assert options.command == ("my-engine", "--x")
+    assert options.engine_args == ("--dtype", "float32", "--my-flag", "3")
 
 
 @pytest.mark.skipif(

@@ -9,9 +9,10 @@ checkpoint directory or a Hugging Face model id (found in the Hugging Face cache
 into it by the coordinator, whose instances then load that snapshot). The engine flags are
 `rlt serve`'s (rlt_serve.option_flags; not --pd-role, which the coordinator assigns, and
 --device, which lists the local instances' devices here): checked here, then passed verbatim
-to every local instance's `rlt serve`, as is any flag this command does not know. The
-coordinator's own flags are the fields of `CoordinatorOptions` (and of its `coordination`,
-rlt ray pd serve's too), generated the same way.
+to every local instance's `rlt serve`. A flag this command does not know is refused with its
+usage (exit 2), unless --engine-command names another command than `rlt serve`: then it is
+passed to that command. The coordinator's own flags are the fields of `CoordinatorOptions`
+(and of its `coordination`, rlt ray pd serve's too), generated the same way.
 
 Also runs as `python -m rlt_pd_coordinator serve ...` (a leading `pd` is accepted too).
 """
@@ -39,13 +40,13 @@ from rlt_serve.vllm_flags import (
 
 from rlt_pd_coordinator.options import CoordinatorOptions
 from rlt_pd_coordinator.server import run
-from rlt_pd_coordinator.supervisor import StartupError
+from rlt_pd_coordinator.supervisor import DEFAULT_COMMAND, StartupError
 
 PROG = "rlt pd"
 
 
-# engine options the coordinator reads itself (it resolves the model; the instances get MODEL,
-# and --tokenizer, which the front uses too)
+# engine options the coordinator reads itself: it resolves the model and --tokenizer (a Hub id
+# once, server.py), the front uses both, and the instances get their directories
 CONSUMED_ENGINE_OPTIONS = ("model", "revision", "download_dir", "tokenizer")
 FRONT_OPTIONS = frozenset(f.name for f in option_fields(FrontOptions))
 
@@ -107,8 +108,6 @@ def options_from_args(
     if not options.command:
         raise ConfigurationError("engine_command", "must not be empty")
     check_model_arguments(args)
-    if args.tokenizer is not None and local:  # the instances detokenize with it too
-        engine_args = [*engine_args, "--tokenizer", args.tokenizer]
     return msgspec.structs.replace(
         options,
         model=model if model is not None else args.model,
@@ -135,9 +134,14 @@ def parse(argv: Sequence[str]) -> CoordinatorOptions:
         parse_command_line(parser, argv)  # prints usage / help, or the error, and exits
         parser.error("expected the `serve` command")
     model, rest = split_model(argv[1:])
-    args, _ = parser.get_default("serve_parser").parse_known_args(rest)  # every flag checked
+    serve = parser.get_default("serve_parser")
+    args, unknown = serve.parse_known_args(rest)  # every flag checked
+    if unknown and tuple(args.engine_command) == DEFAULT_COMMAND:
+        # every flag of rlt serve is declared here: an unknown one is a mistake (exit 2)
+        serve.error(f"unrecognized arguments: {' '.join(unknown)}")
     coordinator_only = build_parser(engine_flags=False).get_default("serve_parser")
-    _, engine_args = coordinator_only.parse_known_args(rest)  # engine and unknown flags
+    # the engine flags, and those only another --engine-command may know
+    _, engine_args = coordinator_only.parse_known_args(rest)
     return options_from_args(args, model, engine_args)
 
 

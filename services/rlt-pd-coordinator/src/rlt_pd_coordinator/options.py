@@ -142,7 +142,8 @@ class CoordinatorOptions(FrontOptions, frozen=True, kw_only=True):
     ] = None
     connect_timeout: Annotated[float, Option("seconds to connect to an instance")] = 5.0
     coordination: CoordinationOptions = msgspec.field(default_factory=CoordinationOptions)
-    # vLLM's flags: the tokenizer's directory (front and local instances; None: the model's),
+    # vLLM's flags: the tokenizer's directory or Hub id (front and local instances, which get
+    # its directory; None: the model's),
     # and the front's --seed, --chat-template, TLS, uvicorn's log level, its access log
     tokenizer: str | None = None
     front: FrontSettings = msgspec.field(default_factory=FrontSettings)

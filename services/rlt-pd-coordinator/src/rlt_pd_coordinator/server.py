@@ -62,13 +62,18 @@ def bundled_model_dir() -> Path | None:
 
 
 def resolve_model(
-    model: str | None, *, revision: str | None = None, download_dir: str | None = None
+    model: str | None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    tokenizer: bool = True,
 ) -> ModelSource:
     """The model's files, before any instance starts: the bundled model (None), a checkpoint
     directory, or a Hugging Face model id found in (or downloaded into) the Hugging Face cache
     (`rlt_models.model_source`; an id that cannot be resolved is one `ModelSourceError` line),
-    checked for everything the directory lacks. Local instances get its directory: a cache
-    snapshot's path, which they too call by the id."""
+    checked for everything the directory lacks (`tokenizer`: its tokenizer files too; False
+    when --tokenizer gives the tokenizer apart, as `rlt serve` checks). Local instances get
+    its directory: a cache snapshot's path, which they too call by the id."""
     from rlt_models.model_source import ModelSource, resolve_model_source
 
     if model is None:
@@ -87,7 +92,7 @@ def resolve_model(
     from rlt_models.model_dir import check_model_dir  # (imports torch: after an id resolved)
 
     local_dir = source.local_dir.resolve()
-    check_model_dir(local_dir)  # before any instance starts: everything the directory lacks
+    check_model_dir(local_dir, tokenizer=tokenizer)  # before any instance starts
     return replace(source, local_dir=local_dir)
 
 
@@ -124,13 +129,27 @@ def load_tokenizer(model_dir: Path):
         raise ConfigurationError("model", f"the front needs the model's tokenizer: {exc}") from None
 
 
-def tokenizer_dir(tokenizer: str | None, model_dir: Path) -> Path:
-    """The front's tokenizer directory: --tokenizer's (checked to hold one), else the model's."""
+def tokenizer_dir(
+    tokenizer: str | None, model_dir: Path, *, download_dir: str | None = None
+) -> Path:
+    """The tokenizer's directory for the front and the local instances, before any instance
+    starts: the model's (None), --tokenizer's directory, or a Hugging Face model id's main
+    snapshot of its tokenizer files, found in (or downloaded into) the cache `download_dir`
+    once, as `rlt serve --tokenizer` resolves it; checked to hold a tokenizer."""
     if tokenizer is None:
         return model_dir
     from rlt_models.model_dir import check_tokenizer_dir  # torch: only once a model is needed
+    from rlt_models.model_source import TOKENIZER_FILE_PATTERNS, is_hub_id, resolve_model_source
 
     path = Path(tokenizer).expanduser()
+    if not path.exists() and is_hub_id(tokenizer):
+        source = resolve_model_source(
+            tokenizer,
+            download_dir=download_dir,
+            option="tokenizer",
+            file_patterns=TOKENIZER_FILE_PATTERNS,
+        )
+        path = source.local_dir
     check_tokenizer_dir(path)
     return path
 
@@ -267,20 +286,28 @@ class Coordinator:
 
     async def start(self) -> None:
         options = self.options
-        model_dir = None
+        model_dir = tokenizer_path = None
         model_name = options.served_model_name
         if self._model_info is None or self._tokenizer is None or self._has_children():
             source = resolve_model(
-                options.model, revision=options.revision, download_dir=options.download_dir
+                options.model,
+                revision=options.revision,
+                download_dir=options.download_dir,
+                tokenizer=options.tokenizer is None,
             )
             model_dir, model_name = source.local_dir, model_name or source.name
+            tokenizer_path = tokenizer_dir(
+                options.tokenizer, model_dir, download_dir=options.download_dir
+            )
         if self._has_children():
+            # the instances detokenize with the front's tokenizer: --tokenizer's directory
+            separate = () if options.tokenizer is None else ("--tokenizer", str(tokenizer_path))
             self.supervisor = Supervisor(
                 self.cluster,
                 SupervisorOptions(
                     model=str(model_dir),
                     command=options.command,
-                    engine_args=options.engine_args,
+                    engine_args=(*options.engine_args, *separate),
                     devices=options.devices,
                     api_key=options.instance_api_key,
                     log_level=options.instance_log_level,
@@ -292,7 +319,7 @@ class Coordinator:
         tokenizer = self._tokenizer
         loading = None
         if tokenizer is None:  # load it while the instances start
-            loading = _in_daemon_thread(load_tokenizer, tokenizer_dir(options.tokenizer, model_dir))
+            loading = _in_daemon_thread(load_tokenizer, tokenizer_path)
         try:
             if self.supervisor is not None:
                 await self.supervisor.start()

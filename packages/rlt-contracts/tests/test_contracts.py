@@ -67,7 +67,7 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 def test_sampling_params_defaults_and_loop_resolution():
     params = SamplingParams()
-    assert params.greedy
+    assert params.greedy and not params.adaptive_exit
     assert (params.max_tokens, params.min_loops, params.exit_threshold) == (16, None, 1.0)
     assert params.resolve_max_loops(4) == 4
     # an unset min_loops is the model's own default, never above the cap
@@ -121,6 +121,8 @@ def test_execution_identity_distinguishes_generations():
 def test_kv_layout_planes():
     assert KVLayout.LAST_EXITED.storage_planes(4) == 4
     assert KVLayout.SHARED.storage_planes(4) == 1
+    assert [KVLayout.LAST_EXITED.plane_of_loop(k) for k in (1, 4)] == [0, 3]
+    assert KVLayout.SHARED.plane_of_loop(3) == 0
 
 
 def test_kv_layout_specs_parse_and_map_loops_to_planes():

@@ -37,6 +37,12 @@ class KVLayout(enum.StrEnum):
             raise ValueError("a ring's planes depend on its size: use KVLayoutSpec")
         return model_depth if self is KVLayout.LAST_EXITED else 1
 
+    def plane_of_loop(self, loop_index: int) -> int:
+        """Plane (0-based) that loop `loop_index` (1-based) reads and writes."""
+        if self is KVLayout.RING:
+            raise ValueError("a ring's planes depend on its size: use KVLayoutSpec")
+        return loop_index - 1 if self is KVLayout.LAST_EXITED else 0
+
 
 class KVLayoutSpec(msgspec.Struct, frozen=True):
     """A KV layout with its parameters: what `parse_kv_layout` returns and the runner keeps.

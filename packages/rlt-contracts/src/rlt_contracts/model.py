@@ -269,9 +269,8 @@ class VerifiedRows(Protocol):
 class SpeculativeSampler(TokenSampler, Protocol):
     """A `TokenSampler` that also drafts and verifies (self-speculative decoding, 0.1.7).
 
-    `rows`: the per-row keywords of `sample_rows` (temperature .. adjustments), for n rows;
-    `counter` [n] is the output index of each row's first position. Launches device work only
-    (capturable for a fixed `mode`).
+    Per-row parameters are those of `sample_rows`, for n rows; `counter` [n] is the output index
+    of each row's first position. Launches device work only (capturable for a fixed `mode`).
 
     propose_rows: one draft token per row at output index `counter`, from its own random stream
       (distinct from the target's), with the distribution it used.
@@ -287,7 +286,19 @@ class SpeculativeSampler(TokenSampler, Protocol):
       counts instead of testing the drafts.
     """
 
-    def propose_rows(self, logits: Tensor, *, mode: SamplingMode, **rows: Any) -> ProposedRows: ...
+    def propose_rows(
+        self,
+        logits: Tensor,
+        *,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        seed: Tensor,
+        counter: Tensor,
+        mode: SamplingMode,
+        min_p: Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
+    ) -> ProposedRows: ...
 
     def verify_rows(
         self,
@@ -296,7 +307,13 @@ class SpeculativeSampler(TokenSampler, Protocol):
         draft_tokens: Tensor,
         draft_probabilities: Tensor | None,
         drafted: Tensor,
+        temperature: Tensor,
+        top_k: Tensor,
+        top_p: Tensor,
+        seed: Tensor,
+        counter: Tensor,
         mode: SamplingMode,
+        min_p: Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
         accepted_override: Tensor | None = None,
-        **rows: Any,
     ) -> VerifiedRows: ...

@@ -234,6 +234,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """True when decoding is a deterministic argmax (no random stream is consumed)."""
         return self.temperature == 0.0
 
+    @property
+    def adaptive_exit(self) -> bool:
+        """True when the exit gate may end a token before `max_loops`."""
+        return self.exit_threshold < 1.0
+
     def resolve_max_loops(self, model_depth: int, default: int | None = None) -> int:
         """The loops this request's prompt and tokens run at most, on a model of `model_depth`
         loops (the engine's cap, `max_model_loops`); raises InvalidRequestError if out of range.

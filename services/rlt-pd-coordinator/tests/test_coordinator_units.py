@@ -22,7 +22,8 @@ from rlt_contracts import (
 from rlt_contracts.pd import PDRole
 from rlt_pd_coordinator.cli import parse
 from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance, InstanceState
-from rlt_pd_coordinator.server import CoordinatorOptions, bundled_model_dir
+from rlt_pd_coordinator.model_files import bundled_model_dir
+from rlt_pd_coordinator.server import CoordinatorOptions
 from rlt_pd_coordinator.supervisor import StartupError, Supervisor, SupervisorOptions
 from rlt_pd_coordinator.wire import (
     InstanceError,

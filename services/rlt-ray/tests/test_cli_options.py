@@ -79,8 +79,7 @@ PD_FLAGS = [
 )
 def test_every_command_line_builds_its_options(argv):
     args = cli.build_parser().parse_args(argv)
-    build = cli.pd_options_from_args if args.command == "pd" else cli.options_from_args
-    config, serve_options, options, address = build(args)
+    config, serve_options, options, address = cli.options_from_args(args)
     placement = cli.placement_from_args(args, 1)
     assert address == args.address == placement.address
     assert serve_options.shutdown_timeout == options.graceful_shutdown_timeout_s

@@ -110,6 +110,34 @@ def is_hub_id(text: str) -> bool:
     return True
 
 
+def tokenizer_snapshot(tokenizer: str | Path, *, download_dir: str | Path | None = None):
+    """A tokenizer given apart from the checkpoint (--tokenizer) as a Hub id, not a path that
+    exists: its `main` snapshot of the tokenizer's files (`TOKENIZER_FILE_PATTERNS`), found in
+    or downloaded into the cache `download_dir`; None for a path."""
+    given = str(tokenizer)
+    if Path(given).expanduser().exists() or not is_hub_id(given):
+        return None
+    source = resolve_model_source(
+        given, download_dir=download_dir, option="tokenizer", file_patterns=TOKENIZER_FILE_PATTERNS
+    )
+    return source.local_dir
+
+
+def resolve_tokenizer_dir(
+    tokenizer: str | Path | None, *, download_dir: str | Path | None = None
+) -> Path | None:
+    """The directory of a tokenizer given apart from the checkpoint (--tokenizer,
+    EngineConfig.tokenizer): `tokenizer_snapshot`'s, else the directory given, checked to hold
+    a tokenizer (`model_dir.check_tokenizer_dir`); None when none was given."""
+    if tokenizer is None:
+        return None
+    from rlt_models.model_dir import check_tokenizer_dir
+
+    path = tokenizer_snapshot(tokenizer, download_dir=download_dir) or Path(tokenizer).expanduser()
+    check_tokenizer_dir(path)
+    return path
+
+
 def _cached_identity(path: Path) -> dict[str, str]:
     """{hub_id, commit} of a snapshot directory of a Hugging Face cache
     (`models--org--name/snapshots/<commit>`; ids never hold `--`), else {}."""

@@ -12,7 +12,8 @@ import msgspec
 from rlt_contracts import ConfigurationError, Option
 from rlt_contracts.options import check_option_values
 
-from rlt_serve.app import DEFAULT_MAX_BODY_BYTES
+from rlt_serve.app import DEFAULT_MAX_BODY_BYTES, build_app
+from rlt_serve.guards import LOOPBACK_HOSTS, is_loopback
 from rlt_serve.listening import port_number
 from rlt_serve.params import LoopDefaults
 from rlt_serve.vllm_flags import FrontSettings
@@ -95,3 +96,23 @@ class ServeOptions(FrontOptions, frozen=True, kw_only=True):
             raise ConfigurationError(
                 "api_server_count", f"must be >= 1, got {self.api_server_count}"
             )
+
+
+def build_front_app(client, tokenizer, options: FrontOptions, front: FrontSettings, **extra):
+    """rlt-serve's app (`rlt_serve.build_app`) over `client` with a front's options: `rlt
+    serve`'s front ends and rlt-ray's ingress (`ServeOptions`), the PD coordinator's front
+    (`CoordinatorOptions`); `front`: vLLM's --seed and --chat-template; `extra`: build_app's
+    `engine_error`, `pd`, `version`."""
+    return build_app(
+        client,
+        served_model_name=options.served_model_name or client.model_info().name,
+        tokenizer=tokenizer,
+        api_key=options.api_key,
+        max_body_bytes=options.max_body_bytes,
+        loop_defaults=options.loop_defaults,
+        allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
+        allowed_origins=options.allowed_origins,
+        chat_template=front.chat_template,
+        default_seed=front.default_seed,
+        **extra,
+    )

@@ -96,7 +96,9 @@ def sampling_params_from_args(args: argparse.Namespace, exit_signal: str) -> Sam
 def check_model_sources(args: argparse.Namespace) -> None:
     """Before anything loads: vLLM's model flags (rlt_serve.vllm_flags), and what the model
     directory lacks (with --tokenizer, that directory holds the tokenizer instead)."""
-    from rlt.engine.assembly import resolve_model_dir, resolve_tokenizer_dir
+    from rlt_models.model_source import resolve_tokenizer_dir
+
+    from rlt.engine.assembly import resolve_model_dir
 
     check_model_arguments(args)
     separate_tokenizer = resolve_tokenizer_dir(args.tokenizer) is not None
@@ -110,7 +112,7 @@ def resolve_model_argument(args: argparse.Namespace) -> None:
     that every process of the command reads that one directory; the servers still call the
     model by its id (a snapshot's path names it). An id that cannot be resolved fails here in
     one line, before torch is imported."""
-    from rlt_models.model_source import TOKENIZER_FILE_PATTERNS, is_hub_id, resolve_model_source
+    from rlt_models.model_source import resolve_model_source, tokenizer_snapshot
 
     if args.model is None and args.revision is not None:
         from rlt_contracts import ConfigurationError
@@ -125,15 +127,9 @@ def resolve_model_argument(args: argparse.Namespace) -> None:
         )
         args.model, args.revision = str(source.local_dir), None
     tokenizer = getattr(args, "tokenizer", None)
-    if tokenizer is not None and not os.path.exists(os.path.expanduser(tokenizer)):
-        if is_hub_id(tokenizer):
-            source = resolve_model_source(
-                tokenizer,
-                download_dir=args.download_dir,
-                option="tokenizer",
-                file_patterns=TOKENIZER_FILE_PATTERNS,
-            )
-            args.tokenizer = str(source.local_dir)
+    if tokenizer is not None:
+        snapshot = tokenizer_snapshot(tokenizer, download_dir=args.download_dir)
+        args.tokenizer = tokenizer if snapshot is None else str(snapshot)
 
 
 def run_generate(args: argparse.Namespace) -> int:

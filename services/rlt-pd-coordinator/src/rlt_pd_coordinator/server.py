@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
 from fastapi.responses import JSONResponse
-from rlt_contracts import ConfigurationError, FamilyDeclaration, ModelInfo
+from rlt_contracts import ModelInfo
 from rlt_contracts.pd import PDRole
-from rlt_serve import LOOPBACK_HOSTS, build_app, is_loopback
-from rlt_serve.front_options import FrontOptions
+from rlt_models.model_source import resolve_tokenizer_dir
+from rlt_serve import is_loopback
+from rlt_serve.front_options import FrontOptions, build_front_app
 from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
 from rlt_serve.shutdown import (
@@ -33,125 +31,17 @@ from rlt_serve.shutdown import (
     signal_name,
     stopping,
 )
-from rlt_serve.vllm_flags import FrontSettings
 
 from rlt_pd_coordinator.client import PDEngineClient
-from rlt_pd_coordinator.cluster import Cluster, ClusterOptions, Instance
+from rlt_pd_coordinator.cluster import Cluster, ClusterOptions
+from rlt_pd_coordinator.model_files import build_model_info, load_tokenizer, resolve_model
 from rlt_pd_coordinator.options import CoordinatorOptions
 from rlt_pd_coordinator.supervisor import Supervisor, SupervisorOptions
-
-if TYPE_CHECKING:
-    from rlt_models.model_source import ModelSource
 
 logger = logging.getLogger("rlt_pd_coordinator")
 
 HARD_STOP_MARGIN_S = 5.0
 INSTANCES_PATH = "/v1/pd/instances"
-
-
-def bundled_model_dir() -> Path | None:
-    """The rlt engine's bundled model (rlt/default_model), located without importing rlt."""
-    spec = importlib.util.find_spec("rlt")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "default_model"
-        if (candidate / "config.json").exists():
-            return candidate
-    return None
-
-
-def resolve_model(
-    model: str | None,
-    *,
-    revision: str | None = None,
-    download_dir: str | None = None,
-    tokenizer: bool = True,
-) -> ModelSource:
-    """The model's files, before any instance starts: the bundled model (None), a checkpoint
-    directory, or a Hugging Face model id found in (or downloaded into) the Hugging Face cache
-    (`rlt_models.model_source`; an id that cannot be resolved is one `ModelSourceError` line),
-    checked for everything the directory lacks (`tokenizer`: its tokenizer files too; False
-    when --tokenizer gives the tokenizer apart, as `rlt serve` checks). Local instances get
-    its directory: a cache snapshot's path, which they too call by the id."""
-    from rlt_models.model_source import ModelSource, resolve_model_source
-
-    if model is None:
-        if revision is not None:
-            raise ConfigurationError(
-                ("revision", "model"),
-                "a revision picks a snapshot of a Hugging Face model id; give the id",
-            )
-        found = bundled_model_dir()
-        if found is None:
-            raise ConfigurationError(
-                "model", "no model directory given and the rlt engine's bundled model is not here"
-            )
-        return ModelSource(given=str(found), local_dir=found)
-    source = resolve_model_source(model, revision=revision, download_dir=download_dir)
-    from rlt_models.model_dir import check_model_dir  # (imports torch: after an id resolved)
-
-    local_dir = source.local_dir.resolve()
-    check_model_dir(local_dir, tokenizer=tokenizer)  # before any instance starts
-    return replace(source, local_dir=local_dir)
-
-
-def model_facts(
-    model_dir: Path, max_model_loops: int | None = None
-) -> tuple[int, tuple[int, ...], int, FamilyDeclaration]:
-    """(vocab_size, eos_token_ids, num_loops, family) from the checkpoint's config.json, under
-    the engines' loop cap `max_model_loops` (None: the family's default); a cap the checkpoint's
-    family does not allow is a ConfigurationError naming it."""
-    from rlt_models import read_config
-
-    try:
-        config = read_config(model_dir)
-    except Exception as exc:  # noqa: BLE001 - any unreadable config is a configuration error
-        raise ConfigurationError("model", f"cannot read {model_dir}/config.json: {exc}") from None
-    try:
-        config = read_config(model_dir, max_model_loops=max_model_loops)
-    except ConfigurationError as exc:
-        raise ConfigurationError(
-            "model",
-            f"the instances serve a model of {max_model_loops} loops, which {model_dir} cannot "
-            f"be ({exc.message}): give the coordinator the instances' model directory",
-        ) from None
-    shape = config.shape()
-    return shape.vocab_size, tuple(shape.eos_token_ids), shape.num_loops, config.declaration()
-
-
-def load_tokenizer(model_dir: Path):
-    from rlt_models import load_tokenizer as load
-
-    try:
-        return load(model_dir)
-    except (OSError, ValueError) as exc:
-        raise ConfigurationError("model", f"the front needs the model's tokenizer: {exc}") from None
-
-
-def tokenizer_dir(
-    tokenizer: str | None, model_dir: Path, *, download_dir: str | None = None
-) -> Path:
-    """The tokenizer's directory for the front and the local instances, before any instance
-    starts: the model's (None), --tokenizer's directory, or a Hugging Face model id's main
-    snapshot of its tokenizer files, found in (or downloaded into) the cache `download_dir`
-    once, as `rlt serve --tokenizer` resolves it; checked to hold a tokenizer."""
-    if tokenizer is None:
-        return model_dir
-    from rlt_models.model_dir import check_tokenizer_dir  # torch: only once a model is needed
-    from rlt_models.model_source import TOKENIZER_FILE_PATTERNS, is_hub_id, resolve_model_source
-
-    path = Path(tokenizer).expanduser()
-    if not path.exists() and is_hub_id(tokenizer):
-        source = resolve_model_source(
-            tokenizer,
-            download_dir=download_dir,
-            option="tokenizer",
-            file_patterns=TOKENIZER_FILE_PATTERNS,
-        )
-        path = source.local_dir
-    check_tokenizer_dir(path)
-    return path
 
 
 def _in_daemon_thread(function, *args) -> asyncio.Future:
@@ -183,56 +73,13 @@ def _in_daemon_thread(function, *args) -> asyncio.Future:
     return future
 
 
-def build_model_info(
-    model_dir: Path, served_name: str | None, instances: list[Instance]
-) -> ModelInfo:
-    loops = {i.num_loops for i in instances if i.num_loops is not None}
-    if len(loops) > 1:
-        raise ConfigurationError(
-            "model", f"the instances serve models of {sorted(loops)} loops: they must agree"
-        )
-    # the instances' depth is their loop cap (--max-model-loops): the checkpoint must allow it
-    vocab_size, eos, config_loops, family = model_facts(model_dir, next(iter(loops), None))
-    names = {i.model_id for i in instances if i.model_id is not None}
-    if names - {model_dir.name, served_name}:
-        logger.warning(
-            "the instances serve %s but the front tokenizes with %s: give the coordinator the "
-            "instances' model directory if they differ",
-            ", ".join(sorted(names)),
-            model_dir,
-        )
-    lengths = [i.max_model_len for i in instances if i.max_model_len is not None]
-    return ModelInfo(
-        name=served_name or model_dir.name,
-        path=str(model_dir),
-        max_model_len=min(lengths) if lengths else 0,
-        vocab_size=vocab_size,
-        num_loops=config_loops,
-        eos_token_ids=eos,
-        family=family.name,
-        exit_signal=family.exit_signal.value,
-        default_loops=family.default_loops,
-    )
-
-
 def build_front(client: PDEngineClient, tokenizer: Any, options: FrontOptions):
     """The coordinator's HTTP front over `client`: rlt-serve's app (the OpenAI routes, health
     from `client.unavailable`) plus `GET /v1/pd/instances`. `options`: the front's (with
     `front`, vLLM's --seed and --chat-template: `CoordinatorOptions` or rlt-ray's
     `ServeOptions`; rlt-ray's PD ingress hosts the same front in a Ray Serve deployment)."""
-    front: FrontSettings = options.front
-    app = build_app(
-        client,
-        served_model_name=options.served_model_name or client.model_info().name,
-        tokenizer=tokenizer,
-        api_key=options.api_key,
-        max_body_bytes=options.max_body_bytes,
-        loop_defaults=options.loop_defaults,
-        allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
-        allowed_origins=options.allowed_origins,
-        engine_error=client.unavailable,
-        chat_template=front.chat_template,
-        default_seed=front.default_seed,
+    app = build_front_app(
+        client, tokenizer, options, options.front, engine_error=client.unavailable
     )
 
     async def instances_view() -> JSONResponse:
@@ -296,8 +143,9 @@ class Coordinator:
                 tokenizer=options.tokenizer is None,
             )
             model_dir, model_name = source.local_dir, model_name or source.name
-            tokenizer_path = tokenizer_dir(
-                options.tokenizer, model_dir, download_dir=options.download_dir
+            tokenizer_path = (
+                resolve_tokenizer_dir(options.tokenizer, download_dir=options.download_dir)
+                or model_dir
             )
         if self._has_children():
             # the instances detokenize with the front's tokenizer: --tokenizer's directory

@@ -111,24 +111,10 @@ class DeploymentOptions(msgspec.Struct, frozen=True, kw_only=True):
 class RayOptions(DeploymentOptions, frozen=True, kw_only=True):
     """Ray (services/rlt-ray/README.md)
 
-    How the engine replicas of `rlt ray serve` are deployed and routed (engine options live in
-    EngineConfig, HTTP options in rlt's ServeOptions; the shared ones: `DeploymentOptions`).
-
-    replicas: engine replicas (fixed), unless min_replicas/max_replicas are given: then Serve
-      autoscales between them, aiming at `target_ongoing_requests` per replica, averaged over
-      `autoscale_look_back_s`; it adds replicas after the target was exceeded for
-      `upscale_delay_s` and removes them after `downscale_delay_s` below it (Serve's defaults:
-      30 s, 30 s, 600 s).
-    resources: custom Ray resources each replica needs (pin replicas to labelled nodes).
-    router: round_robin, least_loaded or prefix_affinity (rlt_ray.policy), with its
-      load_factor / load_slack bound and the block size prefixes are hashed in (None: the
-      engine's block size).
-    max_ongoing_requests: requests Ray lets one replica hold; above the engine's own limits so
-      the engine's queue (and its 429) decides.
-    engine_process: run each replica's engine core in a process of its own, as `rlt serve`
-      does, so that Ray's per-chunk streaming in the replica's process does not share a GIL
-      with the engine loop (off: the engine runs on a thread of the replica's process; on an
-      H200 the option did not change throughput, docs/results.md).
+    How the engine replicas of `rlt ray serve` are deployed and routed: each field's flag help,
+    README.md's "Command line" (autoscaling, --engine-process) and "Routing, with numbers".
+    max_ongoing_requests stays above the engine's own limits so the engine's queue (and its
+    429) decides.
     """
 
     replicas: Annotated[int, Option("engine replicas")] = 1
@@ -270,6 +256,56 @@ def replica_engine_config(config, options, pd_role_refusal: str):
     return config, gpus
 
 
+def router_config(router_class: str, stats_period_s: float, kwargs: dict | None = None):
+    """An engine deployment's request router (rlt_ray.router), stats every `stats_period_s`."""
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(
+        request_router_class=router_class,
+        request_router_kwargs=kwargs or {},
+        request_routing_stats_period_s=stats_period_s,
+        request_routing_stats_timeout_s=max(stats_period_s * 5, 5.0),
+    )
+
+
+def engine_deployment(replica_class, name: str, options, gpus: float, resources, **more):
+    """Engine replicas as both commands deploy them (`options`: RayOptions or PDOptions);
+    `more`: Serve's other deployment options (replica count or autoscaling, the router)."""
+    from ray import serve
+
+    from rlt_ray.drain import serve_shutdown_options
+
+    actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
+    if resources:
+        actor_options["resources"] = dict(resources)
+    if options.max_replicas_per_node is not None:
+        more["max_replicas_per_node"] = options.max_replicas_per_node
+    return serve.deployment(replica_class).options(
+        name=name,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=options.max_ongoing_requests,
+        health_check_period_s=options.health_check_period_s,
+        health_check_timeout_s=options.health_check_timeout_s,
+        **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
+        **more,
+    )
+
+
+def ingress_deployment(ingress_class, name: str, replicas: int, options, serve_options):
+    """The HTTP front's deployment: CPU only, on the nodes `options.ingress_resources` name."""
+    from ray import serve
+
+    from rlt_ray.drain import serve_shutdown_options
+
+    return serve.deployment(serve.ingress()(ingress_class)).options(
+        name=name,
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
+        max_ongoing_requests=max(options.max_ongoing_requests, 1024),
+        **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
+    )
+
+
 def build_app(config=None, serve_options=None, options: RayOptions | None = None, drain_key=None):
     """The Ray Serve application: `serve.run(build_app(...))`.
 
@@ -279,12 +315,9 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
     `RayOptions`; drain_key: the drain signal the ingress watches (`rlt_ray.drain`, the
     command's; None: Serve's own graceful shutdown only).
     """
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
     from rlt.engine.config import EngineConfig
     from rlt_serve.front_options import ServeOptions
 
-    from rlt_ray.drain import serve_shutdown_options
     from rlt_ray.ingress import OpenAIIngress
     from rlt_ray.replicas import EngineReplica
 
@@ -296,10 +329,7 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
         options,
         "rlt ray serve runs whole engines (--pd-role none)",
     )
-    actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
-    if options.resources:
-        actor_options["resources"] = dict(options.resources)
-    scaling: dict[str, Any]
+    scaling: dict[str, Any] = {"num_replicas": options.replicas}
     if options.autoscaling:
         scaling = {
             "autoscaling_config": {
@@ -312,37 +342,25 @@ def build_app(config=None, serve_options=None, options: RayOptions | None = None
                 "downscale_delay_s": options.downscale_delay_s,
             }
         }
-    else:
-        scaling = {"num_replicas": options.replicas}
-    if options.max_replicas_per_node is not None:
-        scaling["max_replicas_per_node"] = options.max_replicas_per_node
-    router_config = RequestRouterConfig(
-        request_router_class="rlt_ray.router:RltRequestRouter",
-        request_router_kwargs={
-            "policy": options.router,
-            "block_size": options.block_size or config.runner.block_size,
-            "load_factor": options.load_factor,
-            "load_slack": options.load_slack,
-        },
-        request_routing_stats_period_s=options.routing_stats_period_s,
-        request_routing_stats_timeout_s=max(options.routing_stats_period_s * 5, 5.0),
-    )
-    engine = serve.deployment(EngineReplica).options(
-        name=ENGINE_NAME,
-        ray_actor_options=actor_options,
-        max_ongoing_requests=options.max_ongoing_requests,
-        health_check_period_s=options.health_check_period_s,
-        health_check_timeout_s=options.health_check_timeout_s,
-        request_router_config=router_config,
-        **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
+    router = {
+        "policy": options.router,
+        "block_size": options.block_size or config.runner.block_size,
+        "load_factor": options.load_factor,
+        "load_slack": options.load_slack,
+    }
+    engine = engine_deployment(
+        EngineReplica,
+        ENGINE_NAME,
+        options,
+        gpus,
+        options.resources,
+        request_router_config=router_config(
+            "rlt_ray.router:RltRequestRouter", options.routing_stats_period_s, router
+        ),
         **scaling,
     )
-    ingress = serve.deployment(serve.ingress()(OpenAIIngress)).options(
-        name=INGRESS_NAME,
-        num_replicas=options.ingress_replicas,
-        ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
-        max_ongoing_requests=max(options.max_ongoing_requests, 1024),
-        **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
+    ingress = ingress_deployment(
+        OpenAIIngress, INGRESS_NAME, options.ingress_replicas, options, serve_options
     )
     return ingress.bind(
         engine.bind(config, engine_process=options.engine_process),

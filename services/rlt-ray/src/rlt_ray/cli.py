@@ -122,29 +122,20 @@ def _front_settings(args: argparse.Namespace):
     )
 
 
-def _options_from_args(args: argparse.Namespace, root: type):
-    """(EngineConfig, ServeOptions, `root`, address) from parsed flags: `root` (RayOptions or
-    PDOptions) from its own, its replicas' shutdown grace from --shutdown-timeout."""
+def options_from_args(args: argparse.Namespace):
+    """(EngineConfig, ServeOptions, RayOptions or, for `pd serve`, PDOptions, address) from
+    parsed flags; the Ray options' replicas' shutdown grace is --shutdown-timeout."""
     from rlt.cli import engine_config_from_args
     from rlt_serve.option_flags import options_from_args as flag_options
 
+    from rlt_ray.pd import PDOptions
+
+    root = PDOptions if args.command == "pd" else RayOptions
     serve_options = serve_options_from_args(args)
     options = build_options(root, flag_options(args, root), what="Ray")
     options = msgspec.structs.replace(options, graceful_shutdown_timeout_s=args.shutdown_timeout)
     options.validate()
     return engine_config_from_args(args), serve_options, options, args.address
-
-
-def options_from_args(args: argparse.Namespace):
-    """(EngineConfig, ServeOptions, RayOptions, address) from parsed `rlt ray serve` flags."""
-    return _options_from_args(args, RayOptions)
-
-
-def pd_options_from_args(args: argparse.Namespace):
-    """(EngineConfig, ServeOptions, PDOptions, address) from parsed `rlt ray pd serve` flags."""
-    from rlt_ray.pd import PDOptions
-
-    return _options_from_args(args, PDOptions)
 
 
 def placement_from_args(args: argparse.Namespace, ingress_replicas: int):
@@ -154,32 +145,26 @@ def placement_from_args(args: argparse.Namespace, ingress_replicas: int):
 
 
 def run_serve(args: argparse.Namespace, signals) -> int:
-    from rlt_ray.app import build_app
+    """`rlt ray serve`, or `rlt ray pd serve` (`args.command` "pd"): its app under the
+    command's life (`rlt_ray.runner.run_app`: the cluster, the URL, the drain on signals)."""
     from rlt_ray.runner import check_local_model, run_app
 
     config, serve_options, options, _ = options_from_args(args)
     config = check_local_model(config, args.address)
-    line = f"{_replica_line(options)}, router {options.router}"
+    if args.command == "pd":
+        from rlt_ray.pd import build_pd_app as build
+
+        line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
+        ingress_replicas = 1
+    else:
+        from rlt_ray.app import build_app as build
+
+        line = f"{_replica_line(options)}, router {options.router}"
+        ingress_replicas = options.ingress_replicas
     return run_app(
-        lambda key: build_app(config, serve_options, options, drain_key=key),
+        lambda key: build(config, serve_options, options, drain_key=key),
         serve_options,
-        placement_from_args(args, options.ingress_replicas),
-        line,
-        signals,
-    )
-
-
-def run_pd_serve(args: argparse.Namespace, signals) -> int:
-    from rlt_ray.pd import build_pd_app
-    from rlt_ray.runner import check_local_model, run_app
-
-    config, serve_options, options, _ = pd_options_from_args(args)
-    config = check_local_model(config, args.address)
-    line = f"{options.num_prefill} prefill + {options.num_decode} decode replicas"
-    return run_app(
-        lambda key: build_pd_app(config, serve_options, options, drain_key=key),
-        serve_options,
-        placement_from_args(args, 1),
+        placement_from_args(args, ingress_replicas),
         line,
         signals,
     )
@@ -199,8 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_ray_environment_defaults()
         argv = list(sys.argv[1:] if argv is None else argv)
         args = parse_command_line(build_parser(), argv)  # errors: the subcommand's usage
-        run = run_pd_serve if args.command == "pd" else run_serve
-        return run(args, signals)
+        return run_serve(args, signals)
     except StopRequested as stop:
         print(f"rlt ray: {signal_name(stop.signum)} during start-up: stopping", flush=True)
         return EXIT_OK

@@ -24,8 +24,15 @@ from rlt_contracts import ConfigurationError, Option
 from rlt_pd_coordinator.options import CoordinationOptions
 
 from rlt_ray import registry
-from rlt_ray.app import DeploymentOptions, resource_flag
-from rlt_ray.drain import Drainer, serve_shutdown_options, watch
+from rlt_ray.app import (
+    DeploymentOptions,
+    engine_deployment,
+    ingress_deployment,
+    replica_engine_config,
+    resource_flag,
+    router_config,
+)
+from rlt_ray.drain import Drainer, watch
 from rlt_ray.pd_instance import PDInstanceReplica
 
 logger = logging.getLogger(__name__)
@@ -38,21 +45,9 @@ DECODE_NAME = "RltDecode"
 class PDOptions(DeploymentOptions, frozen=True, kw_only=True):
     """Ray PD (services/rlt-ray/README.md)
 
-    How the prefill and decode replicas of `rlt ray pd serve` are deployed and coordinated
-    (engine options live in EngineConfig, HTTP options in rlt's ServeOptions; the options of
-    both Ray commands: `DeploymentOptions`).
-
-    num_prefill / num_decode: replicas of each role.
-    prefill_resources / decode_resources: custom Ray resources each replica of that role
-      needs: label nodes (`ray start --resources '{"rlt_prefill": 4}'`) to pin each role to its
-      nodes. Without them Serve spreads replicas over the nodes (best effort).
-    coordination: the coordinator's credits and timeouts (`rlt pd serve --prefill-credits ...`).
-    discovery_period_s: how often replicas report their URL and load to the ingress's
-      membership routers, and how often the ingress applies what they report.
-    startup_timeout_s: how long the ingress waits for a first prefill and decode instance to
-      be admitted.
-    instance_api_key: the key the coordinator sends to the instances' HTTP servers (None: a
-      random one; it travels in the deployments' arguments).
+    How the prefill and decode replicas of `rlt ray pd serve` are deployed and coordinated:
+    each field's flag help and README.md, "PD on Ray" (`coordination`: `rlt pd serve`'s credits
+    and timeouts; `instance_api_key` None: a random one, in the deployments' arguments).
     """
 
     num_prefill: Annotated[int, Option("prefill replicas")] = 1
@@ -79,7 +74,7 @@ class PDOptions(DeploymentOptions, frozen=True, kw_only=True):
             env="RLT_INSTANCE_API_KEY",
         ),
     ] = None
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = 600.0  # the ingress waits this long for a first P and D
     max_ongoing_requests: int = 1024
 
     def validate(self) -> None:
@@ -114,7 +109,7 @@ class PDIngress:
     ) -> None:
         from rlt_contracts.pd import PDRole
         from rlt_pd_coordinator import Cluster, ClusterOptions, PDEngineClient
-        from rlt_pd_coordinator.server import build_model_info, load_tokenizer, resolve_model
+        from rlt_pd_coordinator.model_files import build_model_info, load_tokenizer, resolve_model
 
         self.options = options
         self.serve_options = serve_options
@@ -235,12 +230,8 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
     Serve's HTTP options); options: `PDOptions`; drain_key: the drain signal the ingress
     watches (`rlt_ray.drain`, the command's; None: Serve's own graceful shutdown only).
     """
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
     from rlt.engine.config import EngineConfig
     from rlt_serve.front_options import ServeOptions
-
-    from rlt_ray.app import replica_engine_config
 
     serve_options = serve_options or ServeOptions()
     options = options or PDOptions()
@@ -252,41 +243,23 @@ def build_pd_app(config=None, serve_options=None, options: PDOptions | None = No
     )
     key = options.instance_api_key or secrets.token_urlsafe(24)
     options = msgspec.structs.replace(options, instance_api_key=key)
-    router_config = RequestRouterConfig(
-        request_router_class="rlt_ray.router:MembershipRouter",
-        request_routing_stats_period_s=options.discovery_period_s,
-        request_routing_stats_timeout_s=max(options.discovery_period_s * 5, 5.0),
-    )
+    router = router_config("rlt_ray.router:MembershipRouter", options.discovery_period_s)
 
     def engines(role: str, name: str, count: int, resources: dict[str, float]):
-        actor_options: dict[str, Any] = {"num_cpus": options.num_cpus, "num_gpus": gpus}
-        if resources:
-            actor_options["resources"] = dict(resources)
-        spread = {}
-        if options.max_replicas_per_node is not None:
-            spread["max_replicas_per_node"] = options.max_replicas_per_node
-        deployment = serve.deployment(PDInstanceReplica).options(
-            name=name,
+        deployment = engine_deployment(
+            PDInstanceReplica,
+            name,
+            options,
+            gpus,
+            resources,
             num_replicas=count,
-            ray_actor_options=actor_options,
-            max_ongoing_requests=options.max_ongoing_requests,
-            health_check_period_s=options.health_check_period_s,
-            health_check_timeout_s=options.health_check_timeout_s,
-            request_router_config=router_config,
-            **serve_shutdown_options(options.graceful_shutdown_timeout_s, ingress=False),
-            **spread,
+            request_router_config=router,
         )
         return deployment.bind(config.with_options(pd_role=role), role, key)
 
     prefill = engines("prefill", PREFILL_NAME, options.num_prefill, options.prefill_resources)
     decode = engines("decode", DECODE_NAME, options.num_decode, options.decode_resources)
-    ingress = serve.deployment(serve.ingress()(PDIngress)).options(
-        name=PD_INGRESS_NAME,
-        num_replicas=1,
-        ray_actor_options={"num_cpus": 0, "resources": dict(options.ingress_resources)},
-        max_ongoing_requests=max(options.max_ongoing_requests, 1024),
-        **serve_shutdown_options(serve_options.shutdown_timeout, ingress=True),
-    )
+    ingress = ingress_deployment(PDIngress, PD_INGRESS_NAME, 1, options, serve_options)
     model = config.model
     download_dir = None if model.download_dir is None else str(model.download_dir)
     return ingress.bind(

@@ -23,9 +23,8 @@ from rlt_contracts import (
 from rlt_kv import KVCacheManager
 from rlt_models import LoopedModelBase, load_model, load_tokenizer
 from rlt_models.kv_scales import MAX_CALIBRATION_TOKENS, calibrate_kv_scales
-from rlt_models.model_dir import check_model_dir, check_tokenizer_dir
-from rlt_models.model_source import TOKENIZER_FILE_PATTERNS as TOKENIZER_FILES
-from rlt_models.model_source import ModelSource, is_hub_id, resolve_model_source
+from rlt_models.model_dir import check_model_dir
+from rlt_models.model_source import ModelSource, resolve_model_source, resolve_tokenizer_dir
 from rlt_models.sample_text import SAMPLE_TEXT
 from rlt_runner import (
     FP8,
@@ -125,25 +124,6 @@ def resolve_model_dir(
     return resolve_model(
         model, revision=revision, download_dir=download_dir, tokenizer=tokenizer
     ).local_dir
-
-
-def resolve_tokenizer_dir(
-    tokenizer: str | Path | None, *, download_dir: str | Path | None = None
-) -> Path | None:
-    """The directory of a tokenizer given apart from the checkpoint (EngineConfig.tokenizer,
-    --tokenizer): a directory, or a Hugging Face model id's `main` snapshot of its tokenizer
-    files in the cache `download_dir`, checked to hold one; None when none was given (the
-    checkpoint's is used)."""
-    if tokenizer is None:
-        return None
-    path = Path(tokenizer).expanduser()
-    if not path.exists() and is_hub_id(str(tokenizer)):
-        source = resolve_model_source(
-            tokenizer, download_dir=download_dir, option="tokenizer", file_patterns=TOKENIZER_FILES
-        )
-        path = source.local_dir
-    check_tokenizer_dir(path)
-    return path
 
 
 def resolve_device(name: str) -> torch.device:
@@ -403,14 +383,8 @@ def fp8_kv_scales(model: LoopedModelBase, tokenizer_dir: Path) -> KVScales:
         )
         keys, values = calibrate_kv_scales(model, token_ids)
         source = f"calibrated on {len(token_ids)} sample tokens"
-    logger.info(
-        "fp8 KV scales (%s): keys %s..%s, values %s..%s",
-        source,
-        min(keys),
-        max(keys),
-        min(values),
-        max(values),
-    )
+    bounds = f"keys {min(keys)}..{max(keys)}, values {min(values)}..{max(values)}"
+    logger.info("fp8 KV scales (%s): %s", source, bounds)
     return KVScales(keys, values)
 
 

@@ -15,14 +15,15 @@ from pathlib import Path
 import uvicorn
 from rlt_contracts import ConfigurationError, PDStaticInfo
 from rlt_models import load_tokenizer
-from rlt_serve import LOOPBACK_HOSTS, build_app, is_loopback
+from rlt_models.model_source import resolve_tokenizer_dir
 from rlt_serve.front_options import ServeOptions
+from rlt_serve.front_options import build_front_app as front_app
 from rlt_serve.info_routes import package_version
 from rlt_serve.listening import listening_socket
 from rlt_serve.server_drain import ServerDrain
 from rlt_serve.shutdown import StopSignals
 
-from rlt.engine.assembly import resolve_model_dir, resolve_tokenizer_dir
+from rlt.engine.assembly import resolve_model_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.startup import StartupClock
 from rlt.serving.core_client import CoreClient
@@ -33,20 +34,14 @@ from rlt.serving.server_options import EXIT_ENGINE_DIED
 
 def build_front_app(client: CoreClient, tokenizer, options: ServeOptions, pd: PDStaticInfo | None):
     """The rlt-serve app of one front end over its core client."""
-    return build_app(
+    return front_app(
         client,
-        served_model_name=options.served_model_name or client.model_info().name,
-        tokenizer=tokenizer,
-        api_key=options.api_key,
-        max_body_bytes=options.max_body_bytes,
-        loop_defaults=options.loop_defaults,
-        allowed_hosts=LOOPBACK_HOSTS if is_loopback(options.host) else None,
-        allowed_origins=options.allowed_origins,
+        tokenizer,
+        options,
+        options.front,
         engine_error=lambda: client.dead,
         pd=EnginePDControl(client, pd),
         version=package_version("rlt"),
-        chat_template=options.front.chat_template,
-        default_seed=options.front.default_seed,
     )
 
 

@@ -29,6 +29,7 @@ from multiprocessing.connection import wait
 import msgspec
 import zmq
 from rlt_contracts import CoreClientGone
+from rlt_models.model_source import resolve_tokenizer_dir
 from rlt_serve.listening import listening_socket
 from rlt_serve.shutdown import (
     FORWARDED_WINDOW_S,
@@ -39,7 +40,6 @@ from rlt_serve.shutdown import (
     unblock_stop_signals,
 )
 
-from rlt.engine.assembly import resolve_tokenizer_dir
 from rlt.engine.config import EngineConfig
 from rlt.engine.startup import StartupClock, configure_logging
 from rlt.serving.core_process_client import (

@@ -8,6 +8,20 @@ import torch
 
 WARMUP_RUNS = 2  # eager runs before the recording (they execute; the recording does not)
 
+# One warm-up stream per device for every capture. torch gives each stream that runs a cuBLAS
+# call its own workspace (32 MiB on Hopper), kept for the life of the process: a new stream
+# per capture held one per stream of torch's pool (33 of them, 1.04 GiB on an H100) after an
+# engine's ~20 captures, memory no engine could use and shutdown could not return.
+_warmup_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def warmup_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    stream = _warmup_streams.get(device)
+    if stream is None:
+        stream = _warmup_streams[device] = torch.cuda.Stream(device)
+    return stream
+
 
 def capture(run: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
     """Record `run` (device work on persistent buffers only) into a graph in memory pool
@@ -15,7 +29,7 @@ def capture(run: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
     and one-time allocations must happen outside the capture. Whatever `run` writes in those
     warm-ups is the caller's to make harmless (inactive rows, invalid inputs writing the
     scratch slot, records in spare ring rows)."""
-    side = torch.cuda.Stream()
+    side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(WARMUP_RUNS):

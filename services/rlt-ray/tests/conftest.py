@@ -55,6 +55,18 @@ DRIVER_ROUTER_ENV = "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", ENV["RAY_ENABLE_UV_RUN_RUNTIME_ENV"])
 
 
+@pytest.fixture
+def unset_ray_defaults(monkeypatch):
+    """The variables `rlt_ray.runner.set_ray_environment_defaults` sets, unset for a test that
+    calls it (or `cli.main`) and restored after it. monkeypatch.delenv of an absent variable
+    records nothing to restore, so a value set by the code under test would outlive the test,
+    and Serve, imported later in this process, would read it (a throughput-optimized driver's
+    handles need an event loop: see `ray_cluster`)."""
+    for name in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"):
+        monkeypatch.setenv(name, "")  # records the value before the test, or its absence
+        monkeypatch.delenv(name)
+
+
 @dataclass
 class RayCluster:
     cluster: object

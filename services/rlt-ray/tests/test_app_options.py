@@ -26,13 +26,13 @@ def test_a_pd_role_is_refused(build, why):
         build(EngineConfig.from_options(device="cpu", pd_role="prefill"))
 
 
-def test_the_cli_turns_on_serves_throughput_optimized_data_plane_unless_told(monkeypatch):
+def test_the_cli_turns_on_serves_throughput_optimized_data_plane_unless_told(
+    monkeypatch, unset_ray_defaults
+):
     """`rlt ray serve` starts its Ray instance with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (the
     setting measured on the H200); a value already in the environment wins."""
     from rlt_ray import cli
 
-    monkeypatch.delenv(cli.THROUGHPUT_OPTIMIZED_ENV, raising=False)
-    monkeypatch.delenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", raising=False)
     cli.set_ray_environment_defaults()
     assert os.environ[cli.THROUGHPUT_OPTIMIZED_ENV] == "1"
     assert os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0"

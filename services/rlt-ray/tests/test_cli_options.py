@@ -101,7 +101,9 @@ def test_every_command_line_builds_its_options(argv):
 
 
 @pytest.mark.parametrize("command", [["serve"], ["pd", "serve"]], ids=["serve", "pd"])
-def test_the_front_end_count_is_not_offered_and_refused_with_advice(command, capsys):
+def test_the_front_end_count_is_not_offered_and_refused_with_advice(
+    command, capsys, unset_ray_defaults
+):
     parser = cli.build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--help"])
@@ -122,7 +124,7 @@ def test_a_bad_app_name_or_route_is_refused(flags, field):
 
 
 def test_a_private_cluster_is_not_started_for_a_bad_model_or_a_taken_port(
-    monkeypatch, tmp_path, capsys
+    monkeypatch, tmp_path, capsys, unset_ray_defaults
 ):
     """Checked before Ray starts (exit 2, naming what is wrong), as `rlt serve` does."""
     ray_serve_was_imported = "ray.serve" in sys.modules
